@@ -1,0 +1,38 @@
+"""Endpoint addresses: literal ``ip:port`` only.
+
+Envoy's ORIGINAL_DST cluster connects to exactly the address the picker names and rejects hostnames, so
+every address is validated once, when the pool is loaded, and kept in one canonical spelling.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split ``"10.0.0.1:8000"`` or ``"[fd00::1]:8000"`` into a literal IP and a port.
+
+    Raises ``ValueError`` with a message that says what form is expected.
+    """
+    if not isinstance(text, str) or not text:
+        raise ValueError("must be a literal 'ip:port' string, e.g. '10.0.0.7:8000'")
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{text!r} must be a literal 'ip:port', e.g. '10.0.0.7:8000'")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"{text!r}: {host!r} is not a literal IP address (hostnames are not allowed: Envoy's ORIGINAL_DST "
+            "cluster needs 'ip:port')"
+        ) from None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"{text!r}: port must be an integer in 1..65535")
+    return str(ip), int(port_text)
+
+
+def format_address(host: str, port: int) -> str:
+    """The canonical ``ip:port`` spelling (IPv6 in brackets) that Envoy accepts in the destination header."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,81 @@
+"""The built-in filters, scorers and pickers. Each is small, stateless or with state of its own only."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+
+from inferlb.scorer.engine import State
+from inferlb.scorer.features import RequestFeatures
+
+
+class ModelFilter:
+    """Keeps the endpoints that serve the request's model; raises ``UnknownModelError`` if none in the pool does."""
+
+    name = "model"
+
+    def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        mask = state.pool.model_mask(request.model)
+        return candidates[mask[candidates]]
+
+
+class InFlightScorer:
+    """Fewer in-flight requests scores higher: 1 / (1 + requests above the least loaded candidate).
+
+    The least loaded candidates score 1, one request more 0.5, two more 0.33: a difference of one request
+    matters a lot when queues are short and little when they are long.
+    """
+
+    name = "in-flight"
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        load = state.inflight.requests[candidates]
+        return 1.0 / (1.0 + (load - load.min()))
+
+
+class MaxScorePicker:
+    """Picks the highest total score; ties are broken uniformly at random (so equal endpoints share load).
+
+    Totals closer than ``TIE`` count as equal: a jitter below that is added before the argmax, which breaks
+    ties at random in one vectorised step. The jitter is drawn in blocks, because drawing a few random
+    numbers per request costs more than the rest of the pick.
+    """
+
+    name = "max-score"
+    TIE = 1e-9
+    BLOCK = 1 << 16
+
+    def __init__(self, rng: np.random.Generator | None = None) -> None:
+        self._rng = rng if rng is not None else np.random.default_rng()
+        self._jitter = np.empty(0)
+        self._cursor = 0
+
+    def pick(self, request: RequestFeatures, candidates: np.ndarray, totals: np.ndarray) -> int:
+        n = len(totals)
+        if n == 1:
+            return 0
+        start = self._cursor
+        if start + n > len(self._jitter):
+            self._jitter = self._rng.random(max(self.BLOCK, n)) * self.TIE
+            start = 0
+        self._cursor = start + n
+        return int(np.argmax(totals + self._jitter[start : start + n]))
+
+
+class RoundRobinPicker:
+    """Ignores scores and cycles through the candidates, with one cursor per model so that interleaved models
+    do not skew each other's rotation. Cursors are kept only for the pool's models (bounded memory)."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._cursors: dict[Hashable, int] = {}
+
+    def pick(self, request: RequestFeatures, candidates: np.ndarray, totals: np.ndarray) -> int:
+        key = request.model if request.model is not None else ""
+        if key not in self._cursors and len(self._cursors) >= 4096:
+            key = "*"
+        cursor = self._cursors.get(key, 0)
+        self._cursors[key] = cursor + 1
+        return cursor % len(candidates)
