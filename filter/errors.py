@@ -1,0 +1,54 @@
+"""The filter's exceptions: each is one HTTP error the client receives as an Envoy ImmediateResponse.
+
+``RequestError`` carries the HTTP status, an OpenAI-style error ``type`` and a message that says what was
+wrong. Routing errors from the scorer are translated here, at the boundary, by ``from_routing_error``.
+"""
+
+from __future__ import annotations
+
+from inferlb.scorer.errors import NoEndpointError, RoutingError, UnknownModelError
+
+
+class RequestError(Exception):
+    """A request the picker refuses; ``status`` is the HTTP status sent back to the client."""
+
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class MalformedRequestError(RequestError):
+    """The body is not JSON, not an object, or a field the picker reads has the wrong type (HTTP 400)."""
+
+
+class PayloadTooLargeError(RequestError):
+    """The body is over the configured ``max_body_bytes`` (HTTP 413)."""
+
+    status = 413
+    type = "payload_too_large"
+
+
+class ModelNotFoundError(RequestError):
+    """No endpoint of the pool serves the requested model (HTTP 404)."""
+
+    status = 404
+    type = "model_not_found"
+
+
+class NoEndpointAvailableError(RequestError):
+    """Every endpoint that could serve the request is unavailable (HTTP 503)."""
+
+    status = 503
+    type = "no_endpoint_available"
+
+
+def from_routing_error(exc: RoutingError) -> RequestError:
+    """The HTTP error a scorer ``RoutingError`` becomes."""
+    if isinstance(exc, UnknownModelError):
+        return ModelNotFoundError(str(exc))
+    if isinstance(exc, NoEndpointError):
+        return NoEndpointAvailableError(f"no endpoint available: {exc}")
+    return NoEndpointAvailableError(f"request cannot be routed: {exc}")

@@ -1,0 +1,114 @@
+"""Envoy ext_proc replies: route to an endpoint, continue unchanged, or answer the client directly.
+
+Route replies depend only on the endpoint, so they are built once per endpoint and reused: the request
+path serialises a ready message instead of assembling protobufs.
+"""
+
+from __future__ import annotations
+
+import json
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    ImmediateResponse,
+    ProcessingResponse,
+    TrailersResponse,
+)
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+
+from inferlb.filter.errors import RequestError
+from inferlb.scorer.pool import Pool
+
+# The Gateway API Inference Extension's names: any gateway built for its Endpoint Picker reads these.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+METADATA_NAMESPACE = "envoy.lb"
+ERROR_METADATA_KEY = "inferlb_error"
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+CONTINUE: dict[str, ProcessingResponse] = {
+    "request_headers": ProcessingResponse(request_headers=HeadersResponse()),
+    "request_body": ProcessingResponse(request_body=BodyResponse()),
+    "request_trailers": ProcessingResponse(request_trailers=TrailersResponse()),
+    "response_headers": ProcessingResponse(response_headers=HeadersResponse()),
+    "response_body": ProcessingResponse(response_body=BodyResponse()),
+    "response_trailers": ProcessingResponse(response_trailers=TrailersResponse()),
+}
+"""An empty reply for each phase: let the request or response through unchanged."""
+
+
+def _route_common(address: str) -> CommonResponse:
+    header = HeaderValueOption(
+        header=HeaderValue(key=DESTINATION_HEADER, raw_value=address.encode()), append_action=_OVERWRITE
+    )
+    return CommonResponse(header_mutation=HeaderMutation(set_headers=[header]), clear_route_cache=True)
+
+
+def _route_metadata(address: str) -> Struct:
+    metadata = Struct()
+    metadata.update({METADATA_NAMESPACE: {DESTINATION_HEADER: address}})
+    return metadata
+
+
+class RouteReplies:
+    """The replies that send a request to each endpoint of a pool, at the headers or the body phase.
+
+    Each sets the destination header (which Envoy's ORIGINAL_DST cluster reads), the same value as dynamic
+    metadata under ``envoy.lb``, and clears the route cache so Envoy matches the route again with the header.
+    Immutable after construction; share freely.
+    """
+
+    def __init__(self, pool: Pool) -> None:
+        self.headers: tuple[ProcessingResponse, ...] = tuple(
+            ProcessingResponse(
+                request_headers=HeadersResponse(response=_route_common(e.address)),
+                dynamic_metadata=_route_metadata(e.address),
+            )
+            for e in pool
+        )
+        self.body: tuple[ProcessingResponse, ...] = tuple(
+            ProcessingResponse(
+                request_body=BodyResponse(response=_route_common(e.address)),
+                dynamic_metadata=_route_metadata(e.address),
+            )
+            for e in pool
+        )
+
+
+_JSON_CONTENT = HeaderMutation(
+    set_headers=[
+        HeaderValueOption(
+            header=HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE
+        )
+    ]
+)
+
+
+def _error_metadata(error_type: str) -> Struct:
+    metadata = Struct()
+    metadata.update({METADATA_NAMESPACE: {ERROR_METADATA_KEY: error_type}})
+    return metadata
+
+
+def error_reply(error: RequestError) -> ProcessingResponse:
+    """An ImmediateResponse: Envoy answers the client with ``error.status`` and a JSON body saying what was wrong.
+
+    The body follows OpenAI's error shape, which OpenAI-compatible clients already know how to show. The
+    reply also sets dynamic metadata ``envoy.lb/inferlb_error`` (the error type), which our Envoy bootstrap
+    uses to leave this body alone while it rewrites Envoy's own plain-text errors as JSON.
+    """
+    body = json.dumps({"error": {"message": error.message, "type": error.type, "code": error.status}})
+    return ProcessingResponse(
+        dynamic_metadata=_error_metadata(error.type),
+        immediate_response=ImmediateResponse(
+            status=HttpStatus(code=error.status),
+            headers=_JSON_CONTENT,
+            body=body.encode(),
+            details=f"inferlb_{error.type}",
+        ),
+    )

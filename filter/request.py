@@ -1,0 +1,145 @@
+"""Turning what Envoy sends (headers, buffered body) into ``RequestFeatures``.
+
+A body is parsed once, here. Only the fields routing needs are read (``model``, ``stream``, ``max_tokens``,
+the prompt or messages); the inference server validates the rest. A field the picker reads must have the
+right type, or the client gets a 400 that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError
+from inferlb.scorer.features import RequestFeatures, estimate_tokens
+
+
+def features_from_headers(headers: Iterable[Any]) -> RequestFeatures:
+    """Features from Envoy's ``HeaderValue`` list (``key`` and ``raw_value``); no body has been read."""
+    features = RequestFeatures()
+    for header in headers:
+        key = header.key
+        if key == ":path":
+            features.path = _header_text(header)
+        elif key == ":method":
+            features.method = _header_text(header)
+        elif key == "x-request-id":
+            features.request_id = _header_text(header)
+    return features
+
+
+def _header_text(header: Any) -> str:
+    # Envoy fills raw_value (bytes); older versions, or send_raw_value off, fill value instead.
+    raw = header.raw_value
+    return raw.decode("utf-8", "replace") if raw else header.value
+
+
+def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_bytes: int) -> None:
+    """Read the JSON body into ``features``.
+
+    ``complete`` is False when Envoy sent a partial buffer because the body outgrew its buffer limit.
+    Raises ``PayloadTooLargeError`` or ``MalformedRequestError``.
+    """
+    if not complete or len(body) > max_bytes:
+        size = f"{len(body)} bytes" if complete else f"more than {len(body)} bytes"
+        raise PayloadTooLargeError(f"request body is {size}; the limit is {max_bytes} bytes")
+    if not body:
+        raise MalformedRequestError("request body is empty; expected a JSON object")
+    try:
+        doc = json.loads(body)
+    except UnicodeDecodeError:
+        raise MalformedRequestError("request body is not valid UTF-8 JSON") from None
+    except json.JSONDecodeError as exc:
+        raise MalformedRequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise MalformedRequestError("request body is not valid JSON: nested too deeply") from None
+    if not isinstance(doc, dict):
+        raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(doc)}")
+
+    model = doc.get("model")
+    if model is None:
+        raise MalformedRequestError("missing required field 'model'")
+    if not isinstance(model, str) or not model:
+        raise MalformedRequestError(f"field 'model' must be a non-empty string, not {_json_type(model)}")
+    features.model = model
+
+    stream = doc.get("stream", False)
+    if not isinstance(stream, bool):
+        raise MalformedRequestError(f"field 'stream' must be a boolean, not {_json_type(stream)}")
+    features.stream = stream
+
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = doc.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MalformedRequestError(f"field {name!r} must be a non-negative integer, not {value!r}")
+        features.max_tokens = value
+        break
+
+    if "messages" in doc:
+        chars = _messages_chars(doc["messages"])
+        features.prompt_chars = chars
+        features.prompt_tokens = estimate_tokens(chars)
+    elif "prompt" in doc:
+        chars, token_ids = _prompt_size(doc["prompt"])
+        features.prompt_chars = chars
+        features.prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
+
+
+def _prompt_size(prompt: Any) -> tuple[int, int | None]:
+    """(characters, exact token count or None) of an OpenAI completions ``prompt``.
+
+    It may be a string, a list of strings, a list of token ids, or a list of lists of token ids.
+    """
+    if isinstance(prompt, str):
+        return len(prompt), None
+    if isinstance(prompt, list):
+        if all(isinstance(p, str) for p in prompt):
+            return sum(len(p) for p in prompt), None
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return 0, len(prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return 0, sum(len(p) for p in prompt)
+    raise MalformedRequestError(
+        "field 'prompt' must be a string, a list of strings, or a list of token ids (or of lists of them)"
+    )
+
+
+def _messages_chars(messages: Any) -> int:
+    if not isinstance(messages, list):
+        raise MalformedRequestError(f"field 'messages' must be a list, not {_json_type(messages)}")
+    chars = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise MalformedRequestError(f"messages[{i}] must be an object, not {_json_type(message)}")
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            # Multi-part content: count the text parts; images and audio are not text tokens we can estimate.
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    chars += len(part["text"])
+        elif content is not None:
+            raise MalformedRequestError(
+                f"messages[{i}].content must be a string or a list of parts, not {_json_type(content)}"
+            )
+    return chars
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

@@ -1,0 +1,154 @@
+"""The ext_proc gRPC service: one stream per HTTP request, from Envoy's headers (and body) to a routing reply.
+
+Stream state machine, per request:
+
+1. ``request_headers``: read path, method and request id. If the route asked for the body (``protocol_config``
+   says BUFFERED or BUFFERED_PARTIAL) and one is coming, reply "continue" and wait for it; otherwise decide now.
+2. ``request_body`` (buffered, whole or a partial buffer that hit the limit): parse it, decide, reply with
+   the destination header, or refuse with an ImmediateResponse (400/404/413/503, JSON body).
+3. Anything else Envoy sends (response phases, if a route turns them on) is let through unchanged.
+
+The decision counts the request as in flight on its endpoint; the count drops when the stream ends, which
+Envoy does when the HTTP request finishes, fails, or the client goes away. Release sits in a ``finally``, so
+no exit path leaks a count. Unexpected exceptions are logged and end the stream with a gRPC error, and Envoy's
+failure mode decides (fail-open sends the request to the fallback cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from inferlb.filter.errors import RequestError, from_routing_error
+from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply
+from inferlb.filter.request import apply_body, features_from_headers
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.errors import RoutingError
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.inflight import Lease
+
+logger = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+_BUFFERED = frozenset({ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL})
+
+
+@dataclass(slots=True)
+class FilterStats:
+    """Counters of the processor, cheap enough to bump on every request (event-loop owned)."""
+
+    streams: int = 0
+    routed: int = 0
+    refused: Counter[int] = field(default_factory=Counter)
+    failed: int = 0
+
+
+class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
+    """Envoy's ``ExternalProcessor`` service backed by a scoring ``Engine``. Runs on one asyncio loop."""
+
+    def __init__(self, engine: Engine, *, max_body_bytes: int) -> None:
+        self.engine = engine
+        self.max_body_bytes = max_body_bytes
+        self.replies = RouteReplies(engine.pool)
+        self.stats = FilterStats()
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        self.stats.streams += 1
+        lease: Lease | None = None
+        features: RequestFeatures | None = None
+        decided = False
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("request")
+                if decided or kind not in ("request_headers", "request_body"):
+                    if kind in CONTINUE:
+                        yield CONTINUE[kind]
+                    continue
+                if kind == "request_headers":
+                    headers = message.request_headers
+                    features = features_from_headers(headers.headers.headers)
+                    if not headers.end_of_stream and message.protocol_config.request_body_mode in _BUFFERED:
+                        yield CONTINUE["request_headers"]
+                        continue
+                    replies = self.replies.headers
+                else:
+                    if features is None:
+                        features = RequestFeatures()
+                    body = message.request_body
+                    try:
+                        apply_body(features, body.body, complete=body.end_of_stream, max_bytes=self.max_body_bytes)
+                    except RequestError as exc:
+                        decided = True
+                        yield self._refuse(exc)
+                        continue
+                    replies = self.replies.body
+                decided = True
+                reply, lease = self._route(features, replies)
+                yield reply
+        except Exception:
+            self.stats.failed += 1
+            logger.exception("ext_proc stream failed; Envoy's failure mode decides what happens to the request")
+            raise
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _route(
+        self, features: RequestFeatures, replies: tuple[ProcessingResponse, ...]
+    ) -> tuple[ProcessingResponse, Lease | None]:
+        try:
+            decision = self.engine.decide(features)
+        except RoutingError as exc:
+            return self._refuse(from_routing_error(exc)), None
+        index = decision.endpoint.index
+        lease = self.engine.inflight.acquire(index, features.prompt_tokens + (features.max_tokens or 0))
+        self.stats.routed += 1
+        return replies[index], lease
+
+    def _refuse(self, error: RequestError) -> ProcessingResponse:
+        self.stats.refused[error.status] += 1
+        return error_reply(error)
+
+
+class PickerServer:
+    """The picker's gRPC server: the ext_proc service plus gRPC health (``liveness``, ``readiness`` and the
+    ExternalProcessor service name). ``start`` binds and serves; ``stop`` reports NOT_SERVING, then lets open
+    streams finish for ``grace`` seconds."""
+
+    def __init__(self, service: ExtProcService, listen: str) -> None:
+        self.service = service
+        self.listen = listen
+        self.health = health.aio.HealthServicer()
+        # SO_REUSEPORT is on by default in gRPC: a second picker on the same port would then share it silently.
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        try:
+            self.port = self._server.add_insecure_port(self.listen)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {self.listen}: {exc}") from exc
+        await self._server.start()
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        for name in ("readiness", EXT_PROC_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
