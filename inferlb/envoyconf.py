@@ -1,0 +1,90 @@
+"""Rendering the Envoy bootstrap (envoy/bootstrap.yaml.j2) from the picker's config and a few options."""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass
+
+import jinja2
+import yaml
+
+from inferlb.scorer.address import parse_address
+from inferlb.scorer.config import Config
+
+TEMPLATE = "bootstrap.yaml.j2"
+# Routes whose JSON body the picker reads; every other /v1/ route is decided from the headers alone.
+BODY_ROUTES = ("/v1/completions", "/v1/chat/completions")
+FALLBACK_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
+
+
+class EnvoyConfigError(ValueError):
+    """An option of the Envoy bootstrap is invalid; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyOptions:
+    """What the bootstrap needs beyond the picker's config.
+
+    ``picker=False`` renders Envoy alone (no ext_proc; every request to the fallback cluster), the baseline
+    the benchmarks compare against. ``access_log_path`` None turns the access log off.
+    """
+
+    listen: str = "127.0.0.1:8080"
+    admin: str = "127.0.0.1:9901"
+    fail_open: bool = True
+    message_timeout_ms: int = 1000
+    connect_timeout_ms: int = 2000
+    fallback_lb_policy: str = "LEAST_REQUEST"
+    max_requests: int = 65536
+    access_log_path: str | None = "/dev/stdout"
+    picker: bool = True
+
+
+def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
+    """The bootstrap YAML text. Raises ``EnvoyConfigError`` for an invalid option."""
+    listen_host, listen_port = _address(options.listen, "listen")
+    admin_host, admin_port = _address(options.admin, "admin")
+    picker_host, picker_port = _address(config.listen, "the picker's listen address")
+    if picker_host in ("0.0.0.0", "::"):
+        # The picker listens on every interface; Envoy reaches it over loopback.
+        picker_host = "127.0.0.1" if picker_host == "0.0.0.0" else "::1"
+    if options.fallback_lb_policy not in FALLBACK_POLICIES:
+        raise EnvoyConfigError(
+            f"fallback LB policy must be one of {', '.join(FALLBACK_POLICIES)}; got {options.fallback_lb_policy!r}"
+        )
+    for name in ("message_timeout_ms", "connect_timeout_ms", "max_requests"):
+        if getattr(options, name) <= 0:
+            raise EnvoyConfigError(f"{name} must be > 0; got {getattr(options, name)}")
+    template_text = importlib.resources.files("inferlb.envoy").joinpath(TEMPLATE).read_text(encoding="utf-8")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
+    text = env.from_string(template_text).render(
+        listen_host=listen_host,
+        listen_port=listen_port,
+        admin_host=admin_host,
+        admin_port=admin_port,
+        picker=options.picker,
+        picker_host=picker_host,
+        picker_port=picker_port,
+        endpoints=[parse_address(e.address) for e in config.endpoints],
+        failure_mode_allow=options.fail_open,
+        message_timeout=_duration(options.message_timeout_ms),
+        connect_timeout=_duration(options.connect_timeout_ms),
+        buffer_limit_bytes=config.max_body_bytes,
+        fallback_lb_policy=options.fallback_lb_policy,
+        max_requests=options.max_requests,
+        access_log_path=options.access_log_path,
+        body_routes=BODY_ROUTES,
+    )
+    yaml.safe_load(text)  # a template bug shows here, not as an Envoy start-up failure
+    return text
+
+
+def _address(text: str, what: str) -> tuple[str, int]:
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise EnvoyConfigError(f"{what}: {exc}") from None
+
+
+def _duration(ms: int) -> str:
+    return f"{ms / 1000:.3f}s"
