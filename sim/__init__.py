@@ -1,0 +1,1 @@
+"""Stand-ins for GPU inference servers: OpenAI-compatible backends (a vLLM-like simulator comes next)."""
