@@ -1,0 +1,1 @@
+"""Benchmarks: what the picker hop costs, and (later) routing quality on real traces."""

@@ -1,0 +1,183 @@
+"""``inferlb demo``: a gateway on loopback (stand-in servers, the picker, a real Envoy), a bounded burst of
+OpenAI-style requests through it, and a table of where they went.
+
+The table is checked against Envoy's own access log: every request must have gone through the ORIGINAL_DST
+cluster to the endpoint the picker named. The exit code says whether that held and every endpoint got work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from inferlb.procs import ProcessError
+from inferlb.sim.standin import STANDIN_HEADER
+from inferlb.stack import LocalStack, StackOptions
+
+MODEL = "demo-model"
+REQUEST_TIMEOUT_S = 30.0
+BURST_DEADLINE_S = 120.0
+ACCESS_LOG_WAIT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    backends: int = 3
+    requests: int = 120
+    concurrency: int = 8
+    policy: str = "least-request"
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: int
+    backend: str
+    streamed: bool
+    events: int
+    request_id: str
+    error: str = ""
+
+
+def run_demo(options: DemoOptions, out_dir: Path, stream: TextIO = sys.stdout) -> int:
+    """Run the demo; returns the process exit code (0: every check passed)."""
+    if options.backends < 1 or options.requests < options.backends or options.concurrency < 1:
+        raise ValueError("need backends >= 1, requests >= backends and concurrency >= 1")
+    out_dir = out_dir.resolve()
+    stack_options = StackOptions(backends=options.backends, models=(MODEL,), policy=options.policy)
+    print(f"inferlb demo: starting {options.backends} stand-in servers, the picker and Envoy ...", file=stream)
+    try:
+        with LocalStack(stack_options, out_dir) as stack:
+            print(f"gateway {stack.gateway_url} -> picker {stack.picker_address} ({options.policy})", file=stream)
+            started = time.monotonic()
+            outcomes = asyncio.run(_burst(stack.gateway_url, options))
+            elapsed = time.monotonic() - started
+            refusals = asyncio.run(_refusals(stack.gateway_url))
+            log = _wait_for_access_log(stack, len(outcomes) + len(refusals))
+            return _report(stack, options, outcomes, refusals, log, elapsed, out_dir, stream)
+    except ProcessError as exc:
+        print(f"inferlb demo: a process failed: {exc}\n(logs in {out_dir})", file=stream)
+        return 1
+
+
+def _request(i: int) -> tuple[str, dict[str, Any]]:
+    """Request ``i`` of the burst: completions and chat, streamed and not, prompts of different lengths."""
+    prompt = "Explain continuous batching in one sentence. " * (1 + i % 7)
+    stream = i % 2 == 1
+    if i % 4 < 2:
+        return "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8 + i % 9, "stream": stream}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "stream": stream}
+    return "/v1/chat/completions", body
+
+
+async def _burst(base_url: str, options: DemoOptions) -> list[Outcome]:
+    limit = asyncio.Semaphore(options.concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as client:
+
+        async def one(i: int) -> Outcome:
+            path, body = _request(i)
+            async with limit:
+                return await _send(client, path, body)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(options.requests)]
+        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), BURST_DEADLINE_S)
+    return [d if isinstance(d, Outcome) else Outcome(0, "", False, 0, "", repr(d)) for d in done]
+
+
+async def _send(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Outcome:
+    streamed = bool(body.get("stream"))
+    async with client.stream("POST", path, json=body) as response:
+        events = 0
+        if streamed:
+            async for line in response.aiter_lines():
+                events += line.startswith("data: ")
+        else:
+            await response.aread()
+        return Outcome(
+            status=response.status_code,
+            backend=response.headers.get(STANDIN_HEADER, ""),
+            streamed=streamed,
+            events=events,
+            request_id=response.headers.get("x-request-id", ""),
+        )
+
+
+async def _refusals(base_url: str) -> list[tuple[str, int, str]]:
+    """Two requests the picker must refuse, to show its errors: malformed JSON and an unknown model."""
+    cases = [
+        ("malformed JSON", b'{"model": "demo-model", "prompt": '),
+        ("unknown model", json.dumps({"model": "no-such-model", "prompt": "hi"}).encode()),
+    ]
+    out = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as client:
+        for name, content in cases:
+            response = await client.post(
+                "/v1/completions", content=content, headers={"content-type": "application/json"}
+            )
+            out.append((name, response.status_code, response.text))
+    return out
+
+
+def _wait_for_access_log(stack: LocalStack, expected: int) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + ACCESS_LOG_WAIT_S
+    while True:
+        log = stack.access_log()
+        if len(log) >= expected or time.monotonic() > deadline:
+            return log
+        time.sleep(0.05)  # Envoy flushes its access log every 100 ms; the deadline bounds the wait
+
+
+def _report(
+    stack: LocalStack,
+    options: DemoOptions,
+    outcomes: list[Outcome],
+    refusals: list[tuple[str, int, str]],
+    log: list[dict[str, Any]],
+    elapsed: float,
+    out_dir: Path,
+    stream: TextIO,
+) -> int:
+    ok = [o for o in outcomes if o.status == 200]
+    per_backend = Counter(o.backend for o in ok)
+    streamed = Counter(o.backend for o in ok if o.streamed)
+    routed = [e for e in log if e.get("path", "").startswith("/v1/") and str(e.get("status")) == "200"]
+    by_picker = [e for e in routed if e.get("cluster") == "inferlb_picked" and e.get("upstream") == e.get("picked")]
+    fallback = [e for e in routed if e.get("cluster") == "inferlb_fallback"]
+
+    p = lambda *a: print(*a, file=stream)  # noqa: E731
+    p("")
+    p(f"{'endpoint':<22}{'requests':>9}{'streamed':>10}{'share':>8}")
+    for address in stack.endpoints:
+        n = per_backend.get(address, 0)
+        p(f"{address:<22}{n:>9}{streamed.get(address, 0):>10}{n / max(len(ok), 1):>8.0%}")
+    p(f"{'total':<22}{len(ok):>9}{sum(streamed.values()):>10}")
+    p("")
+    p(f"{len(ok)}/{len(outcomes)} requests answered 200 in {elapsed:.1f} s (concurrency {options.concurrency})")
+    p(f"routed by the picker through Envoy's ORIGINAL_DST cluster: {len(by_picker)}/{len(routed)} (access log)")
+    p(f"sent to the fallback cluster: {len(fallback)}")
+    for name, status, text in refusals:
+        p(f"refused by the picker, {name}: HTTP {status} {text.strip()}")
+    p(f"logs, picker config and Envoy bootstrap: {out_dir}")
+
+    failures = []
+    if len(ok) != len(outcomes):
+        errors = Counter(o.error or f"HTTP {o.status}" for o in outcomes if o.status != 200)
+        failures.append(f"{len(outcomes) - len(ok)} requests failed: {dict(errors)}")
+    if missing := [a for a in stack.endpoints if not per_backend.get(a)]:
+        failures.append(f"endpoints that got no requests: {', '.join(missing)}")
+    if len(by_picker) != len(ok):
+        failures.append(f"only {len(by_picker)} of {len(ok)} requests were routed by the picker")
+    if [s for _, s, _ in refusals] != [400, 404]:
+        failures.append(f"refusals answered {[s for _, s, _ in refusals]}, expected [400, 404]")
+    for failure in failures:
+        p(f"FAILED: {failure}")
+    if not failures:
+        p("OK: every endpoint got requests, all of them routed by the picker through a real Envoy.")
+    return 1 if failures else 0

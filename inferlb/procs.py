@@ -1,0 +1,152 @@
+"""Starting, watching and stopping the processes of a local gateway (stand-in servers, picker, Envoy).
+
+Used by ``inferlb demo``, the integration tests and the benchmarks. Readiness is always polled against a
+deadline, never slept for; a process that dies while we wait fails the wait at once with the end of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class ProcessError(RuntimeError):
+    """A managed process failed to start, died, or did not become ready in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's choice for port 0)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def find_tool(name: str) -> str:
+    """The path of a command, preferring the one beside this Python (the venv's ``envoy``, ``inferlb``)."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise ProcessError(f"{name!r} not found: install the project with `make` (it creates .venv) or put it on PATH")
+    return found
+
+
+class ManagedProcess:
+    """One child process with its output in a log file. It runs in a session of its own, so ``stop`` reaches
+    everything it started and a Ctrl-C in the terminal does not race our orderly shutdown."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})},
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise ProcessError(f"{self.name} was never started")
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, check: Callable[[], bool], timeout: float, what: str = "ready") -> None:
+        """Poll ``check`` until it returns True; fail if the process exits or ``timeout`` seconds pass."""
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            if not self.running():
+                code = self.proc.returncode if self.proc else None
+                raise ProcessError(f"{self.name} exited (code {code}) before it was {what}:\n{self.log_tail()}")
+            with contextlib.suppress(Exception):
+                if check():
+                    return
+            if time.monotonic() > deadline:
+                raise ProcessError(f"{self.name} was not {what} within {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(delay)  # a poll interval, not a wait for readiness: the deadline bounds it
+            delay = min(delay * 2, 0.2)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL whatever is left after ``timeout`` seconds. Idempotent."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the process group at once (what a crash looks like to its peers)."""
+        if self.proc is None:
+            return
+        self._signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    """A readiness check: GET ``url`` answers 200."""
+
+    def check() -> bool:
+        return httpx.get(url, timeout=1.0).status_code == 200
+
+    return check
+
+
+def grpc_serving(address: str, service: str = "readiness") -> Callable[[], bool]:
+    """A readiness check: the gRPC health service at ``address`` reports ``service`` SERVING."""
+
+    def check() -> bool:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return check
+
+
+def stop_all(processes: Sequence[ManagedProcess]) -> None:
+    """Stop processes in the given order (front door first), whatever state each is in."""
+    for process in processes:
+        process.stop()

@@ -1,0 +1,147 @@
+"""A whole gateway on loopback: stand-in servers, the picker and a real Envoy, each its own process.
+
+``inferlb demo``, the integration tests and the benchmarks all use it, so they exercise the same wiring a
+deployment has: the rendered bootstrap, the console scripts, real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from inferlb.envoyconf import EnvoyOptions, render_bootstrap
+from inferlb.procs import ManagedProcess, find_tool, free_port, grpc_serving, http_ok, stop_all
+from inferlb.scorer.config import Config, parse_config
+
+READY_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class StackOptions:
+    """The shape of a local gateway. ``backends`` stand-in servers all serve ``models``."""
+
+    backends: int = 3
+    models: tuple[str, ...] = ("demo-model",)
+    policy: str = "least-request"
+    token_delay_ms: float = 5.0
+    envoy_concurrency: int = 2
+    envoy: EnvoyOptions = field(default_factory=EnvoyOptions)
+    picker_log_level: str = "info"
+
+
+class LocalStack:
+    """Starts and stops the processes; ``with LocalStack(...) as stack:`` stops everything on any exit."""
+
+    def __init__(self, options: StackOptions, workdir: Path) -> None:
+        self.options = options
+        self.workdir = workdir
+        self.endpoints = [f"127.0.0.1:{free_port()}" for _ in range(options.backends)]
+        self.picker_address = f"127.0.0.1:{free_port()}"
+        self.gateway_address = f"127.0.0.1:{free_port()}"
+        self.admin_address = f"127.0.0.1:{free_port()}"
+        self.access_log_path = workdir / "access.log"
+        self.config_path = workdir / "picker.yaml"
+        self.envoy_path = workdir / "envoy.yaml"
+        self.config: Config = parse_config(self._config_document())
+        self.backends: ManagedProcess | None = None
+        self.picker: ManagedProcess | None = None
+        self.envoy: ManagedProcess | None = None
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.gateway_address}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.admin_address}"
+
+    def _config_document(self) -> dict[str, Any]:
+        return {
+            "listen": self.picker_address,
+            "policy": self.options.policy,
+            "pool": {"endpoints": [{"address": a, "models": list(self.options.models)} for a in self.endpoints]},
+        }
+
+    def __enter__(self) -> LocalStack:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> LocalStack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self._config_document(), sort_keys=False), encoding="utf-8")
+        envoy_options = replace(
+            self.options.envoy,
+            listen=self.gateway_address,
+            admin=self.admin_address,
+            access_log_path=str(self.access_log_path),
+        )
+        self.envoy_path.write_text(render_bootstrap(self.config, envoy_options), encoding="utf-8")
+        self.start_backends()
+        if envoy_options.picker:
+            self.start_picker()
+        self.start_envoy()
+        return self
+
+    def start_backends(self) -> None:
+        argv = [find_tool("inferlb"), "standin", "--token-delay-ms", str(self.options.token_delay_ms)]
+        for address in self.endpoints:
+            argv += ["--listen", address]
+        for model in self.options.models:
+            argv += ["--model", model]
+        self.backends = ManagedProcess("stand-in servers", argv, self.workdir / "backends.log").start()
+        for address in self.endpoints:
+            self.backends.wait_ready(http_ok(f"http://{address}/health"), READY_TIMEOUT_S, f"serving on {address}")
+
+    def start_picker(self) -> None:
+        argv = [find_tool("inferlb"), "--log-level", self.options.picker_log_level, "serve", "--config"]
+        self.picker = ManagedProcess("picker", [*argv, str(self.config_path)], self.workdir / "picker.log").start()
+        self.picker.wait_ready(grpc_serving(self.picker_address), READY_TIMEOUT_S, "serving")
+
+    def start_envoy(self) -> None:
+        argv = [
+            find_tool("envoy"),
+            "-c",
+            str(self.envoy_path),
+            "--concurrency",
+            str(self.options.envoy_concurrency),
+            "--disable-hot-restart",
+            "--log-level",
+            "warning",
+            # The access log is read back by the demo and the tests; Envoy's default flush interval is 10 s.
+            "--file-flush-interval-msec",
+            "100",
+        ]
+        self.envoy = ManagedProcess("envoy", argv, self.workdir / "envoy.log").start()
+        self.envoy.wait_ready(http_ok(f"{self.admin_url}/ready"), READY_TIMEOUT_S, "ready")
+
+    def stop(self) -> None:
+        stop_all([p for p in (self.envoy, self.picker, self.backends) if p is not None])
+
+    def envoy_counters(self, prefix: str = "") -> dict[str, int]:
+        """Envoy's counters and gauges whose names start with ``prefix`` (from the admin /stats endpoint)."""
+        text = httpx.get(f"{self.admin_url}/stats", params={"filter": f"^{prefix}"}, timeout=5.0).text
+        out: dict[str, int] = {}
+        for line in text.splitlines():
+            name, sep, value = line.partition(": ")
+            if sep and value.strip().lstrip("-").isdigit():
+                out[name] = int(value)
+        return out
+
+    def access_log(self) -> list[dict[str, Any]]:
+        """Envoy's access log so far, one dict per finished request. Envoy flushes it every 100 ms, so poll for
+        the entries you expect rather than reading once."""
+        if not self.access_log_path.exists():
+            return []
+        lines = self.access_log_path.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
