@@ -1,0 +1,250 @@
+"""The ext_proc stream state machine, driven over real gRPC by a client that speaks as Envoy does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+    ProtocolConfiguration,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inferlb.filter.replies import DESTINATION_HEADER
+from inferlb.filter.server import HEALTH_SERVICES, ExtProcService, PickerServer
+from inferlb.scorer.config import parse_config
+from inferlb.scorer.engine import Engine, Profile
+from inferlb.scorer.plugins import MaxScorePicker, ModelFilter
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+
+ENDPOINTS = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
+MODEL = "m"
+
+
+def make_engine(profile: Profile | None = None) -> Engine:
+    config = parse_config({"pool": {"endpoints": [{"address": a, "models": [MODEL]} for a in ENDPOINTS]}})
+    return Engine(Pool(config.endpoints), profile or build_profile("least-request", np.random.default_rng(7)))
+
+
+@pytest.fixture
+async def picker() -> AsyncIterator[PickerServer]:
+    server = PickerServer(ExtProcService(make_engine(), max_body_bytes=4096), "127.0.0.1:0")
+    await server.start()
+    yield server
+    await server.stop(0)
+
+
+def headers_message(
+    path: str = "/v1/completions", *, body_mode: int | None = None, eos: bool = False
+) -> ProcessingRequest:
+    pairs = [(":path", path), (":method", "POST"), ("x-request-id", "rid-1")]
+    message = ProcessingRequest(
+        request_headers=HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
+            end_of_stream=eos,
+        )
+    )
+    if body_mode is not None:
+        message.protocol_config.CopyFrom(ProtocolConfiguration(request_body_mode=body_mode))  # type: ignore[arg-type]
+    return message
+
+
+def body_message(body: bytes | dict[str, Any], *, eos: bool = True) -> ProcessingRequest:
+    raw = json.dumps(body).encode() if isinstance(body, dict) else body
+    return ProcessingRequest(request_body=HttpBody(body=raw, end_of_stream=eos))
+
+
+class FakeEnvoy:
+    """One ext_proc stream, driven message by message like Envoy drives it."""
+
+    def __init__(self, picker: PickerServer) -> None:
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{picker.port}")
+        self.call = external_processor_pb2_grpc.ExternalProcessorStub(self.channel).Process()
+
+    async def send(self, message: ProcessingRequest) -> ProcessingResponse:
+        await self.call.write(message)
+        reply = await asyncio.wait_for(self.call.read(), 5)
+        assert isinstance(reply, ProcessingResponse), f"stream ended: {reply!r}"
+        return reply
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await asyncio.wait_for(self.call.read(), 5)  # EOF once the server finishes the stream
+        await self.channel.close()
+
+
+def destination(reply: ProcessingResponse) -> str:
+    phase = reply.WhichOneof("response")
+    common = getattr(reply, phase).response
+    values = [
+        h.header.raw_value.decode() for h in common.header_mutation.set_headers if h.header.key == DESTINATION_HEADER
+    ]
+    assert len(values) == 1 and common.clear_route_cache
+    return values[0]
+
+
+def immediate(reply: ProcessingResponse) -> tuple[int, dict[str, Any]]:
+    assert reply.WhichOneof("response") == "immediate_response"
+    return int(reply.immediate_response.status.code), json.loads(reply.immediate_response.body)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.005)
+
+
+async def test_headers_only_request_is_routed_at_the_headers_phase(picker: PickerServer) -> None:
+    envoy = FakeEnvoy(picker)
+    reply = await envoy.send(headers_message("/v1/embeddings", eos=True))
+    assert reply.WhichOneof("response") == "request_headers"
+    address = destination(reply)
+    assert address in ENDPOINTS
+    assert reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_HEADER].string_value == address
+    inflight = picker.service.engine.inflight
+    assert inflight.requests[ENDPOINTS.index(address)] == 1
+    await envoy.close()
+    await until(lambda: inflight.total() == 0)
+
+
+@pytest.mark.parametrize(
+    "mode", [ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL], ids=["buffered", "partial"]
+)
+async def test_body_route_waits_for_the_body_then_routes(picker: PickerServer, mode: int) -> None:
+    envoy = FakeEnvoy(picker)
+    first = await envoy.send(headers_message(body_mode=mode))
+    assert first.WhichOneof("response") == "request_headers"
+    assert not first.request_headers.HasField("response"), "the headers reply must not route before the body"
+    reply = await envoy.send(body_message({"model": MODEL, "prompt": "x" * 400, "max_tokens": 10}))
+    assert reply.WhichOneof("response") == "request_body"
+    index = ENDPOINTS.index(destination(reply))
+    inflight = picker.service.engine.inflight
+    assert (inflight.requests[index], inflight.tokens[index]) == (1, 100 + 10)
+    await envoy.close()
+    await until(lambda: inflight.total() == 0 and inflight.tokens.sum() == 0)
+
+
+async def test_least_request_spreads_open_streams(picker: PickerServer) -> None:
+    envoys = [FakeEnvoy(picker) for _ in ENDPOINTS]
+    chosen = [destination(await e.send(headers_message(eos=True))) for e in envoys]
+    assert sorted(chosen) == sorted(ENDPOINTS), "each open request must push the next one elsewhere"
+    for envoy in envoys:
+        await envoy.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        pytest.param(b"{not json", 400, "not valid JSON", id="malformed"),
+        pytest.param(b"", 400, "empty", id="empty"),
+        pytest.param(b"[1, 2]", 400, "JSON object", id="array"),
+        pytest.param({"prompt": "hi"}, 400, "'model'", id="no-model"),
+        pytest.param({"model": MODEL, "stream": "yes"}, 400, "'stream'", id="stream-type"),
+        pytest.param({"model": "other", "prompt": "hi"}, 404, "'other' is not served", id="unknown-model"),
+        pytest.param({"model": MODEL, "prompt": "x" * 5000}, 413, "limit is 4096 bytes", id="too-large"),
+    ],
+)
+async def test_bad_requests_get_a_json_error_and_count_nothing(
+    picker: PickerServer, body: bytes | dict[str, Any], status: int, words: str
+) -> None:
+    envoy = FakeEnvoy(picker)
+    await envoy.send(headers_message(body_mode=ProcessingMode.BUFFERED))
+    code, payload = immediate(await envoy.send(body_message(body)))
+    assert code == status
+    assert payload["error"]["code"] == status
+    assert words in payload["error"]["message"]
+    assert picker.service.engine.inflight.total() == 0
+    assert picker.service.stats.refused[status] == 1
+
+
+async def test_partial_buffer_means_the_body_was_too_large(picker: PickerServer) -> None:
+    envoy = FakeEnvoy(picker)
+    await envoy.send(headers_message(body_mode=ProcessingMode.BUFFERED_PARTIAL))
+    code, payload = immediate(await envoy.send(body_message(b'{"model": "m", "prompt": "xxxx', eos=False)))
+    assert code == 413 and "more than" in payload["error"]["message"]
+
+
+async def test_no_endpoint_left_is_a_503() -> None:
+    class DropAll:
+        name = "drop-all"
+
+        def filter(self, request: Any, state: Any, candidates: np.ndarray) -> np.ndarray:
+            return candidates[:0]
+
+    profile = Profile("test", filters=(ModelFilter(), DropAll()), scorers=(), picker=MaxScorePicker())
+    server = PickerServer(ExtProcService(make_engine(profile), max_body_bytes=4096), "127.0.0.1:0")
+    await server.start()
+    try:
+        envoy = FakeEnvoy(server)
+        code, payload = immediate(await envoy.send(headers_message(eos=True)))
+        assert code == 503 and "drop-all" in payload["error"]["message"]
+    finally:
+        await server.stop(0)
+
+
+async def test_cancelled_stream_releases_its_count(picker: PickerServer) -> None:
+    envoy = FakeEnvoy(picker)
+    await envoy.send(headers_message(eos=True))
+    inflight = picker.service.engine.inflight
+    assert inflight.total() == 1
+    envoy.call.cancel()  # the client went away mid-response: Envoy resets the stream
+    await until(lambda: inflight.total() == 0)
+    await envoy.channel.close()
+
+
+async def test_response_phases_are_let_through(picker: PickerServer) -> None:
+    envoy = FakeEnvoy(picker)
+    destination(await envoy.send(headers_message(eos=True)))
+    reply = await envoy.send(ProcessingRequest(response_headers=HttpHeaders(end_of_stream=False)))
+    assert reply.WhichOneof("response") == "response_headers"
+    assert not reply.response_headers.HasField("response")
+    reply = await envoy.send(ProcessingRequest(response_body=HttpBody(body=b"data", end_of_stream=True)))
+    assert reply.WhichOneof("response") == "response_body"
+    await envoy.close()
+
+
+async def test_a_failing_engine_ends_only_its_own_stream(picker: PickerServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = picker.service.engine
+    real_decide = engine.decide
+
+    def broken(request: Any) -> Any:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(engine, "decide", broken)
+    envoy = FakeEnvoy(picker)
+    await envoy.call.write(headers_message(eos=True))
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await asyncio.wait_for(envoy.call.read(), 5)
+    assert failure.value.code() == grpc.StatusCode.UNKNOWN
+    assert picker.service.stats.failed == 1
+    monkeypatch.setattr(engine, "decide", real_decide)
+    assert destination(await FakeEnvoy(picker).send(headers_message(eos=True))) in ENDPOINTS
+
+
+async def test_health_reports_serving_for_every_service(picker: PickerServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in HEALTH_SERVICES:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+async def test_second_picker_on_a_taken_port_fails_loudly(picker: PickerServer) -> None:
+    clash = PickerServer(ExtProcService(make_engine(), max_body_bytes=4096), f"127.0.0.1:{picker.port}")
+    with pytest.raises(OSError, match="cannot listen"):
+        await clash.start()

@@ -1,0 +1,197 @@
+"""The whole request path through a real Envoy: client -> Envoy -> ext_proc picker -> ORIGINAL_DST -> server.
+
+The stand-in servers name themselves on every response (x-inferlb-sim-server) and echo the destination
+header they received (x-inferlb-seen-destination); Envoy's access log records the cluster, the upstream it
+connected to and the picker's choice (dynamic metadata). Together they show where each request really went.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from inferlb.envoyconf import EnvoyOptions
+from inferlb.sim.standin import SEEN_DEST_HEADER, STANDIN_HEADER
+from inferlb.stack import LocalStack, StackOptions
+
+from .conftest import Canary, log_entry, poll
+
+pytestmark = pytest.mark.envoy
+
+MODEL = "m1"
+# Slow enough that a long stream stays open while the test sends other requests; the test closes it early.
+OPTIONS = StackOptions(backends=3, models=(MODEL,), token_delay_ms=20)
+COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    with LocalStack(OPTIONS, tmp_path_factory.mktemp("gateway")) as running:
+        yield running
+
+
+@pytest.fixture
+def client(stack: LocalStack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.gateway_url, timeout=10) as c:
+        yield c
+
+
+def test_each_request_reaches_the_endpoint_the_picker_chose(stack: LocalStack, client: httpx.Client) -> None:
+    seen = set()
+    for i in range(24):
+        if i % 3:
+            response = client.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 200
+        else:
+            # A route the picker decides from the headers alone; the stand-in has no such API and says 404.
+            response = client.get("/v1/embeddings")
+        backend = response.headers[STANDIN_HEADER]
+        assert response.headers[SEEN_DEST_HEADER] == backend, "the server got a destination other than itself"
+        entry = log_entry(stack, response.headers["x-request-id"])
+        assert entry["cluster"] == "inferlb_picked"
+        assert entry["picked"] == entry["upstream"] == backend
+        seen.add(backend)
+    assert seen == set(stack.endpoints)
+
+
+def test_client_cannot_choose_its_upstream(stack: LocalStack, client: httpx.Client, canary: Canary) -> None:
+    before = canary.connections
+    for path in ("/v1/completions", "/v1/embeddings"):
+        for _ in range(5):
+            response = client.post(path, json=COMPLETION, headers={"x-gateway-destination-endpoint": canary.address})
+            assert response.headers[STANDIN_HEADER] in stack.endpoints
+            assert response.headers[SEEN_DEST_HEADER] != canary.address
+    assert canary.connections == before
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "status", "words"),
+    [
+        pytest.param("/v1/completions", b'{"model": "m1", "prompt": ', 400, "not valid JSON", id="malformed-json"),
+        pytest.param("/v1/chat/completions", b"model=m1", 400, "not valid JSON", id="form-body"),
+        pytest.param("/v1/completions", json.dumps({"prompt": "x"}).encode(), 400, "'model'", id="no-model"),
+        pytest.param("/v1/completions", json.dumps({"model": "nope"}).encode(), 404, "'nope'", id="unknown-model"),
+        pytest.param(
+            "/v1/completions", b'{"model": "m1", "prompt": "' + b"x" * (5 << 20) + b'"}', 413, "limit", id="too-large"
+        ),
+        pytest.param("/other", b"", 404, "/v1/", id="unknown-path"),
+    ],
+)
+def test_errors_are_json_that_says_what_was_wrong(
+    client: httpx.Client, path: str, content: bytes, status: int, words: str
+) -> None:
+    response = client.post(path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert words in error["message"]
+    assert int(error["code"]) == status
+    # The picker survived: the next request is routed as usual.
+    assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+def test_opt_out_route_never_calls_the_picker(stack: LocalStack, client: httpx.Client) -> None:
+    streams = "http.inferlb.ext_proc.streams_started"
+    before = stack.envoy_counters(streams)[streams]
+    for _ in range(5):
+        response = client.get("/v1/models")
+        assert response.status_code == 200 and response.json()["data"][0]["id"] == MODEL
+        assert log_entry(stack, response.headers["x-request-id"])["cluster"] == "inferlb_fallback"
+    assert stack.envoy_counters(streams)[streams] == before
+    client.post("/v1/completions", json=COMPLETION)  # while a picked route does call it
+    assert stack.envoy_counters(streams)[streams] == before + 1
+
+
+def test_streaming_arrives_intact_chunk_by_chunk(client: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 12, "stream": True}
+    events: list[tuple[float, str]] = []
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append((time.monotonic(), line[6:]))
+    assert events[-1][1] == "[DONE]"
+    chunks = [(at, json.loads(data)) for at, data in events[:-1]]
+    assert [c["seq"] for _, c in chunks] == list(range(12))
+    assert "".join(c["choices"][0]["text"] for _, c in chunks) == "".join(f"tok{i} " for i in range(12))
+    # Not buffered by the gateway: the first chunk arrived before the server had sent the last one.
+    assert chunks[0][0] < chunks[-1][1]["sent_at"]
+
+
+def test_in_flight_counts_rise_on_decision_and_fall_when_the_request_ends(stack: LocalStack) -> None:
+    long_stream = {"model": MODEL, "prompt": "long", "max_tokens": 500, "stream": True}
+    count = 2 * len(stack.endpoints)
+    held: dict[str, list[Any]] = {address: [] for address in stack.endpoints}
+    with httpx.Client(base_url=stack.gateway_url, timeout=10) as streams, contextlib.ExitStack() as exits:
+        for _ in range(count):
+            response = exits.enter_context(streams.stream("POST", "/v1/completions", json=long_stream))
+            lines = response.iter_lines()
+            next(lines)  # routed, streaming, and held open: nothing has been released yet
+            # Keep the iterator: dropping a half-read one would close the response.
+            held[response.headers[STANDIN_HEADER]].append((response, lines))
+        # Least-request with nothing finishing: each endpoint holds exactly two of the streams.
+        assert sorted(len(v) for v in held.values()) == [2] * len(stack.endpoints)
+        freed = stack.endpoints[0]
+        for response, _ in held[freed]:
+            response.close()  # the client goes away mid-stream; Envoy ends the picker's stream
+        with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+            # Once the picker has seen both ends, the freed endpoint (0 in flight) beats the others (2 each),
+            # and keeps winning: a finished quick request can lag by at most one count.
+            poll(
+                lambda: client.post("/v1/completions", json=COMPLETION).headers[STANDIN_HEADER] == freed,
+                what="a request to the endpoint whose streams ended",
+            )
+            for _ in range(5):
+                assert client.post("/v1/completions", json=COMPLETION).headers[STANDIN_HEADER] == freed
+
+
+@pytest.fixture
+def own_stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalStack]:
+    options = replace(OPTIONS, envoy=replace(EnvoyOptions(), fail_open=request.param))
+    with LocalStack(options, tmp_path) as running:
+        yield running
+
+
+@pytest.mark.parametrize("own_stack", [True], ids=["fail-open"], indirect=True)
+def test_picker_down_fail_open_uses_the_fallback_cluster(own_stack: LocalStack, canary: Canary) -> None:
+    stack = own_stack
+    assert stack.picker is not None
+    stack.picker.kill()
+    before = canary.connections
+    with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+        for i in range(6):
+            headers = {"x-gateway-destination-endpoint": canary.address} if i % 2 else {}
+            response = client.post("/v1/completions", json=COMPLETION, headers=headers)
+            assert response.status_code == 200
+            assert response.headers[STANDIN_HEADER] in stack.endpoints
+            assert log_entry(stack, response.headers["x-request-id"])["cluster"] == "inferlb_fallback"
+        assert canary.connections == before
+        # A restarted picker is used again without touching Envoy.
+        stack.start_picker()
+        response = client.post("/v1/completions", json=COMPLETION)
+        assert log_entry(stack, response.headers["x-request-id"])["cluster"] == "inferlb_picked"
+
+
+@pytest.mark.parametrize("own_stack", [False], ids=["fail-closed"], indirect=True)
+def test_picker_down_fail_closed_fails_fast(own_stack: LocalStack, canary: Canary) -> None:
+    stack = own_stack
+    assert stack.picker is not None
+    stack.picker.kill()
+    before = canary.connections
+    # The client timeout is the "no hang" bound: a hung request would raise instead of answering.
+    with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+        for headers in ({}, {"x-gateway-destination-endpoint": canary.address}):
+            response = client.post("/v1/completions", json=COMPLETION, headers=headers)
+            assert 500 <= response.status_code < 600
+            assert STANDIN_HEADER not in response.headers
+            assert response.json()["error"]["message"]
+    assert canary.connections == before

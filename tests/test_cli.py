@@ -1,0 +1,61 @@
+"""The ``inferlb`` command line: errors that say how to fix the input, and envoy-config output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from inferlb.cli import main
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "picker.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        pytest.param("pool: {endpoints: []}\n", "pool.endpoints must be a non-empty list", id="no-endpoints"),
+        pytest.param("pool: {endpoints: [{address: 'gpu-1:8000'}]}\n", "pool.endpoints[0].address", id="hostname"),
+        pytest.param(
+            "policy: fastest\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n", "policy must be one of", id="policy"
+        ),
+        pytest.param("pool: [\n", "not valid YAML", id="yaml"),
+    ],
+)
+@pytest.mark.parametrize("command", ["serve", "envoy-config"])
+def test_bad_config_exits_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, words: str, command: str
+) -> None:
+    assert main([command, "--config", str(write(tmp_path, text))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inferlb: error: ") and words in err
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", str(tmp_path / "absent.yaml")]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
+
+
+def test_envoy_config_writes_a_bootstrap(tmp_path: Path) -> None:
+    config = write(tmp_path, "listen: 127.0.0.1:9100\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n")
+    out = tmp_path / "envoy.yaml"
+    code = main(
+        ["envoy-config", "--config", str(config), "--listen", "127.0.0.1:8081", "--fail-closed", "--out", str(out)]
+    )
+    assert code == 0
+    doc = yaml.safe_load(out.read_text())
+    listener = doc["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"]["port_value"] == 8081
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["http_filters"][0]["typed_config"]["failure_mode_allow"] is False
+
+
+def test_serve_rejects_a_bad_listen_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write(tmp_path, "pool: {endpoints: [{address: '10.0.0.1:80'}]}\n")
+    assert main(["serve", "--config", str(config), "--listen", "picker:9002"]) == 2
+    assert "not a literal IP address" in capsys.readouterr().err

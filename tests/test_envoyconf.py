@@ -1,0 +1,135 @@
+"""The rendered Envoy bootstrap: valid for the real Envoy binary, and wired the way DESIGN.md says."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from inferlb.envoyconf import EnvoyConfigError, EnvoyOptions, render_bootstrap
+from inferlb.procs import find_tool
+from inferlb.scorer.config import parse_config
+
+CONFIG = parse_config(
+    {
+        "listen": "127.0.0.1:9002",
+        "max_body_bytes": 65536,
+        "pool": {"endpoints": [{"address": "10.0.0.1:8000"}, {"address": "[fd00::2]:8000"}]},
+    }
+)
+
+
+def hcm(doc: dict[str, Any]) -> dict[str, Any]:
+    listener = doc["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in doc["static_resources"]["clusters"]}
+
+
+@pytest.mark.envoy
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(EnvoyOptions(), id="default"),
+        pytest.param(EnvoyOptions(fail_open=False, access_log_path=None), id="fail-closed"),
+        pytest.param(EnvoyOptions(picker=False, fallback_lb_policy="ROUND_ROBIN"), id="no-picker"),
+    ],
+)
+def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, options: EnvoyOptions) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap(CONFIG, options))
+    result = subprocess.run(
+        [find_tool("envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_client_destination_header_is_removed_before_routing() -> None:
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions()))
+    (early,) = hcm(doc)["early_header_mutation_extensions"]
+    assert early["typed_config"]["mutations"] == [{"remove": "x-gateway-destination-endpoint"}]
+
+
+def test_picker_wiring() -> None:
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(message_timeout_ms=750)))
+    filters = hcm(doc)["http_filters"]
+    assert [f["name"] for f in filters] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    ext_proc = filters[0]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is True
+    assert ext_proc["message_timeout"] == "0.750s"
+    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    by_name = clusters(doc)
+    picker = by_name["inferlb_picker"]
+    assert "http2_protocol_options" in str(picker["typed_extension_protocol_options"])
+    assert picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] == {
+        "socket_address": {"address": "127.0.0.1", "port_value": 9002}
+    }
+    picked = by_name["inferlb_picked"]
+    assert picked["type"] == "ORIGINAL_DST"
+    assert picked["original_dst_lb_config"] == {
+        "use_http_header": True,
+        "http_header_name": "x-gateway-destination-endpoint",
+    }
+    fallback = by_name["inferlb_fallback"]
+    assert fallback["lb_policy"] == "LEAST_REQUEST"
+    hosts = [
+        e["endpoint"]["address"]["socket_address"] for e in fallback["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert hosts == [{"address": "10.0.0.1", "port_value": 8000}, {"address": "fd00::2", "port_value": 8000}]
+    listener = doc["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == 65536
+
+
+def test_routes_opt_in_and_out_of_the_picker() -> None:
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions()))
+    routes = {r["name"]: r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]}
+    per_route = "envoy.filters.http.ext_proc"
+    assert routes["models"]["typed_per_filter_config"][per_route]["disabled"] is True
+    assert routes["models"]["route"]["cluster"] == "inferlb_fallback"
+    assert routes["picked"]["match"]["headers"] == [{"name": "x-gateway-destination-endpoint", "present_match": True}]
+    assert routes["picked"]["route"]["cluster"] == "inferlb_picked"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        mode = routes[path]["typed_per_filter_config"][per_route]["overrides"]["processing_mode"]
+        # BUFFERED, not BUFFERED_PARTIAL: with a partial buffer Envoy may route before the picker's answer.
+        assert mode["request_body_mode"] == "BUFFERED"
+    # Order matters: "picked" must be matched before the fallback routes once the picker set the header.
+    names = list(routes)
+    assert names.index("models") < names.index("picked") < names.index("/v1/completions") < names.index("v1")
+
+
+def test_fail_closed_and_no_picker_variants() -> None:
+    closed = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(fail_open=False)))
+    assert hcm(closed)["http_filters"][0]["typed_config"]["failure_mode_allow"] is False
+    bare = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(picker=False, fallback_lb_policy="ROUND_ROBIN")))
+    assert [f["name"] for f in hcm(bare)["http_filters"]] == ["envoy.filters.http.router"]
+    assert set(clusters(bare)) == {"inferlb_fallback"}
+    assert clusters(bare)["inferlb_fallback"]["lb_policy"] == "ROUND_ROBIN"
+
+
+def test_picker_on_all_interfaces_is_reached_over_loopback() -> None:
+    config = parse_config({"listen": "0.0.0.0:9002", "pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}})
+    doc = yaml.safe_load(render_bootstrap(config, EnvoyOptions()))
+    address = clusters(doc)["inferlb_picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert address["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        pytest.param(EnvoyOptions(listen="localhost:8080"), "listen", id="hostname-listen"),
+        pytest.param(EnvoyOptions(admin="127.0.0.1"), "admin", id="admin-without-port"),
+        pytest.param(EnvoyOptions(fallback_lb_policy="MAGLEV"), "fallback LB policy", id="lb-policy"),
+        pytest.param(EnvoyOptions(message_timeout_ms=0), "message_timeout_ms", id="timeout"),
+    ],
+)
+def test_invalid_options_are_named(options: EnvoyOptions, words: str) -> None:
+    with pytest.raises(EnvoyConfigError, match=words):
+        render_bootstrap(CONFIG, options)
