@@ -50,7 +50,8 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
         doc = json.loads(body)
     except UnicodeDecodeError:
         raise MalformedRequestError("request body is not valid UTF-8 JSON") from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:
+        # JSONDecodeError, and also plain ValueError for an integer longer than Python's digit limit.
         raise MalformedRequestError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise MalformedRequestError("request body is not valid JSON: nested too deeply") from None
@@ -98,13 +99,17 @@ def _prompt_size(prompt: Any) -> tuple[int, int | None]:
     if isinstance(prompt, list):
         if all(isinstance(p, str) for p in prompt):
             return sum(len(p) for p in prompt), None
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        if all(_is_token_id(p) for p in prompt):
             return 0, len(prompt)
-        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
             return 0, sum(len(p) for p in prompt)
     raise MalformedRequestError(
         "field 'prompt' must be a string, a list of strings, or a list of token ids (or of lists of them)"
     )
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _messages_chars(messages: Any) -> int:

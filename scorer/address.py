@@ -19,7 +19,8 @@ def parse_address(text: str) -> tuple[str, int]:
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise ValueError(f"{text!r} must be a literal 'ip:port', e.g. '10.0.0.7:8000'")
-    if host.startswith("[") and host.endswith("]"):
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
         host = host[1:-1]
     try:
         ip = ipaddress.ip_address(host)
@@ -28,7 +29,10 @@ def parse_address(text: str) -> tuple[str, int]:
             f"{text!r}: {host!r} is not a literal IP address (hostnames are not allowed: Envoy's ORIGINAL_DST "
             "cluster needs 'ip:port')"
         ) from None
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    # "fd00::1:8000" could be an address or an address and a port: IPv6 must be bracketed, IPv4 must not be.
+    if bracketed != (ip.version == 6):
+        raise ValueError(f"{text!r}: write IPv6 addresses in brackets ('[fd00::1]:8000') and IPv4 without them")
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise ValueError(f"{text!r}: port must be an integer in 1..65535")
     return str(ip), int(port_text)
 

@@ -37,9 +37,9 @@ class InFlightScorer:
 class MaxScorePicker:
     """Picks the highest total score; ties are broken uniformly at random (so equal endpoints share load).
 
-    Totals closer than ``TIE`` count as equal: a jitter below that is added before the argmax, which breaks
-    ties at random in one vectorised step. The jitter is drawn in blocks, because drawing a few random
-    numbers per request costs more than the rest of the pick.
+    Totals closer than ``TIE`` (relative to the largest total) count as equal: a jitter below that is added
+    before the argmax, which breaks ties at random in one vectorised step. The jitter is drawn in blocks,
+    because drawing a few random numbers per request costs more than the rest of the pick.
     """
 
     name = "max-score"
@@ -60,12 +60,14 @@ class MaxScorePicker:
             self._jitter = self._rng.random(max(self.BLOCK, n)) * self.TIE
             start = 0
         self._cursor = start + n
-        return int(np.argmax(totals + self._jitter[start : start + n]))
+        scale = max(1.0, float(np.abs(totals).max()))
+        return int(np.argmax(totals + self._jitter[start : start + n] * scale))
 
 
 class RoundRobinPicker:
     """Ignores scores and cycles through the candidates, with one cursor per model so that interleaved models
-    do not skew each other's rotation. Cursors are kept only for the pool's models (bounded memory)."""
+    do not skew each other's rotation. At most 4096 cursors are kept (pools with endpoints that accept any
+    model see arbitrary names); further names share one cursor."""
 
     name = "round-robin"
 

@@ -49,6 +49,9 @@ class Pool:
         self._masks = {model: np.array([e.serves(model) for e in built], dtype=bool) for model in self.served_models}
         self._all = np.ones(len(built), dtype=bool)
         self.all_indices = np.arange(len(built), dtype=np.intp)
+        # Handed to every plugin on every request: a plugin editing one in place must fail, not corrupt the pool.
+        for array in (self._any_model, self._all, self.all_indices, *self._masks.values()):
+            array.flags.writeable = False
 
     def __len__(self) -> int:
         return len(self.endpoints)

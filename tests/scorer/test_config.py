@@ -1,0 +1,332 @@
+"""Tests for scorer/config.py: every error names the exact field, nothing falls back silently."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from inferlb.scorer.config import (
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_POLICY,
+    Config,
+    EndpointConfig,
+    load_config,
+    parse_config,
+)
+from inferlb.scorer.errors import ConfigError, ScorerError
+from inferlb.scorer.presets import PRESET_NAMES
+
+GOOD_YAML = """\
+listen: 127.0.0.1:9100
+policy: round-robin
+max_body_bytes: 2048
+pool:
+  endpoints:
+    - address: 10.0.0.7:8000
+      models: [meta-llama/Llama-3.1-8B-Instruct]
+      labels: {zone: a}
+    - address: "[fd00::1]:8000"
+"""
+
+
+def _doc(*endpoints: Any, **top: Any) -> dict[str, Any]:
+    """A config document with the given endpoints (default: one valid endpoint) and top-level keys."""
+    eps = list(endpoints) if endpoints else [{"address": "10.0.0.1:8000"}]
+    return {**top, "pool": {"endpoints": eps}}
+
+
+def test_parse_config_full_document() -> None:
+    config = parse_config(yaml.safe_load(GOOD_YAML))
+    assert config == Config(
+        endpoints=(
+            EndpointConfig(
+                address="10.0.0.7:8000", models=frozenset({"meta-llama/Llama-3.1-8B-Instruct"}), labels={"zone": "a"}
+            ),
+            EndpointConfig(address="[fd00::1]:8000", models=None, labels={}),
+        ),
+        listen="127.0.0.1:9100",
+        policy="round-robin",
+        max_body_bytes=2048,
+    )
+
+
+def test_parse_config_defaults_when_keys_are_absent() -> None:
+    config = parse_config(_doc())
+    assert config.listen == DEFAULT_LISTEN == "127.0.0.1:9002"
+    assert config.policy == DEFAULT_POLICY == "least-request"
+    assert config.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 4 * 1024 * 1024
+    assert config.endpoints == (EndpointConfig(address="10.0.0.1:8000", models=None, labels={}),)
+
+
+@pytest.mark.parametrize(
+    ("raw", "canonical"),
+    [
+        pytest.param("10.0.0.1:08000", "10.0.0.1:8000", id="leading-zero-port"),
+        pytest.param("[FD00:0::1]:8000", "[fd00::1]:8000", id="ipv6-case-and-zeros"),
+        pytest.param("[::1]:8000", "[::1]:8000", id="ipv6-already-canonical"),
+    ],
+)
+def test_addresses_are_stored_canonical(raw: str, canonical: str) -> None:
+    config = parse_config(_doc({"address": raw}, listen=raw))
+    assert config.endpoints[0].address == canonical
+    assert config.listen == canonical
+
+
+@pytest.mark.parametrize("policy", [pytest.param(name, id=name) for name in PRESET_NAMES])
+def test_every_preset_name_is_a_valid_policy(policy: str) -> None:
+    assert parse_config(_doc(policy=policy)).policy == policy
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(1024, id="lowest"),
+        pytest.param(1 << 30, id="highest"),
+        pytest.param(65536, id="middle"),
+    ],
+)
+def test_max_body_bytes_bounds_are_inclusive(value: int) -> None:
+    assert parse_config(_doc(max_body_bytes=value)).max_body_bytes == value
+
+
+@pytest.mark.parametrize(
+    ("models", "expected"),
+    [
+        pytest.param(["a"], frozenset({"a"}), id="one"),
+        pytest.param(["a", "b/c"], frozenset({"a", "b/c"}), id="two"),
+    ],
+)
+def test_models_become_a_frozenset(models: list[str], expected: frozenset[str]) -> None:
+    assert parse_config(_doc({"address": "10.0.0.1:1", "models": models})).endpoints[0].models == expected
+
+
+# (document, regex the ConfigError message must match). Each regex starts with the exact field it names.
+ERRORS = [
+    pytest.param(None, r"^config must be a mapping; got NoneType$", id="empty-document"),
+    pytest.param([1, 2], r"^config must be a mapping; got list$", id="top-level-list"),
+    pytest.param("pool", r"^config must be a mapping; got str$", id="top-level-string"),
+    pytest.param(
+        _doc(polcy="round-robin"),
+        r"^config: unknown key 'polcy' \(allowed: listen, max_body_bytes, policy, pool\)$",
+        id="unknown-top-key",
+    ),
+    pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
+    pytest.param({"pool": None}, r"^pool must be a mapping; got NoneType", id="pool-null"),
+    pytest.param({"pool": ["10.0.0.1:80"]}, r"^pool must be a mapping; got list", id="pool-list"),
+    pytest.param(
+        {"pool": {"endpoint": []}}, r"^pool: unknown key 'endpoint' \(allowed: endpoints\)", id="unknown-pool-key"
+    ),
+    pytest.param({"pool": {}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-missing"),
+    pytest.param({"pool": {"endpoints": []}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-empty"),
+    pytest.param(
+        {"pool": {"endpoints": {"address": "10.0.0.1:80"}}},
+        r"^pool\.endpoints must be a non-empty list",
+        id="endpoints-mapping",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, "10.0.0.2:80"),
+        r"^pool\.endpoints\[1\] must be a mapping; got str",
+        id="endpoint-string",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, {"models": ["m"]}),
+        r"^pool\.endpoints\[1\]\.address is required",
+        id="address-missing",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, {"address": "10.0.0.2:80", "weight": 2}),
+        r"^pool\.endpoints\[1\]: unknown key 'weight' \(allowed: address, labels, models\)",
+        id="unknown-endpoint-key",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, {"address": "vllm-0:8000"}),
+        r"^pool\.endpoints\[1\]\.address: 'vllm-0:8000': 'vllm-0' is not a literal IP address",
+        id="address-hostname",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, {"address": "10.0.0.2"}),
+        r"^pool\.endpoints\[1\]\.address: '10\.0\.0\.2' must be a literal 'ip:port'",
+        id="address-no-port",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, {"address": "10.0.0.2:0"}),
+        r"^pool\.endpoints\[1\]\.address: '10\.0\.0\.2:0': port must be an integer in 1\.\.65535",
+        id="address-port-zero",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, {"address": 8000}),
+        r"^pool\.endpoints\[1\]\.address: must be a literal 'ip:port' string",
+        id="address-int",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, {"address": None}),
+        r"^pool\.endpoints\[1\]\.address: must be a literal 'ip:port' string",
+        id="address-null",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80"}, {"address": "10.0.0.1:80"}),
+        r"^pool\.endpoints\[1\]\.address '10\.0\.0\.1:80' repeats pool\.endpoints\[0\]$",
+        id="duplicate",
+    ),
+    pytest.param(
+        _doc({"address": "[::1]:80"}, {"address": "10.0.0.1:80"}, {"address": "[0:0::1]:080"}),
+        r"^pool\.endpoints\[2\]\.address '\[::1\]:80' repeats pool\.endpoints\[0\]$",
+        id="duplicate-after-canonicalising",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "models": []}),
+        r"^pool\.endpoints\[0\]\.models must be a non-empty list of model names \(omit it to accept any\)",
+        id="models-empty",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "models": "m"}),
+        r"^pool\.endpoints\[0\]\.models must be a non-empty list",
+        id="models-string",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "models": None}),
+        r"^pool\.endpoints\[0\]\.models must be a non-empty list",
+        id="models-null",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "models": ["a", 7]}),
+        r"^pool\.endpoints\[0\]\.models\[1\] must be a non-empty string; got 7$",
+        id="model-int",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "models": ["a", "b", ""]}),
+        r"^pool\.endpoints\[0\]\.models\[2\] must be a non-empty string; got ''$",
+        id="model-empty",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "labels": ["zone=a"]}),
+        r"^pool\.endpoints\[0\]\.labels must be a mapping; got list",
+        id="labels-list",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "labels": {"zone": 1}}),
+        r"^pool\.endpoints\[0\]\.labels\.zone must be a non-empty string; got 1$",
+        id="label-value-int",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "labels": {"zone": None}}),
+        r"^pool\.endpoints\[0\]\.labels\.zone must be a non-empty string; got None$",
+        id="label-value-null",
+    ),
+    pytest.param(
+        _doc({"address": "10.0.0.1:80", "labels": {3: "a"}}),
+        r"^pool\.endpoints\[0\]\.labels key must be a non-empty string; got 3$",
+        id="label-key-int",
+    ),
+    pytest.param(
+        _doc(listen="localhost:9002"),
+        r"^listen: 'localhost:9002': 'localhost' is not a literal IP address",
+        id="listen-hostname",
+    ),
+    pytest.param(_doc(listen=9002), r"^listen: must be a literal 'ip:port' string", id="listen-int"),
+    pytest.param(
+        _doc(policy="fastest"),
+        r"^policy must be one of round-robin, least-request; got 'fastest'$",
+        id="policy-unknown",
+    ),
+    pytest.param(_doc(policy=""), r"^policy must be a non-empty string; got ''$", id="policy-empty"),
+    pytest.param(
+        _doc(policy=["round-robin"]), r"^policy must be a non-empty string; got \['round-robin'\]$", id="policy-list"
+    ),
+    pytest.param(
+        _doc(max_body_bytes=1023),
+        r"^max_body_bytes must be an integer in 1024\.\.1073741824; got 1023$",
+        id="max-body-too-small",
+    ),
+    pytest.param(
+        _doc(max_body_bytes=(1 << 30) + 1),
+        r"^max_body_bytes must be an integer in 1024\.\.1073741824; got 1073741825$",
+        id="max-body-too-big",
+    ),
+    pytest.param(_doc(max_body_bytes=0), r"^max_body_bytes must be an integer", id="max-body-zero"),
+    pytest.param(_doc(max_body_bytes=-4096), r"^max_body_bytes must be an integer", id="max-body-negative"),
+    pytest.param(
+        _doc(max_body_bytes=True),
+        r"^max_body_bytes must be an integer in 1024\.\.1073741824; got True$",
+        id="max-body-bool",
+    ),
+    pytest.param(
+        _doc(max_body_bytes=4096.0),
+        r"^max_body_bytes must be an integer in 1024\.\.1073741824; got 4096\.0$",
+        id="max-body-float",
+    ),
+    pytest.param(
+        _doc(max_body_bytes="4096"),
+        r"^max_body_bytes must be an integer in 1024\.\.1073741824; got '4096'$",
+        id="max-body-string",
+    ),
+    pytest.param(_doc(max_body_bytes=None), r"^max_body_bytes must be an integer", id="max-body-null"),
+]
+
+
+@pytest.mark.parametrize(("document", "pattern"), ERRORS)
+def test_parse_config_errors_name_the_exact_field(document: Any, pattern: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(document)
+    assert re.search(pattern, str(info.value)), str(info.value)
+    assert isinstance(info.value, ScorerError)
+
+
+def test_load_config_reads_a_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "inferlb.yaml"
+    path.write_text(GOOD_YAML, encoding="utf-8")
+    assert load_config(path) == parse_config(yaml.safe_load(GOOD_YAML))
+    assert load_config(str(path)) == load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "pattern"),
+    [
+        pytest.param("pool: [unclosed\n", r"not valid YAML", id="invalid-yaml"),
+        pytest.param("listen: 127.0.0.1:9002\n\tpool: {}\n", r"not valid YAML", id="tab-indent"),
+        pytest.param("", r"config must be a mapping; got NoneType", id="empty-file"),
+        pytest.param(
+            "pool:\n  endpoints:\n    - address: 10.0.0.1:80\n    - address: 10.0.0.1:80\n",
+            r"pool\.endpoints\[1\]\.address '10\.0\.0\.1:80' repeats pool\.endpoints\[0\]",
+            id="validation-error",
+        ),
+    ],
+)
+def test_load_config_errors_name_the_file(tmp_path: Path, content: str, pattern: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    assert re.search(pattern, message), message
+
+
+def test_load_config_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError, match=r"^cannot read config file .*absent\.yaml: No such file or directory$"):
+        load_config(path)
+
+
+def test_load_config_directory(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^cannot read config file "):
+        load_config(tmp_path)
+
+
+def test_load_config_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"listen: 127.0.0.1:9002 # caf\xe9\npool: {endpoints: [{address: 10.0.0.1:80}]}\n")
+    with pytest.raises(ConfigError, match=r"latin1\.yaml"):
+        load_config(path)
+
+
+def test_load_config_deeply_nested_yaml_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "deep.yaml"
+    path.write_text("pool: " + "[" * 1000 + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"deep\.yaml"):
+        load_config(path)

@@ -1,0 +1,89 @@
+"""Tests for scorer/inflight.py: per-endpoint request and token counters, and idempotent leases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inferlb.scorer.inflight import InFlight, Lease
+
+
+def test_starts_at_zero() -> None:
+    inflight = InFlight(3)
+    assert inflight.requests.tolist() == [0, 0, 0]
+    assert inflight.tokens.tolist() == [0, 0, 0]
+    assert inflight.requests.dtype == inflight.tokens.dtype == np.int64
+    assert inflight.total() == 0
+
+
+@pytest.mark.parametrize(
+    ("acquires", "requests", "tokens"),
+    [
+        pytest.param([(0, 10)], [1, 0, 0], [10, 0, 0], id="one"),
+        pytest.param([(1, 5), (1, 7)], [0, 2, 0], [0, 12, 0], id="same-endpoint"),
+        pytest.param([(0, 1), (1, 2), (2, 3)], [1, 1, 1], [1, 2, 3], id="spread"),
+        pytest.param([(2, 0)], [0, 0, 1], [0, 0, 0], id="zero-tokens"),
+    ],
+)
+def test_acquire_counts_requests_and_tokens(
+    acquires: list[tuple[int, int]], requests: list[int], tokens: list[int]
+) -> None:
+    inflight = InFlight(3)
+    leases = [inflight.acquire(i, t) for i, t in acquires]
+    assert inflight.requests.tolist() == requests
+    assert inflight.tokens.tolist() == tokens
+    assert inflight.total() == len(acquires)
+    assert [(lease.index, lease.tokens, lease.released) for lease in leases] == [(i, t, False) for i, t in acquires]
+    for lease in leases:
+        lease.release()
+    assert inflight.requests.tolist() == [0, 0, 0]
+    assert inflight.tokens.tolist() == [0, 0, 0]
+    assert inflight.total() == 0
+
+
+def test_release_is_idempotent() -> None:
+    inflight = InFlight(2)
+    kept = inflight.acquire(0, 100)
+    lease = inflight.acquire(0, 40)
+    assert isinstance(lease, Lease)
+    for _ in range(3):
+        lease.release()
+        assert lease.released
+        assert inflight.requests.tolist() == [1, 0]
+        assert inflight.tokens.tolist() == [100, 0]
+    kept.release()
+    assert inflight.requests.tolist() == [0, 0]
+    assert inflight.tokens.tolist() == [0, 0]
+
+
+def test_many_leases_in_random_order_return_to_zero() -> None:
+    rng = np.random.default_rng(7)
+    size = 5
+    inflight = InFlight(size)
+    indices = rng.integers(0, size, 5000)
+    tokens = rng.integers(0, 4000, 5000)
+    leases = [inflight.acquire(int(i), int(t)) for i, t in zip(indices, tokens, strict=True)]
+    assert inflight.requests.tolist() == np.bincount(indices, minlength=size).tolist()
+    assert inflight.tokens.tolist() == np.bincount(indices, weights=tokens, minlength=size).astype(np.int64).tolist()
+    assert inflight.total() == 5000
+
+    order = rng.permutation(len(leases))
+    half = order[: len(order) // 2]
+    for k in half:
+        leases[k].release()
+        leases[k].release()  # every exit path may release again
+    remaining = np.setdiff1d(np.arange(len(leases)), half)
+    assert inflight.requests.tolist() == np.bincount(indices[remaining], minlength=size).tolist()
+    assert inflight.total() == len(remaining)
+
+    for lease in leases:
+        lease.release()
+    assert inflight.requests.tolist() == [0] * size
+    assert inflight.tokens.tolist() == [0] * size
+
+
+def test_two_counters_are_independent() -> None:
+    first, second = InFlight(2), InFlight(2)
+    first.acquire(1, 3)
+    assert second.requests.tolist() == [0, 0]
+    assert first.requests.tolist() == [0, 1]

@@ -1,0 +1,76 @@
+"""Pins the public names of the scorer and filter packages: a change to either list must be deliberate."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC = {
+    "inferlb.scorer": [
+        "PRESET_NAMES",
+        "Config",
+        "ConfigError",
+        "Decision",
+        "Endpoint",
+        "EndpointConfig",
+        "Engine",
+        "Filter",
+        "InFlight",
+        "Lease",
+        "NoEndpointError",
+        "Picker",
+        "Pool",
+        "Profile",
+        "RequestFeatures",
+        "RoutingError",
+        "Scorer",
+        "ScorerError",
+        "State",
+        "UnknownModelError",
+        "WeightedScorer",
+        "build_profile",
+        "estimate_tokens",
+        "load_config",
+        "parse_config",
+    ],
+    "inferlb.filter": [
+        "DESTINATION_HEADER",
+        "EXT_PROC_SERVICE",
+        "METADATA_NAMESPACE",
+        "ExtProcService",
+        "FilterStats",
+        "MalformedRequestError",
+        "ModelNotFoundError",
+        "NoEndpointAvailableError",
+        "PayloadTooLargeError",
+        "PickerServer",
+        "RequestError",
+        "RouteReplies",
+        "apply_body",
+        "error_reply",
+        "features_from_headers",
+    ],
+}
+
+
+def _isort_key(name: str) -> tuple[int, str]:
+    """The order ruff's RUF022 keeps ``__all__`` in: CONSTANTS, then Classes, then functions."""
+    return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
+
+
+@pytest.mark.parametrize(("package", "names"), [pytest.param(p, n, id=p) for p, n in PUBLIC.items()])
+def test_all_is_pinned_and_sorted(package: str, names: list[str]) -> None:
+    module = importlib.import_module(package)
+    assert module.__all__ == names
+    assert names == sorted(names, key=_isort_key)
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize(
+    ("package", "name"), [pytest.param(p, n, id=f"{p}.{n}") for p, names in PUBLIC.items() for n in names]
+)
+def test_each_public_name_is_importable(package: str, name: str) -> None:
+    namespace: dict[str, object] = {}
+    exec(f"from {package} import {name}", namespace)
+    assert namespace[name] is getattr(importlib.import_module(package), name)
