@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     envoy.add_argument("--message-timeout-ms", type=int, default=1000, help="how long Envoy waits for a pick")
     envoy.add_argument("--fallback-lb-policy", default="LEAST_REQUEST", choices=FALLBACK_POLICIES)
     envoy.add_argument("--access-log", default="/dev/stdout", help="access log path, or 'none'")
+    envoy.add_argument(
+        "--forward-header",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also send this request header to the picker (repeatable)",
+    )
     envoy.add_argument("--out", type=Path, help="write here instead of stdout")
     envoy.set_defaults(run=_envoy_config)
 
@@ -102,6 +109,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
         message_timeout_ms=args.message_timeout_ms,
         fallback_lb_policy=args.fallback_lb_policy,
         access_log_path=None if args.access_log == "none" else args.access_log,
+        forward_headers=tuple(args.forward_header),
     )
     text = render_bootstrap(load_config(args.config), options)
     if args.out:

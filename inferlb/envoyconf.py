@@ -15,6 +15,8 @@ TEMPLATE = "bootstrap.yaml.j2"
 # Routes whose JSON body the picker reads; every other /v1/ route is decided from the headers alone.
 BODY_ROUTES = ("/v1/completions", "/v1/chat/completions")
 FALLBACK_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
+# The request headers Envoy sends to the picker; it reads nothing else.
+FORWARD_HEADERS = (":path", ":method", "x-request-id")
 
 
 class EnvoyConfigError(ValueError):
@@ -38,6 +40,7 @@ class EnvoyOptions:
     max_requests: int = 65536
     access_log_path: str | None = "/dev/stdout"
     picker: bool = True
+    forward_headers: tuple[str, ...] = FORWARD_HEADERS
 
 
 def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
@@ -74,6 +77,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         max_requests=options.max_requests,
         access_log_path=options.access_log_path,
         body_routes=BODY_ROUTES,
+        forward_headers=sorted({*FORWARD_HEADERS, *(h.lower() for h in options.forward_headers)}),
     )
     yaml.safe_load(text)  # a template bug shows here, not as an Envoy start-up failure
     return text

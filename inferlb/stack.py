@@ -23,9 +23,16 @@ READY_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class StackOptions:
-    """The shape of a local gateway. ``backends`` stand-in servers all serve ``models``."""
+    """The shape of a local gateway. ``backends`` stand-in servers all serve ``models``.
+
+    ``servers`` names servers that are already running instead (no stand-ins are started then), and
+    ``picker_command`` replaces ``inferlb serve`` (it gets ``--config FILE`` appended and must serve gRPC
+    health); the benchmarks use both.
+    """
 
     backends: int = 3
+    servers: tuple[str, ...] = ()
+    picker_command: tuple[str, ...] = ()
     models: tuple[str, ...] = ("demo-model",)
     policy: str = "least-request"
     token_delay_ms: float = 5.0
@@ -40,7 +47,7 @@ class LocalStack:
     def __init__(self, options: StackOptions, workdir: Path) -> None:
         self.options = options
         self.workdir = workdir
-        self.endpoints = [f"127.0.0.1:{free_port()}" for _ in range(options.backends)]
+        self.endpoints = list(options.servers) or [f"127.0.0.1:{free_port()}" for _ in range(options.backends)]
         self.picker_address = f"127.0.0.1:{free_port()}"
         self.gateway_address = f"127.0.0.1:{free_port()}"
         self.admin_address = f"127.0.0.1:{free_port()}"
@@ -87,7 +94,8 @@ class LocalStack:
             access_log_path=str(self.access_log_path),
         )
         self.envoy_path.write_text(render_bootstrap(self.config, envoy_options), encoding="utf-8")
-        self.start_backends()
+        if not self.options.servers:
+            self.start_backends()
         if envoy_options.picker:
             self.start_picker()
         self.start_envoy()
@@ -104,8 +112,14 @@ class LocalStack:
             self.backends.wait_ready(http_ok(f"http://{address}/health"), READY_TIMEOUT_S, f"serving on {address}")
 
     def start_picker(self) -> None:
-        argv = [find_tool("inferlb"), "--log-level", self.options.picker_log_level, "serve", "--config"]
-        self.picker = ManagedProcess("picker", [*argv, str(self.config_path)], self.workdir / "picker.log").start()
+        argv = list(self.options.picker_command) or [
+            find_tool("inferlb"),
+            "--log-level",
+            self.options.picker_log_level,
+            "serve",
+        ]
+        argv += ["--config", str(self.config_path)]
+        self.picker = ManagedProcess("picker", argv, self.workdir / "picker.log").start()
         self.picker.wait_ready(grpc_serving(self.picker_address), READY_TIMEOUT_S, "serving")
 
     def start_envoy(self) -> None:

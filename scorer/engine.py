@@ -44,7 +44,11 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
-    """Scores candidates in [0, 1], higher is better; returns an array aligned with ``candidates``."""
+    """Scores candidates in [0, 1], higher is better; returns an array aligned with ``candidates``.
+
+    A scorer may set a class attribute ``bounded = True`` to promise a float64 ndarray in [0, 1] without NaN;
+    the engine then skips its clamp (numpy's per-call cost is most of a pick on a small pool).
+    """
 
     name: str
 
@@ -123,7 +127,8 @@ class Engine:
         for ws in self.profile.scorers:
             scores = self._run_scorer(ws.scorer, request, candidates)
             per_scorer.append((ws.scorer.name, scores))
-            totals = ws.weight * scores if totals is None else totals + ws.weight * scores
+            weighted = scores if ws.weight == 1.0 else ws.weight * scores
+            totals = weighted if totals is None else totals + weighted
         if totals is None:
             totals = np.zeros(len(candidates))
         position = self.profile.picker.pick(request, candidates, totals)
@@ -139,9 +144,13 @@ class Engine:
 
     def _run_scorer(self, scorer: Scorer, request: RequestFeatures, candidates: np.ndarray) -> np.ndarray:
         try:
-            scores = np.asarray(scorer.score(request, self.state, candidates), dtype=np.float64)
+            scores = scorer.score(request, self.state, candidates)
+            if type(scores) is not np.ndarray or scores.dtype != np.float64:
+                scores = np.asarray(scores, dtype=np.float64)
             if scores.shape != candidates.shape:
                 raise ValueError(f"returned shape {scores.shape}, expected {candidates.shape}")
+            if getattr(scorer, "bounded", False):
+                return scores
             # fmax/fmin (not clip) so that a NaN, from a scorer dividing by zero say, becomes 0 instead of
             # poisoning the sum; they are also several times cheaper than clip on small arrays.
             return np.fmin(np.fmax(scores, 0.0), 1.0)

@@ -16,7 +16,10 @@ class ModelFilter:
     name = "model"
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        mask = state.pool.model_mask(request.model)
+        pool = state.pool
+        if candidates is pool.all_indices:  # the usual case, first in the chain: a precomputed answer
+            return pool.model_indices(request.model)
+        mask = pool.model_mask(request.model)
         return candidates[mask[candidates]]
 
 
@@ -28,18 +31,20 @@ class InFlightScorer:
     """
 
     name = "in-flight"
+    bounded = True
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         load = state.inflight.requests[candidates]
-        return 1.0 / (1.0 + (load - load.min()))
+        return np.reciprocal(load - (load.min() - 1), dtype=np.float64)
 
 
 class MaxScorePicker:
     """Picks the highest total score; ties are broken uniformly at random (so equal endpoints share load).
 
-    Totals closer than ``TIE`` (relative to the largest total) count as equal: a jitter below that is added
-    before the argmax, which breaks ties at random in one vectorised step. The jitter is drawn in blocks,
-    because drawing a few random numbers per request costs more than the rest of the pick.
+    A jitter below ``TIE`` is added before the argmax, which breaks ties at random in two vectorised steps;
+    totals closer than that count as equal. It is drawn in blocks, because drawing a few random numbers per
+    request costs more than the rest of the pick. Totals must stay below ~1e4 (the sum of a profile's weights)
+    for the jitter to survive float64 rounding.
     """
 
     name = "max-score"
@@ -60,8 +65,7 @@ class MaxScorePicker:
             self._jitter = self._rng.random(max(self.BLOCK, n)) * self.TIE
             start = 0
         self._cursor = start + n
-        scale = max(1.0, float(np.abs(totals).max()))
-        return int(np.argmax(totals + self._jitter[start : start + n] * scale))
+        return int((totals + self._jitter[start : start + n]).argmax())
 
 
 class RoundRobinPicker:

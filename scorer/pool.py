@@ -49,8 +49,11 @@ class Pool:
         self._masks = {model: np.array([e.serves(model) for e in built], dtype=bool) for model in self.served_models}
         self._all = np.ones(len(built), dtype=bool)
         self.all_indices = np.arange(len(built), dtype=np.intp)
+        self._indices = {model: np.flatnonzero(mask) for model, mask in self._masks.items()}
+        self._any_model_indices = np.flatnonzero(self._any_model)
         # Handed to every plugin on every request: a plugin editing one in place must fail, not corrupt the pool.
-        for array in (self._any_model, self._all, self.all_indices, *self._masks.values()):
+        arrays = (self._any_model, self._all, self.all_indices, self._any_model_indices)
+        for array in (*arrays, *self._masks.values(), *self._indices.values()):
             array.flags.writeable = False
 
     def __len__(self) -> int:
@@ -72,4 +75,16 @@ class Pool:
             return mask
         if self._any_model.any():
             return self._any_model
+        raise UnknownModelError(model, self.served_models)
+
+    def model_indices(self, model: str | None) -> np.ndarray:
+        """Indices of the endpoints that serve ``model`` (all for None), ascending; the same contract and
+        errors as ``model_mask``."""
+        if model is None:
+            return self.all_indices
+        indices = self._indices.get(model)
+        if indices is not None:
+            return indices
+        if len(self._any_model_indices):
+            return self._any_model_indices
         raise UnknownModelError(model, self.served_models)

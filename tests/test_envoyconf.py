@@ -66,6 +66,8 @@ def test_picker_wiring() -> None:
     assert ext_proc["failure_mode_allow"] is True
     assert ext_proc["message_timeout"] == "0.750s"
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    forwarded = [p["exact"] for p in ext_proc["forward_rules"]["allowed_headers"]["patterns"]]
+    assert sorted(forwarded) == [":method", ":path", "x-request-id"]
     by_name = clusters(doc)
     picker = by_name["inferlb_picker"]
     assert "http2_protocol_options" in str(picker["typed_extension_protocol_options"])
@@ -133,3 +135,10 @@ def test_picker_on_all_interfaces_is_reached_over_loopback() -> None:
 def test_invalid_options_are_named(options: EnvoyOptions, words: str) -> None:
     with pytest.raises(EnvoyConfigError, match=words):
         render_bootstrap(CONFIG, options)
+
+
+def test_extra_forwarded_headers_are_added_lowercased() -> None:
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(forward_headers=("X-Session-Id",))))
+    ext_proc = hcm(doc)["http_filters"][0]["typed_config"]
+    forwarded = [p["exact"] for p in ext_proc["forward_rules"]["allowed_headers"]["patterns"]]
+    assert "x-session-id" in forwarded and ":path" in forwarded

@@ -1,0 +1,312 @@
+"""What the picker hop adds: Envoy + inferlb against Envoy alone (ROUND_ROBIN) and against Envoy + a
+do-nothing ext_proc server, over the same backends, in the same run, at several concurrencies.
+
+    python -m inferlb.bench.hop --out bench/results [--quick]
+
+The backends are one Envoy answering with a fixed completion on several ports, so they cost next to nothing;
+the load is wrk (closed loop, one connection per concurrent client). Per variant and concurrency it reports
+req/s, latency p50/p90/p99, and the CPU time per request of the picker process and of the gateway Envoy.
+It also measures inferlb's own per-request work in process (no gRPC), and samples the picker with py-spy
+under load to show where its time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from inferlb.bench import micro, pyspy
+from inferlb.bench.load import LoadResult, cpu_seconds, run_wrk
+from inferlb.envoyconf import EnvoyOptions
+from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
+from inferlb.stack import LocalStack, StackOptions
+
+MODEL = "bench-model"
+PROMPT = "Summarise the following text. " * 33  # ~1 KB of prompt, a typical chat turn
+BODY = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 64})
+COMPLETION = json.dumps(
+    {"id": "cmpl-1", "object": "text_completion", "model": MODEL, "choices": [{"index": 0, "text": "ok"}]}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    gateway: str  # which stack serves it: "envoy" (no picker), "noop", "inferlb"
+    path: str
+    body: bool
+
+
+VARIANTS = (
+    Variant("envoy-rr headers", "envoy", "/v1/embeddings", False),
+    Variant("noop headers", "noop", "/v1/embeddings", False),
+    Variant("inferlb headers", "inferlb", "/v1/embeddings", False),
+    Variant("envoy-rr body", "envoy", "/v1/completions", True),
+    Variant("noop body", "noop", "/v1/completions", True),
+    Variant("inferlb body", "inferlb", "/v1/completions", True),
+)
+
+
+@dataclass(slots=True)
+class Row:
+    variant: str
+    concurrency: int
+    rps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    errors: int
+    requests: int
+    picker_cpu_us: float | None
+    envoy_cpu_us: float
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds per measured run")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--backends", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per variant and concurrency, interleaved")
+    parser.add_argument("--quick", action="store_true", help="2 s runs, no profile")
+    args = parser.parse_args(argv)
+    duration = 2.0 if args.quick else args.duration
+    workdir = args.out / "work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(UTC)
+
+    print("in-process per-request work (no gRPC) ...", flush=True)
+    own = {
+        "headers": micro.per_request_us(micro.make_service(args.backends), with_body=False),
+        "body": micro.per_request_us(micro.make_service(args.backends), with_body=True),
+        "decide": {n: micro.decide_us(n, "least-request") for n in (8, 64, 1024)},
+    }
+
+    backends = _start_backends(args.backends, workdir)
+    stacks: dict[str, LocalStack] = {}
+    try:
+        common = StackOptions(servers=tuple(backends.addresses), models=(MODEL,), envoy_concurrency=1)
+        no_log = EnvoyOptions(access_log_path=None)
+        stacks["envoy"] = LocalStack(
+            _with(common, envoy=EnvoyOptions(access_log_path=None, picker=False, fallback_lb_policy="ROUND_ROBIN")),
+            workdir / "envoy",
+        )
+        noop = (sys.executable, "-m", "inferlb.bench.noop_picker")
+        stacks["noop"] = LocalStack(_with(common, envoy=no_log, picker_command=noop), workdir / "noop")
+        stacks["inferlb"] = LocalStack(_with(common, envoy=no_log, picker_log_level="warning"), workdir / "inferlb")
+        for stack in stacks.values():
+            stack.start()
+        rows = []
+        repeats = 1 if args.quick else args.repeats
+        for concurrency in args.concurrency:
+            runs: dict[str, list[Row]] = {v.name: [] for v in VARIANTS}
+            for r in range(repeats):
+                # Rotate the order between rounds so that drift on a noisy machine does not favour one variant.
+                shift = (r * 2 + concurrency) % len(VARIANTS)
+                for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                    row = _measure(stacks[variant.gateway], variant, concurrency, duration)
+                    print(f"  c={concurrency:<3} {variant.name:<18} {row.rps:8.0f} req/s  p50 {row.p50_ms:.2f} ms")
+                    runs[variant.name].append(row)
+            rows += [_combine(runs[v.name]) for v in VARIANTS]
+        profile = None if args.quick else _profile(stacks["inferlb"], workdir, duration=10.0)
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+        backends.process.stop()
+
+    meta = _machine(started, argv)
+    results = {"meta": meta, "own_work": own, "rows": [asdict(r) for r in rows], "profile": profile}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hop.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    report = _markdown(results)
+    (args.out / "hop.md").write_text(report, encoding="utf-8")
+    print(report)
+    return 0
+
+
+def _with(options: StackOptions, **changes: Any) -> StackOptions:
+    from dataclasses import replace
+
+    return replace(options, **changes)
+
+
+@dataclass
+class _Backends:
+    process: ManagedProcess
+    addresses: list[str]
+
+
+def _start_backends(count: int, workdir: Path) -> _Backends:
+    ports = [free_port() for _ in range(count)]
+    admin = free_port()
+    template = files("inferlb.bench").joinpath("backends.yaml.j2").read_text(encoding="utf-8")
+    text = (
+        jinja2.Environment(undefined=jinja2.StrictUndefined)
+        .from_string(template)
+        .render(ports=ports, admin_port=admin, body=COMPLETION)
+    )
+    path = workdir / "backends.yaml"
+    path.write_text(text, encoding="utf-8")
+    argv = [find_tool("envoy"), "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
+    process = ManagedProcess("backend envoy", argv, workdir / "backends.log").start()
+    process.wait_ready(http_ok(f"http://127.0.0.1:{admin}/ready"), 30, "ready")
+    return _Backends(process, [f"127.0.0.1:{p}" for p in ports])
+
+
+def _measure(stack: LocalStack, variant: Variant, concurrency: int, duration: float) -> Row:
+    url = stack.gateway_url + variant.path
+    method, body = ("POST", BODY) if variant.body else ("GET", "")
+    run_wrk(url, connections=concurrency, duration_s=1.0, method=method, body=body)  # warm-up
+    picker_pid = stack.picker.pid if stack.picker else None
+    envoy_pid = stack.envoy.pid if stack.envoy else 0
+    picker_before = cpu_seconds(picker_pid) if picker_pid else 0.0
+    envoy_before = cpu_seconds(envoy_pid)
+    result: LoadResult = run_wrk(url, connections=concurrency, duration_s=duration, method=method, body=body)
+    picker_cpu = (cpu_seconds(picker_pid) - picker_before) if picker_pid else None
+    envoy_cpu = cpu_seconds(envoy_pid) - envoy_before
+    n = max(result.requests, 1)
+    return Row(
+        variant=variant.name,
+        concurrency=concurrency,
+        rps=result.rps,
+        p50_ms=result.p50_us / 1000,
+        p90_ms=result.p90_us / 1000,
+        p99_ms=result.p99_us / 1000,
+        errors=result.errors,
+        requests=result.requests,
+        picker_cpu_us=None if picker_cpu is None else picker_cpu / n * 1e6,
+        envoy_cpu_us=envoy_cpu / n * 1e6,
+    )
+
+
+def _combine(runs: list[Row]) -> Row:
+    """One row from repeated runs: totals for throughput and CPU, the median run for each latency figure."""
+    requests = sum(r.requests for r in runs)
+    seconds = sum(r.requests / r.rps for r in runs if r.rps)
+    pickers = [r.picker_cpu_us * r.requests for r in runs if r.picker_cpu_us is not None]
+    return Row(
+        variant=runs[0].variant,
+        concurrency=runs[0].concurrency,
+        rps=requests / seconds if seconds else 0.0,
+        p50_ms=statistics.median(r.p50_ms for r in runs),
+        p90_ms=statistics.median(r.p90_ms for r in runs),
+        p99_ms=statistics.median(r.p99_ms for r in runs),
+        errors=sum(r.errors for r in runs),
+        requests=requests,
+        picker_cpu_us=sum(pickers) / requests if pickers else None,
+        envoy_cpu_us=sum(r.envoy_cpu_us * r.requests for r in runs) / requests,
+    )
+
+
+def _profile(stack: LocalStack, workdir: Path, duration: float) -> dict[str, Any] | None:
+    if stack.picker is None:
+        return None
+    raw = workdir / "pyspy-inferlb-body.txt"
+    sampler = pyspy.start(stack.picker.pid, duration, raw)
+    if sampler is None:
+        print("py-spy not installed: no profile", flush=True)
+        return None
+    time.sleep(0.5)  # py-spy attaches; the load below is what it samples
+    run_wrk(stack.gateway_url + "/v1/completions", connections=16, duration_s=duration - 1, method="POST", body=BODY)
+    sampler.wait(duration + 30)
+    if sampler.returncode != 0 or not raw.exists():
+        print(f"py-spy failed (exit {sampler.returncode}): no profile", flush=True)
+        return None
+    return pyspy.summarise(raw)
+
+
+def _machine(started: datetime, argv: list[str] | None) -> dict[str, Any]:
+    envoy_version = subprocess.run([find_tool("envoy"), "--version"], capture_output=True, text=True).stdout.strip()
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m inferlb.bench.hop " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "python": platform.python_version(),
+        "envoy": envoy_version.split("version:")[-1].strip(),
+    }
+
+
+def _markdown(results: dict[str, Any]) -> str:
+    meta, own, rows = results["meta"], results["own_work"], results["rows"]
+    out = [
+        "# Picker hop cost",
+        "",
+        f"{meta['date']} · `{meta['command']}` · {meta['cpus']} CPUs ({meta['cpu_model']}) · Python {meta['python']}"
+        f" · Envoy {meta['envoy']}",
+        "",
+        "Everything on one machine: wrk (1 thread), the gateway Envoy (1 worker), the picker (1 process), the",
+        "backend Envoy (1 worker). Latency is wrk's, client to client; CPU is per request, from /proc.",
+        "",
+        "| concurrency | variant | req/s | p50 ms | p90 ms | p99 ms | picker CPU µs/req | Envoy CPU µs/req | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        picker = "—" if r["picker_cpu_us"] is None else f"{r['picker_cpu_us']:.0f}"
+        out.append(
+            f"| {r['concurrency']} | {r['variant']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | "
+            f"{r['p99_ms']:.2f} | {picker} | {r['envoy_cpu_us']:.0f} | {r['errors']} |"
+        )
+    out += ["", "## inferlb against the floor (same run)", ""]
+    out += ["| concurrency | request | picker CPU inferlb/noop | p50 added vs Envoy alone: noop, inferlb (ms) |"]
+    out += ["|---:|---|---:|---|"]
+    by = {(r["variant"], r["concurrency"]): r for r in rows}
+    for c in sorted({r["concurrency"] for r in rows}):
+        for kind in ("headers", "body"):
+            base, noop, ours = (by.get((f"{g} {kind}", c)) for g in ("envoy-rr", "noop", "inferlb"))
+            if not (base and noop and ours and noop["picker_cpu_us"]):
+                continue
+            ratio = ours["picker_cpu_us"] / noop["picker_cpu_us"]
+            added = f"{noop['p50_ms'] - base['p50_ms']:+.2f}, {ours['p50_ms'] - base['p50_ms']:+.2f}"
+            out.append(f"| {c} | {kind} | {ratio:.2f}x | {added} |")
+    out += [
+        "",
+        "## inferlb's own work per request (in process, no gRPC)",
+        "",
+        "Protobuf parse of Envoy's messages (the headers our bootstrap forwards), features from headers and body,",
+        "the pick (least-request, 4 endpoints), the in-flight count, serialising the reply; best of 7 runs:",
+        "",
+        "| request | inferlb's own work µs | through the async stream handler µs |",
+        "|---|---:|---:|",
+        f"| headers only | {own['headers']['own']:.1f} | {own['headers']['handler']:.1f} |",
+        f"| 1 KB JSON body | {own['body']['own']:.1f} | {own['body']['handler']:.1f} |",
+        "",
+        "| endpoints | Engine.decide + in-flight p50 µs | p99 µs |",
+        "|---:|---:|---:|",
+    ]
+    for n, (p50, p99) in own["decide"].items():
+        out.append(f"| {n} | {p50:.1f} | {p99:.1f} |")
+    profile = results.get("profile")
+    if profile:
+        out += ["", f"## Where the picker's CPU goes (py-spy, {profile['samples']} samples, body requests, c=16)", ""]
+        cats = ", ".join(f"{k} {v:.0%}" for k, v in profile["by_category"].items())
+        out += [f"By the file of the innermost Python frame: {cats}.", "", "| self time | function |", "|---:|---|"]
+        out += [f"| {share:.1%} | `{frame}` |" for frame, share in profile["top_self"]]
+        out += ["", "| inclusive | inferlb function |", "|---:|---|"]
+        out += [f"| {share:.1%} | `{frame}` |" for frame, share in profile["top_inferlb_inclusive"]]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

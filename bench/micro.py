@@ -1,0 +1,112 @@
+"""inferlb's own work per request, without gRPC: parse what Envoy sends, pick, build the reply.
+
+Measured in process, so that the machine's noise and gRPC's cost (the larger part of a real hop) stay out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import timeit
+from collections.abc import AsyncIterator, Callable
+
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
+
+from inferlb.filter.request import apply_body, features_from_headers
+from inferlb.filter.server import ExtProcService
+from inferlb.scorer.config import parse_config
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+
+# What our bootstrap's forward_rules let Envoy send to the picker.
+HEADERS = [(":path", "/v1/completions"), (":method", "POST"), ("x-request-id", "0b55dbbe-f48a-4ba1-8161-2289f44aac2f")]
+BODY = json.dumps({"model": "bench-model", "prompt": "Summarise the following text. " * 33, "max_tokens": 64})
+
+
+def request_messages(with_body: bool) -> list[bytes]:
+    """The serialized ProcessingRequest messages of one request, as they arrive on the wire."""
+    headers = ProcessingRequest(
+        request_headers=HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in HEADERS]),
+            end_of_stream=not with_body,
+        )
+    )
+    if not with_body:
+        return [headers.SerializeToString()]
+    headers.protocol_config.request_body_mode = ProcessingMode.BUFFERED
+    body = ProcessingRequest(request_body=HttpBody(body=BODY.encode(), end_of_stream=True))
+    return [headers.SerializeToString(), body.SerializeToString()]
+
+
+def make_service(endpoints: int, policy: str = "least-request") -> ExtProcService:
+    addresses = [
+        {"address": f"10.0.{i // 250}.{i % 250 + 1}:8000", "models": ["bench-model"]} for i in range(endpoints)
+    ]
+    config = parse_config({"policy": policy, "pool": {"endpoints": addresses}})
+    return ExtProcService(Engine(Pool(config.endpoints), build_profile(policy)), max_body_bytes=config.max_body_bytes)
+
+
+def per_request_us(service: ExtProcService, with_body: bool, repeat: int = 7, n: int = 5000) -> dict[str, float]:
+    """Microseconds per request (best of ``repeat`` runs of ``n``; the best is the least disturbed run):
+
+    - ``own``: what inferlb adds to any ext_proc server: protobuf parse of Envoy's messages, features from
+      headers and body, the pick, the in-flight count, serialising the reply;
+    - ``handler``: the same driven through the servicer's async stream handler, without gRPC.
+    """
+    wire = request_messages(with_body)
+    engine = service.engine
+
+    def own() -> None:
+        first = ProcessingRequest.FromString(wire[0])
+        features = features_from_headers(first.request_headers.headers.headers)
+        replies = service.replies.headers
+        if with_body:
+            body = ProcessingRequest.FromString(wire[1]).request_body
+            apply_body(features, body.body, complete=body.end_of_stream, max_bytes=service.max_body_bytes)
+            replies = service.replies.body
+        decision = engine.decide(features)
+        lease = engine.inflight.acquire(decision.endpoint.index, features.prompt_tokens)
+        replies[decision.endpoint.index].SerializeToString()
+        lease.release()
+
+    async def one() -> None:
+        async def messages() -> AsyncIterator[ProcessingRequest]:
+            for raw in wire:
+                yield ProcessingRequest.FromString(raw)
+
+        async for reply in service.Process(messages(), None):
+            reply.SerializeToString()
+
+    async def handler_runs() -> list[float]:
+        samples = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for _ in range(n):
+                await one()
+            samples.append((time.perf_counter() - start) / n * 1e6)
+        return samples
+
+    own_runs = [t / n * 1e6 for t in timeit.repeat(own, number=n, repeat=repeat)]
+    return {"own": min(own_runs), "handler": min(asyncio.run(handler_runs()))}
+
+
+def decide_us(endpoints: int, policy: str, n: int = 20000) -> tuple[float, float]:
+    """(p50, p99) in µs of one ``Engine.decide`` + in-flight acquire/release on a pool of ``endpoints``."""
+    service = make_service(endpoints, policy)
+    engine = service.engine
+    from inferlb.scorer.features import RequestFeatures
+
+    features = RequestFeatures(model="bench-model", prompt_tokens=300, max_tokens=64)
+    timings = []
+    clock: Callable[[], int] = time.perf_counter_ns
+    for _ in range(n):
+        start = clock()
+        decision = engine.decide(features)
+        engine.inflight.acquire(decision.endpoint.index, 364).release()
+        timings.append(clock() - start)
+    timings.sort()
+    return timings[n // 2] / 1000, timings[int(n * 0.99)] / 1000
