@@ -19,6 +19,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 s runs, no profile")
     args = parser.parse_args(argv)
     duration = 2.0 if args.quick else args.duration
-    workdir = args.out / "work"
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="inferlb-hop-"))  # configs, logs and the raw profile
+    print(f"working files in {workdir}", flush=True)
     started = datetime.now(UTC)
 
     print("in-process per-request work (no gRPC) ...", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"inferlb: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("inferlb: interrupted; everything it started has been stopped", file=sys.stderr)
         return 130
 
 
@@ -121,6 +123,9 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from inferlb.demo import DemoOptions, run_demo
+
+    # SIGTERM (a supervisor, `timeout`) unwinds like Ctrl-C, so the demo stops what it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
 
     options = DemoOptions(
         backends=args.backends, requests=args.requests, concurrency=args.concurrency, policy=args.policy

@@ -78,17 +78,25 @@ def _request(i: int) -> tuple[str, dict[str, Any]]:
 
 
 async def _burst(base_url: str, options: DemoOptions) -> list[Outcome]:
-    limit = asyncio.Semaphore(options.concurrency)
+    """``options.requests`` requests from ``options.concurrency`` workers (closed loop); no new request
+    starts after ``BURST_DEADLINE_S`` seconds."""
+    outcomes: list[Outcome] = []
+    numbers = iter(range(options.requests))
+    deadline = time.monotonic() + BURST_DEADLINE_S
     async with httpx.AsyncClient(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as client:
 
-        async def one(i: int) -> Outcome:
-            path, body = _request(i)
-            async with limit:
-                return await _send(client, path, body)
+        async def worker() -> None:
+            for i in numbers:  # shared: each request number is taken by exactly one worker
+                if time.monotonic() > deadline:
+                    return
+                path, body = _request(i)
+                try:
+                    outcomes.append(await _send(client, path, body))
+                except httpx.HTTPError as exc:
+                    outcomes.append(Outcome(0, "", False, 0, "", repr(exc)))
 
-        tasks = [asyncio.create_task(one(i)) for i in range(options.requests)]
-        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), BURST_DEADLINE_S)
-    return [d if isinstance(d, Outcome) else Outcome(0, "", False, 0, "", repr(d)) for d in done]
+        await asyncio.gather(*(worker() for _ in range(options.concurrency)))
+    return outcomes
 
 
 async def _send(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Outcome:
@@ -167,6 +175,10 @@ def _report(
     p(f"logs, picker config and Envoy bootstrap: {out_dir}")
 
     failures = []
+    if len(outcomes) < options.requests:
+        failures.append(
+            f"only {len(outcomes)} of {options.requests} requests were sent within {BURST_DEADLINE_S:.0f} s"
+        )
     if len(ok) != len(outcomes):
         errors = Counter(o.error or f"HTTP {o.status}" for o in outcomes if o.status != 200)
         failures.append(f"{len(outcomes) - len(ok)} requests failed: {dict(errors)}")

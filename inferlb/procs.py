@@ -46,7 +46,9 @@ def find_tool(name: str) -> str:
 
 class ManagedProcess:
     """One child process with its output in a log file. It runs in a session of its own, so ``stop`` reaches
-    everything it started and a Ctrl-C in the terminal does not race our orderly shutdown."""
+    everything it started and a Ctrl-C in the terminal does not race our orderly shutdown. Where util-linux's
+    ``setpriv`` exists (Linux), the child also gets SIGTERM if we die without stopping it (SIGKILL, a crash),
+    so no Envoy or server outlives the demo or test that started it."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -57,9 +59,11 @@ class ManagedProcess:
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        setpriv = shutil.which("setpriv")
+        argv = [setpriv, "--pdeathsig", "TERM", "--", *self.argv] if setpriv else self.argv
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.argv,
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

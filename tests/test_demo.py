@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import io
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from inferlb.demo import DemoOptions, run_demo
+from inferlb.procs import find_tool
 
 pytestmark = pytest.mark.envoy
 
@@ -21,3 +25,30 @@ def test_demo_routes_every_request_through_the_picker(tmp_path: Path) -> None:
     assert "sent to the fallback cluster: 0" in text
     assert "HTTP 400" in text and "HTTP 404" in text
     assert (tmp_path / "envoy.yaml").exists() and (tmp_path / "picker.yaml").exists()
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if text in line and int(line.split()[0]) != os.getpid()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_demo_stops_everything_it_started(tmp_path: Path, sig: signal.Signals) -> None:
+    out_dir = tmp_path / "demo"
+    demo = subprocess.Popen(
+        [find_tool("inferlb"), "demo", "--requests", "1000000", "--concurrency", "4", "--out", str(out_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # bounded: the demo prints this line once the gateway is up
+            if line.startswith("gateway "):
+                break
+        assert _processes_mentioning(str(out_dir)), "the demo's picker and Envoy should be running"
+        demo.send_signal(sig)
+        assert demo.wait(30) == 130
+    finally:
+        demo.kill()
+    assert _processes_mentioning(str(out_dir)) == []
