@@ -286,7 +286,7 @@ def _markdown(results: dict[str, Any]) -> str:
         "## inferlb's own work per request (in process, no gRPC)",
         "",
         "Protobuf parse of Envoy's messages (the headers our bootstrap forwards), features from headers and body,",
-        "the pick (least-request, 4 endpoints), the in-flight count, serialising the reply; best of 7 runs:",
+        "the pick (least-request, 4 endpoints), the in-flight count, serialising the reply; best of 15 runs:",
         "",
         "| request | inferlb's own work µs | through the async stream handler µs |",
         "|---|---:|---:|",
@@ -301,8 +301,17 @@ def _markdown(results: dict[str, Any]) -> str:
     profile = results.get("profile")
     if profile:
         out += ["", f"## Where the picker's CPU goes (py-spy, {profile['samples']} samples, body requests, c=16)", ""]
-        cats = ", ".join(f"{k} {v:.0%}" for k, v in profile["by_category"].items())
-        out += [f"By the file of the innermost Python frame: {cats}.", "", "| self time | function |", "|---:|---|"]
+        out += ["| share of samples | where |", "|---:|---|"]
+        out += [f"| {v:.1%} | {k} |" for k, v in profile["by_category"].items()]
+        out += [
+            "",
+            "py-spy sees Python frames only: native time shows under the last Python frame above it. The event",
+            "loop's callbacks and the extra thread run gRPC's Cython/C core; `ExtProcService.Process` at its",
+            "`async for` line is gRPC reading the next message.",
+            "",
+            "| self time | function |",
+            "|---:|---|",
+        ]
         out += [f"| {share:.1%} | `{frame}` |" for frame, share in profile["top_self"]]
         out += ["", "| inclusive | inferlb function |", "|---:|---|"]
         out += [f"| {share:.1%} | `{frame}` |" for frame, share in profile["top_inferlb_inclusive"]]

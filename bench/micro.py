@@ -50,7 +50,7 @@ def make_service(endpoints: int, policy: str = "least-request") -> ExtProcServic
     return ExtProcService(Engine(Pool(config.endpoints), build_profile(policy)), max_body_bytes=config.max_body_bytes)
 
 
-def per_request_us(service: ExtProcService, with_body: bool, repeat: int = 7, n: int = 5000) -> dict[str, float]:
+def per_request_us(service: ExtProcService, with_body: bool, repeat: int = 15, n: int = 3000) -> dict[str, float]:
     """Microseconds per request (best of ``repeat`` runs of ``n``; the best is the least disturbed run):
 
     - ``own``: what inferlb adds to any ext_proc server: protobuf parse of Envoy's messages, features from

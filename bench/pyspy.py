@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
-# Where a sampled leaf frame's file lives decides its bucket; the first match wins.
-CATEGORIES = (
-    ("inferlb", ("/filter/", "/scorer/", "/inferlb/")),
-    ("grpc", ("grpc/", "grpc_health", "_cython", "cygrpc")),
-    ("protobuf", ("google/protobuf",)),
-    ("asyncio", ("asyncio/",)),
+# A frame of the request path's code, in filter/ or scorer/ (py-spy prints paths relative to the sys.path
+# entry, e.g. "ExtProcService.Process (filter/server.py:72)"). inferlb/ holds only the frames that start the
+# event loop, which sit under every stack.
+_OURS = re.compile(r"\((?:.*/)?(?:filter|scorer)/[^/]+\.py:\d+\)$")
+# Leaf frames whose self time is native code: py-spy shows the last Python frame above it. The event loop's
+# callbacks and the extra thread are gRPC's (its Cython/C core); the selector wait is the loop's epoll.
+_LEAVES = (
+    ("gRPC core, called from event-loop callbacks", "Handle._run (asyncio/events.py"),
+    ("gRPC core, in its own thread", "Thread.run (threading.py"),
+    ("event loop waiting in epoll", "EpollSelector.select (selectors.py"),
 )
 
 
@@ -28,10 +33,14 @@ def start(pid: int, duration_s: float, out: Path, rate: int = 500) -> subprocess
 
 
 def summarise(raw: Path, top: int = 12) -> dict[str, object]:
-    """Sample counts by category and the functions with the most self time, from py-spy's raw output."""
+    """Shares of samples: by where the time went, our functions inclusive, and the top leaf functions.
+
+    A stack with any frame of ours counts as inferlb's (with the protobuf and numpy calls it makes); the
+    others are classified by their leaf frame.
+    """
     leaves: Counter[str] = Counter()
-    categories: Counter[str] = Counter()
-    inclusive_ours: Counter[str] = Counter()
+    where: Counter[str] = Counter()
+    ours: Counter[str] = Counter()
     total = 0
     for line in raw.read_text(encoding="utf-8", errors="replace").splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -40,23 +49,25 @@ def summarise(raw: Path, top: int = 12) -> dict[str, object]:
         count = int(count_text)
         total += count
         frames = stack.split(";")
-        leaf = frames[-1]
-        leaves[leaf] += count
-        categories[_category(leaf)] += count
-        # A frame of ours anywhere on the stack: time spent in our code or in what it calls.
-        ours = {f.split(" (")[0] for f in frames if _category(f) == "inferlb"}
-        for name in ours:
-            inclusive_ours[name] += count
+        leaves[frames[-1]] += count
+        own = {f.split(" (")[0] for f in frames if _OURS.search(f)}
+        for name in own:
+            ours[name] += count
+        where[_where(frames[-1]) if not own else "inferlb (with the protobuf and numpy it calls)"] += count
+    if not total:
+        return {"samples": 0, "by_category": {}, "top_self": [], "top_inferlb_inclusive": []}
     return {
         "samples": total,
-        "by_category": {k: v / total for k, v in categories.most_common()} if total else {},
-        "top_self": [(f, c / total) for f, c in leaves.most_common(top)] if total else [],
-        "top_inferlb_inclusive": [(f, c / total) for f, c in inclusive_ours.most_common(top)] if total else [],
+        "by_category": {k: v / total for k, v in where.most_common()},
+        "top_self": [(f, c / total) for f, c in leaves.most_common(top)],
+        "top_inferlb_inclusive": [(f, c / total) for f, c in ours.most_common(top)],
     }
 
 
-def _category(frame: str) -> str:
-    for name, needles in CATEGORIES:
-        if any(n in frame for n in needles):
+def _where(leaf: str) -> str:
+    for name, prefix in _LEAVES:
+        if leaf.startswith(prefix):
             return name
-    return "other"
+    if "(asyncio/" in leaf:
+        return "asyncio (Python)"
+    return "other Python"

@@ -59,3 +59,10 @@ def test_serve_rejects_a_bad_listen_override(tmp_path: Path, capsys: pytest.Capt
     config = write(tmp_path, "pool: {endpoints: [{address: '10.0.0.1:80'}]}\n")
     assert main(["serve", "--config", str(config), "--listen", "picker:9002"]) == 2
     assert "not a literal IP address" in capsys.readouterr().err
+
+
+def test_the_example_config_renders(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "deploy" / "picker.example.yaml"
+    out = tmp_path / "envoy.yaml"
+    assert main(["envoy-config", "--config", str(example), "--out", str(out)]) == 0
+    assert "fd00::14" in out.read_text()
