@@ -50,8 +50,9 @@ def make_service(endpoints: int, policy: str = "least-request") -> ExtProcServic
     return ExtProcService(Engine(Pool(config.endpoints), build_profile(policy)), max_body_bytes=config.max_body_bytes)
 
 
-def per_request_us(service: ExtProcService, with_body: bool, repeat: int = 15, n: int = 3000) -> dict[str, float]:
-    """Microseconds per request (best of ``repeat`` runs of ``n``; the best is the least disturbed run):
+def per_request_us(service: ExtProcService, with_body: bool, rounds: int = 40, n: int = 1000) -> dict[str, float]:
+    """Microseconds per request, the best of ``rounds`` interleaved runs of ``n`` (on a noisy machine the
+    best run is the least disturbed one, and interleaving keeps a slow spell from hitting one figure only):
 
     - ``own``: what inferlb adds to any ext_proc server: protobuf parse of Envoy's messages, features from
       headers and body, the pick, the in-flight count, serialising the reply;
@@ -81,17 +82,17 @@ def per_request_us(service: ExtProcService, with_body: bool, repeat: int = 15, n
         async for reply in service.Process(messages(), None):
             reply.SerializeToString()
 
-    async def handler_runs() -> list[float]:
-        samples = []
-        for _ in range(repeat):
+    async def measure() -> dict[str, float]:
+        best = {"own": float("inf"), "handler": float("inf")}
+        for _ in range(rounds):
+            best["own"] = min(best["own"], timeit.timeit(own, number=n) / n * 1e6)
             start = time.perf_counter()
             for _ in range(n):
                 await one()
-            samples.append((time.perf_counter() - start) / n * 1e6)
-        return samples
+            best["handler"] = min(best["handler"], (time.perf_counter() - start) / n * 1e6)
+        return best
 
-    own_runs = [t / n * 1e6 for t in timeit.repeat(own, number=n, repeat=repeat)]
-    return {"own": min(own_runs), "handler": min(asyncio.run(handler_runs()))}
+    return asyncio.run(measure())
 
 
 def decide_us(endpoints: int, policy: str, n: int = 20000) -> tuple[float, float]:

@@ -7,12 +7,15 @@ right type, or the client gets a 400 that names it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Any
 
+import orjson
+
 from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError
 from inferlb.scorer.features import RequestFeatures, estimate_tokens
+
+_BOM = b"\xef\xbb\xbf"
 
 
 def features_from_headers(headers: Iterable[Any]) -> RequestFeatures:
@@ -46,15 +49,13 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
         raise PayloadTooLargeError(f"request body is {size}; the limit is {max_bytes} bytes")
     if not body:
         raise MalformedRequestError("request body is empty; expected a JSON object")
+    if body.startswith(_BOM):
+        body = body[len(_BOM) :]  # RFC 8259 lets a parser ignore a byte order mark; orjson refuses it
     try:
-        doc = json.loads(body)
-    except UnicodeDecodeError:
-        raise MalformedRequestError("request body is not valid UTF-8 JSON") from None
-    except ValueError as exc:
-        # JSONDecodeError, and also plain ValueError for an integer longer than Python's digit limit.
+        # orjson: several times faster than the json module on prompts, strict UTF-8, nesting capped at 1024.
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise MalformedRequestError(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise MalformedRequestError("request body is not valid JSON: nested too deeply") from None
     if not isinstance(doc, dict):
         raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(doc)}")
 

@@ -114,42 +114,50 @@ class Engine:
         self.inflight = inflight if inflight is not None else InFlight(len(pool))
         self.state = State(pool, self.inflight)
         self.scorer_errors: Counter[str] = Counter()
+        # Looked up once here rather than on every request.
+        self._filters = tuple(profile.filters)
+        self._scorers = tuple(
+            (ws.scorer.name, ws.scorer, ws.weight, bool(getattr(ws.scorer, "bounded", False))) for ws in profile.scorers
+        )
 
     def decide(self, request: RequestFeatures) -> Decision:
         """Choose an endpoint. Raises ``UnknownModelError`` or ``NoEndpointError`` (both ``RoutingError``)."""
+        state = self.state
         candidates = self.pool.all_indices
-        for flt in self.profile.filters:
-            candidates = flt.filter(request, self.state, candidates)
+        for flt in self._filters:
+            candidates = flt.filter(request, state, candidates)
             if not len(candidates):
                 raise NoEndpointError(f"no endpoint left after filter {flt.name!r}")
-        per_scorer: list[tuple[str, np.ndarray]] = []
+        per_scorer = []
         totals: np.ndarray | None = None
-        for ws in self.profile.scorers:
-            scores = self._run_scorer(ws.scorer, request, candidates)
-            per_scorer.append((ws.scorer.name, scores))
-            weighted = scores if ws.weight == 1.0 else ws.weight * scores
+        for name, scorer, weight, bounded in self._scorers:
+            scores = self._run_scorer(scorer, bounded, request, candidates)
+            per_scorer.append((name, scores))
+            weighted = scores if weight == 1.0 else weight * scores
             totals = weighted if totals is None else totals + weighted
         if totals is None:
             totals = np.zeros(len(candidates))
-        position = self.profile.picker.pick(request, candidates, totals)
-        endpoint = self.pool.endpoints[int(candidates[position])]
+        profile = self.profile
+        position = profile.picker.pick(request, candidates, totals)
         return Decision(
-            endpoint=endpoint,
-            profile=self.profile.name,
-            reason=self.profile.picker.name,
-            scores={name: float(s[position]) for name, s in per_scorer},
-            candidates=candidates,
-            totals=totals,
+            self.pool.endpoints[candidates[position]],
+            profile.name,
+            profile.picker.name,
+            {name: float(s[position]) for name, s in per_scorer},
+            candidates,
+            totals,
         )
 
-    def _run_scorer(self, scorer: Scorer, request: RequestFeatures, candidates: np.ndarray) -> np.ndarray:
+    def _run_scorer(
+        self, scorer: Scorer, bounded: bool, request: RequestFeatures, candidates: np.ndarray
+    ) -> np.ndarray:
         try:
             scores = scorer.score(request, self.state, candidates)
             if type(scores) is not np.ndarray or scores.dtype != np.float64:
                 scores = np.asarray(scores, dtype=np.float64)
             if scores.shape != candidates.shape:
                 raise ValueError(f"returned shape {scores.shape}, expected {candidates.shape}")
-            if getattr(scorer, "bounded", False):
+            if bounded:
                 return scores
             # fmax/fmin (not clip) so that a NaN, from a scorer dividing by zero say, becomes 0 instead of
             # poisoning the sum; they are also several times cheaper than clip on small arrays.
