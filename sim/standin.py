@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
 import json
 import logging
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+
+from inferlb.scorer.address import parse_address
 
 __all__ = [
     "SEEN_DEST_HEADER",
@@ -267,25 +268,13 @@ def _bind(address: str, host: str, port: int) -> socket.socket:
 
 
 def _parse_address(address: str) -> tuple[str, int]:
-    """Split literal ``"ip:port"`` / ``"[ipv6]:port"`` into (host, port); ValueError naming the address otherwise."""
-    if not isinstance(address, str):
-        raise ValueError(f"stand-in address must be a string 'ip:port'; got {address!r}")
-    host, sep, port_text = address.rpartition(":")
+    """Split literal ``"ip:port"`` / ``"[ipv6]:port"`` into (host, port); ValueError naming the address otherwise.
+
+    The same rules as the pool's addresses: a stand-in must be something the picker can name."""
     try:
-        if not sep:
-            raise ValueError("missing ':port'")
-        if host.startswith("[") and host.endswith("]"):
-            host = str(ipaddress.IPv6Address(host[1:-1]))
-        else:
-            host = str(ipaddress.IPv4Address(host))
-        if not (port_text.isascii() and port_text.isdigit()):
-            raise ValueError(f"port {port_text!r} is not a number")
-        port = int(port_text)
-        if not 1 <= port <= 65535:
-            raise ValueError(f"port must be in 1..65535 (port 0 is not supported: pick a free port); got {port}")
+        return parse_address(address)
     except ValueError as exc:
-        raise ValueError(f"bad stand-in address {address!r}: want literal 'ip:port' or '[ipv6]:port' ({exc})") from exc
-    return host, port
+        raise ValueError(f"bad stand-in address {address!r}: {exc}") from None
 
 
 def _is_count(value: object) -> bool:
