@@ -124,7 +124,9 @@ def _envoy_config(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from inferlb.demo import DemoOptions, run_demo
 
-    # SIGTERM (a supervisor, `timeout`) unwinds like Ctrl-C, so the demo stops what it started.
+    # SIGTERM (a supervisor, `timeout`) unwinds like Ctrl-C, so the demo stops what it started. SIGINT is set
+    # explicitly: a shell starts background jobs with it ignored, and Python would keep ignoring it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
 
     options = DemoOptions(
