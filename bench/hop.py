@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from importlib.resources import files
 from pathlib import Path
@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         common = StackOptions(servers=tuple(backends.addresses), models=(MODEL,), envoy_concurrency=1)
         no_log = EnvoyOptions(access_log_path=None)
         stacks["envoy"] = LocalStack(
-            _with(common, envoy=EnvoyOptions(access_log_path=None, picker=False, fallback_lb_policy="ROUND_ROBIN")),
+            replace(common, envoy=EnvoyOptions(access_log_path=None, picker=False, fallback_lb_policy="ROUND_ROBIN")),
             workdir / "envoy",
         )
         noop = (sys.executable, "-m", "inferlb.bench.noop_picker")
-        stacks["noop"] = LocalStack(_with(common, envoy=no_log, picker_command=noop), workdir / "noop")
-        stacks["inferlb"] = LocalStack(_with(common, envoy=no_log, picker_log_level="warning"), workdir / "inferlb")
+        stacks["noop"] = LocalStack(replace(common, envoy=no_log, picker_command=noop), workdir / "noop")
+        stacks["inferlb"] = LocalStack(replace(common, envoy=no_log, picker_log_level="warning"), workdir / "inferlb")
         for stack in stacks.values():
             stack.start()
         rows = []
@@ -136,12 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "hop.md").write_text(report, encoding="utf-8")
     print(report)
     return 0
-
-
-def _with(options: StackOptions, **changes: Any) -> StackOptions:
-    from dataclasses import replace
-
-    return replace(options, **changes)
 
 
 @dataclass

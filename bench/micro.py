@@ -19,6 +19,7 @@ from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.filter.server import ExtProcService
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine
+from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 
@@ -99,8 +100,6 @@ def decide_us(endpoints: int, policy: str, n: int = 20000) -> tuple[float, float
     """(p50, p99) in µs of one ``Engine.decide`` + in-flight acquire/release on a pool of ``endpoints``."""
     service = make_service(endpoints, policy)
     engine = service.engine
-    from inferlb.scorer.features import RequestFeatures
-
     features = RequestFeatures(model="bench-model", prompt_tokens=300, max_tokens=64)
     timings = []
     clock: Callable[[], int] = time.perf_counter_ns
