@@ -9,15 +9,36 @@ batch that mixes prefill chunks and decode tokens):
       + decode_seq_s * D            # D: sequences decoding one token this step
       + kv_read_token_s * K         # K: KV-cache tokens the decode sequences read (memory-bound attention)
 
-Every profile cites, next to its constants, the published measurements they were fitted to.
+How the constants were fitted (details next to each profile, the published figures in ``sources`` and, as data, in
+`inferlb.sim.calibration`):
+
+* ``step_s``: the measured batch-1 time per output token where one is published (H100 and A100 Llama-3.1-8B), less
+  the small per-sequence and KV-read share; elsewhere the weight bytes read at ``ETA_BW`` of the datasheet memory
+  bandwidth (the fraction the two measured pairs reach).
+* ``kv_read_token_s``: KV bytes per token (per GPU) read at ``ETA_BW`` of the datasheet bandwidth.
+* ``prefill_token_s`` and ``attention_pair_s``: linear-layer FLOPs per token (2 x non-embedding parameters) and
+  attention FLOPs per query/key pair (4 x layers x heads x head_dim), at ``MFU`` of the datasheet dense BF16 peak.
+  ``MFU`` is the value that reproduces the one published prefill measurement found (a 500-token TTFT on A100).
+* ``decode_seq_s``: 0.3 x ``prefill_token_s``. The measured H100 time per token grows by 0.11 ms from 1 to 4
+  concurrent decodes, 37 us per added sequence, 27 us of which is its KV read: decode matmuls at small batch run
+  under the weight reads, so a sequence's marginal compute is well below its prefill cost.
+
+Memory: ``num_gpu_blocks`` is computed as vLLM does (`MemoryPlan.gpu_blocks`): ``gpu_memory_utilization`` x the
+GPU's memory, less this GPU's weight shard and the activation/non-torch reserve of vLLM's profiling run, divided by
+``block_size`` x KV bytes per token per GPU.
+
+Limits: the model is additive where real kernels overlap (weight reads hide under prefill compute), ignores CUDA
+graph padding, sampler cost and CPU scheduling gaps, and its constants for the L4 and 4xH100 pairs rest on
+datasheet rooflines rather than measurements of those pairs (see sim/README.md, "Calibration").
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["PROFILES", "Profile", "get_profile"]
+__all__ = ["ETA_BW", "MEMORY_PLANS", "MFU", "PROFILES", "MemoryPlan", "Profile", "get_profile"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,32 +79,220 @@ class Profile:
         )
 
 
-_GIB = 1 << 30
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """One GPU's memory budget for a profile, as vLLM computes it at start-up. Sizes in bytes, per GPU.
 
-# Provisional constants from a roofline estimate (H100 SXM: 3.35 TB/s, 989 TFLOPS dense BF16; Llama-3.1-8B BF16:
-# 16 GB of weights, 128 KiB of KV per token); to be replaced by a fit to published measurements.
-_H100_LLAMA8B = Profile(
-    name="h100-llama3.1-8b",
-    gpu="NVIDIA H100 80GB HBM3",
-    model="meta-llama/Llama-3.1-8B-Instruct",
-    gpu_count=1,
-    gpu_memory_bytes=80 * _GIB,
-    gpu_memory_utilization=0.9,
-    block_size=16,
-    num_gpu_blocks=29_000,
-    max_num_batched_tokens=8192,
-    max_num_seqs=256,
-    max_model_len=131_072,
-    step_s=6.0e-3,
-    prefill_token_s=35e-6,
-    attention_pair_s=2.0e-10,
-    decode_seq_s=40e-6,
-    kv_read_token_s=40e-9,
-    cold_start_s=30.0,
-    sources=("roofline estimate (provisional)",),
+    ``weight_bytes`` is this GPU's shard of the weights (BF16: 2 bytes x parameters / tensor-parallel degree),
+    ``kv_bytes_per_token`` this GPU's share of one token's K and V over all layers, ``reserve_bytes`` the activation
+    peak plus non-torch memory that vLLM's profiling run finds (an estimate here, stated per profile).
+    """
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    reserve_bytes: int
+
+    def kv_bytes(self, gpu_memory_bytes: int, utilization: float) -> float:
+        """Bytes left for the KV cache: ``utilization`` x memory, less weights and reserve."""
+        return utilization * gpu_memory_bytes - self.weight_bytes - self.reserve_bytes
+
+    def gpu_blocks(self, gpu_memory_bytes: int, utilization: float, block_size: int) -> int:
+        """KV blocks of ``block_size`` tokens that fit (vLLM's ``num_gpu_blocks``); ValueError if none fit."""
+        blocks = int(self.kv_bytes(gpu_memory_bytes, utilization) // (block_size * self.kv_bytes_per_token))
+        if blocks <= 0:
+            raise ValueError(
+                f"no KV blocks fit: {utilization} x {gpu_memory_bytes} bytes minus {self.weight_bytes} of weights "
+                f"and {self.reserve_bytes} of reserve leaves nothing; raise gpu_memory_utilization or use more GPUs"
+            )
+        return blocks
+
+
+_GIB = 1 << 30
+_MIB = 1 << 20
+
+# Fraction of datasheet memory bandwidth that batch-1 decode reaches in vLLM, overheads included: H100 SXM
+# 16.06 GB / 3.35 TB/s = 4.79 ms against 6.48 ms measured (0.74); A100 40GB is reported at "roughly 77%".
+ETA_BW = 0.75
+# Fraction of datasheet dense BF16 peak reached by prefill: fitted to the 500-token TTFT of 48.3 ms measured on
+# A100 80GB SXM (184 of 312 TFLOPS), then assumed for the other GPUs (no prefill measurement found for them).
+MFU = 0.59
+
+_BLOCK = 16
+_UTIL = 0.9  # vLLM's default --gpu-memory-utilization
+
+# Model facts (config.json): Llama-3.1-8B 32 layers x 8 KV heads x 128 head_dim -> 2*32*8*128*2 = 131072 bytes of
+# KV per token; 8,030,261,248 parameters. Llama-3.2-3B: 28 layers x 8 KV heads x 128 -> 114688 bytes per token;
+# 3,212,749,824 parameters. Llama-3.1-70B: 80 layers x 8 KV heads x 128 -> 327680 bytes per token, 81920 per GPU at
+# TP4 (2 KV heads each); 70,553,706,496 parameters.
+_PARAMS_8B = 8_030_261_248
+_PARAMS_3B = 3_212_749_824
+_PARAMS_70B = 70_553_706_496
+
+# Total memory as nvidia-smi reports it: H100 80GB HBM3 81559 MiB, A100-SXM4-80GB 81920 MiB, L4 23034 MiB.
+_H100_MEM = 81559 * _MIB
+_A100_MEM = 81920 * _MIB
+_L4_MEM = 23034 * _MIB
+
+_URL_H100 = "https://www.nvidia.com/en-us/data-center/h100/"
+_URL_A100 = "https://www.nvidia.com/en-us/data-center/a100/"
+_URL_L4 = "https://www.nvidia.com/en-us/data-center/l4/"
+_URL_8B = "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json"
+_URL_3B = "https://huggingface.co/meta-llama/Llama-3.2-3B-Instruct/blob/main/config.json"
+_URL_70B = "https://huggingface.co/meta-llama/Llama-3.1-70B-Instruct/blob/main/config.json"
+_URL_DEFAULTS = "https://github.com/vllm-project/vllm/blob/main/vllm/engine/arg_utils.py"
+_URL_H100_DECODE = "https://yobitelcomm.github.io/bench/recipes/concurrency-sweep/"
+_URL_A100_DECODE = "https://johnmusgrave.com/p/vllm-throughput-latency-sweep-on"
+_URL_A100_TTFT = "https://docs.nvidia.com/nim/llama-3-1-nemotron-safety-guard-8b/1.10.1/performance.md"
+
+_SRC_DEFAULTS = (
+    f"{_URL_DEFAULTS} — vLLM V1 online-serving defaults: GPUs with >= 70 GiB other than A100 get "
+    "max_num_batched_tokens 8192 and max_num_seqs 1024; all others 2048 and 256"
+)
+_SRC_MFU = f"{_URL_A100_TTFT} — A100 80GB SXM, BF16, Llama-3.1-8B architecture: TTFT 48.3 ms for 500 input tokens"
+
+MEMORY_PLANS: Mapping[str, MemoryPlan] = MappingProxyType(
+    {
+        # Reserve: ~1.5 GiB activation peak for an 8192-token profiling batch (MLP intermediate 8192 x 14336 x 2 x 2
+        # bytes, logits for up to 1024 sequences) plus non-torch memory; an estimate, not a measurement.
+        "h100-llama3.1-8b": MemoryPlan(2 * _PARAMS_8B, 131_072, 2 * _GIB),
+        # 2048-token profiling batch: a smaller activation peak.
+        "a100-llama3.1-8b": MemoryPlan(2 * _PARAMS_8B, 131_072, 1 * _GIB),
+        "l4-llama3.2-3b": MemoryPlan(2 * _PARAMS_3B, 114_688, 819 * _MIB),
+        # Per GPU at TP4; the reserve adds NCCL/custom all-reduce buffers.
+        "h100x4-llama3.1-70b": MemoryPlan(2 * _PARAMS_70B // 4, 81_920, 3 * _GIB),
+    }
 )
 
-PROFILES = MappingProxyType({p.name: p for p in (_H100_LLAMA8B,)})
+
+def _blocks(name: str, gpu_memory_bytes: int) -> int:
+    return MEMORY_PLANS[name].gpu_blocks(gpu_memory_bytes, _UTIL, _BLOCK)
+
+
+# H100 SXM 3.35 TB/s, 989 dense BF16 TFLOPS. Batch-1 decode measured at 6.48 ms/token (vLLM 0.21, short chat
+# prompts, ~512 tokens of context assumed) and 6.59 ms at 4 concurrent requests.
+_H100_LLAMA8B = Profile(
+    name="h100-llama3.1-8b",
+    gpu="NVIDIA H100 80GB HBM3 (SXM)",
+    model="meta-llama/Llama-3.1-8B-Instruct",
+    gpu_count=1,
+    gpu_memory_bytes=_H100_MEM,
+    gpu_memory_utilization=_UTIL,
+    block_size=_BLOCK,
+    num_gpu_blocks=_blocks("h100-llama3.1-8b", _H100_MEM),  # 28,019 blocks = 448k tokens
+    max_num_batched_tokens=8192,  # vLLM default for H100 online serving
+    max_num_seqs=1024,  # vLLM default for H100 online serving
+    max_model_len=131_072,
+    step_s=6.45e-3,  # 6.48 ms measured at batch 1, less 7.2 us per sequence and 512 x 52.2 ns of KV read
+    prefill_token_s=23.9e-6,  # 13.96 GFLOP per token / (0.59 x 989 TFLOPS)
+    attention_pair_s=0.90e-9,  # 524,288 FLOP per pair / (0.59 x 989 TFLOPS)
+    decode_seq_s=7.2e-6,  # 0.3 x prefill_token_s; with kv_read gives 6.58 ms at 4 sequences (6.59 measured)
+    kv_read_token_s=52.2e-9,  # 131,072 bytes / (0.75 x 3.35 TB/s)
+    cold_start_s=45.0,  # estimate: 16 GB of safetensors from local NVMe (~10 s) + torch.compile and graph capture
+    sources=(
+        f"{_URL_H100_DECODE} — H100-80GB-HBM3, vLLM 0.21, Llama-3.1-8B-Instruct fp16: TPOT p50 6.48 ms at "
+        "concurrency 1 and 6.59 ms at concurrency 4 (fits step_s, decode_seq_s)",
+        f"{_URL_H100} — H100 SXM: 3.35 TB/s memory bandwidth, 989 TFLOPS dense BF16 (1,979 with sparsity)",
+        _SRC_MFU + " (fits MFU 0.59, carried to H100 for prefill_token_s and attention_pair_s)",
+        f"{_URL_8B} — 32 layers, 8 KV heads, head_dim 128, hidden 4096, vocab 128256 (131,072 KV bytes per token)",
+        _SRC_DEFAULTS,
+    ),
+)
+
+# A100 SXM 80GB: 2,039 GB/s, 312 dense BF16 TFLOPS. Batch-1 decode measured on the 40GB part (1,555 GB/s) at
+# ~75 tokens/s = 13.3 ms per token with 1024-1152 tokens of context; scaled by bandwidth: 10.17 ms on 80GB.
+_A100_LLAMA8B = Profile(
+    name="a100-llama3.1-8b",
+    gpu="NVIDIA A100-SXM4-80GB",
+    model="meta-llama/Llama-3.1-8B-Instruct",
+    gpu_count=1,
+    gpu_memory_bytes=_A100_MEM,
+    gpu_memory_utilization=_UTIL,
+    block_size=_BLOCK,
+    num_gpu_blocks=_blocks("a100-llama3.1-8b", _A100_MEM),  # 28,693 blocks = 459k tokens
+    max_num_batched_tokens=2048,  # vLLM excludes A100 from the large-GPU defaults
+    max_num_seqs=256,
+    max_model_len=131_072,
+    step_s=10.05e-3,  # 10.17 ms scaled batch-1 figure, less 22.7 us per sequence and 1088 x 85.7 ns of KV read
+    prefill_token_s=75.8e-6,  # 13.96 GFLOP per token / 184 TFLOPS (the TTFT fit)
+    attention_pair_s=2.85e-9,  # 524,288 FLOP per pair / 184 TFLOPS
+    decode_seq_s=22.7e-6,  # 0.3 x prefill_token_s
+    kv_read_token_s=85.7e-9,  # 131,072 bytes / (0.75 x 2.039 TB/s)
+    cold_start_s=50.0,  # estimate, as for H100 with slower compile and graph capture
+    sources=(
+        f"{_URL_A100_DECODE} — A100 40GB, vLLM 0.23, Llama-3.1-8B-Instruct BF16, 1024 in / 128 out: about 75 "
+        "tokens/s at concurrency 1, 'roughly 77%' of the bandwidth ceiling (fits step_s after a 1555/2039 "
+        "bandwidth scaling)",
+        _SRC_MFU + " (fits prefill_token_s and attention_pair_s)",
+        f"{_URL_A100} — A100 SXM 80GB: 2,039 GB/s memory bandwidth, 312 TFLOPS dense BF16; A100 40GB: 1,555 GB/s",
+        f"{_URL_8B} — 32 layers, 8 KV heads, head_dim 128, hidden 4096, vocab 128256 (131,072 KV bytes per token)",
+        _SRC_DEFAULTS,
+    ),
+)
+
+# L4: 300 GB/s, 121 dense BF16 TFLOPS (242 with sparsity), 72 W. No published measurement of this pair was found:
+# every constant is the datasheet roofline at the efficiencies measured on H100/A100. KV capacity is 126k tokens,
+# below 131072, so vLLM would refuse max_model_len 131072; 32768 is used.
+_L4_LLAMA3B = Profile(
+    name="l4-llama3.2-3b",
+    gpu="NVIDIA L4 24GB",
+    model="meta-llama/Llama-3.2-3B-Instruct",
+    gpu_count=1,
+    gpu_memory_bytes=_L4_MEM,
+    gpu_memory_utilization=_UTIL,
+    block_size=_BLOCK,
+    num_gpu_blocks=_blocks("l4-llama3.2-3b", _L4_MEM),  # 7,876 blocks = 126k tokens
+    max_num_batched_tokens=2048,  # vLLM default below 70 GiB
+    max_num_seqs=256,
+    max_model_len=32_768,
+    step_s=28.6e-3,  # 6.43 GB of weights / (0.75 x 300 GB/s)
+    prefill_token_s=79.0e-6,  # 5.64 GFLOP per token / (0.59 x 121 TFLOPS)
+    attention_pair_s=4.82e-9,  # 344,064 FLOP per pair / (0.59 x 121 TFLOPS)
+    decode_seq_s=23.7e-6,  # 0.3 x prefill_token_s
+    kv_read_token_s=510e-9,  # 114,688 bytes / (0.75 x 300 GB/s)
+    cold_start_s=35.0,  # estimate: 6.4 GB of weights + compile and graph capture
+    sources=(
+        f"{_URL_L4} — L4: 300 GB/s memory bandwidth, 242 TFLOPS BF16 with sparsity (121 dense), 24 GB",
+        f"{_URL_H100_DECODE} — H100 batch-1 TPOT 6.48 ms (sets ETA_BW 0.75, carried to L4)",
+        _SRC_MFU + " (sets MFU 0.59, carried to L4)",
+        f"{_URL_3B} — 28 layers, 24 heads, 8 KV heads, head_dim 128, hidden 3072, tied embeddings (114,688 KV bytes "
+        "per token)",
+        _SRC_DEFAULTS,
+    ),
+)
+
+# 4x H100 SXM, TP4 over NVLink. No published BF16 measurement of this pair was found: per-GPU rooflines (a quarter
+# of the weights, FLOPs and KV heads each) at the measured efficiencies, plus estimated tensor-parallel costs.
+_H100X4_LLAMA70B = Profile(
+    name="h100x4-llama3.1-70b",
+    gpu="4x NVIDIA H100 80GB HBM3 (SXM, NVLink)",
+    model="meta-llama/Llama-3.1-70B-Instruct",
+    gpu_count=4,
+    gpu_memory_bytes=_H100_MEM,
+    gpu_memory_utilization=_UTIL,
+    block_size=_BLOCK,
+    num_gpu_blocks=_blocks("h100x4-llama3.1-70b", _H100_MEM),  # 29,350 blocks = 470k tokens
+    max_num_batched_tokens=8192,
+    max_num_seqs=1024,
+    max_model_len=131_072,
+    step_s=15.6e-3,  # 35.3 GB per GPU / (0.75 x 3.35 TB/s) = 14.0 ms + 160 all-reduces x ~10 us (estimate)
+    prefill_token_s=65.7e-6,  # 34.2 GFLOP per token per GPU / (0.59 x 989 TFLOPS) + 12% all-reduce (estimate)
+    attention_pair_s=1.12e-9,  # 655,360 FLOP per pair per GPU / (0.59 x 989 TFLOPS)
+    decode_seq_s=19.7e-6,  # 0.3 x prefill_token_s
+    kv_read_token_s=32.6e-9,  # 81,920 bytes per GPU / (0.75 x 3.35 TB/s)
+    cold_start_s=90.0,  # estimate: 35 GB per rank in parallel, NCCL set-up, compile and graph capture
+    sources=(
+        f"{_URL_H100} — H100 SXM: 3.35 TB/s memory bandwidth, 989 TFLOPS dense BF16, 900 GB/s NVLink",
+        f"{_URL_H100_DECODE} — H100 batch-1 TPOT 6.48 ms for Llama-3.1-8B (sets ETA_BW 0.75)",
+        _SRC_MFU + " (sets MFU 0.59, carried to H100)",
+        f"{_URL_70B} — 80 layers, 64 heads, 8 KV heads, head_dim 128, hidden 8192, vocab 128256 (327,680 KV bytes "
+        "per token, 81,920 per GPU at TP4)",
+        _SRC_DEFAULTS,
+    ),
+)
+
+PROFILES: Mapping[str, Profile] = MappingProxyType(
+    {p.name: p for p in (_H100_LLAMA8B, _A100_LLAMA8B, _L4_LLAMA3B, _H100X4_LLAMA70B)}
+)
 
 
 def get_profile(name: str) -> Profile:

@@ -1,0 +1,132 @@
+"""The GPU x model profiles and their calibration against published figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from inferlb.sim.calibration import (
+    DECODE_CONTEXT_TOKENS,
+    TOLERANCE,
+    CalibrationRow,
+    calibration_rows,
+    decode_step_seconds,
+    markdown_table,
+    prefill_seconds,
+)
+from inferlb.sim.profiles import MEMORY_PLANS, PROFILES, MemoryPlan, Profile, get_profile
+
+NAMES = ("h100-llama3.1-8b", "a100-llama3.1-8b", "l4-llama3.2-3b", "h100x4-llama3.1-70b")
+ALL = [pytest.param(PROFILES[name], id=name) for name in NAMES]
+ROWS = [
+    pytest.param(row, id=f"{row.profile}-{row.quantity}-{row.conditions}")
+    for name in NAMES
+    for row in calibration_rows(PROFILES[name])
+]
+
+
+def test_profile_names() -> None:
+    assert sorted(PROFILES) == sorted(NAMES)
+    assert sorted(MEMORY_PLANS) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_constants_positive(profile: Profile) -> None:
+    for field in dataclasses.fields(profile):
+        value = getattr(profile, field.name)
+        if isinstance(value, int | float):
+            assert value > 0, field.name
+    assert profile.gpu_memory_utilization <= 1
+    assert profile.max_num_seqs <= profile.num_gpu_blocks
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_sources_cite_urls(profile: Profile) -> None:
+    assert profile.sources
+    for source in profile.sources:
+        assert source.startswith("https://"), source
+        assert " — " in source, source
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_kv_blocks_fit_memory(profile: Profile) -> None:
+    plan = MEMORY_PLANS[profile.name]
+    used = (
+        plan.weight_bytes + plan.reserve_bytes + profile.num_gpu_blocks * profile.block_size * plan.kv_bytes_per_token
+    )
+    budget = profile.gpu_memory_utilization * profile.gpu_memory_bytes
+    assert used <= budget
+    # vLLM computes the largest count that fits: one more block would not.
+    assert used + profile.block_size * plan.kv_bytes_per_token > budget
+    # vLLM refuses to start unless one max_model_len sequence fits in the cache.
+    assert profile.max_model_len <= profile.num_gpu_blocks * profile.block_size
+
+
+def test_gpu_blocks_rejects_a_model_that_does_not_fit() -> None:
+    plan = MemoryPlan(weight_bytes=80 << 30, kv_bytes_per_token=131_072, reserve_bytes=1 << 30)
+    with pytest.raises(ValueError, match="no KV blocks fit"):
+        plan.gpu_blocks(80 << 30, 0.9, 16)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_calibration_within_tolerance(row: CalibrationRow) -> None:
+    assert abs(row.relative_difference) <= TOLERANCE, (row.emulated, row.reference)
+    assert row.kind in {"measured", "scaled", "roofline"}
+    assert row.source.startswith("https://")
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_calibration_covers_prefill_and_decode(profile: Profile) -> None:
+    quantities = [row.quantity for row in calibration_rows(profile)]
+    assert quantities.count("prefill throughput") == 1
+    assert quantities.count("decode step") >= 3
+
+
+@pytest.mark.parametrize("name", ["h100-llama3.1-8b", "a100-llama3.1-8b"])
+def test_published_measurements_back_the_8b_pairs(name: str) -> None:
+    assert "measured" in {row.kind for row in calibration_rows(PROFILES[name])}
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_decode_step_grows_with_batch(profile: Profile) -> None:
+    times = [decode_step_seconds(profile, batch, DECODE_CONTEXT_TOKENS) for batch in (1, 2, 8, 32, 128, 256)]
+    assert times == sorted(times)
+    assert len(set(times)) == len(times)
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_decode_step_grows_with_context(profile: Profile) -> None:
+    assert decode_step_seconds(profile, 8, 4096) > decode_step_seconds(profile, 8, 1024)
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_prefill_is_chunked_by_the_token_budget(profile: Profile) -> None:
+    budget = profile.max_num_batched_tokens
+    first = profile.step_time(budget, budget * ((budget + 1) // 2), 0, 0)
+    second = profile.step_time(10, 10 * (budget + 5), 0, 0)
+    assert prefill_seconds(profile, budget + 10) == pytest.approx(first + second)
+
+
+def test_get_profile() -> None:
+    assert get_profile("l4-llama3.2-3b") is PROFILES["l4-llama3.2-3b"]
+
+
+def test_get_profile_unknown_names_the_known_profiles() -> None:
+    with pytest.raises(ValueError, match="unknown profile 'b200-llama'") as info:
+        get_profile("b200-llama")
+    for name in NAMES:
+        assert name in str(info.value)
+
+
+def test_calibration_rows_unknown_profile() -> None:
+    profile = dataclasses.replace(PROFILES["h100-llama3.1-8b"], name="custom")
+    with pytest.raises(ValueError, match="no calibration data for profile 'custom'"):
+        calibration_rows(profile)
+
+
+def test_markdown_table_has_one_line_per_row() -> None:
+    rows = calibration_rows(PROFILES["a100-llama3.1-8b"])
+    lines = markdown_table(rows).splitlines()
+    assert len(lines) == len(rows) + 2
+    assert all(line.startswith("| ") for line in lines)
