@@ -40,9 +40,13 @@ def chat_text(messages: Sequence[Mapping[str, object]]) -> str:
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(
-                p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                p["text"]
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             )
-        parts.append(f"<|{role if isinstance(role, str) else 'user'}|>\n{content if isinstance(content, str) else ''}\n")
+        parts.append(
+            f"<|{role if isinstance(role, str) else 'user'}|>\n{content if isinstance(content, str) else ''}\n"
+        )
     parts.append("<|assistant|>\n")
     return "".join(parts)
 
