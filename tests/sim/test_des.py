@@ -61,7 +61,7 @@ def test_the_policy_sees_stale_scrapes_and_exact_inflight_counts():
 
     result = simulate(arrivals(50, gap=0.02, output=200), policy, [H100] * 2, scrape_interval_s=0.5)
     assert len(result.records) == 50
-    assert 0 <= min(ages) and max(ages) < 0.5
+    assert min(ages) >= 0 and max(ages) < 0.5
     assert max(ages) > 0.4  # stale by up to one scrape interval, as a real picker's view is
     # Requests pile up (each runs ~1.5 s, arriving every 20 ms), and the counts say so at once.
     assert max(sum(inflight) for inflight, _ in seen) > 10
