@@ -1,4 +1,4 @@
-"""The ``inferlb`` command: serve (the picker), envoy-config, demo, standin."""
+"""The ``inferlb`` command: serve (the picker), envoy-config, demo, sim (emulated inference servers)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from inferlb.envoyconf import FALLBACK_POLICIES, EnvoyConfigError, EnvoyOptions,
 from inferlb.scorer.config import load_config
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.presets import PRESET_NAMES
+from inferlb.sim.profiles import PROFILES
+from inferlb.sim.spans import PROTOCOLS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = args.run(args)
         return result
-    except (ConfigError, EnvoyConfigError, ValueError) as exc:
+    except (ConfigError, EnvoyConfigError, ValueError, OSError) as exc:
         print(f"inferlb: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -74,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     envoy.add_argument("--out", type=Path, help="write here instead of stdout")
     envoy.set_defaults(run=_envoy_config)
 
-    demo = sub.add_parser("demo", help="Envoy + picker + stand-in servers on loopback, a burst of traffic, a summary")
+    demo = sub.add_parser(
+        "demo", help="Envoy + picker + emulated vLLM servers on loopback, a burst of traffic, a summary"
+    )
     demo.add_argument("--backends", type=int, default=3)
     demo.add_argument("--requests", type=int, default=120)
     demo.add_argument("--concurrency", type=int, default=8)
@@ -82,11 +86,30 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="logs and rendered configs go here")
     demo.set_defaults(run=_demo)
 
-    standin = sub.add_parser("standin", help="run OpenAI-compatible stand-in backends (for demos and tests)")
-    standin.add_argument("--listen", action="append", required=True, help="ip:port; repeat for more servers")
-    standin.add_argument("--model", action="append", help="served model name; repeatable")
-    standin.add_argument("--token-delay-ms", type=float, default=5.0, help="pause between streamed tokens")
-    standin.set_defaults(run=_standin)
+    sim = sub.add_parser("sim", help="run emulated vLLM-compatible inference servers on loopback")
+    where = sim.add_mutually_exclusive_group(required=True)
+    where.add_argument("--listen", action="append", help="ip:port of one server; repeat for more")
+    where.add_argument("--base-port", type=int, help="serve --replicas servers on consecutive ports from here")
+    sim.add_argument("--replicas", type=int, default=1, help="how many servers with --base-port (default 1)")
+    sim.add_argument("--host", default="127.0.0.1", help="address to bind with --base-port (default 127.0.0.1)")
+    sim.add_argument("--profile", default="h100-llama3.1-8b", help=f"GPU x model profile: {', '.join(PROFILES)}")
+    sim.add_argument("--model", action="append", help="served model name (default: the profile's); repeatable")
+    sim.add_argument("--time-scale", type=float, default=1.0, help="engine seconds per wall second (default 1)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of server 0; server i gets seed+i")
+    sim.add_argument("--jitter", type=float, default=0.02, help="log-normal sigma of step times (default 0.02)")
+    sim.add_argument("--cold-start", action="store_true", help="start not ready, as after a crash")
+    sim.add_argument("--cold-start-s", type=float, help="cold-start time in engine seconds (default: the profile's)")
+    sim.add_argument("--max-tokens", type=int, default=128, help="output length when a request sets none")
+    sim.add_argument("--otlp-endpoint", help="send one llm_request span per request here (host:port or URL)")
+    sim.add_argument("--otlp-protocol", default="grpc", choices=PROTOCOLS)
+    sim.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="I:key=value",
+        help="start-up fault of server I: slowdown=F, error_rate=P, hang=true, cold_start_s=S (repeatable)",
+    )
+    sim.set_defaults(run=_sim)
     return parser
 
 
@@ -134,9 +157,36 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(options, args.out)
 
 
-def _standin(args: argparse.Namespace) -> int:
-    from inferlb.sim.standin import StandinOptions, serve
+def _sim(args: argparse.Namespace) -> int:
+    from inferlb.sim.fleet import build_fleet, parse_fault, run_fleet
+    from inferlb.sim.profiles import get_profile
+    from inferlb.sim.server import ServerOptions
 
-    options = StandinOptions(models=tuple(args.model or ("stand-in",)), token_delay_s=args.token_delay_ms / 1000)
-    asyncio.run(serve(args.listen, options))
+    if args.listen:
+        addresses = list(args.listen)
+    else:
+        if args.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1; got {args.replicas}")
+        if not 1 <= args.base_port <= 65535 - args.replicas + 1:
+            raise ValueError(f"--base-port {args.base_port} with --replicas {args.replicas} runs past port 65535")
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        addresses = [f"{host}:{args.base_port + i}" for i in range(args.replicas)]
+    faults: dict[int, dict[str, object]] = {}
+    for text in args.fault:
+        index, spec = parse_fault(text, len(addresses))
+        faults.setdefault(index, {}).update(spec)
+    options = ServerOptions(
+        profile=get_profile(args.profile),
+        models=tuple(args.model or ()),
+        time_scale=args.time_scale,
+        seed=args.seed,
+        jitter=args.jitter,
+        start_cold=args.cold_start,
+        cold_start_s=args.cold_start_s,
+        default_max_tokens=args.max_tokens,
+    )
+    servers = build_fleet(
+        addresses, options, otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol, faults=faults
+    )
+    asyncio.run(run_fleet(servers))
     return 0

@@ -1,0 +1,80 @@
+"""A fleet of emulated servers in one process: what ``inferlb sim`` runs.
+
+Each server gets its own engine (seeded ``seed + i``), its own tracer provider (so its spans name it in their
+resource) and its start-up faults; `run_fleet` serves them all until SIGTERM/SIGINT and then flushes their spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from inferlb.sim.serve import serve
+from inferlb.sim.server import FAULT_KEYS, EmulatedServer, ServerOptions
+from inferlb.sim.spans import RequestSpans, create_tracer_provider
+
+__all__ = ["build_fleet", "parse_fault", "run_fleet"]
+
+
+def parse_fault(text: str, replicas: int) -> tuple[int, dict[str, object]]:
+    """``"INDEX:key=value[,key=value]"`` (e.g. ``"2:slowdown=5,error_rate=0.1"``, ``"0:hang=true"``) → (index, spec).
+
+    ValueError with the expected shape otherwise; the values are checked when applied.
+    """
+    shape = "expected INDEX:key=value[,key=value], e.g. 2:slowdown=5"
+    index_text, sep, rest = text.partition(":")
+    if not sep or not rest:
+        raise ValueError(f"bad --fault {text!r}: {shape}")
+    try:
+        index = int(index_text)
+    except ValueError:
+        raise ValueError(f"bad --fault {text!r}: the server index must be an integer; {shape}") from None
+    if not 0 <= index < replicas:
+        raise ValueError(f"bad --fault {text!r}: server index must be in 0..{replicas - 1}")
+    spec: dict[str, object] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in FAULT_KEYS:
+            raise ValueError(f"bad --fault {text!r}: {key!r} is not one of {', '.join(FAULT_KEYS)}; {shape}")
+        lowered = value.strip().lower()
+        if lowered in ("true", "false"):
+            spec[key] = lowered == "true"
+        else:
+            try:
+                spec[key] = float(value)
+            except ValueError:
+                raise ValueError(f"bad --fault {text!r}: {key} needs a number or true/false") from None
+    return index, spec
+
+
+def build_fleet(
+    addresses: Sequence[str],
+    options: ServerOptions,
+    *,
+    otlp_endpoint: str | None = None,
+    otlp_protocol: str = "grpc",
+    faults: Mapping[int, Mapping[str, object]] | None = None,
+) -> list[EmulatedServer]:
+    """One `EmulatedServer` per address; faults are applied before the first request. ValueError on bad input."""
+    servers = []
+    for i, address in enumerate(addresses):
+        spans = None
+        if otlp_endpoint:
+            provider = create_tracer_provider(otlp_endpoint, protocol=otlp_protocol, server_address=address)
+            spans = RequestSpans(provider)
+        server = EmulatedServer(address, dataclasses.replace(options, seed=options.seed + i), spans=spans)
+        if faults and i in faults:
+            server.apply_faults(faults[i])
+        servers.append(server)
+    return servers
+
+
+async def run_fleet(servers: Sequence[EmulatedServer], *, ready: asyncio.Event | None = None) -> None:
+    """Serve ``servers`` until SIGTERM/SIGINT or cancellation, then stop their drivers and flush their spans."""
+    try:
+        await serve([(server.address, server) for server in servers], ready=ready)
+    finally:
+        for server in servers:
+            await server.aclose()
