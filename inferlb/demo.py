@@ -1,4 +1,4 @@
-"""``inferlb demo``: a gateway on loopback (stand-in servers, the picker, a real Envoy), a bounded burst of
+"""``inferlb demo``: a gateway on loopback (emulated vLLM servers, the picker, a real Envoy), a bounded burst of
 OpenAI-style requests through it, and a table of where they went.
 
 The table is checked against Envoy's own access log: every request must have gone through the ORIGINAL_DST
@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import httpx
 
 from inferlb.procs import ProcessError
-from inferlb.sim.standin import STANDIN_HEADER
+from inferlb.sim.server import SERVER_HEADER
 from inferlb.stack import LocalStack, StackOptions
 
 MODEL = "demo-model"
@@ -52,7 +52,7 @@ def run_demo(options: DemoOptions, out_dir: Path, stream: TextIO = sys.stdout) -
         raise ValueError("need backends >= 1, requests >= backends and concurrency >= 1")
     out_dir = out_dir.resolve()
     stack_options = StackOptions(backends=options.backends, models=(MODEL,), policy=options.policy)
-    print(f"inferlb demo: starting {options.backends} stand-in servers, the picker and Envoy ...", file=stream)
+    print(f"inferlb demo: starting {options.backends} emulated vLLM servers, the picker and Envoy ...", file=stream)
     try:
         with LocalStack(stack_options, out_dir) as stack:
             print(f"gateway {stack.gateway_url} -> picker {stack.picker_address} ({options.policy})", file=stream)
@@ -110,7 +110,7 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> O
             await response.aread()
         return Outcome(
             status=response.status_code,
-            backend=response.headers.get(STANDIN_HEADER, ""),
+            backend=response.headers.get(SERVER_HEADER, ""),
             streamed=streamed,
             events=events,
             request_id=response.headers.get("x-request-id", ""),

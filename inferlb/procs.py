@@ -1,4 +1,4 @@
-"""Starting, watching and stopping the processes of a local gateway (stand-in servers, picker, Envoy).
+"""Starting, watching and stopping the processes of a local gateway (emulated servers, picker, Envoy).
 
 Used by ``inferlb demo``, the integration tests and the benchmarks. Readiness is always polled against a
 deadline, never slept for; a process that dies while we wait fails the wait at once with the end of its log.

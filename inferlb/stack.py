@@ -1,4 +1,4 @@
-"""A whole gateway on loopback: stand-in servers, the picker and a real Envoy, each its own process.
+"""A whole gateway on loopback: emulated inference servers, the picker and a real Envoy, each its own process.
 
 ``inferlb demo``, the integration tests and the benchmarks all use it, so they exercise the same wiring a
 deployment has: the rendered bootstrap, the console scripts, real sockets.
@@ -23,9 +23,10 @@ READY_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class StackOptions:
-    """The shape of a local gateway. ``backends`` stand-in servers all serve ``models``.
+    """The shape of a local gateway. ``backends`` emulated servers (``inferlb sim``, GPU x model ``profile``,
+    ``time_scale``, plus any ``sim_args``) all serve ``models``.
 
-    ``servers`` names servers that are already running instead (no stand-ins are started then), and
+    ``servers`` names servers that are already running instead (no emulated servers are started then), and
     ``picker_command`` replaces ``inferlb serve`` (it gets ``--config FILE`` appended and must serve gRPC
     health); the benchmarks use both.
     """
@@ -35,7 +36,9 @@ class StackOptions:
     picker_command: tuple[str, ...] = ()
     models: tuple[str, ...] = ("demo-model",)
     policy: str = "least-request"
-    token_delay_ms: float = 5.0
+    profile: str = "h100-llama3.1-8b"
+    time_scale: float = 1.0
+    sim_args: tuple[str, ...] = ()
     envoy_concurrency: int = 2
     envoy: EnvoyOptions = field(default_factory=EnvoyOptions)
     picker_log_level: str = "info"
@@ -86,6 +89,8 @@ class LocalStack:
 
     def start(self) -> LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # Envoy appends to its access log; a log left by an earlier run in the same folder would be read as ours.
+        self.access_log_path.unlink(missing_ok=True)
         self.config_path.write_text(yaml.safe_dump(self._config_document(), sort_keys=False), encoding="utf-8")
         envoy_options = replace(
             self.options.envoy,
@@ -102,12 +107,14 @@ class LocalStack:
         return self
 
     def start_backends(self) -> None:
-        argv = [find_tool("inferlb"), "standin", "--token-delay-ms", str(self.options.token_delay_ms)]
+        options = self.options
+        argv = [find_tool("inferlb"), "sim", "--profile", options.profile, "--time-scale", str(options.time_scale)]
+        argv += options.sim_args
         for address in self.endpoints:
             argv += ["--listen", address]
         for model in self.options.models:
             argv += ["--model", model]
-        self.backends = ManagedProcess("stand-in servers", argv, self.workdir / "backends.log").start()
+        self.backends = ManagedProcess("emulated servers", argv, self.workdir / "backends.log").start()
         for address in self.endpoints:
             self.backends.wait_ready(http_ok(f"http://{address}/health"), READY_TIMEOUT_S, f"serving on {address}")
 

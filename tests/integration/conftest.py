@@ -1,4 +1,4 @@
-"""Fixtures for tests that run the real Envoy binary with the picker and stand-in servers."""
+"""Fixtures for tests that run the real Envoy binary with the picker and emulated servers."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The whole request path through a real Envoy: client -> Envoy -> ext_proc picker -> ORIGINAL_DST -> server.
 
-The stand-in servers name themselves on every response (x-inferlb-sim-server) and echo the destination
+The emulated servers name themselves on every response (x-inferlb-sim-server) and echo the destination
 header they received (x-inferlb-seen-destination); Envoy's access log records the cluster, the upstream it
 connected to and the picker's choice (dynamic metadata). Together they show where each request really went.
 """
@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.sim.standin import SEEN_DEST_HEADER, STANDIN_HEADER
+from inferlb.sim.openai import output_text
+from inferlb.sim.server import SEEN_DEST_HEADER, SERVER_HEADER
 from inferlb.stack import LocalStack, StackOptions
 
 from .conftest import Canary, log_entry, poll
@@ -27,8 +28,8 @@ from .conftest import Canary, log_entry, poll
 pytestmark = pytest.mark.envoy
 
 MODEL = "m1"
-# Slow enough that a long stream stays open while the test sends other requests; the test closes it early.
-OPTIONS = StackOptions(backends=3, models=(MODEL,), token_delay_ms=20)
+# Emulated H100s in real time: a 500-token stream stays open ~3 s while the test sends other requests.
+OPTIONS = StackOptions(backends=3, models=(MODEL,))
 COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4}
 
 
@@ -51,9 +52,9 @@ def test_each_request_reaches_the_endpoint_the_picker_chose(stack: LocalStack, c
             response = client.post("/v1/completions", json=COMPLETION)
             assert response.status_code == 200
         else:
-            # A route the picker decides from the headers alone; the stand-in has no such API and says 404.
+            # A route the picker decides from the headers alone; the emulator has no such API and says 404.
             response = client.get("/v1/embeddings")
-        backend = response.headers[STANDIN_HEADER]
+        backend = response.headers[SERVER_HEADER]
         assert response.headers[SEEN_DEST_HEADER] == backend, "the server got a destination other than itself"
         entry = log_entry(stack, response.headers["x-request-id"])
         assert entry["cluster"] == "inferlb_picked"
@@ -67,7 +68,7 @@ def test_client_cannot_choose_its_upstream(stack: LocalStack, client: httpx.Clie
     for path in ("/v1/completions", "/v1/embeddings"):
         for _ in range(5):
             response = client.post(path, json=COMPLETION, headers={"x-gateway-destination-endpoint": canary.address})
-            assert response.headers[STANDIN_HEADER] in stack.endpoints
+            assert response.headers[SERVER_HEADER] in stack.endpoints
             assert response.headers[SEEN_DEST_HEADER] != canary.address
     assert canary.connections == before
 
@@ -111,7 +112,7 @@ def test_opt_out_route_never_calls_the_picker(stack: LocalStack, client: httpx.C
 
 
 def test_streaming_arrives_intact_chunk_by_chunk(client: httpx.Client) -> None:
-    body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 12, "stream": True}
+    body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 40, "stream": True}
     events: list[tuple[float, str]] = []
     with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -121,10 +122,10 @@ def test_streaming_arrives_intact_chunk_by_chunk(client: httpx.Client) -> None:
                 events.append((time.monotonic(), line[6:]))
     assert events[-1][1] == "[DONE]"
     chunks = [(at, json.loads(data)) for at, data in events[:-1]]
-    assert [c["seq"] for _, c in chunks] == list(range(12))
-    assert "".join(c["choices"][0]["text"] for _, c in chunks) == "".join(f"tok{i} " for i in range(12))
-    # Not buffered by the gateway: the first chunk arrived before the server had sent the last one.
-    assert chunks[0][0] < chunks[-1][1]["sent_at"]
+    assert len(chunks) == 40
+    assert "".join(c["choices"][0]["text"] for _, c in chunks) == output_text(0, 40)
+    # Not buffered by the gateway: 39 decode steps take ~0.25 s, and the chunks arrived spread over that time.
+    assert chunks[-1][0] - chunks[0][0] > 0.1
 
 
 def test_in_flight_counts_rise_on_decision_and_fall_when_the_request_ends(stack: LocalStack) -> None:
@@ -137,7 +138,7 @@ def test_in_flight_counts_rise_on_decision_and_fall_when_the_request_ends(stack:
             lines = response.iter_lines()
             next(lines)  # routed, streaming, and held open: nothing has been released yet
             # Keep the iterator: dropping a half-read one would close the response.
-            held[response.headers[STANDIN_HEADER]].append((response, lines))
+            held[response.headers[SERVER_HEADER]].append((response, lines))
         # Least-request with nothing finishing: each endpoint holds exactly two of the streams.
         assert sorted(len(v) for v in held.values()) == [2] * len(stack.endpoints)
         freed = stack.endpoints[0]
@@ -147,11 +148,11 @@ def test_in_flight_counts_rise_on_decision_and_fall_when_the_request_ends(stack:
             # Once the picker has seen both ends, the freed endpoint (0 in flight) beats the others (2 each),
             # and keeps winning: a finished quick request can lag by at most one count.
             poll(
-                lambda: client.post("/v1/completions", json=COMPLETION).headers[STANDIN_HEADER] == freed,
+                lambda: client.post("/v1/completions", json=COMPLETION).headers[SERVER_HEADER] == freed,
                 what="a request to the endpoint whose streams ended",
             )
             for _ in range(5):
-                assert client.post("/v1/completions", json=COMPLETION).headers[STANDIN_HEADER] == freed
+                assert client.post("/v1/completions", json=COMPLETION).headers[SERVER_HEADER] == freed
 
 
 @pytest.fixture
@@ -172,7 +173,7 @@ def test_picker_down_fail_open_uses_the_fallback_cluster(own_stack: LocalStack, 
             headers = {"x-gateway-destination-endpoint": canary.address} if i % 2 else {}
             response = client.post("/v1/completions", json=COMPLETION, headers=headers)
             assert response.status_code == 200
-            assert response.headers[STANDIN_HEADER] in stack.endpoints
+            assert response.headers[SERVER_HEADER] in stack.endpoints
             assert log_entry(stack, response.headers["x-request-id"])["cluster"] == "inferlb_fallback"
         assert canary.connections == before
         # A restarted picker is used again without touching Envoy.
@@ -192,6 +193,6 @@ def test_picker_down_fail_closed_fails_fast(own_stack: LocalStack, canary: Canar
         for headers in ({}, {"x-gateway-destination-endpoint": canary.address}):
             response = client.post("/v1/completions", json=COMPLETION, headers=headers)
             assert 500 <= response.status_code < 600
-            assert STANDIN_HEADER not in response.headers
+            assert SERVER_HEADER not in response.headers
             assert response.json()["error"]["message"]
     assert canary.connections == before
