@@ -6,11 +6,14 @@ from inferlb.scorer.config import Config, EndpointConfig, load_config, parse_con
 from inferlb.scorer.engine import Decision, Engine, Filter, Picker, Profile, Scorer, State, WeightedScorer
 from inferlb.scorer.errors import ConfigError, NoEndpointError, RoutingError, ScorerError, UnknownModelError
 from inferlb.scorer.features import RequestFeatures, estimate_tokens
+from inferlb.scorer.gpustate import GpuInfo, GpuReport, parse_gpu_report
 from inferlb.scorer.inflight import InFlight, Lease
 from inferlb.scorer.pool import Endpoint, Pool
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
+from inferlb.scorer.promtext import PICKER_METRICS, VllmSnapshot, parse_exposition, read_vllm
 
 __all__ = [
+    "PICKER_METRICS",
     "PRESET_NAMES",
     "Config",
     "ConfigError",
@@ -19,6 +22,8 @@ __all__ = [
     "EndpointConfig",
     "Engine",
     "Filter",
+    "GpuInfo",
+    "GpuReport",
     "InFlight",
     "Lease",
     "NoEndpointError",
@@ -31,9 +36,13 @@ __all__ = [
     "ScorerError",
     "State",
     "UnknownModelError",
+    "VllmSnapshot",
     "WeightedScorer",
     "build_profile",
     "estimate_tokens",
     "load_config",
     "parse_config",
+    "parse_exposition",
+    "parse_gpu_report",
+    "read_vllm",
 ]

@@ -1,1 +1,37 @@
-"""Stand-ins for GPU inference servers: OpenAI-compatible backends (a vLLM-like simulator comes next)."""
+"""A stand-in for GPU inference servers: one vLLM-like engine model on two clocks.
+
+`EmulatedServer` serves vLLM's HTTP API, metrics and spans in real (or scaled) time; `simulate` runs fleets of the
+same engine on a virtual clock, driven by traces from `load_trace`. See sim/README.md.
+"""
+
+from __future__ import annotations
+
+from inferlb.sim.des import Arrival, FaultEvent, FleetView, RequestRecord, ServerSnapshot, SimResult, simulate
+from inferlb.sim.engine import Engine, EngineOptions, SimRequest
+from inferlb.sim.profiles import PROFILES, Profile, get_profile
+from inferlb.sim.server import EmulatedServer, ServerOptions
+from inferlb.sim.traces import Trace, TraceError, TraceRequest, block_keys, load_trace, prompt_text
+
+__all__ = [
+    "PROFILES",
+    "Arrival",
+    "EmulatedServer",
+    "Engine",
+    "EngineOptions",
+    "FaultEvent",
+    "FleetView",
+    "Profile",
+    "RequestRecord",
+    "ServerOptions",
+    "ServerSnapshot",
+    "SimRequest",
+    "SimResult",
+    "Trace",
+    "TraceError",
+    "TraceRequest",
+    "block_keys",
+    "get_profile",
+    "load_trace",
+    "prompt_text",
+    "simulate",
+]

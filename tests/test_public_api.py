@@ -1,4 +1,4 @@
-"""Pins the public names of the scorer and filter packages: a change to either list must be deliberate."""
+"""Pins the public names of the scorer, filter and sim packages: a change to either list must be deliberate."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 PUBLIC = {
     "inferlb.scorer": [
+        "PICKER_METRICS",
         "PRESET_NAMES",
         "Config",
         "ConfigError",
@@ -16,6 +17,8 @@ PUBLIC = {
         "EndpointConfig",
         "Engine",
         "Filter",
+        "GpuInfo",
+        "GpuReport",
         "InFlight",
         "Lease",
         "NoEndpointError",
@@ -28,11 +31,15 @@ PUBLIC = {
         "ScorerError",
         "State",
         "UnknownModelError",
+        "VllmSnapshot",
         "WeightedScorer",
         "build_profile",
         "estimate_tokens",
         "load_config",
         "parse_config",
+        "parse_exposition",
+        "parse_gpu_report",
+        "read_vllm",
     ],
     "inferlb.filter": [
         "DESTINATION_HEADER",
@@ -50,6 +57,29 @@ PUBLIC = {
         "apply_body",
         "error_reply",
         "features_from_headers",
+    ],
+    "inferlb.sim": [
+        "PROFILES",
+        "Arrival",
+        "EmulatedServer",
+        "Engine",
+        "EngineOptions",
+        "FaultEvent",
+        "FleetView",
+        "Profile",
+        "RequestRecord",
+        "ServerOptions",
+        "ServerSnapshot",
+        "SimRequest",
+        "SimResult",
+        "Trace",
+        "TraceError",
+        "TraceRequest",
+        "block_keys",
+        "get_profile",
+        "load_trace",
+        "prompt_text",
+        "simulate",
     ],
 }
 
