@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from inferlb.sim.engine import Engine, EngineOptions, RequestState, SimRequest
 from inferlb.sim.profiles import Profile
+from inferlb.sim.traces import Trace, block_keys
 
 __all__ = [
     "Arrival",
@@ -32,6 +33,7 @@ __all__ = [
     "ServerSnapshot",
     "SimResult",
     "simulate",
+    "trace_arrivals",
 ]
 
 
@@ -49,7 +51,8 @@ class Arrival:
 
 @dataclass(frozen=True, slots=True)
 class ServerSnapshot:
-    """One scrape of a server's metrics, the fields a picker reads from vLLM's ``/metrics``."""
+    """One scrape of a server's metrics, the fields a picker reads from vLLM's ``/metrics`` and the GPU agent's
+    view (``gpu_utilization``: the share of time in steps since the previous scrape, 0..1)."""
 
     scraped_at: float
     ready: bool
@@ -60,6 +63,7 @@ class ServerSnapshot:
     prefix_cache_hits: int
     num_gpu_blocks: int
     block_size: int
+    gpu_utilization: float = 0.0
 
 
 @dataclass(slots=True)
@@ -145,7 +149,7 @@ class SimResult:
 _SERVER, _FAULT, _SCRAPE, _ARRIVAL = 0, 1, 2, 3  # ties at one instant: steps end before anything else happens
 
 
-def _snapshot(engine: Engine, now: float) -> ServerSnapshot:
+def _snapshot(engine: Engine, now: float, utilization: float) -> ServerSnapshot:
     return ServerSnapshot(
         scraped_at=now,
         ready=engine.ready,
@@ -156,6 +160,7 @@ def _snapshot(engine: Engine, now: float) -> ServerSnapshot:
         prefix_cache_hits=engine.prefix_hits,
         num_gpu_blocks=engine.cache.num_blocks,
         block_size=engine.cache.block_size,
+        gpu_utilization=utilization,
     )
 
 
@@ -237,6 +242,8 @@ def simulate(
     last_arrival = ordered[-1].at if ordered else 0.0
     push(0.0, _SCRAPE, 0)
     now = 0.0
+    last_scrape = 0.0
+    last_busy = [0.0] * n
 
     while heap:
         t, kind, _, payload = heapq.heappop(heap)
@@ -282,11 +289,15 @@ def simulate(
                 view.inflight_tokens[i] += arrival.prompt_tokens
             resync(i)
         elif kind == _SCRAPE:
+            span = t - last_scrape
             for i, engine in enumerate(engines):
                 engine.advance(t)
                 settle(i)
                 resync(i)
-                view.snapshots[i] = _snapshot(engine, t)
+                utilization = min(1.0, (engine.busy_s - last_busy[i]) / span) if span > 0 else 0.0
+                last_busy[i] = engine.busy_s
+                view.snapshots[i] = _snapshot(engine, t, utilization)
+            last_scrape = t
             push(t + scrape_interval_s, _SCRAPE, 0)
         else:
             fault = faults[payload]
@@ -329,6 +340,24 @@ def simulate(
         events=events,
         policy_errors=policy_errors,
     )
+
+
+def trace_arrivals(trace: Trace, block_size: int) -> list[Arrival]:
+    """The requests of ``trace`` as arrivals with prompt block keys at ``block_size`` (the servers' block size).
+
+    Ids are ``"<trace name>/<row index>"``; the keys share leading runs exactly where the synthetic prompts a live
+    replay sends (`inferlb.sim.traces.prompt_text`) share leading blocks.
+    """
+    return [
+        Arrival(
+            f"{trace.name}/{r.index}",
+            r.arrival_s,
+            r.prompt_tokens,
+            r.output_tokens,
+            block_keys(r, block_size, trace.name),
+        )
+        for r in trace.requests
+    ]
 
 
 def _record(arrival: Arrival, server: int, request: SimRequest, error: str | None) -> RequestRecord:

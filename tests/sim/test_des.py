@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from inferlb.sim.des import Arrival, FaultEvent, FleetView, simulate
+from inferlb.sim.des import Arrival, FaultEvent, FleetView, simulate, trace_arrivals
 from inferlb.sim.profiles import get_profile
+from inferlb.sim.traces import load_trace
 
 H100 = get_profile("h100-llama3.1-8b")
 
@@ -156,3 +157,35 @@ def test_bad_arguments_are_named(kwargs, message):
 def test_unknown_fault_kind_is_refused():
     with pytest.raises(ValueError, match="kind"):
         FaultEvent(0, 0, "explode")
+
+
+def test_scrapes_report_gpu_utilization():
+    seen = []
+
+    def policy(arrival, view):
+        seen.append([s.gpu_utilization for s in view.snapshots])
+        return 0
+
+    simulate(arrivals(40, gap=0.05, prompt=3000, output=200), policy, [H100] * 2, scrape_interval_s=0.2)
+    assert max(u[0] for u in seen) > 0.9  # server 0 takes everything and is busy
+    assert max(u[1] for u in seen) == 0.0  # server 1 gets nothing
+
+
+def test_trace_arrivals_keep_the_traces_prefix_sharing(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [
+        '{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}',
+        '{"timestamp": 500, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 3]}',
+        '{"timestamp": 1000, "input_length": 600, "output_length": 5, "hash_ids": [7, 8]}',
+    ]
+    path.write_text("\n".join(rows))
+    trace = load_trace(path)
+    got = trace_arrivals(trace, H100.block_size)
+    assert [a.id for a in got] == ["t/0", "t/1", "t/2"]
+    assert [a.at for a in got] == [0.0, 0.5, 1.0]
+    assert [len(a.prompt_hashes) for a in got] == [1100 // 16, 1100 // 16, 600 // 16]
+    shared = sum(1 for x, y in zip(got[0].prompt_hashes, got[1].prompt_hashes, strict=False) if x == y)
+    assert shared == 1024 // 16  # two full 512-token blocks in common
+    assert not set(got[2].prompt_hashes) & set(got[0].prompt_hashes)
+    result = simulate(got, lambda a, v: 0, [H100])
+    assert [r.cached_tokens for r in result.records] == [0, 1024, 0]
