@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,34 @@ def test_the_example_config_renders(tmp_path: Path) -> None:
     out = tmp_path / "envoy.yaml"
     assert main(["envoy-config", "--config", str(example), "--out", str(out)]) == 0
     assert "fd00::14" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        pytest.param(["--listen", "localhost:80"], "bad server address 'localhost:80'", id="hostname"),
+        pytest.param(["--base-port", "65535", "--replicas", "2"], "runs past port 65535", id="port-range"),
+        pytest.param(["--base-port", "9000", "--replicas", "0"], "--replicas must be >= 1", id="replicas"),
+        pytest.param(["--listen", "127.0.0.1:9", "--profile", "tpu"], "unknown profile 'tpu'", id="profile"),
+        pytest.param(["--listen", "127.0.0.1:9", "--time-scale", "0"], "time_scale", id="scale"),
+        pytest.param(["--listen", "127.0.0.1:9", "--fault", "3:hang=true"], "index must be in 0..0", id="fault-index"),
+        pytest.param(["--listen", "127.0.0.1:9", "--fault", "0:melt=1"], "'melt' is not one of", id="fault-key"),
+        pytest.param(["--listen", "127.0.0.1:9", "--fault", "0:slowdown=-2"], "slowdown must be", id="fault-value"),
+        pytest.param(["--listen", "127.0.0.1:9", "--fault", "slowdown=2"], "expected INDEX:key=value", id="shape"),
+    ],
+)
+def test_sim_refuses_bad_arguments_with_a_message(
+    capsys: pytest.CaptureFixture[str], args: list[str], words: str
+) -> None:
+    assert main(["sim", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inferlb: error: ") and words in err, err
+
+
+def test_sim_reports_a_busy_port(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["sim", "--listen", f"127.0.0.1:{port}"]) == 2
+    assert f"cannot bind 127.0.0.1:{port}" in capsys.readouterr().err
