@@ -2,13 +2,16 @@
 OpenAI-style requests through it, and a table of where they went.
 
 The table is checked against Envoy's own access log: every request must have gone through the ORIGINAL_DST
-cluster to the endpoint the picker named. The exit code says whether that held and every endpoint got work.
+cluster to the endpoint the picker named. The exit code says whether that held and every endpoint got work. Each
+row also shows what the server itself reported: its median time to first token (engine time, from its request
+log) and its prefix-cache hit rate (from its vLLM ``/metrics``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
 import time
 from collections import Counter
@@ -19,6 +22,7 @@ from typing import Any, TextIO
 import httpx
 
 from inferlb.procs import ProcessError
+from inferlb.scorer.promtext import read_vllm
 from inferlb.sim.server import SERVER_HEADER
 from inferlb.stack import LocalStack, StackOptions
 
@@ -133,6 +137,20 @@ async def _refusals(base_url: str) -> list[tuple[str, int, str]]:
     return out
 
 
+def _server_view(address: str) -> tuple[str, str]:
+    """(median TTFT, prefix-cache hit rate) as the server at ``address`` reports them; "-" where it cannot say."""
+    try:
+        log = httpx.get(f"http://{address}/admin/requests", timeout=5).json()["requests"]
+        snapshot = read_vllm(httpx.get(f"http://{address}/metrics", timeout=5).content)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return "-", "-"
+    ttfts = [e["ttft_s"] for e in log if isinstance(e.get("ttft_s"), float)]
+    ttft = f"{1000 * statistics.median(ttfts):.0f} ms" if ttfts else "-"
+    queries, hits = snapshot.prefix_cache_queries, snapshot.prefix_cache_hits
+    rate = f"{hits / queries:.0%}" if queries and hits is not None else "-"
+    return ttft, rate
+
+
 def _wait_for_access_log(stack: LocalStack, expected: int) -> list[dict[str, Any]]:
     deadline = time.monotonic() + ACCESS_LOG_WAIT_S
     while True:
@@ -161,10 +179,11 @@ def _report(
 
     p = lambda *a: print(*a, file=stream)  # noqa: E731
     p("")
-    p(f"{'endpoint':<22}{'requests':>9}{'streamed':>10}{'share':>8}")
+    p(f"{'endpoint':<22}{'requests':>9}{'streamed':>10}{'share':>8}{'TTFT p50':>11}{'prefix hits':>13}")
     for address in stack.endpoints:
         n = per_backend.get(address, 0)
-        p(f"{address:<22}{n:>9}{streamed.get(address, 0):>10}{n / max(len(ok), 1):>8.0%}")
+        ttft, hits = _server_view(address)
+        p(f"{address:<22}{n:>9}{streamed.get(address, 0):>10}{n / max(len(ok), 1):>8.0%}{ttft:>11}{hits:>13}")
     p(f"{'total':<22}{len(ok):>9}{sum(streamed.values()):>10}")
     p("")
     p(f"{len(ok)}/{len(outcomes)} requests answered 200 in {elapsed:.1f} s (concurrency {options.concurrency})")
