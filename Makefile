@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-slow bench lint clean
+.PHONY: demo test test-slow bench bench-sim lint clean
 
 demo: $(VENV)/.installed-envoy
 	$(BIN)/inferlb demo
@@ -25,6 +25,10 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy inferlb filter scorer sim envoy bench
+
+# What the emulator costs (8 servers at 50 req/s) and how fast the simulator replays the Mooncake trace.
+bench-sim: $(VENV)/.installed-bench
+	$(BIN)/python -m inferlb.bench.sim --out bench/results
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -1,0 +1,203 @@
+"""What the emulator costs and how fast the simulator runs.
+
+    python -m inferlb.bench.sim --out bench/results [--quick] [--traces DIR]
+
+1. The discrete-event simulator replays the Mooncake conversation trace (12,031 requests, one hour) on 16
+   emulated H100 + Llama-3.1-8B servers, once per policy (round robin, fewest in flight), on one core, and
+   reports the wall time with the simulated results.
+2. The live emulator: ``inferlb sim`` with 8 servers (its own process) takes 50 requests/s of streamed
+   completions for 20 s (the Azure conversation trace's first requests, rate-scaled to 50/s; round robin over the
+   servers; the client in this process). Reported: the emulator's CPU seconds per wall second (1.0 = one core),
+   client errors, and the engine-time TTFT/E2E the servers logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inferlb.bench.load import cpu_seconds
+from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
+from inferlb.sim.des import FleetView, simulate, trace_arrivals
+from inferlb.sim.profiles import get_profile
+from inferlb.sim.replay import Shot, replay
+from inferlb.sim.traces import load_trace, prompt_text
+
+PROFILE = "h100-llama3.1-8b"
+MODEL = "bench-model"
+
+
+def _traces_dir(given: Path | None) -> Path:
+    if given is not None:
+        return given
+    env = os.environ.get("INFERLB_TRACES_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def des_speed(traces: Path, servers: int, limit: int | None) -> list[dict[str, Any]]:
+    profile = get_profile(PROFILE)
+    trace = load_trace(traces / "mooncake_conversation_trace.jsonl", limit=limit)
+    arrivals = trace_arrivals(trace, profile.block_size)
+
+    def round_robin() -> Any:
+        counter = itertools.count()
+        return lambda arrival, view: next(counter) % len(view.servers)
+
+    def fewest_in_flight(arrival: Any, view: FleetView) -> int:
+        return min(range(len(view.servers)), key=view.inflight.__getitem__)
+
+    rows = []
+    for name, policy in (("round-robin", round_robin()), ("fewest-in-flight", fewest_in_flight)):
+        started = time.process_time()
+        result = simulate(arrivals, policy, [profile] * servers, seed=1)
+        cpu = time.process_time() - started
+        ttft = [r.ttft_s for r in result.records if r.ttft_s is not None]
+        queries = sum(s.prefix_cache_queries for s in result.servers)
+        rows.append(
+            {
+                "policy": name,
+                "requests": len(result.records),
+                "servers": servers,
+                "simulated_s": round(result.simulated_s, 1),
+                "wall_s": round(result.wall_s, 2),
+                "cpu_s": round(cpu, 2),
+                "events": result.events,
+                "errors": sum(r.error is not None for r in result.records),
+                "ttft_p50_ms": round(1000 * _pct(ttft, 0.5), 1),
+                "ttft_p99_ms": round(1000 * _pct(ttft, 0.99), 1),
+                "prefix_hit_rate": round(sum(s.prefix_cache_hits for s in result.servers) / max(queries, 1), 3),
+            }
+        )
+        print(f"des {name}: {rows[-1]}", flush=True)
+    return rows
+
+
+def live_cost(traces: Path, servers: int, rate: float, duration_s: float, workdir: Path) -> dict[str, Any]:
+    # The first rate x duration requests, squeezed (or stretched) to arrive over `duration_s`.
+    count = int(rate * duration_s)
+    path = traces / "AzureLLMInferenceTrace_conv.csv"
+    span = load_trace(path, limit=count + 1).requests[-1].arrival_s
+    trace = load_trace(path, limit=count, rate_scale=span / duration_s)
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(servers)]
+    argv = [find_tool("inferlb"), "--log-level", "warning", "sim", "--profile", PROFILE, "--model", MODEL]
+    for address in addresses:
+        argv += ["--listen", address]
+    process = ManagedProcess("sim", argv, workdir / "sim.log").start()
+    try:
+        for address in addresses:
+            process.wait_ready(http_ok(f"http://{address}/health"), 30, f"serving on {address}")
+        shots = [
+            Shot(
+                f"r{r.index}",
+                r.arrival_s,
+                f"http://{addresses[i % servers]}",
+                MODEL,
+                prompt_text(r, trace.name),
+                r.output_tokens,
+            )
+            for i, r in enumerate(trace.requests)
+        ]
+        cpu_before, wall_before = cpu_seconds(process.pid), time.monotonic()
+        client = asyncio.run(replay(shots, timeout_s=120))
+        cpu, wall = cpu_seconds(process.pid) - cpu_before, time.monotonic() - wall_before
+        logged = []
+        for address in addresses:
+            logged += httpx.get(f"http://{address}/admin/requests", timeout=10).json()["requests"]
+    finally:
+        process.stop()
+    ttft = [e["ttft_s"] for e in logged if e["ttft_s"] is not None]
+    e2e = [e["e2e_s"] for e in logged if e["e2e_s"] is not None]
+    row = {
+        "servers": servers,
+        "requests": len(shots),
+        "offered_rps": round(len(shots) / trace.duration_s, 1),
+        "wall_s": round(wall, 1),
+        "sim_cpu_s": round(cpu, 2),
+        "sim_cores": round(cpu / wall, 3),
+        "sim_cpu_ms_per_request": round(1000 * cpu / len(shots), 2),
+        "output_tokens": sum(c.tokens for c in client),
+        "client_errors": sum(c.error is not None for c in client),
+        "server_ttft_p50_ms": round(1000 * statistics.median(ttft), 1),
+        "server_e2e_p50_ms": round(1000 * statistics.median(e2e), 1),
+    }
+    print(f"live: {row}", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--traces", type=Path, help="folder with the traces (default: ../shared/traces)")
+    parser.add_argument("--quick", action="store_true", help="2,000 requests in the DES, 5 s of live load")
+    args = parser.parse_args(argv)
+    traces = _traces_dir(args.traces)
+    if not (traces / "mooncake_conversation_trace.jsonl").exists():
+        parser.error(f"no traces in {traces}; give --traces DIR or set INFERLB_TRACES_DIR")
+    args.out.mkdir(parents=True, exist_ok=True)
+    des = des_speed(traces, 16, 2000 if args.quick else None)
+    live = live_cost(traces, 8, 50.0, 5.0 if args.quick else 20.0, args.out)
+    (args.out / "sim.log").unlink(missing_ok=True)
+    report = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m inferlb.bench.sim --out bench/results" + (" --quick" if args.quick else ""),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "des": des,
+        "live": live,
+    }
+    (args.out / "sim.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (args.out / "sim.md").write_text(_markdown(report), encoding="utf-8")
+    print(f"wrote {args.out / 'sim.md'}")
+    return 0
+
+
+def _markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Emulator cost and simulator speed",
+        "",
+        f"{report['date']}; `{report['command']}`; {report['machine']}.",
+        "",
+        "## Discrete-event simulator: Mooncake conversation trace, 16 x h100-llama3.1-8b",
+        "",
+        "| policy | requests | simulated s | wall s | CPU s | events | errors | TTFT p50 ms | TTFT p99 ms "
+        "| prefix hit rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["des"]:
+        lines.append(
+            f"| {r['policy']} | {r['requests']} | {r['simulated_s']} | {r['wall_s']} | {r['cpu_s']} | {r['events']} "
+            f"| {r['errors']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['prefix_hit_rate']} |"
+        )
+    live = report["live"]
+    lines += [
+        "",
+        f"## Live emulator: {live['servers']} servers in one `inferlb sim` process, streamed completions",
+        "",
+        "| requests | offered req/s | wall s | emulator CPU s | cores used | CPU ms / request | output tokens "
+        "| client errors | server TTFT p50 ms | server E2E p50 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {live['requests']} | {live['offered_rps']} | {live['wall_s']} | {live['sim_cpu_s']} | {live['sim_cores']} "
+        f"| {live['sim_cpu_ms_per_request']} | {live['output_tokens']} | {live['client_errors']} "
+        f"| {live['server_ttft_p50_ms']} | {live['server_e2e_p50_ms']} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
