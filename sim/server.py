@@ -143,6 +143,7 @@ class EmulatedServer:
             num_gpu_blocks=self.profile.num_gpu_blocks,
             max_num_seqs=self.profile.max_num_seqs,
             max_num_batched_tokens=self.profile.max_num_batched_tokens,
+            max_model_len=self.profile.max_model_len,
         )
         self._counted = (0, 0, 0)  # prefix queries, prefix hits, preemptions already added to the metrics
         self._active: dict[int, _Active] = {}
@@ -404,7 +405,7 @@ class EmulatedServer:
         self.metrics.add_prefix_cache(engine.prefix_queries - queries, engine.prefix_hits - hits)
         self.metrics.add_preemptions(engine.preemptions - preemptions)
         self._counted = (engine.prefix_queries, engine.prefix_hits, engine.preemptions)
-        self.metrics.set_state(len(engine.running), len(engine.waiting), engine.cache.usage)
+        self.metrics.set_state(len(engine.running), len(engine.waiting), min(1.0, engine.cache.usage))
         return self.metrics.render()
 
     async def _faults_route(

@@ -407,12 +407,15 @@ async def test_crash_drops_streams_and_restarts_cold(live):
     url = f"http://{server.address}"
     body = {"model": "m", "prompt": "c" * 400, "max_tokens": 5000, "stream": True}
     async with httpx.AsyncClient(timeout=10) as client:
+        crashed = False
         with pytest.raises(httpx.HTTPError):
             async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
                 async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
+                    if line.startswith("data: {") and not crashed:
                         crash = await client.post(f"{url}/admin/faults", json={"crash": True})
                         assert crash.json()["restarts"] == 1 and crash.json()["ready"] is False
+                        crashed = True
+        assert crashed
         assert (await client.get(f"{url}/health")).status_code == 503
         deadline = time.monotonic() + 10  # 10 s of engine time at 5x: 2 s
         while (await client.get(f"{url}/health")).status_code != 200:
