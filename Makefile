@@ -33,9 +33,13 @@ bench-sim: $(VENV)/.installed-bench
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# One stamp per extra; installing again when pyproject.toml changes.
+# One stamp per extra; installing again when pyproject.toml changes. xds-protos ships an old copy of
+# opentelemetry-proto's modules in the same folder, so whichever pip installs last wins: reinstall the real
+# opentelemetry-proto (same version, no dependencies) after every install.
 $(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[$*]'
+	$(BIN)/pip install -q --force-reinstall --no-deps \
+		"opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	@touch $@
 
 clean:

@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = args.run(args)
         return result
-    except (ConfigError, EnvoyConfigError, ValueError, OSError) as exc:
+    except (ConfigError, EnvoyConfigError, ValueError, OSError, ImportError) as exc:
         print(f"inferlb: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -62,6 +62,12 @@ logger = logging.getLogger(__name__)
 SPAN_NAME = "llm_request"
 """The span name vLLM gives its per-request span."""
 
+OTLP_PROTOS_HINT = (
+    "the OTLP exporter cannot load opentelemetry-proto's modules: xds-protos ships an older copy of them, and "
+    "whichever package pip installed last owns those files; put the real ones back with "
+    "'pip install --force-reinstall --no-deps opentelemetry-proto' (make does this after every install)"
+)
+
 INSTRUMENTATION_SCOPE = "vllm.llm_engine"
 """The tracer (instrumentation scope) name vLLM creates its request tracer under."""
 
@@ -112,14 +118,17 @@ def create_tracer_provider(
     attributes = _resource_attributes(service_name, server_address, resource_attributes)
     no_metrics = NoOpMeterProvider()
     exporter: SpanExporter
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+    except ImportError as exc:
+        raise ImportError(f"{OTLP_PROTOS_HINT} ({exc})") from exc
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
         target, insecure = _grpc_target(endpoint)
         exporter = GrpcExporter(endpoint=target, insecure=insecure, timeout=export_timeout_s, meter_provider=no_metrics)
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
         exporter = HttpExporter(endpoint=_http_url(endpoint), timeout=export_timeout_s, meter_provider=no_metrics)
     provider = TracerProvider(resource=Resource.create(attributes), meter_provider=no_metrics)
     provider.add_span_processor(

@@ -396,3 +396,12 @@ def test_http_endpoint_with_a_path_is_used_as_given(http_collector: tuple[str, R
     finally:
         spans.shutdown()
     assert received.paths == ["/custom/traces"]
+
+
+def test_the_installed_otlp_protos_are_opentelemetry_protos_own() -> None:
+    # xds-protos ships an older copy of these modules; when it is installed last the exporter cannot load.
+    from opentelemetry.proto.common.v1 import common_pb2
+
+    from inferlb.sim.spans import OTLP_PROTOS_HINT
+
+    assert hasattr(common_pb2, "InstrumentationScope"), OTLP_PROTOS_HINT
