@@ -10,9 +10,11 @@ import zlib
 from collections.abc import Iterator
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
@@ -22,6 +24,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracerProvider, SpanKind
 
+from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
 from inferlb.sim.spans import INSTRUMENTATION_SCOPE, PROTOCOLS, SPAN_NAME, RequestSpans, create_tracer_provider
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -405,3 +408,43 @@ def test_the_installed_otlp_protos_are_opentelemetry_protos_own() -> None:
     from inferlb.sim.spans import OTLP_PROTOS_HINT
 
     assert hasattr(common_pb2, "InstrumentationScope"), OTLP_PROTOS_HINT
+
+
+def test_inferlb_sim_sends_one_span_per_request_naming_its_server(
+    grpc_collector: tuple[str, Received], tmp_path: Path
+) -> None:
+    """The whole path: `inferlb sim --otlp-endpoint` as its own process, a real OTLP gRPC receiver."""
+    endpoint, received = grpc_collector
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    argv = [find_tool("inferlb"), "sim", "--model", "m", "--time-scale", "10", "--otlp-endpoint", endpoint]
+    for address in addresses:
+        argv += ["--listen", address]
+    process = ManagedProcess("sim", argv, tmp_path / "sim.log").start()
+    trace_ids = ["4bf92f3577b34da6a3ce929d0e0e4736", "0af7651916cd43dd8448eb211c80319c"]
+    try:
+        for address in addresses:
+            process.wait_ready(http_ok(f"http://{address}/health"), DEADLINE_S, f"serving on {address}")
+        logged = {}
+        for address, trace_id in zip(addresses, trace_ids, strict=True):
+            response = httpx.post(
+                f"http://{address}/v1/completions",
+                json={"model": "m", "prompt": "p" * 2000, "max_tokens": 20},
+                headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+                timeout=DEADLINE_S,
+            )
+            assert response.status_code == 200
+            logged[address] = httpx.get(f"http://{address}/admin/requests", timeout=DEADLINE_S).json()["requests"][-1]
+        spans = received.wait_for(2)
+    finally:
+        process.stop()
+    assert len(spans) == 2
+    by_server = {f"{resource['server.address']}:{resource['server.port']}": span for resource, span in spans}
+    assert set(by_server) == set(addresses)
+    for address, trace_id in zip(addresses, trace_ids, strict=True):
+        span = by_server[address]
+        assert span.name == "llm_request"
+        assert span.trace_id.hex() == trace_id and span.parent_span_id.hex() == "00f067aa0ba902b7"
+        attrs = _attrs(span.attributes)
+        assert attrs["gen_ai.request.id"] == logged[address]["id"]
+        assert attrs["gen_ai.latency.time_to_first_token"] == pytest.approx(logged[address]["ttft_s"])
+        assert attrs["gen_ai.usage.prompt_tokens"] == 500 and attrs["gen_ai.usage.completion_tokens"] == 20
