@@ -28,11 +28,12 @@ from typing import Any
 import httpx
 
 from inferlb.bench.load import cpu_seconds
-from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
+from inferlb.procs import free_port
 from inferlb.sim.des import FleetView, simulate, trace_arrivals
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.replay import Shot, replay
 from inferlb.sim.traces import load_trace, prompt_text
+from inferlb.stack import start_sim
 
 PROFILE = "h100-llama3.1-8b"
 MODEL = "bench-model"
@@ -95,13 +96,8 @@ def live_cost(traces: Path, servers: int, rate: float, duration_s: float, workdi
     span = load_trace(path, limit=count + 1).requests[-1].arrival_s
     trace = load_trace(path, limit=count, rate_scale=span / duration_s)
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(servers)]
-    argv = [find_tool("inferlb"), "--log-level", "warning", "sim", "--profile", PROFILE, "--model", MODEL]
-    for address in addresses:
-        argv += ["--listen", address]
-    process = ManagedProcess("sim", argv, workdir / "sim.log").start()
+    process = start_sim(addresses, workdir / "sim.log", "--profile", PROFILE, "--model", MODEL)
     try:
-        for address in addresses:
-            process.wait_ready(http_ok(f"http://{address}/health"), 30, f"serving on {address}")
         shots = [
             Shot(
                 f"r{r.index}",

@@ -7,6 +7,7 @@ deployment has: the rendered bootstrap, the console scripts, real sockets.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,22 @@ class StackOptions:
     envoy_concurrency: int = 2
     envoy: EnvoyOptions = field(default_factory=EnvoyOptions)
     picker_log_level: str = "info"
+
+
+def start_sim(addresses: Sequence[str], log_path: Path, *args: str) -> ManagedProcess:
+    """Start ``inferlb sim`` serving ``addresses`` (plus ``args``) as its own process; return once every server
+    answers ``/health``. ProcessError (with the log's tail) if it exits or is not ready within READY_TIMEOUT_S."""
+    argv = [find_tool("inferlb"), "sim", *args]
+    for address in addresses:
+        argv += ["--listen", address]
+    process = ManagedProcess("emulated servers", argv, log_path).start()
+    try:
+        for address in addresses:
+            process.wait_ready(http_ok(f"http://{address}/health"), READY_TIMEOUT_S, f"serving on {address}")
+    except BaseException:
+        process.stop()
+        raise
+    return process
 
 
 class LocalStack:
@@ -108,15 +125,10 @@ class LocalStack:
 
     def start_backends(self) -> None:
         options = self.options
-        argv = [find_tool("inferlb"), "sim", "--profile", options.profile, "--time-scale", str(options.time_scale)]
-        argv += options.sim_args
-        for address in self.endpoints:
-            argv += ["--listen", address]
-        for model in self.options.models:
-            argv += ["--model", model]
-        self.backends = ManagedProcess("emulated servers", argv, self.workdir / "backends.log").start()
-        for address in self.endpoints:
-            self.backends.wait_ready(http_ok(f"http://{address}/health"), READY_TIMEOUT_S, f"serving on {address}")
+        args = ["--profile", options.profile, "--time-scale", str(options.time_scale), *options.sim_args]
+        for model in options.models:
+            args += ["--model", model]
+        self.backends = start_sim(self.endpoints, self.workdir / "backends.log", *args)
 
     def start_picker(self) -> None:
         argv = list(self.options.picker_command) or [

@@ -17,11 +17,12 @@ import statistics
 import httpx
 import pytest
 
-from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
+from inferlb.procs import free_port
 from inferlb.sim.des import Arrival, simulate
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.replay import Shot, replay
 from inferlb.sim.tokens import count_tokens, text_block_hashes
+from inferlb.stack import start_sim
 
 PROFILE = get_profile("h100-llama3.1-8b")
 SCALE = 1.0
@@ -50,14 +51,9 @@ def median(values) -> float:
 @pytest.fixture
 def fleet(tmp_path):
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(SERVERS)]
-    argv = [find_tool("inferlb"), "sim", "--profile", PROFILE.name, "--model", MODEL, "--time-scale", str(SCALE)]
-    argv += ["--seed", str(SEED)]
-    for address in addresses:
-        argv += ["--listen", address]
-    process = ManagedProcess("sim", argv, tmp_path / "sim.log").start()
+    args = ["--profile", PROFILE.name, "--model", MODEL, "--time-scale", str(SCALE), "--seed", str(SEED)]
+    process = start_sim(addresses, tmp_path / "sim.log", *args)
     try:
-        for address in addresses:
-            process.wait_ready(http_ok(f"http://{address}/health"), 30, f"serving on {address}")
         yield addresses
     finally:
         process.stop()

@@ -24,8 +24,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracerProvider, SpanKind
 
-from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
+from inferlb.procs import free_port
 from inferlb.sim.spans import INSTRUMENTATION_SCOPE, PROTOCOLS, SPAN_NAME, RequestSpans, create_tracer_provider
+from inferlb.stack import start_sim
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
@@ -416,14 +417,10 @@ def test_inferlb_sim_sends_one_span_per_request_naming_its_server(
     """The whole path: `inferlb sim --otlp-endpoint` as its own process, a real OTLP gRPC receiver."""
     endpoint, received = grpc_collector
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-    argv = [find_tool("inferlb"), "sim", "--model", "m", "--time-scale", "10", "--otlp-endpoint", endpoint]
-    for address in addresses:
-        argv += ["--listen", address]
-    process = ManagedProcess("sim", argv, tmp_path / "sim.log").start()
+    args = ["--model", "m", "--time-scale", "10", "--otlp-endpoint", endpoint]
+    process = start_sim(addresses, tmp_path / "sim.log", *args)
     trace_ids = ["4bf92f3577b34da6a3ce929d0e0e4736", "0af7651916cd43dd8448eb211c80319c"]
     try:
-        for address in addresses:
-            process.wait_ready(http_ok(f"http://{address}/health"), DEADLINE_S, f"serving on {address}")
         logged = {}
         for address, trace_id in zip(addresses, trace_ids, strict=True):
             response = httpx.post(
