@@ -21,6 +21,7 @@ from inferlb.scorer.errors import NoEndpointError
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Endpoint, Pool
+from inferlb.scorer.signals import Signals
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +30,12 @@ NEUTRAL_SCORE = 0.5
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """What plugins may read: the pool and the live in-flight counters (read-only for plugins)."""
+    """What plugins may read: the pool, the live in-flight counters and the latest server signals (read-only
+    for plugins; ``signals.snapshot`` is replaced, never changed, by the collectors)."""
 
     pool: Pool
     inflight: InFlight
+    signals: Signals
 
 
 class Filter(Protocol):
@@ -47,7 +50,9 @@ class Scorer(Protocol):
     """Scores candidates in [0, 1], higher is better; returns an array aligned with ``candidates``.
 
     A scorer may set a class attribute ``bounded = True`` to promise a float64 ndarray in [0, 1] without NaN;
-    the engine then skips its clamp (numpy's per-call cost is most of a pick on a small pool).
+    the engine then skips its clamp (numpy's per-call cost is most of a pick on a small pool). A scorer (or
+    filter) with state of its own may define ``on_pick(request, endpoint_index)``: the engine calls it with
+    every decision (the prefix index learns where prompts went this way). It must not raise.
     """
 
     name: str
@@ -108,13 +113,21 @@ class Engine:
     Not thread-safe (pickers keep state such as a round-robin cursor); use it from one event loop.
     """
 
-    def __init__(self, pool: Pool, profile: Profile, inflight: InFlight | None = None) -> None:
+    def __init__(
+        self, pool: Pool, profile: Profile, inflight: InFlight | None = None, signals: Signals | None = None
+    ) -> None:
         self.pool = pool
         self.profile = profile
         self.inflight = inflight if inflight is not None else InFlight(len(pool))
-        self.state = State(pool, self.inflight)
+        self.signals = signals if signals is not None else Signals(len(pool))
+        self.state = State(pool, self.inflight, self.signals)
         self.scorer_errors: Counter[str] = Counter()
         # Looked up once here rather than on every request.
+        self._observers = tuple(
+            plugin.on_pick
+            for plugin in (*profile.filters, *(ws.scorer for ws in profile.scorers))
+            if hasattr(plugin, "on_pick")
+        )
         self._filters = tuple(profile.filters)
         self._scorers = tuple(
             (ws.scorer.name, ws.scorer, ws.weight, bool(getattr(ws.scorer, "bounded", False))) for ws in profile.scorers
@@ -139,8 +152,11 @@ class Engine:
             totals = np.zeros(len(candidates))
         profile = self.profile
         position = profile.picker.pick(request, candidates, totals)
+        chosen = int(candidates[position])
+        for observe in self._observers:
+            observe(request, chosen)
         return Decision(
-            self.pool.endpoints[candidates[position]],
+            self.pool.endpoints[chosen],
             profile.name,
             profile.picker.name,
             {name: float(s[position]) for name, s in per_scorer},

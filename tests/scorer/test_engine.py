@@ -28,6 +28,7 @@ from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.plugins import InFlightScorer, MaxScorePicker, ModelFilter, RoundRobinPicker
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import PRESET_NAMES, PRESETS, build_profile
+from inferlb.scorer.signals import Signals
 
 # 0 and 2 serve only "a", 1 serves "a" and "b", 3 serves only "b", 4 serves only "c".
 FLEET = (
@@ -44,7 +45,7 @@ def _state(requests: Sequence[int] = (0, 0, 0, 0, 0)) -> State:
     pool = Pool(FLEET)
     inflight = InFlight(len(pool))
     inflight.requests[:] = requests
-    return State(pool, inflight)
+    return State(pool, inflight, Signals(len(pool)))
 
 
 def _req(model: str | None = "a") -> RequestFeatures:
@@ -267,7 +268,7 @@ def test_engine_defaults_to_its_own_inflight_sized_to_the_pool() -> None:
     pool = Pool(FLEET)
     engine = Engine(pool, build_profile("least-request"))
     assert engine.inflight.requests.shape == (5,)
-    assert engine.state == State(pool, engine.inflight)
+    assert engine.state == State(pool, engine.inflight, engine.signals)
     shared = InFlight(5)
     assert Engine(pool, build_profile("least-request"), shared).inflight is shared
 

@@ -1,0 +1,110 @@
+"""Live server signals as one immutable snapshot: what every pick reads, what the collectors replace.
+
+Collectors (the vLLM metrics scraper, the GPU reader, the span receiver) run as background tasks; each builds a
+new `Snapshot` and swaps it into `Signals` in one assignment, so a pick never sees half an update and never waits.
+Arrays are aligned with the pool (index i is endpoint i) and read-only. A value nobody has measured is NaN, never
+a made-up number; scorers turn NaN into a neutral score.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SIGNAL_FIELDS", "Signals", "Snapshot"]
+
+# The per-endpoint float arrays of a snapshot, NaN where unknown.
+SIGNAL_FIELDS = (
+    "running",  # vllm:num_requests_running
+    "waiting",  # vllm:num_requests_waiting
+    "kv_usage",  # vllm:kv_cache_usage_perc, 0..1
+    "kv_tokens",  # KV-cache capacity in tokens (num_gpu_blocks x block_size)
+    "gpu_util",  # 0..1, from the GPU agent, DCGM or the emulator's GPU view
+    "gpu_free_bytes",  # free GPU memory (summed over the endpoint's GPUs)
+    "gpu_total_bytes",
+    "ttft_s",  # recent time to first token (EWMA), from spans; NaN until the span receiver has data
+    "e2e_s",  # recent end-to-end latency (EWMA), from spans
+    "prefill_tokens_per_s",  # learned prefill rate; NaN until known
+)
+
+
+def _frozen(values: np.ndarray) -> np.ndarray:
+    values.setflags(write=False)
+    return values
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Endpoint state at one moment. ``scraped_at`` is the ``time.monotonic()`` of each endpoint's last successful
+    metrics scrape (NaN: never); ``up`` says whether the last scrape attempt succeeded. Every array is read-only.
+    """
+
+    running: np.ndarray
+    waiting: np.ndarray
+    kv_usage: np.ndarray
+    kv_tokens: np.ndarray
+    gpu_util: np.ndarray
+    gpu_free_bytes: np.ndarray
+    gpu_total_bytes: np.ndarray
+    ttft_s: np.ndarray
+    e2e_s: np.ndarray
+    prefill_tokens_per_s: np.ndarray
+    scraped_at: np.ndarray
+    up: np.ndarray
+    built_at: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def empty(cls, size: int) -> Snapshot:
+        """Nothing known yet: every value NaN, every endpoint never scraped (and counted as up)."""
+        nan = {name: _frozen(np.full(size, np.nan)) for name in SIGNAL_FIELDS}
+        return cls(**nan, scraped_at=_frozen(np.full(size, np.nan)), up=_frozen(np.ones(size, dtype=bool)))
+
+    def __len__(self) -> int:
+        return len(self.up)
+
+    def age(self, now: float | None = None) -> np.ndarray:
+        """Seconds since each endpoint's last successful scrape (inf: never)."""
+        now = time.monotonic() if now is None else now
+        age = now - self.scraped_at
+        return np.where(np.isnan(age), math.inf, age)
+
+    def with_values(self, **changes: Any) -> Snapshot:
+        """A new snapshot with some arrays replaced (each copied and frozen); the rest is shared."""
+        size = len(self)
+        frozen = {}
+        for name, values in changes.items():
+            array = np.array(values, dtype=bool if name == "up" else np.float64)
+            if array.shape != (size,):
+                raise ValueError(f"Snapshot.{name} must have shape ({size},); got {array.shape}")
+            frozen[name] = _frozen(array)
+        return replace(self, **frozen, built_at=time.monotonic())
+
+
+class Signals:
+    """The holder of the latest snapshot. Collectors call `publish`; picks read ``snapshot``.
+
+    ``stale_after_s``: a scrape older than this no longer describes the endpoint (the staleness filter and the
+    ``/endpoints`` view use it). Single event loop; publishing is one attribute assignment.
+    """
+
+    def __init__(self, size: int, *, stale_after_s: float = 1.0) -> None:
+        if not stale_after_s > 0:
+            raise ValueError(f"stale_after_s must be > 0; got {stale_after_s!r}")
+        self.snapshot = Snapshot.empty(size)
+        self.stale_after_s = stale_after_s
+        self.published = 0
+
+    def publish(self, snapshot: Snapshot) -> None:
+        if len(snapshot) != len(self.snapshot):
+            raise ValueError(f"snapshot for {len(snapshot)} endpoints published to a pool of {len(self.snapshot)}")
+        self.snapshot = snapshot
+        self.published += 1
+
+    def stale(self, now: float | None = None) -> np.ndarray:
+        """Per endpoint: no successful scrape within ``stale_after_s``, or the last attempt failed."""
+        snapshot = self.snapshot
+        return (snapshot.age(now) > self.stale_after_s) | ~snapshot.up
