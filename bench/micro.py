@@ -48,7 +48,10 @@ def make_service(endpoints: int, policy: str = "least-request") -> ExtProcServic
         {"address": f"10.0.{i // 250}.{i % 250 + 1}:8000", "models": ["bench-model"]} for i in range(endpoints)
     ]
     config = parse_config({"policy": policy, "pool": {"endpoints": addresses}})
-    return ExtProcService(Engine(Pool(config.endpoints), build_profile(policy)), max_body_bytes=config.max_body_bytes)
+    return ExtProcService(
+        Engine(Pool(config.endpoints), build_profile(policy, size=len(config.endpoints))),
+        max_body_bytes=config.max_body_bytes,
+    )
 
 
 def per_request_us(service: ExtProcService, with_body: bool, rounds: int = 40, n: int = 1000) -> dict[str, float]:

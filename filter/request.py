@@ -3,6 +3,12 @@
 A body is parsed once, here. Only the fields routing needs are read (``model``, ``stream``, ``max_tokens``,
 the prompt or messages); the inference server validates the rest. A field the picker reads must have the
 right type, or the client gets a 400 that names it.
+
+The prompt's prefix block hashes (``RequestFeatures.prefix_hashes``) are computed from the text the server will
+see first: a completions ``prompt`` (a string, token ids, or a one-element list of either; a batch of several
+prompts gets none), or chat ``messages`` rendered in order as role and text parts (images and other parts are
+skipped). The rendering is not the server's chat template; it only has to be the same for equal conversations
+and differ for different ones. The chain is seeded with the model name, as servers cache prefixes per model.
 """
 
 from __future__ import annotations
@@ -13,13 +19,17 @@ from typing import Any
 import orjson
 
 from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError
-from inferlb.scorer.features import RequestFeatures, estimate_tokens
+from inferlb.scorer.features import RequestFeatures, estimate_tokens, text_block_hashes, token_block_hashes
 
 _BOM = b"\xef\xbb\xbf"
 
 
-def features_from_headers(headers: Iterable[Any]) -> RequestFeatures:
-    """Features from Envoy's ``HeaderValue`` list (``key`` and ``raw_value``); no body has been read."""
+def features_from_headers(headers: Iterable[Any], session_header: str | None = None) -> RequestFeatures:
+    """Features from Envoy's ``HeaderValue`` list (``key`` and ``raw_value``); no body has been read.
+
+    ``session_header`` names (in lower case, as Envoy sends header names) the header whose value becomes
+    ``session_key``; an empty value counts as absent, and a repeated header's last value wins.
+    """
     features = RequestFeatures()
     for header in headers:
         key = header.key
@@ -29,6 +39,8 @@ def features_from_headers(headers: Iterable[Any]) -> RequestFeatures:
             features.method = _header_text(header)
         elif key == "x-request-id":
             features.request_id = _header_text(header)
+        if key == session_header:
+            features.session_key = _header_text(header) or None
     return features
 
 
@@ -81,13 +93,16 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
         break
 
     if "messages" in doc:
-        chars = _messages_chars(doc["messages"])
+        chars, rendered = _messages_text(doc["messages"])
         features.prompt_chars = chars
         features.prompt_tokens = estimate_tokens(chars)
+        features.prefix_hashes = text_block_hashes(rendered, seed=hash(model))
     elif "prompt" in doc:
-        chars, token_ids = _prompt_size(doc["prompt"])
+        prompt = doc["prompt"]
+        chars, token_ids = _prompt_size(prompt)
         features.prompt_chars = chars
         features.prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
+        features.prefix_hashes = _prompt_hashes(prompt, seed=hash(model))
 
 
 def _prompt_size(prompt: Any) -> tuple[int, int | None]:
@@ -113,26 +128,51 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _messages_chars(messages: Any) -> int:
+def _prompt_hashes(prompt: Any, *, seed: int) -> tuple[int, ...]:
+    """Prefix block hashes of a completions ``prompt`` already validated by ``_prompt_size``."""
+    if isinstance(prompt, str):
+        return text_block_hashes(prompt, seed=seed)
+    if not prompt:
+        return ()
+    if _is_token_id(prompt[0]):  # validated: then all are token ids
+        return token_block_hashes(prompt, seed=seed)
+    if len(prompt) == 1:
+        only = prompt[0]
+        return text_block_hashes(only, seed=seed) if isinstance(only, str) else token_block_hashes(only, seed=seed)
+    # A batch of prompts: no one prefix to follow.
+    return ()
+
+
+def _messages_text(messages: Any) -> tuple[int, str]:
+    """(characters of content text, the conversation rendered for prefix hashing) of chat ``messages``."""
     if not isinstance(messages, list):
         raise MalformedRequestError(f"field 'messages' must be a list, not {_json_type(messages)}")
     chars = 0
+    pieces: list[str] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise MalformedRequestError(f"messages[{i}] must be an object, not {_json_type(message)}")
+        role = message.get("role")
+        # Role and a separator before the text, so that moving text from one message to the next changes it.
+        pieces.append(role if isinstance(role, str) else "")
+        pieces.append("\n")
         content = message.get("content")
         if isinstance(content, str):
             chars += len(content)
+            pieces.append(content)
         elif isinstance(content, list):
             # Multi-part content: count the text parts; images and audio are not text tokens we can estimate.
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    chars += len(part["text"])
+                    text = part["text"]
+                    chars += len(text)
+                    pieces.append(text)
         elif content is not None:
             raise MalformedRequestError(
                 f"messages[{i}].content must be a string or a list of parts, not {_json_type(content)}"
             )
-    return chars
+        pieces.append("\n")
+    return chars, "".join(pieces)
 
 
 def _json_type(value: Any) -> str:

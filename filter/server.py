@@ -2,8 +2,9 @@
 
 Stream state machine, per request:
 
-1. ``request_headers``: read path, method and request id. If the route asked for the body (``protocol_config``
-   says BUFFERED or BUFFERED_PARTIAL) and one is coming, reply "continue" and wait for it; otherwise decide now.
+1. ``request_headers``: read path, method, request id and the session header, if one is configured. If the
+   route asked for the body (``protocol_config`` says BUFFERED or BUFFERED_PARTIAL) and one is coming, reply
+   "continue" and wait for it; otherwise decide now.
 2. ``request_body`` (buffered, whole or a partial buffer that hit the limit): parse it, decide, reply with
    the destination header, or refuse with an ImmediateResponse (400/404/413/503, JSON body).
 3. Anything else Envoy sends (response phases, if a route turns them on) is let through unchanged.
@@ -53,11 +54,18 @@ class FilterStats:
 
 
 class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
-    """Envoy's ``ExternalProcessor`` service backed by a scoring ``Engine``. Runs on one asyncio loop."""
+    """Envoy's ``ExternalProcessor`` service backed by a scoring ``Engine``. Runs on one asyncio loop.
 
-    def __init__(self, engine: Engine, *, max_body_bytes: int) -> None:
+    ``session_header`` names the request header that carries a session (or user) key for session affinity;
+    header names are case-insensitive, so it is lower-cased here. Envoy must forward that header to ext_proc.
+    """
+
+    def __init__(self, engine: Engine, *, max_body_bytes: int, session_header: str | None = None) -> None:
+        if session_header is not None and (not session_header or session_header != session_header.strip()):
+            raise ValueError(f"session_header must be a header name such as 'x-session-id', not {session_header!r}")
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.session_header = session_header.lower() if session_header is not None else None
         self.replies = RouteReplies(engine.pool)
         self.stats = FilterStats()
 
@@ -77,7 +85,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     continue
                 if kind == "request_headers":
                     headers = message.request_headers
-                    features = features_from_headers(headers.headers.headers)
+                    features = features_from_headers(headers.headers.headers, self.session_header)
                     if not headers.end_of_stream and message.protocol_config.request_body_mode in _BUFFERED:
                         yield CONTINUE["request_headers"]
                         continue

@@ -77,7 +77,10 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         max_requests=options.max_requests,
         access_log_path=options.access_log_path,
         body_routes=BODY_ROUTES,
-        forward_headers=sorted({*FORWARD_HEADERS, *(h.lower() for h in options.forward_headers)}),
+        # The session header is the picker's input for session affinity: Envoy must send it.
+        forward_headers=sorted(
+            {*FORWARD_HEADERS, *(h.lower() for h in options.forward_headers), *filter(None, [config.session_header])}
+        ),
     )
     yaml.safe_load(text)  # a template bug shows here, not as an Envoy start-up failure
     return text

@@ -1,31 +1,72 @@
-"""Assembling and running the picker process: config -> pool -> engine -> ext_proc gRPC server."""
+"""Assembling and running the picker process: config -> pool -> signals, engine -> ext_proc gRPC server, plus the
+background collectors that keep the signals fresh."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
+from dataclasses import dataclass
 
 import numpy as np
 
 from inferlb.filter.server import ExtProcService, PickerServer
+from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
+from inferlb.scorer.signals import Signals
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
 
 
-def create_picker(config: Config, *, rng: np.random.Generator | None = None) -> PickerServer:
+@dataclass(slots=True)
+class Picker:
+    """One picker: its gRPC server, engine and collector. `start` and `stop` run the whole of it."""
+
+    config: Config
+    engine: Engine
+    server: PickerServer
+    collector: MetricsCollector | None
+    _collector_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.collector is not None:
+            self._collector_task = asyncio.get_running_loop().create_task(self.collector.run(), name="metrics")
+
+    async def stop(self, grace: float | None = SHUTDOWN_GRACE_S) -> None:
+        try:
+            await self.server.stop(grace)
+        finally:
+            if self._collector_task is not None:
+                self._collector_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._collector_task
+                self._collector_task = None
+            if self.collector is not None:
+                await self.collector.aclose()
+
+
+def create_picker(config: Config, *, rng: np.random.Generator | None = None) -> Picker:
     """Everything a picker needs, built from ``config`` and nothing global: two pickers can live side by side."""
     pool = Pool(config.endpoints)
-    engine = Engine(pool, build_profile(config.policy, rng))
-    service = ExtProcService(engine, max_body_bytes=config.max_body_bytes)
-    return PickerServer(service, config.listen)
+    signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
+    profile = build_profile(config.profile_spec(), rng, size=len(pool))
+    engine = Engine(pool, profile, signals=signals)
+    service = ExtProcService(engine, max_body_bytes=config.max_body_bytes, session_header=config.session_header)
+    collector = None
+    if config.signals.scrape_metrics:
+        options = CollectorOptions(
+            interval_s=config.signals.scrape_interval_s, timeout_s=config.signals.scrape_timeout_s
+        )
+        collector = MetricsCollector(pool, signals, options)
+    return Picker(config, engine, PickerServer(service, config.listen), collector)
 
 
 async def serve(config: Config) -> None:
@@ -38,7 +79,11 @@ async def serve(config: Config) -> None:
     gc.collect()
     gc.freeze()
     logger.info(
-        "inferlb picker listening on %s (policy %s, %d endpoints)", config.listen, config.policy, len(config.endpoints)
+        "inferlb picker listening on %s (policy %s, %d endpoints, metrics scrape %s)",
+        config.listen,
+        config.policy,
+        len(config.endpoints),
+        f"every {config.signals.scrape_interval_s:g} s" if config.signals.scrape_metrics else "off",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -8,8 +8,20 @@ otherwise be ignored).
 Example::
 
     listen: 127.0.0.1:9002          # where the ext_proc gRPC server listens
-    policy: least-request           # round-robin | least-request
+    policy: default                 # a preset (see scorer/presets.py) or a profile defined below
     max_body_bytes: 4194304         # larger request bodies get 413
+    session_header: x-session-id    # the header session affinity hashes (Envoy must forward it)
+    signals:
+      scrape_interval_s: 0.1        # every endpoint's vLLM /metrics, this often
+      scrape_timeout_s: 0.5
+      stale_after_s: 1.0            # older metrics count as stale: the endpoint is treated as saturated
+    profiles:
+      my-profile:
+        filters: [model, staleness, {type: saturation, max_waiting: 8}]
+        scorers:
+          - {type: queue, weight: 2}
+          - {type: prefix-affinity, weight: 1, guard: 2.0}
+        picker: power-of-two
     pool:
       endpoints:
         - address: 10.0.0.7:8000
@@ -29,10 +41,22 @@ import yaml
 from inferlb.scorer.address import format_address, parse_address
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.presets import PRESET_NAMES
+from inferlb.scorer.registry import MAX_WEIGHT, BuildContext, PluginSpec, ProfileSpec, default_registry
 
 DEFAULT_LISTEN = "127.0.0.1:9002"
 DEFAULT_POLICY = "least-request"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_SCORERS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SignalsConfig:
+    """How the picker collects server signals. ``scrape_metrics=False`` turns the vLLM scraper off."""
+
+    scrape_metrics: bool = True
+    scrape_interval_s: float = 0.1
+    scrape_timeout_s: float = 0.5
+    stale_after_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +76,13 @@ class Config:
     listen: str = DEFAULT_LISTEN
     policy: str = DEFAULT_POLICY
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    signals: SignalsConfig = field(default_factory=SignalsConfig)
+    profiles: Mapping[str, ProfileSpec] = field(default_factory=dict)
+    session_header: str | None = None
+
+    def profile_spec(self) -> ProfileSpec | str:
+        """The spec of the chosen policy: a profile of this file, else the preset's name."""
+        return self.profiles.get(self.policy, self.policy)
 
 
 def load_config(path: str | Path) -> Config:
@@ -77,15 +108,27 @@ def load_config(path: str | Path) -> Config:
 
 def parse_config(data: Any) -> Config:
     """Validate an already-parsed document (a mapping) into a ``Config``."""
-    top = _mapping(data, "config", allowed={"listen", "policy", "max_body_bytes", "pool"})
+    top = _mapping(
+        data,
+        "config",
+        allowed={"listen", "policy", "max_body_bytes", "pool", "signals", "profiles", "session_header"},
+    )
     listen = DEFAULT_LISTEN
     if "listen" in top:
         listen = _address(top["listen"], "listen")
+    profiles = _profiles(top["profiles"]) if "profiles" in top else {}
     policy = DEFAULT_POLICY
     if "policy" in top:
         policy = _string(top["policy"], "policy")
-        if policy not in PRESET_NAMES:
-            raise ConfigError(f"policy must be one of {', '.join(PRESET_NAMES)}; got {policy!r}")
+        if policy not in PRESET_NAMES and policy not in profiles:
+            known = ", ".join([*PRESET_NAMES, *profiles])
+            raise ConfigError(f"policy must be a preset or a profile of this file ({known}); got {policy!r}")
+    signals = _signals(top["signals"]) if "signals" in top else SignalsConfig()
+    session_header = None
+    if "session_header" in top:
+        session_header = _string(top["session_header"], "session_header").lower()
+        if not all(c.isalnum() or c in "-_" for c in session_header):
+            raise ConfigError(f"session_header must be an HTTP header name; got {session_header!r}")
     max_body = DEFAULT_MAX_BODY_BYTES
     if "max_body_bytes" in top:
         max_body = top["max_body_bytes"]
@@ -95,7 +138,86 @@ def parse_config(data: Any) -> Config:
         raise ConfigError("pool is required: a mapping with a list 'endpoints'")
     pool = _mapping(top["pool"], "pool", allowed={"endpoints"})
     endpoints = _endpoints(pool.get("endpoints"), "pool.endpoints")
-    return Config(endpoints=endpoints, listen=listen, policy=policy, max_body_bytes=max_body)
+    # Build each profile once now, so that a bad plugin parameter fails at start-up, naming its place.
+    registry = default_registry()
+    for spec in profiles.values():
+        registry.build(spec, BuildContext(size=len(endpoints)))
+    return Config(
+        endpoints=endpoints,
+        listen=listen,
+        policy=policy,
+        max_body_bytes=max_body,
+        signals=signals,
+        profiles=profiles,
+        session_header=session_header,
+    )
+
+
+def _signals(value: Any) -> SignalsConfig:
+    fields = {"scrape_metrics", "scrape_interval_s", "scrape_timeout_s", "stale_after_s"}
+    raw = _mapping(value, "signals", allowed=fields)
+    out: dict[str, Any] = {}
+    if "scrape_metrics" in raw:
+        if not isinstance(raw["scrape_metrics"], bool):
+            raise ConfigError(f"signals.scrape_metrics must be true or false; got {raw['scrape_metrics']!r}")
+        out["scrape_metrics"] = raw["scrape_metrics"]
+    for name in ("scrape_interval_s", "scrape_timeout_s", "stale_after_s"):
+        if name in raw:
+            number = raw[name]
+            if isinstance(number, bool) or not isinstance(number, int | float) or not 0.001 <= number <= 3600:
+                raise ConfigError(f"signals.{name} must be a number of seconds in 0.001..3600; got {number!r}")
+            out[name] = float(number)
+    return SignalsConfig(**out)
+
+
+def _profiles(value: Any) -> dict[str, ProfileSpec]:
+    raw = _mapping(value, "profiles")
+    registry = default_registry()
+    out = {}
+    for name, body in raw.items():
+        # A profile may take a preset's name: the file's own definition then replaces the preset.
+        where = f"profiles.{_string(name, 'profiles key')}"
+        entry = _mapping(body, where, allowed={"filters", "scorers", "picker"})
+        filters = tuple(
+            _plugin(item, f"{where}.filters[{i}]", registry.filters, weighted=False)
+            for i, item in enumerate(_list(entry.get("filters", ["model"]), f"{where}.filters"))
+        )
+        if not filters or filters[0].type != "model":
+            raise ConfigError(f"{where}.filters[0] must be 'model' (requests must go to endpoints serving their model)")
+        scorers = tuple(
+            _plugin(item, f"{where}.scorers[{i}]", registry.scorers, weighted=True)
+            for i, item in enumerate(_list(entry.get("scorers", []), f"{where}.scorers"))
+        )
+        if len(scorers) > MAX_SCORERS:
+            raise ConfigError(f"{where}.scorers: at most {MAX_SCORERS} scorers; got {len(scorers)}")
+        picker = _plugin(entry.get("picker", "max-score"), f"{where}.picker", registry.pickers, weighted=False)
+        out[name] = ProfileSpec(name, filters, scorers, picker, where=where)
+    return out
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where} must be a list; got {type(value).__name__}")
+    return value
+
+
+def _plugin(item: Any, where: str, known: Mapping[str, Any], *, weighted: bool) -> PluginSpec:
+    """``"name"`` or ``{type: name, weight: w, <parameters>}``."""
+    if isinstance(item, str):
+        item = {"type": item}
+    entry = _mapping(item, where)
+    kind = _string(entry.get("type"), f"{where}.type")
+    if kind not in known:
+        raise ConfigError(f"{where}.type: unknown type {kind!r} (known: {', '.join(sorted(known))})")
+    params = {str(k): v for k, v in entry.items() if k not in ("type", "weight")}
+    weight = 1.0
+    if "weight" in entry:
+        if not weighted:
+            raise ConfigError(f"{where}.weight: only scorers have weights")
+        weight = entry["weight"]
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight <= MAX_WEIGHT:
+            raise ConfigError(f"{where}.weight must be > 0 and <= {MAX_WEIGHT:g}; got {weight!r}")
+    return PluginSpec(kind, params, float(weight))
 
 
 def _endpoints(value: Any, where: str) -> tuple[EndpointConfig, ...]:

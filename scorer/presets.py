@@ -1,44 +1,85 @@
-"""Named policies: each name maps to a factory that builds a fresh ``Profile``.
+"""Named policies as data: each preset is a `ProfileSpec` that `build_profile` turns into a fresh `Profile`.
 
-The mapping is read-only; build what you need at start-up and pass it down (no module-global state changes).
+| preset | filters | scorers (weight) | picker |
+|---|---|---|---|
+| round-robin | model | - | round-robin |
+| least-request | model | in-flight | max-score |
+| kv-aware | model, staleness, saturation | kv-cache 1, queue 1, in-flight 1 | max-score |
+| prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
+| seed-formula | model, staleness | seed-formula | max-score |
+| default | model, staleness, saturation | in-flight 1, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
+|  |  | predicted-ttft 1, latency 0.5 |  |
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import numpy as np
 
-from inferlb.scorer.engine import Profile, WeightedScorer
-from inferlb.scorer.plugins import InFlightScorer, MaxScorePicker, ModelFilter, RoundRobinPicker
+from inferlb.scorer.engine import Profile
+from inferlb.scorer.registry import BuildContext, PluginSpec, ProfileSpec, Registry, default_registry
+
+__all__ = ["PRESETS", "PRESET_NAMES", "build_profile"]
 
 
-def round_robin(rng: np.random.Generator | None = None) -> Profile:
-    """Envoy-style rotation over the endpoints that serve the model; the baseline to beat."""
-    return Profile("round-robin", filters=(ModelFilter(),), scorers=(), picker=RoundRobinPicker())
-
-
-def least_request(rng: np.random.Generator | None = None) -> Profile:
-    """Fewest in-flight requests sent by this picker, random among equals."""
-    return Profile(
-        "least-request",
-        filters=(ModelFilter(),),
-        scorers=(WeightedScorer(InFlightScorer(), 1.0),),
-        picker=MaxScorePicker(rng),
+def _spec(name: str, filters: tuple[str, ...], scorers: tuple[tuple[str, float], ...], picker: str) -> ProfileSpec:
+    return ProfileSpec(
+        name,
+        tuple(PluginSpec(f) for f in filters),
+        tuple(PluginSpec(s, weight=w) for s, w in scorers),
+        PluginSpec(picker),
+        where=f"preset {name!r}",
     )
 
 
-PRESETS: Mapping[str, Callable[[np.random.Generator | None], Profile]] = MappingProxyType(
-    {"round-robin": round_robin, "least-request": least_request}
+_GUARDED = ("model", "staleness", "saturation")
+
+PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
+    {
+        "round-robin": _spec("round-robin", ("model",), (), "round-robin"),
+        "least-request": _spec("least-request", ("model",), (("in-flight", 1.0),), "max-score"),
+        "kv-aware": _spec("kv-aware", _GUARDED, (("kv-cache", 1.0), ("queue", 1.0), ("in-flight", 1.0)), "max-score"),
+        "prefix-aware": _spec(
+            "prefix-aware",
+            _GUARDED,
+            (("prefix-affinity", 2.0), ("queue", 1.0), ("in-flight", 1.0), ("kv-cache", 0.5)),
+            "max-score",
+        ),
+        "seed-formula": _spec("seed-formula", ("model", "staleness"), (("seed-formula", 1.0),), "max-score"),
+        "default": _spec(
+            "default",
+            _GUARDED,
+            (
+                ("in-flight", 1.0),
+                ("queue", 1.0),
+                ("kv-cache", 0.5),
+                ("prefix-affinity", 1.0),
+                ("predicted-ttft", 1.0),
+                ("latency", 0.5),
+            ),
+            "max-score",
+        ),
+    }
 )
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 
 
-def build_profile(name: str, rng: np.random.Generator | None = None) -> Profile:
-    """A fresh profile for the preset ``name``; raises ``KeyError`` naming the known presets."""
-    try:
-        factory = PRESETS[name]
-    except KeyError:
-        raise KeyError(f"unknown policy {name!r}; known: {', '.join(PRESET_NAMES)}") from None
-    return factory(rng)
+def build_profile(
+    name: str | ProfileSpec,
+    rng: np.random.Generator | None = None,
+    *,
+    size: int = 0,
+    registry: Registry | None = None,
+) -> Profile:
+    """A fresh profile for the preset ``name`` (or a spec) over a pool of ``size`` endpoints (plugins that keep
+    per-endpoint state need it). Raises ``KeyError`` naming the known presets, ``ConfigError`` for a bad spec."""
+    if isinstance(name, ProfileSpec):
+        spec = name
+    else:
+        try:
+            spec = PRESETS[name]
+        except KeyError:
+            raise KeyError(f"unknown policy {name!r}; known: {', '.join(PRESET_NAMES)}") from None
+    return (registry or default_registry()).build(spec, BuildContext(size=size, rng=rng))

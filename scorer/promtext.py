@@ -373,13 +373,21 @@ class VllmSnapshot:
     malformed: int = 0
 
 
-def read_vllm(text: str | bytes, *, model: str | None = None) -> VllmSnapshot:
+_HISTOGRAMS = frozenset(
+    {"vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"}
+)
+_GAUGES_AND_COUNTERS = tuple(name for name in PICKER_METRICS if name not in _HISTOGRAMS)
+
+
+def read_vllm(text: str | bytes, *, model: str | None = None, histograms: bool = True) -> VllmSnapshot:
     """Read the picker's signals from one vLLM ``/metrics`` body; never raises on bad input.
 
     With ``model``, samples whose ``model_name`` label names another model are ignored; samples without a
     ``model_name`` label (``cache_config_info``, ``lora_requests_info``) are server-wide and always read.
+    ``histograms=False`` skips the latency histograms (their buckets are most of the parsing work; the
+    ``ttft``, ``e2e_latency`` and ``queue_time`` fields are then None): the 10 Hz scrape does without them.
     """
-    expo = parse_exposition(text, PICKER_METRICS)
+    expo = parse_exposition(text, PICKER_METRICS if histograms else _GAUGES_AND_COUNTERS)
 
     def values(name: str) -> list[float] | None:
         family = expo.get(name)

@@ -60,7 +60,7 @@ class Snapshot:
     @classmethod
     def empty(cls, size: int) -> Snapshot:
         """Nothing known yet: every value NaN, every endpoint never scraped (and counted as up)."""
-        nan = {name: _frozen(np.full(size, np.nan)) for name in SIGNAL_FIELDS}
+        nan: dict[str, Any] = {name: _frozen(np.full(size, np.nan)) for name in SIGNAL_FIELDS}
         return cls(**nan, scraped_at=_frozen(np.full(size, np.nan)), up=_frozen(np.ones(size, dtype=bool)))
 
     def __len__(self) -> int:

@@ -23,7 +23,7 @@ def write(tmp_path: Path, text: str) -> Path:
         pytest.param("pool: {endpoints: []}\n", "pool.endpoints must be a non-empty list", id="no-endpoints"),
         pytest.param("pool: {endpoints: [{address: 'gpu-1:8000'}]}\n", "pool.endpoints[0].address", id="hostname"),
         pytest.param(
-            "policy: fastest\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n", "policy must be one of", id="policy"
+            "policy: fastest\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n", "policy must be a preset", id="policy"
         ),
         pytest.param("pool: [\n", "not valid YAML", id="yaml"),
     ],

@@ -15,11 +15,13 @@ from inferlb.scorer.config import (
     DEFAULT_POLICY,
     Config,
     EndpointConfig,
+    SignalsConfig,
     load_config,
     parse_config,
 )
 from inferlb.scorer.errors import ConfigError, ScorerError
-from inferlb.scorer.presets import PRESET_NAMES
+from inferlb.scorer.presets import PRESET_NAMES, build_profile
+from inferlb.scorer.registry import ProfileSpec
 
 GOOD_YAML = """\
 listen: 127.0.0.1:9100
@@ -112,7 +114,8 @@ ERRORS = [
     pytest.param("pool", r"^config must be a mapping; got str$", id="top-level-string"),
     pytest.param(
         _doc(polcy="round-robin"),
-        r"^config: unknown key 'polcy' \(allowed: listen, max_body_bytes, policy, pool\)$",
+        r"^config: unknown key 'polcy' \(allowed: listen, max_body_bytes, policy, pool, profiles, session_header, "
+        r"signals\)$",
         id="unknown-top-key",
     ),
     pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
@@ -231,7 +234,8 @@ ERRORS = [
     pytest.param(_doc(listen=9002), r"^listen: must be a literal 'ip:port' string", id="listen-int"),
     pytest.param(
         _doc(policy="fastest"),
-        r"^policy must be one of round-robin, least-request; got 'fastest'$",
+        r"^policy must be a preset or a profile of this file \(round-robin, least-request, kv-aware, prefix-aware, "
+        r"seed-formula, default\); got 'fastest'$",
         id="policy-unknown",
     ),
     pytest.param(_doc(policy=""), r"^policy must be a non-empty string; got ''$", id="policy-empty"),
@@ -330,3 +334,120 @@ def test_load_config_deeply_nested_yaml_is_a_config_error(tmp_path: Path) -> Non
     path.write_text("pool: " + "[" * 1000 + "\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"deep\.yaml"):
         load_config(path)
+
+
+# ---------------------------------------------------------------- profiles, signals, session header
+
+POOL = {"endpoints": [{"address": "10.0.0.1:80"}, {"address": "10.0.0.2:80"}]}
+
+
+def _profile_doc(**profile: Any) -> dict[str, Any]:
+    return {"policy": "mine", "profiles": {"mine": profile}, "pool": POOL}
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        pytest.param(
+            _profile_doc(scorers=["queue", "kv-cache", {"type": "in-flight", "weight": 0}]),
+            r"^profiles\.mine\.scorers\[2\]\.weight must be > 0 and <= 100; got 0$",
+            id="weight-zero",
+        ),
+        pytest.param(
+            _profile_doc(scorers=[{"type": "queue", "weight": 1000}]),
+            r"^profiles\.mine\.scorers\[0\]\.weight must be > 0 and <= 100; got 1000$",
+            id="weight-too-big",
+        ),
+        pytest.param(
+            _profile_doc(scorers=[{"type": "quue"}]),
+            r"^profiles\.mine\.scorers\[0\]\.type: unknown type 'quue' \(known: .*queue.*\)$",
+            id="unknown-scorer",
+        ),
+        pytest.param(
+            _profile_doc(filters=["model", {"type": "saturation", "max_kv_usage": 2}]),
+            r"^profiles\.mine\.filters\[1\]: saturation needs .*max_kv_usage <= 1$",
+            id="bad-parameter-value",
+        ),
+        pytest.param(
+            _profile_doc(scorers=[{"type": "prefix-affinity", "gard": 2}]),
+            r"^profiles\.mine\.scorers\[0\]: bad parameters for 'prefix-affinity': .*gard",
+            id="unknown-parameter",
+        ),
+        pytest.param(
+            _profile_doc(filters=["staleness"]),
+            r"^profiles\.mine\.filters\[0\] must be 'model'",
+            id="model-filter-first",
+        ),
+        pytest.param(
+            _profile_doc(filters=["model", {"type": "staleness", "weight": 2}]),
+            r"^profiles\.mine\.filters\[1\]\.weight: only scorers have weights$",
+            id="filter-weight",
+        ),
+        pytest.param(
+            _profile_doc(picker="best"),
+            r"^profiles\.mine\.picker\.type: unknown type 'best'",
+            id="unknown-picker",
+        ),
+        pytest.param(
+            _profile_doc(scorers="queue"), r"^profiles\.mine\.scorers must be a list; got str$", id="scorers-not-list"
+        ),
+        pytest.param(
+            {"pool": POOL, "signals": {"scrape_interval_s": 0}},
+            r"^signals\.scrape_interval_s must be a number of seconds in 0\.001\.\.3600; got 0$",
+            id="scrape-interval",
+        ),
+        pytest.param(
+            {"pool": POOL, "signals": {"scrape_metrics": "yes"}},
+            r"^signals\.scrape_metrics must be true or false; got 'yes'$",
+            id="scrape-flag",
+        ),
+        pytest.param(
+            {"pool": POOL, "signals": {"stale_after": 1}},
+            r"^signals: unknown key 'stale_after'",
+            id="signals-typo",
+        ),
+        pytest.param(
+            {"pool": POOL, "session_header": "x session"},
+            r"^session_header must be an HTTP header name; got 'x session'$",
+            id="session-header",
+        ),
+    ],
+)
+def test_profile_and_signal_errors_name_the_exact_field(doc: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(doc)
+
+
+def test_a_profile_of_the_file_is_built_with_its_weights_and_parameters() -> None:
+    config = parse_config(
+        {
+            "policy": "default",  # the file's own "default" replaces the preset
+            "session_header": "X-Session-Id",
+            "signals": {"scrape_interval_s": 0.25, "stale_after_s": 2, "scrape_metrics": False},
+            "profiles": {
+                "default": {
+                    "filters": ["model", {"type": "saturation", "max_waiting": 4}],
+                    "scorers": [{"type": "queue", "weight": 2.5}, "session-affinity"],
+                    "picker": {"type": "power-of-two"},
+                }
+            },
+            "pool": POOL,
+        }
+    )
+    assert config.session_header == "x-session-id"
+    assert config.signals == SignalsConfig(
+        scrape_metrics=False, scrape_interval_s=0.25, scrape_timeout_s=0.5, stale_after_s=2.0
+    )
+    spec = config.profile_spec()
+    assert isinstance(spec, ProfileSpec) and spec.name == "default"
+    profile = build_profile(spec, size=2)
+    assert [f.name for f in profile.filters] == ["model", "saturation"]
+    assert profile.filters[1].max_waiting == 4
+    assert [(w.scorer.name, w.weight) for w in profile.scorers] == [("queue", 2.5), ("session-affinity", 1.0)]
+    assert profile.picker.name == "power-of-two"
+
+
+def test_presets_are_chosen_by_name() -> None:
+    config = parse_config({"policy": "kv-aware", "pool": POOL})
+    assert config.profile_spec() == "kv-aware"
+    assert config.signals == SignalsConfig()

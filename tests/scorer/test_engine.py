@@ -240,28 +240,30 @@ def test_round_robin_picker_cursors_are_bounded() -> None:
 
 @pytest.mark.parametrize("name", [pytest.param(name, id=name) for name in PRESET_NAMES])
 def test_build_profile_returns_a_fresh_profile(name: str) -> None:
-    first, second = build_profile(name), build_profile(name)
+    first, second = build_profile(name, size=4), build_profile(name, size=4)
     assert first.name == name
     assert first.picker is not second.picker
-    assert [type(f) for f in first.filters] == [ModelFilter]
+    assert type(first.filters[0]) is ModelFilter
+    assert all(a is not b for a, b in zip(first.scorers, second.scorers, strict=True))
 
 
 def test_preset_names() -> None:
-    assert PRESET_NAMES == ("round-robin", "least-request") == tuple(PRESETS)
+    expected = ("round-robin", "least-request", "kv-aware", "prefix-aware", "seed-formula", "default")
+    assert PRESET_NAMES == expected == tuple(PRESETS)
 
 
 @pytest.mark.parametrize("name", [pytest.param("fastest", id="unknown"), pytest.param("Round-Robin", id="case")])
 def test_build_profile_unknown_name(name: str) -> None:
     with pytest.raises(KeyError) as info:
         build_profile(name)
-    assert info.value.args[0] == f"unknown policy {name!r}; known: round-robin, least-request"
+    assert info.value.args[0] == f"unknown policy {name!r}; known: {', '.join(PRESET_NAMES)}"
 
 
 # ---------------------------------------------------------------- Engine.decide with the presets
 
 
 def _engine(preset: str, seed: int = 0) -> Engine:
-    return Engine(Pool(FLEET), build_profile(preset, np.random.default_rng(seed)))
+    return Engine(Pool(FLEET), build_profile(preset, np.random.default_rng(seed), size=len(FLEET)))
 
 
 def test_engine_defaults_to_its_own_inflight_sized_to_the_pool() -> None:
@@ -363,7 +365,7 @@ def test_presets_unknown_model(preset: str) -> None:
 @pytest.mark.parametrize("preset", [pytest.param(name, id=name) for name in PRESET_NAMES])
 def test_presets_wildcard_endpoint_takes_unlisted_models(preset: str) -> None:
     pool = Pool((*FLEET, EndpointConfig("[fd00::9]:8000", None)))
-    engine = Engine(pool, build_profile(preset, np.random.default_rng(0)))
+    engine = Engine(pool, build_profile(preset, np.random.default_rng(0), size=len(pool)))
     assert {engine.decide(_req("unlisted")).endpoint.address for _ in range(10)} == {"[fd00::9]:8000"}
     assert {engine.decide(_req("c")).endpoint.index for _ in range(40)} == {4, 5}
 

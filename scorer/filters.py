@@ -1,0 +1,68 @@
+"""Filters on server state. Each drops candidates that should not get the request; none ever empties the list
+on its own judgement of load: when every candidate would be dropped, all are kept (a pick on imperfect data
+beats a 503 while servers may well be able to serve)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from inferlb.scorer.engine import State
+from inferlb.scorer.features import RequestFeatures
+
+__all__ = ["MemoryFitFilter", "SaturationFilter", "StalenessFilter"]
+
+
+def _keep(candidates: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    return candidates[keep] if keep.any() else candidates
+
+
+class StalenessFilter:
+    """Drops endpoints whose metrics are stale (no successful scrape within the signals' ``stale_after_s``, or
+    the last scrape failed): a stale endpoint counts as saturated. If every candidate is stale, keeps them all."""
+
+    name = "staleness"
+
+    def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        return _keep(candidates, ~state.signals.stale()[candidates])
+
+
+class SaturationFilter:
+    """Drops endpoints over a threshold: more than ``max_waiting`` queued requests or KV-cache use above
+    ``max_kv_usage``. Unknown values pass. If every candidate is saturated, keeps them all."""
+
+    name = "saturation"
+
+    def __init__(self, max_waiting: float = 16, max_kv_usage: float = 0.95) -> None:
+        if not max_waiting >= 0 or not 0 < max_kv_usage <= 1:
+            raise ValueError("saturation needs max_waiting >= 0 and 0 < max_kv_usage <= 1")
+        self.max_waiting = max_waiting
+        self.max_kv_usage = max_kv_usage
+
+    def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        snapshot = state.signals.snapshot
+        waiting, usage = snapshot.waiting[candidates], snapshot.kv_usage[candidates]
+        saturated = (waiting > self.max_waiting) | (usage > self.max_kv_usage)  # NaN compares False: passes
+        return _keep(candidates, ~saturated)
+
+
+class MemoryFitFilter:
+    """Drops endpoints whose free GPU memory is below ``margin`` x the request's estimated KV memory
+    (prompt + max output tokens, x ``bytes_per_token``). Unknown memory passes. If none fits, keeps all."""
+
+    name = "memory-fit"
+
+    def __init__(self, bytes_per_token: float = 131072, margin: float = 1.3, default_output_tokens: int = 256) -> None:
+        if not (bytes_per_token > 0 and margin >= 1 and default_output_tokens >= 0):
+            raise ValueError("memory-fit needs bytes_per_token > 0, margin >= 1, default_output_tokens >= 0")
+        self.bytes_per_token = bytes_per_token
+        self.margin = margin
+        self.default_output_tokens = default_output_tokens
+
+    def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        free = state.signals.snapshot.gpu_free_bytes[candidates]
+        output = request.max_tokens if request.max_tokens is not None else self.default_output_tokens
+        need = self.margin * self.bytes_per_token * (request.prompt_tokens + output)
+        fits = np.isnan(free) | (free >= need)
+        return _keep(candidates, fits) if not math.isnan(need) else candidates

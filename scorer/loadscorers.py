@@ -1,0 +1,206 @@
+"""Scorers built on server signals (the scraped snapshot, the GPU view, spans) and the picker's own counts.
+
+Every scorer returns, for the candidates it is given, a float array in [0, 1] (higher is better). A candidate
+whose signal is unknown (NaN: never scraped, metric missing) scores `NEUTRAL_SCORE`, so missing data neither
+attracts nor repels traffic; the staleness filter is what keeps traffic off endpoints with stale data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from inferlb.scorer.engine import NEUTRAL_SCORE, State
+from inferlb.scorer.features import RequestFeatures
+
+__all__ = [
+    "DEFAULT_PREFILL_TOKENS_PER_S",
+    "GpuFreeMemoryScorer",
+    "GpuUtilScorer",
+    "InFlightTokensScorer",
+    "KVCacheScorer",
+    "LatencyScorer",
+    "PredictedTTFTScorer",
+    "QueueScorer",
+    "RunningScorer",
+    "SeedFormulaScorer",
+    "fewer_is_better",
+    "min_max_low",
+]
+
+# A prefill rate to predict with until spans teach the real one (tokens/s): an 8B model on one H100 does ~30k.
+DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
+
+
+def min_max_low(values: np.ndarray) -> np.ndarray:
+    """Lower is better, scaled over the candidates: the lowest 1, the highest 0, all equal 1; NaN neutral."""
+    known = ~np.isnan(values)
+    if not known.any():
+        return np.full(len(values), NEUTRAL_SCORE)
+    low, high = np.nanmin(values), np.nanmax(values)
+    scores = np.ones(len(values)) if high == low else (high - values) / (high - low)
+    return np.where(known, scores, NEUTRAL_SCORE)
+
+
+def fewer_is_better(values: np.ndarray, unit: float = 1.0) -> np.ndarray:
+    """1 / (1 + (x - min) / unit): the least loaded 1, one ``unit`` more 0.5, two more 0.33; NaN neutral.
+
+    A difference of one request matters a lot when queues are short and little when they are long.
+    """
+    known = ~np.isnan(values)
+    if not known.any():
+        return np.full(len(values), NEUTRAL_SCORE)
+    scores = 1.0 / (1.0 + (values - np.nanmin(values)) / unit)
+    return np.where(known, scores, NEUTRAL_SCORE)
+
+
+class QueueScorer:
+    """Fewer waiting requests (``vllm:num_requests_waiting``) scores higher; `fewer_is_better` per request."""
+
+    name = "queue"
+    bounded = True
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        return fewer_is_better(state.signals.snapshot.waiting[candidates])
+
+
+class RunningScorer:
+    """Fewer running requests (the decode batch) scores higher, scaled over the candidates (`min_max_low`)."""
+
+    name = "running"
+    bounded = True
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        return min_max_low(state.signals.snapshot.running[candidates])
+
+
+class KVCacheScorer:
+    """More free KV cache scores higher: 1 - ``kv_cache_usage_perc``; a full cache means preemptions soon."""
+
+    name = "kv-cache"
+    bounded = True
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        usage = state.signals.snapshot.kv_usage[candidates]
+        return np.where(np.isnan(usage), NEUTRAL_SCORE, 1.0 - np.clip(usage, 0.0, 1.0))
+
+
+class InFlightTokensScorer:
+    """Fewer prompt tokens in flight (sent by this picker, not finished) scores higher; real time, no scrape lag.
+
+    ``unit`` tokens of difference halve the score (default 4096: one long prompt)."""
+
+    name = "in-flight-tokens"
+    bounded = True
+
+    def __init__(self, unit: float = 4096.0) -> None:
+        if not unit > 0:
+            raise ValueError(f"unit must be > 0; got {unit!r}")
+        self.unit = float(unit)
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        return fewer_is_better(state.inflight.tokens[candidates].astype(np.float64), self.unit)
+
+
+class GpuUtilScorer:
+    """Lower GPU utilisation scores higher: 1 - utilisation (from the GPU agent, DCGM or the emulator)."""
+
+    name = "gpu-util"
+    bounded = True
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        util = state.signals.snapshot.gpu_util[candidates]
+        return np.where(np.isnan(util), NEUTRAL_SCORE, 1.0 - np.clip(util, 0.0, 1.0))
+
+
+class GpuFreeMemoryScorer:
+    """More free GPU memory scores higher: free / total."""
+
+    name = "gpu-free-memory"
+    bounded = True
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        snapshot = state.signals.snapshot
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = snapshot.gpu_free_bytes[candidates] / snapshot.gpu_total_bytes[candidates]
+        return np.where(np.isfinite(share), np.clip(share, 0.0, 1.0), NEUTRAL_SCORE)
+
+
+class LatencyScorer:
+    """Lower recent time to first token (from server spans) scores higher: best / own. Neutral until spans arrive.
+
+    ``signal`` is "ttft_s" or "e2e_s"."""
+
+    name = "latency"
+    bounded = True
+
+    def __init__(self, signal: str = "ttft_s") -> None:
+        if signal not in ("ttft_s", "e2e_s"):
+            raise ValueError(f"signal must be 'ttft_s' or 'e2e_s'; got {signal!r}")
+        self.signal = signal
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        latency = getattr(state.signals.snapshot, self.signal)[candidates]
+        known = np.isfinite(latency) & (latency > 0)
+        if not known.any():
+            return np.full(len(candidates), NEUTRAL_SCORE)
+        best = latency[known].min()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(known, best / latency, NEUTRAL_SCORE)
+
+
+class PredictedTTFTScorer:
+    """The time this request would wait for its first token on each candidate, best / own.
+
+    Predicted work = prompt tokens already in flight there (the picker's own count, no scrape lag) + this
+    request's prompt tokens not expected to hit that endpoint's prefix cache, over the endpoint's prefill rate
+    (learned from spans; `DEFAULT_PREFILL_TOKENS_PER_S` until known). ``prefix_match`` (optional) gives, per
+    endpoint of the pool, how many of the request's prefix blocks it likely holds, and ``block_tokens`` how many
+    tokens a block is.
+    """
+
+    name = "predicted-ttft"
+    bounded = True
+
+    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64) -> None:
+        self._match = getattr(prefix_match, "match", None)
+        self.block_tokens = block_tokens
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        queued = state.inflight.tokens[candidates].astype(np.float64)
+        prompt = np.full(len(candidates), float(request.prompt_tokens))
+        hashes = getattr(request, "prefix_hashes", ())
+        if self._match is not None and hashes:
+            cached = np.asarray(self._match(hashes), dtype=np.float64)[candidates] * self.block_tokens
+            prompt = np.maximum(prompt - cached, 1.0)
+        rate = state.signals.snapshot.prefill_tokens_per_s[candidates]
+        rate = np.where(np.isfinite(rate) & (rate > 0), rate, DEFAULT_PREFILL_TOKENS_PER_S)
+        cost = (queued + prompt) / rate
+        return cost.min() / np.maximum(cost, 1e-9)
+
+
+class SeedFormulaScorer:
+    """The seed formula: alpha (1 - GPU util) + beta (1 - queue / max queue) + gamma (best latency / own latency),
+    over alpha + beta + gamma, floored at ``floor``. Unknown parts count neutral. ``max_queue`` bounds the queue
+    term; the latency term is the inverse of average latency, scaled so the fastest candidate gets 1."""
+
+    name = "seed-formula"
+    bounded = True
+
+    def __init__(
+        self, alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, max_queue: float = 32.0, floor: float = 0.05
+    ) -> None:
+        if min(alpha, beta, gamma) < 0 or alpha + beta + gamma <= 0 or max_queue <= 0 or not 0 <= floor < 1:
+            raise ValueError("seed formula needs alpha, beta, gamma >= 0 (not all 0), max_queue > 0, 0 <= floor < 1")
+        self.alpha, self.beta, self.gamma = alpha, beta, gamma
+        self.max_queue, self.floor = max_queue, floor
+        self._latency = LatencyScorer("e2e_s")
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        snapshot = state.signals.snapshot
+        util = snapshot.gpu_util[candidates]
+        gpu = np.where(np.isnan(util), NEUTRAL_SCORE, 1.0 - np.clip(util, 0.0, 1.0))
+        waiting = snapshot.waiting[candidates]
+        queue = np.where(np.isnan(waiting), NEUTRAL_SCORE, 1.0 - np.clip(waiting / self.max_queue, 0.0, 1.0))
+        latency = self._latency.score(request, state, candidates)
+        total = (self.alpha * gpu + self.beta * queue + self.gamma * latency) / (self.alpha + self.beta + self.gamma)
+        return np.maximum(total, self.floor)

@@ -1,0 +1,182 @@
+"""Prefix-cache affinity: send a prompt where its leading blocks were recently sent, so the server's prefix
+cache can skip their prefill.
+
+The picker cannot see the servers' caches; it remembers where it sent things. ``PrefixIndex`` keeps, per
+endpoint, the most recently routed prompt blocks (``RequestFeatures.prefix_hashes``, chained hashes, so a
+block's hash stands for the whole prefix up to it) and answers how many leading blocks of a new prompt each
+endpoint holds. It is approximate both ways: a server may have evicted what the index remembers, and it may
+still hold what the index forgot. ``PrefixAffinityScorer`` turns that into a score with a guard against piling
+work onto one hot endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from inferlb.scorer.engine import NEUTRAL_SCORE, State
+from inferlb.scorer.features import RequestFeatures
+
+__all__ = ["PrefixAffinityScorer", "PrefixIndex"]
+
+logger = logging.getLogger(__name__)
+
+# Up to this many endpoints leaving a match at one depth are written one by one; more at once, with numpy.
+_FEW = 12
+
+
+class PrefixIndex:
+    """An approximate, bounded record of the prompt blocks recently routed to each of ``size`` endpoints.
+
+    Each endpoint keeps at most ``capacity_blocks`` block hashes in LRU order: recording a block it already
+    holds refreshes it, and beyond capacity the least recently recorded are forgotten. Within one ``record``
+    the leading blocks count as the most recent, so a prompt's tail is forgotten before its head (the head is
+    what other prompts share, and servers evict the same way round).
+
+    Costs: ``match`` is O(len(hashes) + endpoints that matched), independent of how many blocks are held;
+    ``record`` is O(len(hashes)) amortised. Memory is bounded by ``size x capacity_blocks`` entries of about
+    250 bytes (an LRU entry per endpoint, a shared hash → endpoint-bitmask entry, the hash itself): size the
+    capacity from the servers' KV cache (tokens / 64 per block), not larger, e.g. 8192 blocks for 0.5M tokens.
+
+    Not thread-safe: use it from the one event loop that routes requests.
+    """
+
+    def __init__(self, size: int, capacity_blocks: int = 65536) -> None:
+        if size < 1:
+            raise ValueError(f"a prefix index needs at least one endpoint, not size={size}")
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, not {capacity_blocks}")
+        self.size = size
+        self.capacity_blocks = capacity_blocks
+        # block hash -> bitmask of the endpoints holding it (bit i = endpoint i). A Python int is a compact,
+        # fast bitset here: one AND per block narrows every endpoint at once during a match.
+        self._holders: dict[int, int] = {}
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
+        self._mask_bytes = (size + 7) // 8
+
+    def record(self, endpoint: int, hashes: Sequence[int]) -> None:
+        """Remember that the prompt with these block hashes was sent to ``endpoint`` (0 <= endpoint < size)."""
+        if not 0 <= endpoint < self.size:
+            raise ValueError(f"endpoint {endpoint} is outside the index (size {self.size})")
+        capacity = self.capacity_blocks
+        lru = self._lru[endpoint]
+        holders = self._holders
+        bit = 1 << endpoint
+        # Head last, so that it is the most recently used; more than capacity blocks would evict each other.
+        for block in reversed(hashes[:capacity]):
+            if block in lru:
+                lru.move_to_end(block)
+            else:
+                lru[block] = None
+                holders[block] = holders.get(block, 0) | bit
+        for _ in range(len(lru) - capacity):
+            old, _ = lru.popitem(last=False)
+            rest = holders[old] & ~bit
+            if rest:
+                holders[old] = rest
+            else:
+                del holders[old]
+
+    def match(self, hashes: Sequence[int]) -> np.ndarray:
+        """How many leading blocks of ``hashes`` each endpoint holds: an int64 array of length ``size``.
+
+        An endpoint's count stops at the first block it does not hold, even if it holds later ones.
+        """
+        return self.match_depth(hashes)[0]
+
+    def match_depth(self, hashes: Sequence[int]) -> tuple[np.ndarray, int]:
+        """``match`` and the largest count in it (0: no endpoint holds even the first block)."""
+        counts = np.zeros(self.size, dtype=np.int64)
+        if not hashes:
+            return counts, 0
+        holders = self._holders
+        blocks = iter(hashes)
+        live = holders.get(next(blocks), 0)
+        if not live:
+            return counts, 0
+        # Walk the chain while some endpoint still holds every block so far; each endpoint drops out once, at
+        # the depth it matched to, so the work is one dict lookup and one AND per block plus one write per
+        # endpoint that matched.
+        for depth, block in enumerate(blocks, 1):
+            following = live & holders.get(block, 0)
+            if following != live:
+                self._set(counts, live ^ following, depth)
+                if not following:
+                    return counts, depth
+                live = following
+        self._set(counts, live, len(hashes))
+        return counts, len(hashes)
+
+    def _set(self, counts: np.ndarray, endpoints: int, depth: int) -> None:
+        """``counts[e] = depth`` for every endpoint ``e`` in the bitmask ``endpoints``."""
+        if endpoints.bit_count() <= _FEW:
+            while endpoints:
+                lowest = endpoints & -endpoints
+                counts[lowest.bit_length() - 1] = depth
+                endpoints ^= lowest
+            return
+        bits = np.frombuffer(endpoints.to_bytes(self._mask_bytes, "little"), dtype=np.uint8)
+        counts[np.unpackbits(bits, count=self.size, bitorder="little").view(bool)] = depth
+
+    def held(self, endpoint: int) -> int:
+        """The number of blocks recorded for ``endpoint`` (at most ``capacity_blocks``)."""
+        return len(self._lru[endpoint])
+
+    def __len__(self) -> int:
+        """The number of distinct blocks held by any endpoint."""
+        return len(self._holders)
+
+
+class PrefixAffinityScorer:
+    """Scores each candidate by the fraction of the request's prefix blocks it holds, leading blocks only.
+
+    Scores are in [0, 1]: matched blocks / ``len(request.prefix_hashes)``. A request without prefix hashes
+    (no body, or a prompt shorter than one block) scores ``NEUTRAL_SCORE`` everywhere. The imbalance guard:
+    a candidate with more than ``guard x (mean in-flight requests over the candidates + 1)`` requests in
+    flight scores 0, so that a popular prefix cannot pile every request onto one endpoint; the load scorers
+    then choose among the rest, and the prefix follows it there.
+
+    The index must have one entry per pool endpoint (a mismatch raises in ``score``, which the engine counts
+    and scores neutral). ``on_pick`` records the request's blocks for the chosen endpoint; it never raises (a
+    failure is counted in ``record_errors`` and logged once). Not thread-safe, like the index.
+    """
+
+    name = "prefix-affinity"
+    bounded = True
+
+    def __init__(self, index: PrefixIndex, *, guard: float = 2.0) -> None:
+        if not guard > 0:
+            raise ValueError(f"guard must be > 0 (float('inf') turns the imbalance guard off), not {guard}")
+        self.index = index
+        self.guard = guard
+        self.record_errors = 0
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        hashes = request.prefix_hashes
+        if not hashes:
+            return np.full(len(candidates), NEUTRAL_SCORE)
+        index = self.index
+        if index.size != len(state.pool):
+            raise ValueError(f"the prefix index has {index.size} endpoints, the pool {len(state.pool)}")
+        counts, deepest = index.match_depth(hashes)
+        if not deepest:
+            return np.zeros(len(candidates))
+        scores = counts[candidates] / len(hashes)
+        load = state.inflight.requests[candidates]
+        # sum / len rather than mean(): a third of the cost on small arrays.
+        scores[load > self.guard * (load.sum() / len(load) + 1.0)] = 0.0
+        return scores
+
+    def on_pick(self, request: RequestFeatures, endpoint: int) -> None:
+        hashes = request.prefix_hashes
+        if not hashes:
+            return
+        try:
+            self.index.record(endpoint, hashes)
+        except Exception:
+            if not self.record_errors:
+                logger.exception("prefix index could not record a decision (logged once)")
+            self.record_errors += 1

@@ -1,0 +1,139 @@
+"""Tests for scorer/collect.py: scraping real emulated vLLM servers, dead, silent and garbage endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+
+import httpx
+import pytest
+
+from inferlb.procs import free_port
+from inferlb.scorer.collect import CollectorOptions, MetricsCollector
+from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.signals import Signals
+from inferlb.sim.profiles import get_profile
+from inferlb.sim.serve import serve
+from inferlb.sim.server import EmulatedServer, ServerOptions
+
+H100 = get_profile("h100-llama3.1-8b")
+TINY = dataclasses.replace(H100, max_num_seqs=2)
+
+
+async def garbage_app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"# nothing here\nhello world\n"})
+
+
+@pytest.fixture
+async def fleet():
+    """Two emulated servers, one garbage /metrics, one that accepts and never answers, one closed port."""
+    emulated = [
+        EmulatedServer(f"127.0.0.1:{free_port()}", ServerOptions(profile=TINY, models=("m",), time_scale=1.0))
+        for _ in range(2)
+    ]
+    garbage = f"127.0.0.1:{free_port()}"
+
+    async def never_answer(reader, writer):
+        await reader.read()  # holds the connection open until the client gives up
+
+    silent = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    silent_address = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+    closed = f"127.0.0.1:{free_port()}"
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve([*((s.address, s) for s in emulated), (garbage, garbage_app)], ready=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    yield emulated, [s.address for s in emulated] + [garbage, silent_address, closed]
+    task.cancel()
+    await asyncio.wait({task}, timeout=10)
+    silent.close()
+    for s in emulated:
+        await s.aclose()
+
+
+async def test_one_round_reads_live_servers_and_marks_the_rest_down(fleet):
+    emulated, addresses = fleet
+    pool = Pool([EndpointConfig(a, None) for a in addresses])
+    signals = Signals(len(pool), stale_after_s=5)
+    collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.05, timeout_s=0.3))
+    # Load server 0: two running (max_num_seqs=2), one waiting.
+    loaded = emulated[0]
+    client_tasks = [
+        asyncio.create_task(_post(loaded.address, {"model": "m", "prompt": "x" * 4000, "max_tokens": 2000}))
+        for _ in range(3)
+    ]
+    deadline = asyncio.get_running_loop().time() + 5
+    while (len(loaded.engine.running), len(loaded.engine.waiting)) != (2, 1):
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.005)
+    try:
+        await collector.scrape_once()
+    finally:
+        for t in client_tasks:
+            t.cancel()
+        await collector.aclose()
+    snap = signals.snapshot
+    assert list(snap.up) == [True, True, False, False, False]
+    assert (snap.running[0], snap.waiting[0]) == (2, 1)
+    assert 0 < snap.kv_usage[0] < 0.01
+    assert (snap.running[1], snap.waiting[1], snap.kv_usage[1]) == (0, 0, 0)
+    assert snap.kv_tokens[0] == TINY.num_gpu_blocks * TINY.block_size
+    assert all(math.isnan(snap.running[i]) for i in (2, 3, 4))
+    assert list(signals.stale()) == [False, False, True, True, True]
+    errors = collector.stats.errors
+    assert set(errors) == set(addresses[2:])
+    assert "no vLLM metrics" in collector.last_error[2]
+    assert "Timeout" in collector.last_error[3]
+    assert "ConnectError" in collector.last_error[4]
+    assert collector.stats.rounds == 1 and collector.stats.scrapes == 5
+
+
+async def test_a_server_that_goes_down_keeps_its_values_but_turns_stale(fleet):
+    emulated, addresses = fleet
+    pool = Pool([EndpointConfig(addresses[0], None)])
+    signals = Signals(1, stale_after_s=5)
+    collector = MetricsCollector(pool, signals, CollectorOptions(timeout_s=0.3))
+    await collector.scrape_once()
+    first = signals.snapshot
+    assert first.up[0] and not signals.stale()[0]
+    await _post(addresses[0], {"model": "m", "prompt": "y", "max_tokens": 1})  # let it exist once more
+    emulated[0].apply_faults({"crash": True, "cold_start_s": 1000})  # /metrics now answers 503
+    await collector.scrape_once()
+    await collector.aclose()
+    second = signals.snapshot
+    assert not second.up[0] and signals.stale()[0]
+    assert second.scraped_at[0] == first.scraped_at[0]
+    assert second.running[0] == first.running[0]
+    assert collector.last_error[0] == "HTTP 503"
+
+
+async def test_run_keeps_scraping_until_cancelled(fleet):
+    _, addresses = fleet
+    pool = Pool([EndpointConfig(addresses[1], None)])
+    signals = Signals(1)
+    collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.01, timeout_s=0.3))
+    task = asyncio.create_task(collector.run())
+    deadline = asyncio.get_running_loop().time() + 5
+    while signals.published < 3:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await collector.aclose()
+    assert collector.stats.rounds >= 3 and not collector.stats.errors
+
+
+@pytest.mark.parametrize("bad", [{"interval_s": 0}, {"timeout_s": -1}, {"timeout_s": math.nan}])
+def test_options_refuse_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        CollectorOptions(**bad)
+
+
+async def _post(address: str, body: dict) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        await client.post(f"http://{address}/v1/completions", json=body)
