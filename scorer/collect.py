@@ -17,10 +17,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-
+from inferlb.scorer.address import parse_address
+from inferlb.scorer.httpget import HttpGetError, HttpGetter
 from inferlb.scorer.pool import Pool
-from inferlb.scorer.promtext import VllmSnapshot, read_vllm
+from inferlb.scorer.promtext import VllmSnapshot, read_vllm_signals
 from inferlb.scorer.signals import Signals
 
 __all__ = ["CollectorOptions", "MetricsCollector", "ScrapeStats"]
@@ -55,7 +55,7 @@ class ScrapeStats:
 
 
 class MetricsCollector:
-    """Scrapes ``pool``'s endpoints into ``signals``. Owns an httpx client unless one is given.
+    """Scrapes ``pool``'s endpoints into ``signals``, over one kept-alive connection per endpoint.
 
     Use ``await collector.run()`` as a task (cancel it to stop) or ``await collector.scrape_once()`` for one round.
     """
@@ -66,23 +66,19 @@ class MetricsCollector:
         signals: Signals,
         options: CollectorOptions | None = None,
         *,
-        client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
         self.signals = signals
         self.options = options or CollectorOptions()
-        self._own_client = client is None
-        limits = httpx.Limits(max_connections=len(pool) + 4, max_keepalive_connections=len(pool) + 4)
-        self._client = client or httpx.AsyncClient(timeout=self.options.timeout_s, limits=limits)
         self._clock = clock
-        self._urls = [f"http://{e.address}{self.options.path}" for e in pool]
+        self._getters = [HttpGetter(*parse_address(e.address), self.options.path) for e in pool]
         self.stats = ScrapeStats()
         self.last_error: list[str | None] = [None] * len(pool)
 
     async def aclose(self) -> None:
-        if self._own_client:
-            await self._client.aclose()
+        for getter in self._getters:
+            getter.close()
 
     async def run(self) -> None:
         """Scrape forever, a round every ``interval_s``; returns only by cancellation."""
@@ -94,7 +90,7 @@ class MetricsCollector:
 
     async def scrape_once(self) -> None:
         started = self._clock()
-        results = await asyncio.gather(*(self._scrape(i) for i in range(len(self._urls))))
+        results = await asyncio.gather(*(self._scrape(i) for i in range(len(self._getters))))
         now = self._clock()
         parse_started = time.perf_counter()
         old = self.signals.snapshot
@@ -105,7 +101,7 @@ class MetricsCollector:
             if body is None:
                 up[i] = False
                 continue
-            reading: VllmSnapshot = read_vllm(body, histograms=False)
+            reading: VllmSnapshot = read_vllm_signals(body)
             if reading.running is None and reading.waiting is None and reading.kv_cache_usage is None:
                 self._failed(i, "no vLLM metrics in the response")
                 up[i] = False
@@ -131,14 +127,14 @@ class MetricsCollector:
 
     async def _scrape(self, i: int) -> bytes | None:
         try:
-            response = await self._client.get(self._urls[i], timeout=self.options.timeout_s)
-        except httpx.HTTPError as exc:
-            self._failed(i, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            status, body = await self._getters[i].get(self.options.timeout_s)
+        except HttpGetError as exc:
+            self._failed(i, str(exc))
             return None
-        if response.status_code != 200:
-            self._failed(i, f"HTTP {response.status_code}")
+        if status != 200:
+            self._failed(i, f"HTTP {status}")
             return None
-        return response.content
+        return body
 
     def _failed(self, i: int, reason: str) -> None:
         address = self.pool.endpoints[i].address
@@ -152,4 +148,3 @@ class MetricsCollector:
 
 def _value(value: float | None) -> float:
     return math.nan if value is None else float(value)
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from inferlb.scorer.promtext import (
     VllmSnapshot,
     parse_exposition,
     read_vllm,
+    read_vllm_signals,
 )
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
@@ -496,3 +498,38 @@ def test_read_vllm_lora_takes_the_newest_sample() -> None:
 def test_read_vllm_counts_malformed_lines_of_its_families() -> None:
     snap = read_vllm('vllm:num_requests_running{model_name="m"} 2\nvllm:num_requests_running{oops 3\nother{ 1\n')
     assert (snap.running, snap.malformed) == (2, 1)
+
+
+def _emulator_exposition() -> bytes:
+    from inferlb.sim.metrics import VllmMetrics
+
+    metrics = VllmMetrics("m", block_size=16, num_gpu_blocks=28000, max_num_seqs=64, max_num_batched_tokens=8192)
+    metrics.set_state(3, 2, 0.25)
+    metrics.add_prefix_cache(1000, 640)
+    metrics.add_preemptions(2)
+    return metrics.render()
+
+
+_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param((_FIXTURES / "vllm-0.32.0-cpu-metrics.txt").read_bytes(), id="real-vllm"),
+        pytest.param((_FIXTURES / "vllm-0.32.0-cpu-metrics-queued.txt").read_bytes(), id="real-vllm-queued"),
+        pytest.param(_emulator_exposition(), id="emulator"),
+        pytest.param(b"", id="empty"),
+        pytest.param(b"vllm:num_requests_running 3\nvllm:num_requests_waiting 1 1700000000000\n", id="unlabelled"),
+        pytest.param(b'vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_running{engine="1"} 5\n', id="dp"),
+        pytest.param(b"vllm:num_requests_running_extra 9\nvllm:num_requests_waiting NaN\n", id="lookalike-nan"),
+        pytest.param(b'vllm:kv_cache_usage_perc{a="b"} 1.7\nvllm:gpu_cache_usage_perc 0.5\n', id="kv-garbage"),
+        pytest.param(b"vllm:gpu_cache_usage_perc 0.5\n", id="kv-old-name"),
+        pytest.param(b'vllm:cache_config_info{block_size="None",num_gpu_blocks="12"} 1.0\n', id="cache-none"),
+        pytest.param(b"\xff\xfe garbage \x00\nvllm:num_requests_running{ 3\n", id="binary"),
+    ],
+)
+def test_the_fast_signal_reader_agrees_with_the_parser(body: bytes) -> None:
+    slow = read_vllm(body, histograms=False)
+    fast = read_vllm_signals(body)
+    assert dataclasses.replace(fast, malformed=slow.malformed) == slow
