@@ -5,11 +5,13 @@ beats a 503 while servers may well be able to serve)."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.signals import Snapshot
 
 __all__ = ["MemoryFitFilter", "SaturationFilter", "StalenessFilter"]
 
@@ -25,7 +27,11 @@ class StalenessFilter:
     name = "staleness"
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        return _keep(candidates, ~state.signals.stale()[candidates])
+        signals = state.signals
+        now = time.monotonic()
+        if now <= signals.all_fresh_until:  # the usual case: every endpoint scraped recently
+            return candidates
+        return _keep(candidates, signals.fresh_until[candidates] >= now)
 
 
 class SaturationFilter:
@@ -39,12 +45,19 @@ class SaturationFilter:
             raise ValueError("saturation needs max_waiting >= 0 and 0 < max_kv_usage <= 1")
         self.max_waiting = max_waiting
         self.max_kv_usage = max_kv_usage
+        self._for: Snapshot | None = None
+        self._saturated = np.zeros(0, dtype=bool)
+        self._any = False
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         snapshot = state.signals.snapshot
-        waiting, usage = snapshot.waiting[candidates], snapshot.kv_usage[candidates]
-        saturated = (waiting > self.max_waiting) | (usage > self.max_kv_usage)  # NaN compares False: passes
-        return _keep(candidates, ~saturated)
+        if snapshot is not self._for:  # once per scrape, not once per pick
+            with np.errstate(invalid="ignore"):
+                saturated = (snapshot.waiting > self.max_waiting) | (snapshot.kv_usage > self.max_kv_usage)
+            self._saturated, self._any, self._for = saturated, bool(saturated.any()), snapshot
+        if not self._any:
+            return candidates
+        return _keep(candidates, ~self._saturated[candidates])
 
 
 class MemoryFitFilter:

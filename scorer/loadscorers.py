@@ -11,6 +11,7 @@ import numpy as np
 
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.signals import Snapshot
 
 __all__ = [
     "DEFAULT_PREFILL_TOKENS_PER_S",
@@ -53,34 +54,57 @@ def fewer_is_better(values: np.ndarray, unit: float = 1.0) -> np.ndarray:
     return np.where(known, scores, NEUTRAL_SCORE)
 
 
-class QueueScorer:
+class _SnapshotScorer:
+    """A scorer that reads only the snapshot: its scores are computed once per (snapshot, candidates) and reused
+    until the next scrape (the candidates array is usually the pool's precomputed one for the model). The
+    returned array is read-only."""
+
+    name = "snapshot"
+    bounded = True
+
+    def __init__(self) -> None:
+        self._for: tuple[Snapshot, np.ndarray] | None = None
+        self._scores = np.zeros(0)
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        snapshot = state.signals.snapshot
+        cached = self._for
+        if cached is not None and cached[0] is snapshot and cached[1] is candidates:
+            return self._scores
+        scores = np.asarray(self._compute(snapshot, candidates), dtype=np.float64)
+        scores.setflags(write=False)
+        self._for, self._scores = (snapshot, candidates), scores
+        return scores
+
+    def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class QueueScorer(_SnapshotScorer):
     """Fewer waiting requests (``vllm:num_requests_waiting``) scores higher; `fewer_is_better` per request."""
 
     name = "queue"
-    bounded = True
 
-    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        return fewer_is_better(state.signals.snapshot.waiting[candidates])
+    def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
+        return fewer_is_better(snapshot.waiting[candidates])
 
 
-class RunningScorer:
+class RunningScorer(_SnapshotScorer):
     """Fewer running requests (the decode batch) scores higher, scaled over the candidates (`min_max_low`)."""
 
     name = "running"
-    bounded = True
 
-    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        return min_max_low(state.signals.snapshot.running[candidates])
+    def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
+        return min_max_low(snapshot.running[candidates])
 
 
-class KVCacheScorer:
+class KVCacheScorer(_SnapshotScorer):
     """More free KV cache scores higher: 1 - ``kv_cache_usage_perc``; a full cache means preemptions soon."""
 
     name = "kv-cache"
-    bounded = True
 
-    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        usage = state.signals.snapshot.kv_usage[candidates]
+    def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
+        usage = snapshot.kv_usage[candidates]
         return np.where(np.isnan(usage), NEUTRAL_SCORE, 1.0 - np.clip(usage, 0.0, 1.0))
 
 
@@ -101,45 +125,42 @@ class InFlightTokensScorer:
         return fewer_is_better(state.inflight.tokens[candidates].astype(np.float64), self.unit)
 
 
-class GpuUtilScorer:
+class GpuUtilScorer(_SnapshotScorer):
     """Lower GPU utilisation scores higher: 1 - utilisation (from the GPU agent, DCGM or the emulator)."""
 
     name = "gpu-util"
-    bounded = True
 
-    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        util = state.signals.snapshot.gpu_util[candidates]
+    def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
+        util = snapshot.gpu_util[candidates]
         return np.where(np.isnan(util), NEUTRAL_SCORE, 1.0 - np.clip(util, 0.0, 1.0))
 
 
-class GpuFreeMemoryScorer:
+class GpuFreeMemoryScorer(_SnapshotScorer):
     """More free GPU memory scores higher: free / total."""
 
     name = "gpu-free-memory"
-    bounded = True
 
-    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        snapshot = state.signals.snapshot
+    def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):
             share = snapshot.gpu_free_bytes[candidates] / snapshot.gpu_total_bytes[candidates]
         return np.where(np.isfinite(share), np.clip(share, 0.0, 1.0), NEUTRAL_SCORE)
 
 
-class LatencyScorer:
+class LatencyScorer(_SnapshotScorer):
     """Lower recent time to first token (from server spans) scores higher: best / own. Neutral until spans arrive.
 
     ``signal`` is "ttft_s" or "e2e_s"."""
 
     name = "latency"
-    bounded = True
 
     def __init__(self, signal: str = "ttft_s") -> None:
+        super().__init__()
         if signal not in ("ttft_s", "e2e_s"):
             raise ValueError(f"signal must be 'ttft_s' or 'e2e_s'; got {signal!r}")
         self.signal = signal
 
-    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        latency = getattr(state.signals.snapshot, self.signal)[candidates]
+    def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
+        latency = getattr(snapshot, self.signal)[candidates]
         known = np.isfinite(latency) & (latency > 0)
         if not known.any():
             return np.full(len(candidates), NEUTRAL_SCORE)
@@ -162,45 +183,52 @@ class PredictedTTFTScorer:
     bounded = True
 
     def __init__(self, prefix_match: object | None = None, block_tokens: int = 64) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1; got {block_tokens!r}")
         self._match = getattr(prefix_match, "match", None)
         self.block_tokens = block_tokens
+        self._for: Snapshot | None = None
+        self._seconds_per_token = np.zeros(0)
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        queued = state.inflight.tokens[candidates].astype(np.float64)
-        prompt = np.full(len(candidates), float(request.prompt_tokens))
-        hashes = getattr(request, "prefix_hashes", ())
+        snapshot = state.signals.snapshot
+        if snapshot is not self._for:  # the rates change with the snapshot only
+            rate = snapshot.prefill_tokens_per_s
+            with np.errstate(invalid="ignore"):
+                known = np.isfinite(rate) & (rate > 0)
+            self._seconds_per_token = 1.0 / np.where(known, rate, DEFAULT_PREFILL_TOKENS_PER_S)
+            self._for = snapshot
+        work = state.inflight.tokens[candidates] + float(request.prompt_tokens)
+        hashes = request.prefix_hashes
         if self._match is not None and hashes:
-            cached = np.asarray(self._match(hashes), dtype=np.float64)[candidates] * self.block_tokens
-            prompt = np.maximum(prompt - cached, 1.0)
-        rate = state.signals.snapshot.prefill_tokens_per_s[candidates]
-        rate = np.where(np.isfinite(rate) & (rate > 0), rate, DEFAULT_PREFILL_TOKENS_PER_S)
-        cost = (queued + prompt) / rate
-        return cost.min() / np.maximum(cost, 1e-9)
+            cached = self._match(hashes)[candidates] * self.block_tokens
+            work = np.maximum(work - np.minimum(cached, request.prompt_tokens - 1), 1.0)
+        cost = work * self._seconds_per_token[candidates]
+        return cost.min() / np.maximum(cost, 1e-12)
 
 
-class SeedFormulaScorer:
+class SeedFormulaScorer(_SnapshotScorer):
     """The seed formula: alpha (1 - GPU util) + beta (1 - queue / max queue) + gamma (best latency / own latency),
     over alpha + beta + gamma, floored at ``floor``. Unknown parts count neutral. ``max_queue`` bounds the queue
     term; the latency term is the inverse of average latency, scaled so the fastest candidate gets 1."""
 
     name = "seed-formula"
-    bounded = True
 
     def __init__(
         self, alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, max_queue: float = 32.0, floor: float = 0.05
     ) -> None:
+        super().__init__()
         if min(alpha, beta, gamma) < 0 or alpha + beta + gamma <= 0 or max_queue <= 0 or not 0 <= floor < 1:
             raise ValueError("seed formula needs alpha, beta, gamma >= 0 (not all 0), max_queue > 0, 0 <= floor < 1")
         self.alpha, self.beta, self.gamma = alpha, beta, gamma
         self.max_queue, self.floor = max_queue, floor
         self._latency = LatencyScorer("e2e_s")
 
-    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        snapshot = state.signals.snapshot
+    def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
         util = snapshot.gpu_util[candidates]
         gpu = np.where(np.isnan(util), NEUTRAL_SCORE, 1.0 - np.clip(util, 0.0, 1.0))
         waiting = snapshot.waiting[candidates]
         queue = np.where(np.isnan(waiting), NEUTRAL_SCORE, 1.0 - np.clip(waiting / self.max_queue, 0.0, 1.0))
-        latency = self._latency.score(request, state, candidates)
+        latency = self._latency._compute(snapshot, candidates)
         total = (self.alpha * gpu + self.beta * queue + self.gamma * latency) / (self.alpha + self.beta + self.gamma)
         return np.maximum(total, self.floor)

@@ -56,11 +56,15 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
         self._mask_bytes = (size + 7) // 8
+        # The last match, for the next caller asking about the same request (the prefix-affinity and the
+        # predicted-TTFT scorers both do, once per pick); any record invalidates it.
+        self._memo: tuple[Sequence[int], tuple[np.ndarray, int]] | None = None
 
     def record(self, endpoint: int, hashes: Sequence[int]) -> None:
         """Remember that the prompt with these block hashes was sent to ``endpoint`` (0 <= endpoint < size)."""
         if not 0 <= endpoint < self.size:
             raise ValueError(f"endpoint {endpoint} is outside the index (size {self.size})")
+        self._memo = None
         capacity = self.capacity_blocks
         lru = self._lru[endpoint]
         holders = self._holders
@@ -88,7 +92,17 @@ class PrefixIndex:
         return self.match_depth(hashes)[0]
 
     def match_depth(self, hashes: Sequence[int]) -> tuple[np.ndarray, int]:
-        """``match`` and the largest count in it (0: no endpoint holds even the first block)."""
+        """``match`` and the largest count in it (0: no endpoint holds even the first block). The counts array
+        is read-only (it may be shared with the next caller asking about the same hashes object)."""
+        memo = self._memo
+        if memo is not None and memo[0] is hashes:
+            return memo[1]
+        result = self._match_depth(hashes)
+        result[0].setflags(write=False)
+        self._memo = (hashes, result)
+        return result
+
+    def _match_depth(self, hashes: Sequence[int]) -> tuple[np.ndarray, int]:
         counts = np.zeros(self.size, dtype=np.int64)
         if not hashes:
             return counts, 0

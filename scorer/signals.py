@@ -94,17 +94,28 @@ class Signals:
     def __init__(self, size: int, *, stale_after_s: float = 1.0) -> None:
         if not stale_after_s > 0:
             raise ValueError(f"stale_after_s must be > 0; got {stale_after_s!r}")
-        self.snapshot = Snapshot.empty(size)
         self.stale_after_s = stale_after_s
         self.published = 0
+        self._install(Snapshot.empty(size))
 
     def publish(self, snapshot: Snapshot) -> None:
         if len(snapshot) != len(self.snapshot):
             raise ValueError(f"snapshot for {len(snapshot)} endpoints published to a pool of {len(self.snapshot)}")
-        self.snapshot = snapshot
+        self._install(snapshot)
         self.published += 1
+
+    def _install(self, snapshot: Snapshot) -> None:
+        # Until when each endpoint's data is fresh (-inf: down or never scraped), and until when all of it is:
+        # before that moment the staleness check of a pick is one comparison.
+        fresh = np.where(
+            snapshot.up & ~np.isnan(snapshot.scraped_at), snapshot.scraped_at + self.stale_after_s, -math.inf
+        )
+        fresh.setflags(write=False)
+        self.fresh_until = fresh
+        self.all_fresh_until = float(fresh.min()) if len(fresh) else math.inf
+        self.snapshot = snapshot
 
     def stale(self, now: float | None = None) -> np.ndarray:
         """Per endpoint: no successful scrape within ``stale_after_s``, or the last attempt failed."""
-        snapshot = self.snapshot
-        return (snapshot.age(now) > self.stale_after_s) | ~snapshot.up
+        now = time.monotonic() if now is None else now
+        return self.fresh_until < now
