@@ -1,9 +1,11 @@
-"""The ``inferlb`` command: serve (the picker), envoy-config, demo, sim (emulated inference servers)."""
+"""The ``inferlb`` command: serve (the picker), envoy-config, demo, sim (emulated inference servers), gpu-agent
+(this node's GPUs from NVML over HTTP)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -100,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--cold-start", action="store_true", help="start not ready, as after a crash")
     sim.add_argument("--cold-start-s", type=float, help="cold-start time in engine seconds (default: the profile's)")
     sim.add_argument("--max-tokens", type=int, default=128, help="output length when a request sets none")
+    sim.add_argument("--kv-blocks", type=int, help="KV-cache blocks per server instead of the profile's (experiments)")
     sim.add_argument("--otlp-endpoint", help="send one llm_request span per request here (host:port or URL)")
     sim.add_argument("--otlp-protocol", default="grpc", choices=PROTOCOLS)
     sim.add_argument(
@@ -110,6 +113,19 @@ def _parser() -> argparse.ArgumentParser:
         help="start-up fault of server I: slowdown=F, error_rate=P, hang=true, cold_start_s=S (repeatable)",
     )
     sim.set_defaults(run=_sim)
+
+    agent = sub.add_parser(
+        "gpu-agent",
+        help="serve this node's GPU state from NVML over HTTP (GET /gpu, GET /healthz)",
+        description="Serve this node's GPUs (utilisation, memory), read through NVML, as the GPU report the picker "
+        "reads: GET /gpu and GET /healthz; both answer 503 with the reason while NVML reads fail.",
+        epilog="exit status: 0 after SIGTERM/SIGINT; 2 on a bad argument or an address in use; 3 when NVML is not "
+        "available (no pynvml, no NVIDIA driver or libnvidia-ml.so, or no GPU on this node)",
+    )
+    agent.add_argument("--listen", default="127.0.0.1:9400", help="ip:port to serve on (default 127.0.0.1:9400)")
+    agent.add_argument("--interval-s", type=float, default=0.5, help="seconds between NVML samples (default 0.5)")
+    agent.add_argument("--host", help="this node's name in the reports (default: the machine's hostname)")
+    agent.set_defaults(run=_gpu_agent)
     return parser
 
 
@@ -175,8 +191,13 @@ def _sim(args: argparse.Namespace) -> int:
     for text in args.fault:
         index, spec = parse_fault(text, len(addresses))
         faults.setdefault(index, {}).update(spec)
+    profile = get_profile(args.profile)
+    if args.kv_blocks is not None:
+        if args.kv_blocks < 16:
+            raise ValueError(f"--kv-blocks must be >= 16; got {args.kv_blocks}")
+        profile = dataclasses.replace(profile, num_gpu_blocks=args.kv_blocks)
     options = ServerOptions(
-        profile=get_profile(args.profile),
+        profile=profile,
         models=tuple(args.model or ()),
         time_scale=args.time_scale,
         seed=args.seed,
@@ -189,4 +210,32 @@ def _sim(args: argparse.Namespace) -> int:
         addresses, options, otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol, faults=faults
     )
     asyncio.run(run_fleet(servers))
+    return 0
+
+
+def _gpu_agent(args: argparse.Namespace) -> int:
+    import math
+    import socket
+
+    from inferlb.scorer.address import parse_address
+    from inferlb.scorer.gpuagent import NvmlReader, NvmlUnavailable, create_agent_app, serve_agent
+
+    try:
+        parse_address(args.listen)
+    except ValueError as exc:
+        raise ValueError(f"--listen: {exc}") from None
+    if not (math.isfinite(args.interval_s) and args.interval_s > 0):
+        raise ValueError(f"--interval-s must be a number of seconds > 0; got {args.interval_s}")
+    try:
+        reader = NvmlReader(args.host or socket.gethostname())
+    except NvmlUnavailable as exc:
+        print(
+            f"inferlb: error: NVML is not available ({exc}); the GPU agent needs an NVIDIA driver and GPU on this node",
+            file=sys.stderr,
+        )
+        return 3
+    try:
+        asyncio.run(serve_agent(create_agent_app(reader, interval_s=args.interval_s), args.listen))
+    finally:
+        reader.close()
     return 0
