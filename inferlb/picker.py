@@ -8,7 +8,7 @@ import contextlib
 import gc
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config
 from inferlb.scorer.engine import Engine
+from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.signals import Signals
@@ -33,24 +34,30 @@ class Picker:
     engine: Engine
     server: PickerServer
     collector: MetricsCollector | None
-    _collector_task: asyncio.Task[None] | None = None
+    gpu_collector: GpuCollector | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
         await self.server.start()
+        loop = asyncio.get_running_loop()
         if self.collector is not None:
-            self._collector_task = asyncio.get_running_loop().create_task(self.collector.run(), name="metrics")
+            self._tasks.append(loop.create_task(self.collector.run(), name="metrics"))
+        if self.gpu_collector is not None:
+            self._tasks.append(loop.create_task(self.gpu_collector.run(), name="gpu"))
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_S) -> None:
         try:
             await self.server.stop(grace)
         finally:
-            if self._collector_task is not None:
-                self._collector_task.cancel()
+            for task in self._tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await self._collector_task
-                self._collector_task = None
+                    await task
+            self._tasks.clear()
             if self.collector is not None:
                 await self.collector.aclose()
+            if self.gpu_collector is not None:
+                await self.gpu_collector.aclose()
 
 
 def create_picker(config: Config, *, rng: np.random.Generator | None = None) -> Picker:
@@ -66,7 +73,9 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None) -> 
             interval_s=config.signals.scrape_interval_s, timeout_s=config.signals.scrape_timeout_s
         )
         collector = MetricsCollector(pool, signals, options)
-    return Picker(config, engine, PickerServer(service, config.listen), collector)
+    sources = [e.gpu for e in config.endpoints]
+    gpu = GpuCollector(sources, signals, interval_s=config.signals.gpu_interval_s) if any(sources) else None
+    return Picker(config, engine, PickerServer(service, config.listen), collector, gpu)
 
 
 async def serve(config: Config) -> None:

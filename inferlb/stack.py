@@ -91,8 +91,14 @@ class LocalStack:
         return {
             "listen": self.picker_address,
             "policy": self.options.policy,
-            "pool": {"endpoints": [{"address": a, "models": list(self.options.models)} for a in self.endpoints]},
+            "pool": {"endpoints": [self._endpoint(a) for a in self.endpoints]},
         }
+
+    def _endpoint(self, address: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"address": address, "models": list(self.options.models)}
+        if not self.options.servers:  # emulated servers show their GPUs at /gpu, in the GPU agent's schema
+            entry["gpu"] = {"url": f"http://{address}/gpu"}
+        return entry
 
     def __enter__(self) -> LocalStack:
         try:

@@ -57,6 +57,18 @@ class SignalsConfig:
     scrape_interval_s: float = 0.1
     scrape_timeout_s: float = 0.5
     stale_after_s: float = 1.0
+    gpu_interval_s: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSource:
+    """Where an endpoint's GPU state comes from: ``url`` of a GPU agent's (or the emulator's) ``/gpu`` (kind
+    "agent") or of a DCGM exporter's ``/metrics`` (kind "dcgm"); ``indices`` are the GPUs of that node the endpoint
+    uses (None: all of them)."""
+
+    url: str
+    kind: str = "agent"
+    indices: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +78,7 @@ class EndpointConfig:
     address: str
     models: frozenset[str] | None
     labels: Mapping[str, str] = field(default_factory=dict)
+    gpu: GpuSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,14 +167,14 @@ def parse_config(data: Any) -> Config:
 
 
 def _signals(value: Any) -> SignalsConfig:
-    fields = {"scrape_metrics", "scrape_interval_s", "scrape_timeout_s", "stale_after_s"}
+    fields = {"scrape_metrics", "scrape_interval_s", "scrape_timeout_s", "stale_after_s", "gpu_interval_s"}
     raw = _mapping(value, "signals", allowed=fields)
     out: dict[str, Any] = {}
     if "scrape_metrics" in raw:
         if not isinstance(raw["scrape_metrics"], bool):
             raise ConfigError(f"signals.scrape_metrics must be true or false; got {raw['scrape_metrics']!r}")
         out["scrape_metrics"] = raw["scrape_metrics"]
-    for name in ("scrape_interval_s", "scrape_timeout_s", "stale_after_s"):
+    for name in ("scrape_interval_s", "scrape_timeout_s", "stale_after_s", "gpu_interval_s"):
         if name in raw:
             number = raw[name]
             if isinstance(number, bool) or not isinstance(number, int | float) or not 0.001 <= number <= 3600:
@@ -227,7 +240,7 @@ def _endpoints(value: Any, where: str) -> tuple[EndpointConfig, ...]:
     out = []
     for i, item in enumerate(value):
         here = f"{where}[{i}]"
-        entry = _mapping(item, here, allowed={"address", "models", "labels"})
+        entry = _mapping(item, here, allowed={"address", "models", "labels", "gpu"})
         if "address" not in entry:
             raise ConfigError(f"{here}.address is required (a literal 'ip:port')")
         address = _address(entry["address"], f"{here}.address")
@@ -245,8 +258,33 @@ def _endpoints(value: Any, where: str) -> tuple[EndpointConfig, ...]:
             raw_labels = _mapping(entry["labels"], f"{here}.labels")
             for key, val in raw_labels.items():
                 labels[_string(key, f"{here}.labels key")] = _string(val, f"{here}.labels.{key}")
-        out.append(EndpointConfig(address=address, models=models, labels=labels))
+        gpu = _gpu_source(entry["gpu"], f"{here}.gpu") if "gpu" in entry else None
+        out.append(EndpointConfig(address=address, models=models, labels=labels, gpu=gpu))
     return tuple(out)
+
+
+def _gpu_source(value: Any, where: str) -> GpuSource:
+    """``{url: http://10.0.0.7:9400/gpu, kind: agent, indices: [0, 1]}``; ``kind`` defaults to agent."""
+    entry = _mapping(value, where, allowed={"url", "kind", "indices"})
+    url = _string(entry.get("url"), f"{where}.url")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}.url must be an http:// or https:// URL; got {url!r}")
+    kind = "agent"
+    if "kind" in entry:
+        kind = _string(entry["kind"], f"{where}.kind")
+        if kind not in ("agent", "dcgm"):
+            raise ConfigError(f"{where}.kind must be 'agent' or 'dcgm'; got {kind!r}")
+    indices = None
+    if "indices" in entry:
+        raw = entry["indices"]
+        if (
+            not isinstance(raw, list)
+            or not raw
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in raw)
+        ):
+            raise ConfigError(f"{where}.indices must be a non-empty list of GPU indices (integers >= 0); got {raw!r}")
+        indices = tuple(raw)
+    return GpuSource(url, kind, indices)
 
 
 def _mapping(value: Any, where: str, allowed: set[str] | None = None) -> Mapping[str, Any]:

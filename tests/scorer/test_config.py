@@ -143,7 +143,7 @@ ERRORS = [
     ),
     pytest.param(
         _doc({"address": "10.0.0.1:80"}, {"address": "10.0.0.2:80", "weight": 2}),
-        r"^pool\.endpoints\[1\]: unknown key 'weight' \(allowed: address, labels, models\)",
+        r"^pool\.endpoints\[1\]: unknown key 'weight' \(allowed: address, gpu, labels, models\)",
         id="unknown-endpoint-key",
     ),
     pytest.param(

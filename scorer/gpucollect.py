@@ -1,0 +1,80 @@
+"""The GPU collector: reads each endpoint's GPU source (a GPU agent, a DCGM exporter, the emulator's view) in the
+background and publishes utilisation and free/total memory into the signals snapshot.
+
+Endpoints that name the same URL share one read per round. An endpoint's utilisation is the mean over its GPUs
+(``indices``, or all of the node's), its memory the sum. A failed read leaves the endpoint's GPU values NaN
+(unknown: neutral in every scorer) rather than keeping numbers that may no longer be true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import httpx
+import numpy as np
+
+from inferlb.scorer.config import GpuSource
+from inferlb.scorer.gpuclient import GpuReadError, fetch_gpu_report
+from inferlb.scorer.gpustate import GpuReport
+from inferlb.scorer.signals import Signals
+
+__all__ = ["GpuCollector"]
+
+logger = logging.getLogger(__name__)
+
+
+class GpuCollector:
+    """Reads ``sources[i]`` (None: endpoint i has no GPU source) into ``signals`` every ``interval_s``."""
+
+    def __init__(
+        self, sources: Sequence[GpuSource | None], signals: Signals, *, interval_s: float = 0.5, timeout_s: float = 1.0
+    ) -> None:
+        self.sources = list(sources)
+        self.signals = signals
+        self.interval_s = interval_s
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._urls = sorted({(s.url, s.kind) for s in self.sources if s is not None})
+        self.errors: Counter[str] = Counter()
+        self.rounds = 0
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.read_once()
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+
+    async def read_once(self) -> None:
+        results = await asyncio.gather(*(self._read(url, kind) for url, kind in self._urls))
+        reports = dict(zip(self._urls, results, strict=True))
+        n = len(self.sources)
+        util, free, total = np.full(n, math.nan), np.full(n, math.nan), np.full(n, math.nan)
+        for i, source in enumerate(self.sources):
+            report = reports.get((source.url, source.kind)) if source is not None else None
+            if report is None or source is None:
+                continue
+            gpus = [g for g in report.gpus if source.indices is None or g.index in source.indices]
+            if not gpus:
+                continue
+            util[i] = sum(g.utilization_pct for g in gpus) / len(gpus) / 100.0
+            free[i] = float(sum(g.memory_free_bytes for g in gpus))
+            total[i] = float(sum(g.memory_total_bytes for g in gpus))
+        old = self.signals.snapshot
+        self.signals.publish(old.with_values(gpu_util=util, gpu_free_bytes=free, gpu_total_bytes=total))
+        self.rounds += 1
+
+    async def _read(self, url: str, kind: str) -> GpuReport | None:
+        try:
+            return await fetch_gpu_report(self._client, url, kind=kind, host=url)
+        except GpuReadError as exc:
+            if not self.errors[url]:
+                logger.warning("GPU source %s: %s", url, exc)
+            self.errors[url] += 1
+            return None
