@@ -18,6 +18,7 @@ failure mode decides (fail-open sends the request to the fallback cluster).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from inferlb.filter.errors import RequestError, from_routing_error
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply
 from inferlb.filter.request import apply_body, features_from_headers
+from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import RoutingError
 from inferlb.scorer.features import RequestFeatures
@@ -68,6 +70,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.session_header = session_header.lower() if session_header is not None else None
         self.replies = RouteReplies(engine.pool)
         self.stats = FilterStats()
+        self.decisions = DecisionLog()
+
+    def swap_engine(self, engine: Engine) -> None:
+        """Route with ``engine`` from now on (a config reload). Streams that already hold a lease release it into
+        the old engine's counters; a request between its headers and its body is decided by the new engine."""
+        self.replies = RouteReplies(engine.pool)
+        self.engine = engine
 
     async def Process(
         self, request_iterator: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
@@ -115,12 +124,19 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     def _route(
         self, features: RequestFeatures, replies: tuple[ProcessingResponse, ...]
     ) -> tuple[ProcessingResponse, Lease | None]:
+        engine = self.engine
+        started = time.perf_counter()
         try:
-            decision = self.engine.decide(features)
+            decision = engine.decide(features)
         except RoutingError as exc:
-            return self._refuse(from_routing_error(exc)), None
+            error = from_routing_error(exc)
+            self.decisions.record_refusal(features.request_id, features.model, error.status)
+            return self._refuse(error), None
+        self.decisions.record(features.request_id, features.model, decision, time.perf_counter() - started)
         index = decision.endpoint.index
-        lease = self.engine.inflight.acquire(index, features.prompt_tokens + (features.max_tokens or 0))
+        # The prompt is the work a request brings before its first token: what the in-flight token count and
+        # the predicted-TTFT scorer weigh.
+        lease = engine.inflight.acquire(index, features.prompt_tokens)
         self.stats.routed += 1
         return replies[index], lease
 

@@ -137,7 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.listen:
         parse_address(args.listen)
         config = replace(config, listen=args.listen)
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, args.config, listen_override=args.listen))
     return 0
 
 

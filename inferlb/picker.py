@@ -1,5 +1,11 @@
 """Assembling and running the picker process: config -> pool -> signals, engine -> ext_proc gRPC server, plus the
-background collectors that keep the signals fresh."""
+background collectors that keep the signals fresh, the admin API, and configuration reloads.
+
+A reload (the config file changed, or ``POST /config``) builds a new engine from the new configuration and swaps
+it in between two requests; nothing in flight is dropped. While the pool's addresses stay the same the in-flight
+counts and the latest signals carry over; a new pool starts fresh and its collectors restart. An invalid new
+configuration is refused and the old one stays in force. ``listen`` and ``admin`` cannot change at run time.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,26 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
-from dataclasses import dataclass, field
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import uvicorn
 
 from inferlb.filter.server import ExtProcService, PickerServer
+from inferlb.scorer.address import parse_address
+from inferlb.scorer.api import create_admin_app
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
-from inferlb.scorer.config import Config
+from inferlb.scorer.config import Config, load_config, parse_config
 from inferlb.scorer.engine import Engine
+from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.gpucollect import GpuCollector
+from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.signals import Signals
@@ -24,49 +40,207 @@ from inferlb.scorer.signals import Signals
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
+WATCH_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
 class Picker:
-    """One picker: its gRPC server, engine and collector. `start` and `stop` run the whole of it."""
+    """One picker: its gRPC server, engine, collectors and admin API. `start` and `stop` run the whole of it.
+    One event loop; `reload_document` / `reload_file` raise ConfigError and change nothing on a bad config."""
 
     config: Config
     engine: Engine
+    service: ExtProcService
     server: PickerServer
-    collector: MetricsCollector | None
+    rng: np.random.Generator | None = None
+    config_path: Path | None = None
+    collector: MetricsCollector | None = None
     gpu_collector: GpuCollector | None = None
+    reloads: int = 0
+    config_refusals: int = 0
+    admin_port: int | None = None
+    listen_override: str | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _collector_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _admin: uvicorn.Server | None = None
+    _started: bool = False
 
     async def start(self) -> None:
         await self.server.start()
         loop = asyncio.get_running_loop()
-        if self.collector is not None:
-            self._tasks.append(loop.create_task(self.collector.run(), name="metrics"))
-        if self.gpu_collector is not None:
-            self._tasks.append(loop.create_task(self.gpu_collector.run(), name="gpu"))
+        self._start_collectors()
+        if self.config.admin is not None:
+            self._tasks.append(loop.create_task(self._serve_admin(self.config.admin), name="admin"))
+            while self._admin is None or not self._admin.started:
+                if self._tasks[-1].done():
+                    self._tasks[-1].result()  # raises the bind error
+                await asyncio.sleep(0.01)
+        if self.config_path is not None:
+            self._tasks.append(loop.create_task(self._watch(self.config_path), name="config watch"))
+        self._started = True
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_S) -> None:
         try:
             await self.server.stop(grace)
         finally:
+            if self._admin is not None:
+                self._admin.should_exit = True
+            await self._stop_collectors()
             for task in self._tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                if task.get_name() != "admin":
+                    task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             self._tasks.clear()
-            if self.collector is not None:
-                await self.collector.aclose()
-            if self.gpu_collector is not None:
-                await self.gpu_collector.aclose()
+
+    def not_ready(self) -> list[str]:
+        """Why the picker should not get traffic yet (empty: ready)."""
+        reasons = []
+        if not self._started:
+            reasons.append("starting")
+        if self.collector is not None and self.collector.stats.rounds == 0:
+            reasons.append("no metrics scrape finished yet")
+        return reasons
+
+    # ---- collectors ---------------------------------------------------------------------------------------
+
+    def _start_collectors(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.collector is not None:
+            self._collector_tasks.append(loop.create_task(self.collector.run(), name="metrics"))
+        if self.gpu_collector is not None:
+            self._collector_tasks.append(loop.create_task(self.gpu_collector.run(), name="gpu"))
+
+    async def _stop_collectors(self) -> None:
+        for task in self._collector_tasks:
+            task.cancel()
+        for task in self._collector_tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._collector_tasks.clear()
+        if self.collector is not None:
+            await self.collector.aclose()
+        if self.gpu_collector is not None:
+            await self.gpu_collector.aclose()
+
+    # ---- reloads --------------------------------------------------------------------------------------------
+
+    def reload_document(self, document: Any) -> None:
+        """Apply a configuration given as a parsed document; ConfigError (nothing changed) if it is invalid."""
+        self._apply(self._overridden(parse_config(document)))
+
+    def reload_file(self) -> None:
+        """Re-read the config file and apply it; ConfigError (nothing changed) if it is invalid."""
+        if self.config_path is None:
+            raise ConfigError("this picker was not started from a config file")
+        self._apply(self._overridden(load_config(self.config_path)))
+
+    def _overridden(self, config: Config) -> Config:
+        # A --listen given on the command line holds for every later config too.
+        return replace(config, listen=self.listen_override) if self.listen_override else config
+
+    def _apply(self, config: Config) -> None:
+        old = self.config
+        for name in ("listen", "admin"):
+            if getattr(config, name) != getattr(old, name):
+                raise ConfigError(
+                    f"{name} cannot change while the picker runs ({getattr(old, name)!r} -> "
+                    f"{getattr(config, name)!r}); restart it"
+                )
+        same_pool = [e.address for e in config.endpoints] == [e.address for e in old.endpoints]
+        pool = Pool(config.endpoints)
+        if same_pool:
+            inflight, signals = self.engine.inflight, self.engine.signals
+            if signals.stale_after_s != config.signals.stale_after_s:
+                signals.stale_after_s = config.signals.stale_after_s
+                signals.publish(signals.snapshot)
+        else:
+            inflight, signals = InFlight(len(pool)), Signals(len(pool), stale_after_s=config.signals.stale_after_s)
+        profile = build_profile(config.profile_spec(), self.rng, size=len(pool))
+        engine = Engine(pool, profile, inflight, signals)
+        # From here on nothing can fail: swap everything between two requests.
+        self.service.swap_engine(engine)
+        self.service.max_body_bytes = config.max_body_bytes
+        self.service.session_header = config.session_header
+        self.engine, self.config = engine, config
+        self.reloads += 1
+        restart = (
+            not same_pool
+            or config.signals != old.signals
+            or [e.gpu for e in config.endpoints] != [e.gpu for e in old.endpoints]
+        )
+        if restart:
+            collectors = _collectors(config, pool, signals)
+            if self._started:
+                asyncio.get_running_loop().create_task(self._restart_collectors(*collectors))
+            else:
+                self.collector, self.gpu_collector = collectors
+        logger.info(
+            "config applied (reload %d): policy %s, %d endpoints%s",
+            self.reloads,
+            config.policy,
+            len(pool),
+            "" if same_pool else " (new pool: in-flight counts and signals start fresh)",
+        )
+
+    async def _restart_collectors(self, collector: MetricsCollector | None, gpu: GpuCollector | None) -> None:
+        await self._stop_collectors()
+        self.collector, self.gpu_collector = collector, gpu
+        self._start_collectors()
+
+    async def _watch(self, path: Path) -> None:
+        """Reload when the file's modification time or size changes (checked every WATCH_INTERVAL_S)."""
+
+        def stamp() -> tuple[int, int] | None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            return st.st_mtime_ns, st.st_size
+
+        seen = stamp()
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = stamp()
+            if now is None or now == seen:
+                continue
+            seen = now
+            try:
+                self.reload_file()
+            except ConfigError as exc:
+                self.config_refusals += 1
+                logger.error("config file changed but was refused; the old config stays in force: %s", exc)
+
+    # ---- admin API ----------------------------------------------------------------------------------------
+
+    async def _serve_admin(self, address: str) -> None:
+        host, port = parse_address(address)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(exc.errno, f"admin API cannot bind {address}: {exc.strerror}") from exc
+        self.admin_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            create_admin_app(self), log_config=None, log_level="warning", access_log=False, lifespan="off", ws="none"
+        )
+        self._admin = _QuietServer(config)
+        try:
+            await self._admin.serve(sockets=[sock])
+        finally:
+            sock.close()
 
 
-def create_picker(config: Config, *, rng: np.random.Generator | None = None) -> Picker:
-    """Everything a picker needs, built from ``config`` and nothing global: two pickers can live side by side."""
-    pool = Pool(config.endpoints)
-    signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
-    profile = build_profile(config.profile_spec(), rng, size=len(pool))
-    engine = Engine(pool, profile, signals=signals)
-    service = ExtProcService(engine, max_body_bytes=config.max_body_bytes, session_header=config.session_header)
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the picker handles SIGTERM/SIGINT for all of its parts."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _collectors(config: Config, pool: Pool, signals: Signals) -> tuple[MetricsCollector | None, GpuCollector | None]:
     collector = None
     if config.signals.scrape_metrics:
         options = CollectorOptions(
@@ -75,24 +249,46 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None) -> 
         collector = MetricsCollector(pool, signals, options)
     sources = [e.gpu for e in config.endpoints]
     gpu = GpuCollector(sources, signals, interval_s=config.signals.gpu_interval_s) if any(sources) else None
-    return Picker(config, engine, PickerServer(service, config.listen), collector, gpu)
+    return collector, gpu
 
 
-async def serve(config: Config) -> None:
+def create_picker(config: Config, *, rng: np.random.Generator | None = None, config_path: Path | None = None) -> Picker:
+    """Everything a picker needs, built from ``config`` and nothing global: two pickers can live side by side."""
+    pool = Pool(config.endpoints)
+    signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
+    profile = build_profile(config.profile_spec(), rng, size=len(pool))
+    engine = Engine(pool, profile, signals=signals)
+    service = ExtProcService(engine, max_body_bytes=config.max_body_bytes, session_header=config.session_header)
+    collector, gpu = _collectors(config, pool, signals)
+    return Picker(
+        config,
+        engine,
+        service,
+        PickerServer(service, config.listen),
+        rng=rng,
+        config_path=config_path,
+        collector=collector,
+        gpu_collector=gpu,
+    )
+
+
+async def serve(config: Config, config_path: Path | None = None, *, listen_override: str | None = None) -> None:
     """Run a picker until SIGTERM or SIGINT, then drain: readiness goes NOT_SERVING and open streams get
-    ``SHUTDOWN_GRACE_S`` seconds to finish."""
-    picker = create_picker(config)
+    ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the file is watched and reloaded on change."""
+    picker = create_picker(config, config_path=config_path)
+    picker.listen_override = listen_override
     await picker.start()
     # Everything built so far lives as long as the process: move it out of the collector's way, so that
     # the collections that per-request garbage triggers stay cheap.
     gc.collect()
     gc.freeze()
     logger.info(
-        "inferlb picker listening on %s (policy %s, %d endpoints, metrics scrape %s)",
+        "inferlb picker listening on %s (policy %s, %d endpoints, metrics scrape %s, admin API %s)",
         config.listen,
         config.policy,
         len(config.endpoints),
         f"every {config.signals.scrape_interval_s:g} s" if config.signals.scrape_metrics else "off",
+        config.admin or "off",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -103,3 +299,6 @@ async def serve(config: Config) -> None:
     finally:
         logger.info("inferlb picker stopping: draining open streams for up to %.0f s", SHUTDOWN_GRACE_S)
         await picker.stop(SHUTDOWN_GRACE_S)
+
+
+__all__ = ["Picker", "create_picker", "serve"]

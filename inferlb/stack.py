@@ -69,6 +69,7 @@ class LocalStack:
         self.workdir = workdir
         self.endpoints = list(options.servers) or [f"127.0.0.1:{free_port()}" for _ in range(options.backends)]
         self.picker_address = f"127.0.0.1:{free_port()}"
+        self.picker_admin_address = f"127.0.0.1:{free_port()}"
         self.gateway_address = f"127.0.0.1:{free_port()}"
         self.admin_address = f"127.0.0.1:{free_port()}"
         self.access_log_path = workdir / "access.log"
@@ -87,9 +88,15 @@ class LocalStack:
     def admin_url(self) -> str:
         return f"http://{self.admin_address}"
 
+    @property
+    def picker_admin_url(self) -> str:
+        """The picker's admin API (``/endpoints``, ``/decisions``, ``/config``, ``/metrics``)."""
+        return f"http://{self.picker_admin_address}"
+
     def _config_document(self) -> dict[str, Any]:
         return {
             "listen": self.picker_address,
+            "admin": self.picker_admin_address,
             "policy": self.options.policy,
             "pool": {"endpoints": [self._endpoint(a) for a in self.endpoints]},
         }

@@ -8,6 +8,7 @@ otherwise be ignored).
 Example::
 
     listen: 127.0.0.1:9002          # where the ext_proc gRPC server listens
+    admin: 127.0.0.1:9003           # the admin API (/endpoints, /decisions, /config, /metrics); null: off
     policy: default                 # a preset (see scorer/presets.py) or a profile defined below
     max_body_bytes: 4194304         # larger request bodies get 413
     session_header: x-session-id    # the header session affinity hashes (Envoy must forward it)
@@ -44,6 +45,7 @@ from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.registry import MAX_WEIGHT, BuildContext, PluginSpec, ProfileSpec, default_registry
 
 DEFAULT_LISTEN = "127.0.0.1:9002"
+DEFAULT_ADMIN = "127.0.0.1:9003"
 DEFAULT_POLICY = "least-request"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_SCORERS = 32
@@ -92,6 +94,7 @@ class Config:
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     profiles: Mapping[str, ProfileSpec] = field(default_factory=dict)
     session_header: str | None = None
+    admin: str | None = DEFAULT_ADMIN
 
     def profile_spec(self) -> ProfileSpec | str:
         """The spec of the chosen policy: a profile of this file, else the preset's name."""
@@ -124,11 +127,16 @@ def parse_config(data: Any) -> Config:
     top = _mapping(
         data,
         "config",
-        allowed={"listen", "policy", "max_body_bytes", "pool", "signals", "profiles", "session_header"},
+        allowed={"listen", "admin", "policy", "max_body_bytes", "pool", "signals", "profiles", "session_header"},
     )
     listen = DEFAULT_LISTEN
     if "listen" in top:
         listen = _address(top["listen"], "listen")
+    admin: str | None = DEFAULT_ADMIN
+    if "admin" in top:
+        admin = None if top["admin"] is None else _address(top["admin"], "admin")
+        if admin is not None and admin == listen:
+            raise ConfigError(f"admin must differ from listen; both are {admin!r}")
     profiles = _profiles(top["profiles"]) if "profiles" in top else {}
     policy = DEFAULT_POLICY
     if "policy" in top:
@@ -163,6 +171,7 @@ def parse_config(data: Any) -> Config:
         signals=signals,
         profiles=profiles,
         session_header=session_header,
+        admin=admin,
     )
 
 

@@ -1,0 +1,254 @@
+"""The picker's admin API (FastAPI, in the picker's own process and event loop).
+
+| route | what it answers |
+|---|---|
+| ``GET /healthz`` | 200 while the process runs |
+| ``GET /readyz`` | 200 once the gRPC server serves and the first metrics round is in; else 503 |
+| ``GET /endpoints`` | each endpoint's latest signals, their age, staleness, last scrape error, in-flight counts |
+| ``GET /decisions?limit=N`` | recent decisions with each scorer's score, newest first |
+| ``GET /config`` | the configuration in force |
+| ``POST /config`` | a new configuration (YAML or JSON body), validated then applied without dropping a request; |
+|  | an invalid one is refused (400) and the old one stays |
+| ``POST /config/reload`` | re-read the config file (the same as when the file changes) |
+| ``GET /metrics`` | Prometheus text: decisions by endpoint and reason, pick latency, scrape errors, staleness, |
+|  | shed requests |
+
+Handlers only read in-process state; none waits on the network.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from inferlb.scorer.decisions import PICK_BUCKETS_S
+from inferlb.scorer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from inferlb.picker import Picker
+
+__all__ = ["config_document", "create_admin_app"]
+
+
+def _num(value: float) -> float | None:
+    return None if math.isnan(value) else float(value)
+
+
+def config_document(picker: Picker) -> dict[str, Any]:
+    """The configuration in force, as JSON."""
+    config = picker.config
+    spec = config.profile_spec()
+    profile: Any = (
+        spec
+        if isinstance(spec, str)
+        else {
+            "name": spec.name,
+            "filters": [{"type": f.type, **f.params} for f in spec.filters],
+            "scorers": [{"type": s.type, "weight": s.weight, **s.params} for s in spec.scorers],
+            "picker": {"type": spec.picker.type, **spec.picker.params},
+        }
+    )
+    return {
+        "listen": config.listen,
+        "policy": config.policy,
+        "profile": profile,
+        "max_body_bytes": config.max_body_bytes,
+        "session_header": config.session_header,
+        "signals": {
+            "scrape_metrics": config.signals.scrape_metrics,
+            "scrape_interval_s": config.signals.scrape_interval_s,
+            "scrape_timeout_s": config.signals.scrape_timeout_s,
+            "stale_after_s": config.signals.stale_after_s,
+            "gpu_interval_s": config.signals.gpu_interval_s,
+        },
+        "endpoints": [
+            {
+                "address": e.address,
+                "models": sorted(e.models) if e.models is not None else None,
+                "labels": dict(e.labels),
+                "gpu": None if e.gpu is None else {"url": e.gpu.url, "kind": e.gpu.kind, "indices": e.gpu.indices},
+            }
+            for e in config.endpoints
+        ],
+        "config_file": str(picker.config_path) if picker.config_path else None,
+        "reloads": picker.reloads,
+    }
+
+
+def create_admin_app(picker: Picker) -> FastAPI:
+    """The admin app for one picker; everything it reads is reached through ``picker`` (swapped on reload)."""
+    app = FastAPI(title="inferlb picker", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        reasons = picker.not_ready()
+        if reasons:
+            return JSONResponse({"status": "not ready", "reasons": reasons}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/endpoints")
+    async def endpoints() -> dict[str, Any]:
+        engine = picker.engine
+        signals = engine.signals
+        snap = signals.snapshot
+        now = time.monotonic()
+        stale = signals.stale(now)
+        ages = snap.age(now)
+        errors = picker.collector.last_error if picker.collector is not None else [None] * len(engine.pool)
+        rows = []
+        for i, endpoint in enumerate(engine.pool):
+            rows.append(
+                {
+                    "address": endpoint.address,
+                    "models": sorted(endpoint.models) if endpoint.models is not None else None,
+                    "up": bool(snap.up[i]),
+                    "stale": bool(stale[i]),
+                    "age_s": None if math.isinf(ages[i]) else round(float(ages[i]), 3),
+                    "last_error": errors[i],
+                    "running": _num(snap.running[i]),
+                    "waiting": _num(snap.waiting[i]),
+                    "kv_cache_usage": _num(snap.kv_usage[i]),
+                    "kv_cache_tokens": _num(snap.kv_tokens[i]),
+                    "gpu_utilization": _num(snap.gpu_util[i]),
+                    "gpu_free_bytes": _num(snap.gpu_free_bytes[i]),
+                    "ttft_s": _num(snap.ttft_s[i]),
+                    "inflight_requests": int(engine.inflight.requests[i]),
+                    "inflight_tokens": int(engine.inflight.tokens[i]),
+                }
+            )
+        return {"snapshot_age_s": round(now - snap.built_at, 3), "endpoints": rows}
+
+    @app.get("/decisions")
+    async def decisions(limit: int = 100) -> Response:
+        if not 1 <= limit <= 10_000:
+            return _error(400, "limit must be in 1..10000")
+        return JSONResponse({"decisions": picker.service.decisions.recent(limit)})
+
+    @app.get("/config")
+    async def get_config() -> dict[str, Any]:
+        return config_document(picker)
+
+    @app.post("/config")
+    async def post_config(request: Request) -> Response:
+        body = await request.body()
+        try:
+            document = yaml.safe_load(body)
+        except yaml.YAMLError as exc:
+            return _error(400, f"not valid YAML or JSON: {exc}")
+        return _apply(lambda: picker.reload_document(document))
+
+    @app.post("/config/reload")
+    async def reload_file() -> Response:
+        if picker.config_path is None:
+            return _error(409, "this picker was not started from a config file")
+        return _apply(picker.reload_file)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(prometheus_text(picker), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _apply(action: Callable[[], None]) -> Response:
+    try:
+        action()
+    except ConfigError as exc:
+        return _error(400, f"config refused, the old one stays in force: {exc}")
+    return JSONResponse({"status": "applied"})
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(picker: Picker) -> str:
+    """The picker's own metrics in the Prometheus text format."""
+    log = picker.service.decisions
+    engine = picker.engine
+    lines = [
+        "# HELP inferlb_decisions_total Requests routed, by endpoint and the picker that chose it.",
+        "# TYPE inferlb_decisions_total counter",
+    ]
+    for (endpoint, reason), count in sorted(log.by_endpoint.items()):
+        lines.append(f'inferlb_decisions_total{{endpoint="{_label(endpoint)}",reason="{_label(reason)}"}} {count}')
+    lines += ["# HELP inferlb_refused_total Requests refused, by HTTP status.", "# TYPE inferlb_refused_total counter"]
+    for status, count in sorted(log.refused.items()):
+        lines.append(f'inferlb_refused_total{{status="{status}"}} {count}')
+    lines += [
+        "# HELP inferlb_shed_total Requests shed by admission control, by request class.",
+        "# TYPE inferlb_shed_total counter",
+    ]
+    for name, count in sorted(log.shed.items()):
+        lines.append(f'inferlb_shed_total{{class="{_label(name)}"}} {count}')
+    lines += ["# HELP inferlb_pick_seconds Time one decision took.", "# TYPE inferlb_pick_seconds histogram"]
+    cumulative = 0
+    for bound, count in zip((*PICK_BUCKETS_S, math.inf), log.pick_buckets, strict=True):
+        cumulative += count
+        le = "+Inf" if math.isinf(bound) else repr(bound)
+        lines.append(f'inferlb_pick_seconds_bucket{{le="{le}"}} {cumulative}')
+    lines += [f"inferlb_pick_seconds_sum {log.pick_sum_s!r}", f"inferlb_pick_seconds_count {log.picks}"]
+    collector = picker.collector
+    lines += [
+        "# HELP inferlb_scrape_errors_total Failed metrics scrapes, by endpoint.",
+        "# TYPE inferlb_scrape_errors_total counter",
+    ]
+    if collector is not None:
+        for endpoint in engine.pool:
+            lines.append(
+                f'inferlb_scrape_errors_total{{endpoint="{_label(endpoint.address)}"}} '
+                f"{collector.stats.errors.get(endpoint.address, 0)}"
+            )
+    now = time.monotonic()
+    snap = engine.signals.snapshot
+    stale = engine.signals.stale(now)
+    ages = snap.age(now)
+    lines += [
+        "# HELP inferlb_endpoint_stale 1 when an endpoint's metrics are stale (treated as saturated).",
+        "# TYPE inferlb_endpoint_stale gauge",
+    ]
+    lines += [f'inferlb_endpoint_stale{{endpoint="{_label(e.address)}"}} {int(stale[e.index])}' for e in engine.pool]
+    lines += [
+        "# HELP inferlb_metrics_age_seconds Seconds since an endpoint's last successful scrape (+Inf: never).",
+        "# TYPE inferlb_metrics_age_seconds gauge",
+    ]
+    for e in engine.pool:
+        age = ages[e.index]
+        value = "+Inf" if math.isinf(age) else repr(float(age))
+        lines.append(f'inferlb_metrics_age_seconds{{endpoint="{_label(e.address)}"}} {value}')
+    lines += [
+        "# HELP inferlb_inflight_requests Requests the picker sent to an endpoint that have not finished.",
+        "# TYPE inferlb_inflight_requests gauge",
+    ]
+    lines += [
+        f'inferlb_inflight_requests{{endpoint="{_label(e.address)}"}} {int(engine.inflight.requests[e.index])}'
+        for e in engine.pool
+    ]
+    lines += [
+        "# HELP inferlb_scorer_errors_total Scorer failures (each scored neutral for that request).",
+        "# TYPE inferlb_scorer_errors_total counter",
+    ]
+    lines += [
+        f'inferlb_scorer_errors_total{{scorer="{_label(n)}"}} {c}' for n, c in sorted(engine.scorer_errors.items())
+    ]
+    lines += [
+        "# HELP inferlb_config_reloads_total Configurations applied since start (file or API).",
+        "# TYPE inferlb_config_reloads_total counter",
+        f"inferlb_config_reloads_total {picker.reloads}",
+        "",
+    ]
+    return "\n".join(lines)

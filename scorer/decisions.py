@@ -1,0 +1,66 @@
+"""What the picker decided, for the admin API: a bounded log of recent decisions and cheap running counters.
+
+`DecisionLog.record` runs on every request, so it only appends to a ring and bumps counters (about a
+microsecond); formatting happens when someone asks (`recent`, `prometheus`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter, deque
+from typing import Any
+
+from inferlb.scorer.engine import Decision
+
+__all__ = ["PICK_BUCKETS_S", "DecisionLog"]
+
+# Upper bounds of the pick-latency histogram, seconds (10 µs .. 10 ms).
+PICK_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+
+
+class DecisionLog:
+    """Recent decisions (at most ``capacity``) and totals since start. One event loop; not thread-safe."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._recent: deque[tuple[float, str, str | None, Decision | None, int, float]] = deque(maxlen=capacity)
+        self.by_endpoint: Counter[tuple[str, str]] = Counter()  # (endpoint, reason) -> decisions
+        self.refused: Counter[int] = Counter()  # HTTP status -> requests refused
+        self.shed: Counter[str] = Counter()  # request class -> requests shed by admission control
+        self.pick_buckets = [0] * (len(PICK_BUCKETS_S) + 1)
+        self.pick_sum_s = 0.0
+        self.picks = 0
+
+    def record(self, request_id: str, model: str | None, decision: Decision, pick_s: float) -> None:
+        self._recent.append((time.time(), request_id, model, decision, 0, pick_s))
+        self.by_endpoint[decision.endpoint.address, decision.reason] += 1
+        self.pick_buckets[bisect.bisect_left(PICK_BUCKETS_S, pick_s)] += 1
+        self.pick_sum_s += pick_s
+        self.picks += 1
+
+    def record_refusal(self, request_id: str, model: str | None, status: int) -> None:
+        self._recent.append((time.time(), request_id, model, None, status, 0.0))
+        self.refused[status] += 1
+
+    def recent(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The last ``limit`` decisions, newest first, with each scorer's score for the chosen endpoint."""
+        out = []
+        for at, request_id, model, decision, status, pick_s in list(self._recent)[-limit:][::-1]:
+            entry: dict[str, Any] = {"time": at, "request_id": request_id, "model": model}
+            if decision is None:
+                entry.update(outcome="refused", status=status)
+            else:
+                totals = sorted(decision.totals.tolist(), reverse=True)
+                entry.update(
+                    outcome="routed",
+                    endpoint=decision.endpoint.address,
+                    profile=decision.profile,
+                    reason=decision.reason,
+                    scores=decision.scores,
+                    total=totals[0],
+                    runner_up_total=totals[1] if len(totals) > 1 else None,
+                    candidates=len(decision.candidates),
+                    pick_us=round(pick_s * 1e6, 1),
+                )
+            out.append(entry)
+        return out

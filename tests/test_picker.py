@@ -1,0 +1,141 @@
+"""Tests for inferlb/picker.py and scorer/api.py: a whole picker in process (gRPC, collectors, admin API) over
+emulated servers, its admin API, and configuration reloads from the API and from the file."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from inferlb.picker import create_picker
+from inferlb.procs import free_port
+from inferlb.scorer.config import load_config
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.promtext import parse_exposition
+from inferlb.sim.profiles import get_profile
+from inferlb.sim.serve import serve
+from inferlb.sim.server import EmulatedServer, ServerOptions
+
+H100 = get_profile("h100-llama3.1-8b")
+
+
+async def until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def servers():
+    emulated = [
+        EmulatedServer(f"127.0.0.1:{free_port()}", ServerOptions(profile=H100, models=("m",))) for _ in range(3)
+    ]
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve([(s.address, s) for s in emulated], ready=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    yield emulated
+    task.cancel()
+    await asyncio.wait({task}, timeout=10)
+    for s in emulated:
+        await s.aclose()
+
+
+def document(servers, **extra) -> dict:
+    return {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+        "policy": "kv-aware",
+        "signals": {"scrape_interval_s": 0.05, "gpu_interval_s": 0.1},
+        "pool": {
+            "endpoints": [
+                {"address": s.address, "models": ["m"], "gpu": {"url": f"http://{s.address}/gpu"}} for s in servers
+            ]
+        },
+        **extra,
+    }
+
+
+@pytest.fixture
+async def picker(servers, tmp_path: Path):
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(document(servers)))
+    picker = create_picker(load_config(path), config_path=path)
+    await picker.start()
+    yield picker
+    await picker.stop(0.5)
+
+
+async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, servers):
+    admin = f"http://{picker.config.admin}"
+    async with httpx.AsyncClient(base_url=admin, timeout=5) as client:
+        assert (await client.get("/healthz")).json() == {"status": "ok"}
+        await until(lambda: picker.collector.stats.rounds > 0 and picker.gpu_collector.rounds > 0)
+        assert (await client.get("/readyz")).status_code == 200
+        rows = (await client.get("/endpoints")).json()["endpoints"]
+        assert [r["address"] for r in rows] == [s.address for s in servers]
+        assert all(r["up"] and not r["stale"] and r["running"] == 0 and r["kv_cache_usage"] == 0 for r in rows)
+        assert all(r["kv_cache_tokens"] == H100.num_gpu_blocks * H100.block_size for r in rows)
+        assert all(r["gpu_free_bytes"] > 0 for r in rows)
+        for i in range(5):
+            picker.service._route(RequestFeatures(model="m", request_id=f"r{i}", prompt_tokens=10), ((None,) * 3))
+        picker.service._route(RequestFeatures(model="nope", request_id="bad"), ((None,) * 3))
+        decisions = (await client.get("/decisions", params={"limit": 3})).json()["decisions"]
+        assert [d["request_id"] for d in decisions] == ["bad", "r4", "r3"]
+        assert decisions[0] == {**decisions[0], "outcome": "refused", "status": 404}
+        assert set(decisions[1]["scores"]) == {"kv-cache", "queue", "in-flight"}
+        assert decisions[1]["profile"] == "kv-aware" and decisions[1]["endpoint"] in {s.address for s in servers}
+        assert (await client.get("/decisions", params={"limit": 0})).status_code == 400
+        config = (await client.get("/config")).json()
+        assert config["policy"] == "kv-aware" and len(config["endpoints"]) == 3
+        metrics = parse_exposition((await client.get("/metrics")).text)
+        routed = sum(s.value for s in metrics.get("inferlb_decisions").samples)
+        assert routed == 5
+        assert metrics.get("inferlb_pick_seconds").type == "histogram"
+        assert {s.labels for s in metrics.get("inferlb_refused").samples} == {(("status", "404"),)}
+        assert all(s.value == 0 for s in metrics.get("inferlb_endpoint_stale").samples)
+
+
+async def test_a_posted_config_applies_and_a_bad_one_is_refused(picker, servers):
+    admin = f"http://{picker.config.admin}"
+    inflight = picker.engine.inflight
+    lease = inflight.acquire(1, 500)  # a request in flight across the reload
+    async with httpx.AsyncClient(base_url=admin, timeout=5) as client:
+        bad = document(servers, policy="mine", profiles={"mine": {"scorers": [{"type": "queue", "weight": -1}]}})
+        bad["listen"], bad["admin"] = picker.config.listen, picker.config.admin
+        refused = await client.post("/config", content=yaml.safe_dump(bad))
+        assert refused.status_code == 400
+        assert "profiles.mine.scorers[0].weight must be > 0" in refused.json()["error"]["message"]
+        assert picker.config.policy == "kv-aware" and picker.reloads == 0
+
+        good = {**bad, "policy": "prefix-aware", "profiles": {}}
+        moved = {**good, "listen": f"127.0.0.1:{free_port()}"}
+        refused = await client.post("/config", content=yaml.safe_dump(moved))
+        assert refused.status_code == 400 and "listen cannot change" in refused.json()["error"]["message"]
+
+        applied = await client.post("/config", content=yaml.safe_dump(good))
+        assert applied.status_code == 200, applied.text
+    assert picker.config.policy == "prefix-aware" and picker.reloads == 1
+    assert picker.engine.inflight is inflight and inflight.requests[1] == 1  # same pool: counts carry over
+    lease.release()
+    assert inflight.requests[1] == 0
+
+
+async def test_the_config_file_is_watched(picker, servers):
+    path = picker.config_path
+    doc = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**doc, "policy": "round-robin"}))
+    await until(lambda: picker.config.policy == "round-robin")
+    # A broken file is refused; the picker keeps routing with what it had.
+    path.write_text("pool: [\n")
+    await until(lambda: picker.config_refusals == 1)
+    assert picker.config.policy == "round-robin"
+    # A new pool: fresh counts and the collectors follow the new endpoints.
+    path.write_text(yaml.safe_dump({**doc, "pool": {"endpoints": doc["pool"]["endpoints"][:2]}}))
+    await until(lambda: len(picker.engine.pool) == 2)
+    await until(lambda: picker.collector is not None and picker.collector.stats.rounds > 0)
+    assert len(picker.engine.signals.snapshot) == 2
