@@ -38,6 +38,18 @@ class ModelNotFoundError(RequestError):
     type = "model_not_found"
 
 
+class OverloadedError(RequestError):
+    """Every endpoint that could serve the request is saturated and its class sheds load (HTTP 429); the client
+    should retry after ``retry_after_s`` seconds (sent as ``retry-after``)."""
+
+    status = 429
+    type = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class NoEndpointAvailableError(RequestError):
     """Every endpoint that could serve the request is unavailable (HTTP 503)."""
 

@@ -103,11 +103,23 @@ def error_reply(error: RequestError) -> ProcessingResponse:
     uses to leave this body alone while it rewrites Envoy's own plain-text errors as JSON.
     """
     body = json.dumps({"error": {"message": error.message, "type": error.type, "code": error.status}})
+    headers = _JSON_CONTENT
+    retry_after = getattr(error, "retry_after_s", None)
+    if retry_after is not None:
+        headers = HeaderMutation(
+            set_headers=[
+                *_JSON_CONTENT.set_headers,
+                HeaderValueOption(
+                    header=HeaderValue(key="retry-after", raw_value=str(retry_after).encode()),
+                    append_action=_OVERWRITE,
+                ),
+            ]
+        )
     return ProcessingResponse(
         dynamic_metadata=_error_metadata(error.type),
         immediate_response=ImmediateResponse(
             status=HttpStatus(code=error.status),
-            headers=_JSON_CONTENT,
+            headers=headers,
             body=body.encode(),
             details=f"inferlb_{error.type}",
         ),

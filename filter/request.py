@@ -24,11 +24,14 @@ from inferlb.scorer.features import RequestFeatures, estimate_tokens, text_block
 _BOM = b"\xef\xbb\xbf"
 
 
-def features_from_headers(headers: Iterable[Any], session_header: str | None = None) -> RequestFeatures:
+def features_from_headers(
+    headers: Iterable[Any], session_header: str | None = None, class_header: str | None = None
+) -> RequestFeatures:
     """Features from Envoy's ``HeaderValue`` list (``key`` and ``raw_value``); no body has been read.
 
     ``session_header`` names (in lower case, as Envoy sends header names) the header whose value becomes
-    ``session_key``; an empty value counts as absent, and a repeated header's last value wins.
+    ``session_key``; an empty value counts as absent, and a repeated header's last value wins. ``class_header``
+    likewise fills ``class_hint``, which request-class rules may match.
     """
     features = RequestFeatures()
     for header in headers:
@@ -41,6 +44,8 @@ def features_from_headers(headers: Iterable[Any], session_header: str | None = N
             features.request_id = _header_text(header)
         if key == session_header:
             features.session_key = _header_text(header) or None
+        if key == class_header:
+            features.class_hint = _header_text(header) or None
     return features
 
 

@@ -17,6 +17,7 @@ failure mode decides (fail-open sends the request to the fallback cluster).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -29,9 +30,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from inferlb.filter.errors import RequestError, from_routing_error
+from inferlb.filter.errors import OverloadedError, RequestError, from_routing_error
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply
 from inferlb.filter.request import apply_body, features_from_headers
+from inferlb.scorer.classes import Admission, Classifier
 from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import RoutingError
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 _BUFFERED = frozenset({ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL})
+# How often a request waiting for capacity looks again (the snapshot changes once per scrape, ~100 ms).
+ADMISSION_POLL_S = 0.02
 
 
 @dataclass(slots=True)
@@ -53,6 +57,8 @@ class FilterStats:
     routed: int = 0
     refused: Counter[int] = field(default_factory=Counter)
     failed: int = 0
+    waited: int = 0
+    waited_out: int = 0
 
 
 class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
@@ -62,12 +68,25 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     header names are case-insensitive, so it is lower-cased here. Envoy must forward that header to ext_proc.
     """
 
-    def __init__(self, engine: Engine, *, max_body_bytes: int, session_header: str | None = None) -> None:
-        if session_header is not None and (not session_header or session_header != session_header.strip()):
-            raise ValueError(f"session_header must be a header name such as 'x-session-id', not {session_header!r}")
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_body_bytes: int,
+        session_header: str | None = None,
+        class_header: str | None = None,
+        classifier: Classifier | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        for name, value in (("session_header", session_header), ("class_header", class_header)):
+            if value is not None and (not value or value != value.strip()):
+                raise ValueError(f"{name} must be a header name such as 'x-session-id', not {value!r}")
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header.lower() if session_header is not None else None
+        self.class_header = class_header.lower() if class_header is not None else None
+        self.classifier = classifier or Classifier()
+        self.admission = admission
         self.replies = RouteReplies(engine.pool)
         self.stats = FilterStats()
         self.decisions = DecisionLog()
@@ -94,7 +113,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     continue
                 if kind == "request_headers":
                     headers = message.request_headers
-                    features = features_from_headers(headers.headers.headers, self.session_header)
+                    features = features_from_headers(headers.headers.headers, self.session_header, self.class_header)
                     if not headers.end_of_stream and message.protocol_config.request_body_mode in _BUFFERED:
                         yield CONTINUE["request_headers"]
                         continue
@@ -111,6 +130,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         continue
                     replies = self.replies.body
                 decided = True
+                refusal = await self._admit(features)
+                if refusal is not None:
+                    yield self._refuse(refusal)
+                    continue
                 reply, lease = self._route(features, replies)
                 yield reply
         except Exception:
@@ -120,6 +143,39 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         finally:
             if lease is not None:
                 lease.release()
+
+    async def _admit(self, features: RequestFeatures) -> RequestError | None:
+        """Classify the request; if every endpoint it could use is saturated, shed it (429) or let it wait up to
+        its class's ``max_wait_s`` for capacity (then it is routed anyway). None: go ahead."""
+        request_class = self.classifier.classify(features)
+        features.request_class = request_class.name
+        admission = self.admission
+        if admission is None:
+            return None
+        features.pool_mask = admission.pool_mask(request_class)
+        try:
+            candidates = self.engine.pool.model_indices(features.model)
+        except RoutingError:
+            return None  # the pick refuses it, with the reason
+        if features.pool_mask is not None:
+            candidates = candidates[features.pool_mask[candidates]]
+        if not admission.saturated(candidates):
+            return None
+        if request_class.on_saturation == "shed":
+            self.decisions.shed[request_class.name] += 1
+            return OverloadedError(
+                f"every endpoint that serves {features.model!r} is saturated and requests of class "
+                f"{request_class.name!r} are shed under load; retry after {request_class.retry_after_s} s",
+                request_class.retry_after_s,
+            )
+        deadline = time.monotonic() + request_class.max_wait_s
+        self.stats.waited += 1
+        while time.monotonic() < deadline:
+            await asyncio.sleep(ADMISSION_POLL_S)
+            if not admission.saturated(candidates):
+                return None
+        self.stats.waited_out += 1  # no capacity came: route to the best of the saturated endpoints anyway
+        return None
 
     def _route(
         self, features: RequestFeatures, replies: tuple[ProcessingResponse, ...]

@@ -79,7 +79,11 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         body_routes=BODY_ROUTES,
         # The session header is the picker's input for session affinity: Envoy must send it.
         forward_headers=sorted(
-            {*FORWARD_HEADERS, *(h.lower() for h in options.forward_headers), *filter(None, [config.session_header])}
+            {
+                *FORWARD_HEADERS,
+                *(h.lower() for h in options.forward_headers),
+                *filter(None, [config.session_header, config.class_header]),
+            }
         ),
     )
     yaml.safe_load(text)  # a template bug shows here, not as an Envoy start-up failure

@@ -27,6 +27,7 @@ import uvicorn
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.api import create_admin_app
+from inferlb.scorer.classes import Admission, Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config, load_config, parse_config
 from inferlb.scorer.engine import Engine
@@ -161,6 +162,9 @@ class Picker:
         self.service.swap_engine(engine)
         self.service.max_body_bytes = config.max_body_bytes
         self.service.session_header = config.session_header
+        self.service.class_header = config.class_header
+        self.service.classifier = Classifier(config.classes, config.default_class)
+        self.service.admission = _admission(config, pool, signals)
         self.engine, self.config = engine, config
         self.reloads += 1
         restart = (
@@ -240,6 +244,12 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
+def _admission(config: Config, pool: Pool, signals: Signals) -> Admission:
+    return Admission(
+        pool, signals, max_waiting=config.admission.max_waiting, max_kv_usage=config.admission.max_kv_usage
+    )
+
+
 def _collectors(config: Config, pool: Pool, signals: Signals) -> tuple[MetricsCollector | None, GpuCollector | None]:
     collector = None
     if config.signals.scrape_metrics:
@@ -258,7 +268,14 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
     profile = build_profile(config.profile_spec(), rng, size=len(pool))
     engine = Engine(pool, profile, signals=signals)
-    service = ExtProcService(engine, max_body_bytes=config.max_body_bytes, session_header=config.session_header)
+    service = ExtProcService(
+        engine,
+        max_body_bytes=config.max_body_bytes,
+        session_header=config.session_header,
+        class_header=config.class_header,
+        classifier=Classifier(config.classes, config.default_class),
+        admission=_admission(config, pool, signals),
+    )
     collector, gpu = _collectors(config, pool, signals)
     return Picker(
         config,

@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from inferlb.scorer.address import format_address, parse_address
+from inferlb.scorer.classes import ClassRule, RequestClass
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.registry import MAX_WEIGHT, BuildContext, PluginSpec, ProfileSpec, default_registry
@@ -60,6 +61,14 @@ class SignalsConfig:
     scrape_timeout_s: float = 0.5
     stale_after_s: float = 1.0
     gpu_interval_s: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """When an endpoint counts as saturated for admission control."""
+
+    max_waiting: float = 16
+    max_kv_usage: float = 0.95
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,10 @@ class Config:
     profiles: Mapping[str, ProfileSpec] = field(default_factory=dict)
     session_header: str | None = None
     admin: str | None = DEFAULT_ADMIN
+    class_header: str | None = None
+    classes: tuple[ClassRule, ...] = ()
+    default_class: RequestClass = field(default_factory=lambda: RequestClass("default"))
+    admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
 
     def profile_spec(self) -> ProfileSpec | str:
         """The spec of the chosen policy: a profile of this file, else the preset's name."""
@@ -127,7 +140,20 @@ def parse_config(data: Any) -> Config:
     top = _mapping(
         data,
         "config",
-        allowed={"listen", "admin", "policy", "max_body_bytes", "pool", "signals", "profiles", "session_header"},
+        allowed={
+            "listen",
+            "admin",
+            "policy",
+            "max_body_bytes",
+            "pool",
+            "signals",
+            "profiles",
+            "session_header",
+            "class_header",
+            "classes",
+            "default_class",
+            "admission",
+        },
     )
     listen = DEFAULT_LISTEN
     if "listen" in top:
@@ -145,11 +171,9 @@ def parse_config(data: Any) -> Config:
             known = ", ".join([*PRESET_NAMES, *profiles])
             raise ConfigError(f"policy must be a preset or a profile of this file ({known}); got {policy!r}")
     signals = _signals(top["signals"]) if "signals" in top else SignalsConfig()
-    session_header = None
-    if "session_header" in top:
-        session_header = _string(top["session_header"], "session_header").lower()
-        if not all(c.isalnum() or c in "-_" for c in session_header):
-            raise ConfigError(f"session_header must be an HTTP header name; got {session_header!r}")
+    session_header = _header_name(top["session_header"], "session_header") if "session_header" in top else None
+    class_header = _header_name(top["class_header"], "class_header") if "class_header" in top else None
+    admission = _admission(top["admission"]) if "admission" in top else AdmissionConfig()
     max_body = DEFAULT_MAX_BODY_BYTES
     if "max_body_bytes" in top:
         max_body = top["max_body_bytes"]
@@ -159,6 +183,9 @@ def parse_config(data: Any) -> Config:
         raise ConfigError("pool is required: a mapping with a list 'endpoints'")
     pool = _mapping(top["pool"], "pool", allowed={"endpoints"})
     endpoints = _endpoints(pool.get("endpoints"), "pool.endpoints")
+    classes, default_class = _classes(top.get("classes", []), top.get("default_class"), endpoints)
+    if class_header is None and any(rule.header_values is not None for rule in classes):
+        raise ConfigError("classes match a header value, so class_header must name the header")
     # Build each profile once now, so that a bad plugin parameter fails at start-up, naming its place.
     registry = default_registry()
     for spec in profiles.values():
@@ -172,7 +199,99 @@ def parse_config(data: Any) -> Config:
         profiles=profiles,
         session_header=session_header,
         admin=admin,
+        class_header=class_header,
+        classes=classes,
+        default_class=default_class,
+        admission=admission,
     )
+
+
+def _header_name(value: Any, where: str) -> str:
+    name = _string(value, where).lower()
+    if not all(c.isalnum() or c in "-_" for c in name):
+        raise ConfigError(f"{where} must be an HTTP header name; got {name!r}")
+    return name
+
+
+def _admission(value: Any) -> AdmissionConfig:
+    raw = _mapping(value, "admission", allowed={"max_waiting", "max_kv_usage"})
+    out: dict[str, float] = {}
+    if "max_waiting" in raw:
+        out["max_waiting"] = _number(raw["max_waiting"], "admission.max_waiting", 0, 1e6)
+    if "max_kv_usage" in raw:
+        out["max_kv_usage"] = _number(raw["max_kv_usage"], "admission.max_kv_usage", 0.01, 1)
+    return AdmissionConfig(**out)
+
+
+def _number(value: Any, where: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ConfigError(f"{where} must be a number in {low:g}..{high:g}; got {value!r}")
+    return float(value)
+
+
+_CLASS_KEYS = {"name", "match", "priority", "ttft_slo_s", "on_saturation", "max_wait_s", "retry_after_s", "labels"}
+_MATCH_KEYS = {"min_prompt_tokens", "max_prompt_tokens", "stream", "models", "header"}
+
+
+def _classes(
+    value: Any, default_name: Any, endpoints: tuple[EndpointConfig, ...]
+) -> tuple[tuple[ClassRule, ...], RequestClass]:
+    rules = []
+    by_name: dict[str, RequestClass] = {}
+    for i, item in enumerate(_list(value, "classes")):
+        here = f"classes[{i}]"
+        entry = _mapping(item, here, allowed=_CLASS_KEYS)
+        name = _string(entry.get("name"), f"{here}.name")
+        if name in by_name:
+            raise ConfigError(f"{here}.name {name!r} repeats an earlier class")
+        on_saturation = entry.get("on_saturation", "wait")
+        if on_saturation not in ("wait", "shed"):
+            raise ConfigError(f"{here}.on_saturation must be 'wait' or 'shed'; got {on_saturation!r}")
+        priority = entry.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"{here}.priority must be an integer; got {priority!r}")
+        slo = _number(entry["ttft_slo_s"], f"{here}.ttft_slo_s", 0.001, 3600) if "ttft_slo_s" in entry else None
+        wait = _number(entry.get("max_wait_s", 0.5), f"{here}.max_wait_s", 0, 30)
+        retry = entry.get("retry_after_s", 5)
+        if isinstance(retry, bool) or not isinstance(retry, int) or not 1 <= retry <= 3600:
+            raise ConfigError(f"{here}.retry_after_s must be an integer number of seconds in 1..3600; got {retry!r}")
+        labels = {}
+        if "labels" in entry:
+            for key, val in _mapping(entry["labels"], f"{here}.labels").items():
+                labels[_string(key, f"{here}.labels key")] = _string(val, f"{here}.labels.{key}")
+            if not any(all(e.labels.get(k) == v for k, v in labels.items()) for e in endpoints):
+                raise ConfigError(f"{here}.labels {labels!r}: no endpoint of the pool has them")
+        request_class = RequestClass(name, priority, slo, on_saturation, wait, retry, labels)
+        by_name[name] = request_class
+        match = _mapping(entry.get("match", {}), f"{here}.match", allowed=_MATCH_KEYS)
+        bounds = {}
+        for key in ("min_prompt_tokens", "max_prompt_tokens"):
+            if key in match:
+                bound = match[key]
+                if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+                    raise ConfigError(f"{here}.match.{key} must be an integer >= 0; got {bound!r}")
+                bounds[key] = bound
+        stream = match.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise ConfigError(f"{here}.match.stream must be true or false; got {stream!r}")
+        models = None
+        if "models" in match:
+            models = frozenset(
+                _string(m, f"{here}.match.models[{j}]")
+                for j, m in enumerate(_list(match["models"], f"{here}.match.models"))
+            )
+        headers = None
+        if "header" in match:
+            raw = match["header"]
+            raw = [raw] if isinstance(raw, str) else _list(raw, f"{here}.match.header")
+            headers = frozenset(_string(h, f"{here}.match.header") for h in raw)
+        rules.append(ClassRule(request_class, stream=stream, models=models, header_values=headers, **bounds))
+    if default_name is None:
+        return tuple(rules), RequestClass("default")
+    name = _string(default_name, "default_class")
+    if name not in by_name:
+        raise ConfigError(f"default_class {name!r} is not one of the classes ({', '.join(by_name) or 'none'})")
+    return tuple(rules), by_name[name]
 
 
 def _signals(value: Any) -> SignalsConfig:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # A rough English-text rule (OpenAI's own rule of thumb): one token per four characters. It only has to rank
 # requests by size and estimate load; no tokenizer is loaded on the request path.
@@ -90,3 +91,6 @@ class RequestFeatures:
     prompt_tokens: int = 0
     prefix_hashes: tuple[int, ...] = ()
     session_key: str | None = None
+    class_hint: str | None = None
+    request_class: str | None = None
+    pool_mask: Any = None  # numpy bool array over the pool: the endpoints the request's class may use

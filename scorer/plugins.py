@@ -11,16 +11,21 @@ from inferlb.scorer.features import RequestFeatures
 
 
 class ModelFilter:
-    """Keeps the endpoints that serve the request's model; raises ``UnknownModelError`` if none in the pool does."""
+    """Keeps the endpoints that serve the request's model (and belong to its class's pool, if it has one);
+    raises ``UnknownModelError`` if none in the pool serves the model."""
 
     name = "model"
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         pool = state.pool
         if candidates is pool.all_indices:  # the usual case, first in the chain: a precomputed answer
-            return pool.model_indices(request.model)
-        mask = pool.model_mask(request.model)
-        return candidates[mask[candidates]]
+            candidates = pool.model_indices(request.model)
+        else:
+            mask = pool.model_mask(request.model)
+            candidates = candidates[mask[candidates]]
+        if request.pool_mask is not None:  # the request's class may use only part of the pool
+            candidates = candidates[request.pool_mask[candidates]]
+        return candidates
 
 
 class InFlightScorer:
