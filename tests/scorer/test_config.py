@@ -114,8 +114,8 @@ ERRORS = [
     pytest.param("pool", r"^config must be a mapping; got str$", id="top-level-string"),
     pytest.param(
         _doc(polcy="round-robin"),
-        r"^config: unknown key 'polcy' \(allowed: admin, listen, max_body_bytes, policy, pool, profiles, "
-        r"session_header, signals\)$",
+        r"^config: unknown key 'polcy' \(allowed: admin, admission, class_header, classes, default_class, listen, "
+        r"max_body_bytes, policy, pool, profiles, session_header, signals\)$",
         id="unknown-top-key",
     ),
     pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
