@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--backends", type=int, default=3)
     demo.add_argument("--requests", type=int, default=120)
     demo.add_argument("--concurrency", type=int, default=8)
-    demo.add_argument("--policy", default="least-request", choices=PRESET_NAMES)
+    demo.add_argument("--policy", default="default", choices=PRESET_NAMES)
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="logs and rendered configs go here")
     demo.set_defaults(run=_demo)
 

@@ -37,7 +37,7 @@ class DemoOptions:
     backends: int = 3
     requests: int = 120
     concurrency: int = 8
-    policy: str = "least-request"
+    policy: str = "default"
 
 
 @dataclass(slots=True)
