@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from inferlb.scorer.classes import Classifier, RequestClass
 from inferlb.scorer.config import Config, EndpointConfig, load_config, parse_config
 from inferlb.scorer.engine import Decision, Engine, Filter, Picker, Profile, Scorer, State, WeightedScorer
 from inferlb.scorer.errors import ConfigError, NoEndpointError, RoutingError, ScorerError, UnknownModelError
@@ -11,10 +12,13 @@ from inferlb.scorer.inflight import InFlight, Lease
 from inferlb.scorer.pool import Endpoint, Pool
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
 from inferlb.scorer.promtext import PICKER_METRICS, VllmSnapshot, parse_exposition, read_vllm
+from inferlb.scorer.registry import PluginSpec, ProfileSpec, Registry, default_registry
+from inferlb.scorer.signals import Signals, Snapshot
 
 __all__ = [
     "PICKER_METRICS",
     "PRESET_NAMES",
+    "Classifier",
     "Config",
     "ConfigError",
     "Decision",
@@ -28,17 +32,24 @@ __all__ = [
     "Lease",
     "NoEndpointError",
     "Picker",
+    "PluginSpec",
     "Pool",
     "Profile",
+    "ProfileSpec",
+    "Registry",
+    "RequestClass",
     "RequestFeatures",
     "RoutingError",
     "Scorer",
     "ScorerError",
+    "Signals",
+    "Snapshot",
     "State",
     "UnknownModelError",
     "VllmSnapshot",
     "WeightedScorer",
     "build_profile",
+    "default_registry",
     "estimate_tokens",
     "load_config",
     "parse_config",
