@@ -97,6 +97,7 @@ class MetricsCollector:
         running, waiting = old.running.copy(), old.waiting.copy()
         kv_usage, kv_tokens = old.kv_usage.copy(), old.kv_tokens.copy()
         scraped_at, up = old.scraped_at.copy(), old.up.copy()
+        lora = list(old.lora)
         for i, body in enumerate(results):
             if body is None:
                 up[i] = False
@@ -111,12 +112,19 @@ class MetricsCollector:
             kv_usage[i] = _value(reading.kv_cache_usage)
             if reading.num_gpu_blocks is not None and reading.block_size is not None:
                 kv_tokens[i] = reading.num_gpu_blocks * reading.block_size
+            lora[i] = reading.lora
             scraped_at[i] = now
             up[i] = True
             self.last_error[i] = None
         self.signals.publish(
             old.with_values(
-                running=running, waiting=waiting, kv_usage=kv_usage, kv_tokens=kv_tokens, scraped_at=scraped_at, up=up
+                running=running,
+                waiting=waiting,
+                kv_usage=kv_usage,
+                kv_tokens=kv_tokens,
+                scraped_at=scraped_at,
+                up=up,
+                lora=lora,
             )
         )
         stats = self.stats

@@ -20,6 +20,7 @@ __all__ = [
     "InFlightTokensScorer",
     "KVCacheScorer",
     "LatencyScorer",
+    "LoraAffinityScorer",
     "PredictedTTFTScorer",
     "QueueScorer",
     "RunningScorer",
@@ -205,6 +206,47 @@ class PredictedTTFTScorer:
             work = np.maximum(work - np.minimum(cached, request.prompt_tokens - 1), 1.0)
         cost = work * self._seconds_per_token[candidates]
         return cost.min() / np.maximum(cost, 1e-12)
+
+
+class LoraAffinityScorer:
+    """Prefers endpoints that already have the request's LoRA adapter loaded (``vllm:lora_requests_info``):
+    1 where a running or waiting request uses it, 0.5 where an adapter slot is free, 0 where all ``max_lora``
+    slots hold other adapters. When no endpoint reports the model as an adapter (a base-model request, or no
+    LoRA anywhere) every candidate is neutral. Computed once per (scrape, model, candidates)."""
+
+    name = "lora-affinity"
+    bounded = True
+
+    def __init__(self) -> None:
+        self._for: Snapshot | None = None
+        self._cache: dict[str | None, tuple[np.ndarray, np.ndarray]] = {}
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        snapshot = state.signals.snapshot
+        if snapshot is not self._for:
+            self._for, self._cache = snapshot, {}
+        cached = self._cache.get(request.model)
+        if cached is not None and cached[0] is candidates:
+            return cached[1]
+        model = request.model
+        infos = [snapshot.lora[i] if i < len(snapshot.lora) else None for i in candidates.tolist()]
+        loaded = [info is not None and (model in info.running or model in info.waiting) for info in infos]
+        if not any(loaded):
+            scores = np.full(len(candidates), NEUTRAL_SCORE)
+        else:
+            values = []
+            for info, here in zip(infos, loaded, strict=True):
+                if here:
+                    values.append(1.0)
+                elif info is None:
+                    values.append(NEUTRAL_SCORE)
+                else:
+                    in_use = len(set(info.running) | set(info.waiting))
+                    values.append(0.5 if info.max_lora is None or in_use < info.max_lora else 0.0)
+            scores = np.array(values)
+        scores.setflags(write=False)
+        self._cache[model] = (candidates, scores)
+        return scores
 
 
 class SeedFormulaScorer(_SnapshotScorer):

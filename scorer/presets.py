@@ -8,7 +8,7 @@
 | prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
 | seed-formula | model, staleness | seed-formula | max-score |
 | default | model, staleness, saturation | in-flight 1, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
-|  |  | predicted-ttft 1, latency 0.5 |  |
+|  |  | predicted-ttft 1, latency 0.5, lora-affinity 1 |  |
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
                 ("prefix-affinity", 1.0),
                 ("predicted-ttft", 1.0),
                 ("latency", 0.5),
+                ("lora-affinity", 1.0),
             ),
             "max-score",
         ),

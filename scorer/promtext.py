@@ -569,6 +569,7 @@ _SIGNAL_NAMES = {
     "hits": b"vllm:prefix_cache_hits_total",
     "preemptions": b"vllm:num_preemptions_total",
     "cache": b"vllm:cache_config_info",
+    "lora": b"vllm:lora_requests_info",
 }
 _BLOCK_SIZE = re.compile(rb'[{,]block_size="(\d+)"')
 _NUM_BLOCKS = re.compile(rb'[{,]num_gpu_blocks="(\d+)"')
@@ -640,6 +641,14 @@ def _sample_values(lines: list[bytes], name: bytes) -> list[float] | None:
     return values or None
 
 
+def _lora_lines(lines: list[bytes]) -> LoraInfo | None:
+    """``vllm:lora_requests_info`` from its few sample lines, through the full parser (labels need it)."""
+    if not lines:
+        return None
+    text = b"# TYPE vllm:lora_requests_info gauge\n" + b"\n".join(lines) + b"\n"
+    return _lora(parse_exposition(text).get("vllm:lora_requests_info"), None)
+
+
 def read_vllm_signals(body: bytes) -> VllmSnapshot:
     """The 10 Hz scrape's fast path: the same fields as ``read_vllm(body, histograms=False)`` (no model filter),
     found by searching for each metric's name instead of parsing every line. Never raises on bad input.
@@ -652,7 +661,7 @@ def read_vllm_signals(body: bytes) -> VllmSnapshot:
     found = {
         key: _sample_values(_sample_lines(body, name), name)
         for key, name in _SIGNAL_NAMES.items()
-        if key not in ("cache", "kv_old")
+        if key not in ("cache", "kv_old", "lora")
     }
     kv = _mean_fraction(found["kv"])
     if kv is None:  # servers older than vLLM 0.10 print the old name
@@ -675,7 +684,7 @@ def read_vllm_signals(body: bytes) -> VllmSnapshot:
         prefix_cache_queries=_count(found["queries"]),
         prefix_cache_hits=_count(found["hits"]),
         num_preemptions=_count(found["preemptions"]),
-        lora=None,
+        lora=_lora_lines(_sample_lines(body, _SIGNAL_NAMES["lora"])),
         ttft=None,
         e2e_latency=None,
         queue_time=None,

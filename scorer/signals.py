@@ -56,12 +56,20 @@ class Snapshot:
     scraped_at: np.ndarray
     up: np.ndarray
     built_at: float = field(default_factory=time.monotonic)
+    # Per endpoint, the LoRA adapters its running and waiting requests use and its adapter slots, from
+    # ``vllm:lora_requests_info`` (None: not reported). Not an array: sets of names.
+    lora: tuple[Any, ...] = ()
 
     @classmethod
     def empty(cls, size: int) -> Snapshot:
         """Nothing known yet: every value NaN, every endpoint never scraped (and counted as up)."""
         nan: dict[str, Any] = {name: _frozen(np.full(size, np.nan)) for name in SIGNAL_FIELDS}
-        return cls(**nan, scraped_at=_frozen(np.full(size, np.nan)), up=_frozen(np.ones(size, dtype=bool)))
+        return cls(
+            **nan,
+            scraped_at=_frozen(np.full(size, np.nan)),
+            up=_frozen(np.ones(size, dtype=bool)),
+            lora=(None,) * size,
+        )
 
     def __len__(self) -> int:
         return len(self.up)
@@ -75,7 +83,12 @@ class Snapshot:
     def with_values(self, **changes: Any) -> Snapshot:
         """A new snapshot with some arrays replaced (each copied and frozen); the rest is shared."""
         size = len(self)
-        frozen = {}
+        frozen: dict[str, Any] = {}
+        lora = changes.pop("lora", None)
+        if lora is not None:
+            if len(lora) != size:
+                raise ValueError(f"Snapshot.lora must have {size} entries; got {len(lora)}")
+            frozen["lora"] = tuple(lora)
         for name, values in changes.items():
             array = np.array(values, dtype=bool if name == "up" else np.float64)
             if array.shape != (size,):

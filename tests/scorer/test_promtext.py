@@ -527,6 +527,11 @@ _FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
         pytest.param(b"vllm:gpu_cache_usage_perc 0.5\n", id="kv-old-name"),
         pytest.param(b'vllm:cache_config_info{block_size="None",num_gpu_blocks="12"} 1.0\n', id="cache-none"),
         pytest.param(b"\xff\xfe garbage \x00\nvllm:num_requests_running{ 3\n", id="binary"),
+        pytest.param(
+            b'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters=""} 10.0\n'
+            b'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters="chat"} 20.0\n',
+            id="lora-newest-wins",
+        ),
     ],
 )
 def test_the_fast_signal_reader_agrees_with_the_parser(body: bytes) -> None:

@@ -20,6 +20,7 @@ from inferlb.scorer.loadscorers import (
     InFlightTokensScorer,
     KVCacheScorer,
     LatencyScorer,
+    LoraAffinityScorer,
     PredictedTTFTScorer,
     QueueScorer,
     RunningScorer,
@@ -29,6 +30,7 @@ from inferlb.scorer.loadscorers import (
 )
 from inferlb.scorer.pickers import PowerOfTwoPicker, WeightedRandomPicker
 from inferlb.scorer.pool import Pool
+from inferlb.scorer.promtext import LoraInfo
 from inferlb.scorer.signals import Signals, Snapshot
 
 NAN = math.nan
@@ -203,3 +205,20 @@ def test_power_of_two_never_picks_the_worst_of_three_and_spreads_the_rest():
     assert counts[1] == 0
     assert counts[0] == pytest.approx(2000, rel=0.1) and counts[2] == pytest.approx(1000, rel=0.15)
     assert picker.pick(REQUEST, ALL[:1], np.array([0.3])) == 0
+
+
+def test_lora_affinity_prefers_loaded_adapters_then_free_slots():
+    s = state()
+    lora = [
+        LoraInfo(running=("sql",), waiting=(), max_lora=2),  # has it
+        LoraInfo(running=("chat",), waiting=(), max_lora=2),  # a slot free
+        LoraInfo(running=("chat", "math"), waiting=(), max_lora=2),  # full
+        None,  # does not report LoRA state
+    ]
+    s.signals.publish(s.signals.snapshot.with_values(lora=lora))
+    scorer = LoraAffinityScorer()
+    sql = RequestFeatures(model="sql")
+    assert scorer.score(sql, s, ALL) == pytest.approx([1.0, 0.5, 0.0, NEUTRAL_SCORE])
+    assert scorer.score(sql, s, ALL) is scorer.score(sql, s, ALL)  # computed once per scrape and model
+    base = RequestFeatures(model="base-model")  # loaded nowhere: not an adapter, or not loaded yet
+    assert scorer.score(base, s, ALL) == pytest.approx([NEUTRAL_SCORE] * 4)
