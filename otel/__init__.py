@@ -1,0 +1,1 @@
+"""OpenTelemetry: server spans in, per-endpoint latency statistics, the heatmap out."""
