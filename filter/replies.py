@@ -80,6 +80,18 @@ class RouteReplies:
         )
 
 
+def with_header(reply: ProcessingResponse, key: str, value: str) -> ProcessingResponse:
+    """A copy of a prebuilt route reply that also sets request header ``key`` (e.g. a per-request traceparent)."""
+    out = ProcessingResponse()
+    out.CopyFrom(reply)
+    phase = out.WhichOneof("response")
+    mutation = getattr(out, phase).response.header_mutation
+    mutation.set_headers.append(
+        HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode("ascii")), append_action=_OVERWRITE)
+    )
+    return out
+
+
 _JSON_CONTENT = HeaderMutation(
     set_headers=[
         HeaderValueOption(

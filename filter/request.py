@@ -42,6 +42,8 @@ def features_from_headers(
             features.method = _header_text(header)
         elif key == "x-request-id":
             features.request_id = _header_text(header)
+        elif key == "traceparent":
+            features.traceparent = _header_text(header)
         if key == session_header:
             features.session_key = _header_text(header) or None
         if key == class_header:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -31,8 +32,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferlb.filter.errors import OverloadedError, RequestError, from_routing_error
-from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply
+from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_header
 from inferlb.filter.request import apply_body, features_from_headers
+from inferlb.otel.receiver import TraceJoin
 from inferlb.scorer.classes import Admission, Classifier
 from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
@@ -77,6 +79,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         class_header: str | None = None,
         classifier: Classifier | None = None,
         admission: Admission | None = None,
+        trace_join: TraceJoin | None = None,
     ) -> None:
         for name, value in (("session_header", session_header), ("class_header", class_header)):
             if value is not None and (not value or value != value.strip()):
@@ -87,6 +90,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.class_header = class_header.lower() if class_header is not None else None
         self.classifier = classifier or Classifier()
         self.admission = admission
+        # With a join, every routed request gets a W3C traceparent (continuing the client's trace if it sent one)
+        # and its trace id is remembered with the endpoint, so the server's span can be matched to the decision.
+        self.trace_join = trace_join
         self.replies = RouteReplies(engine.pool)
         self.stats = FilterStats()
         self.decisions = DecisionLog()
@@ -194,11 +200,32 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # the predicted-TTFT scorer weigh.
         lease = engine.inflight.acquire(index, features.prompt_tokens)
         self.stats.routed += 1
-        return replies[index], lease
+        join = self.trace_join
+        if join is None:
+            return replies[index], lease
+        trace_id = _trace_id(features.traceparent) or os.urandom(16)
+        join.record(trace_id, index)
+        traceparent = f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"
+        return with_header(replies[index], "traceparent", traceparent), lease
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:
         self.stats.refused[error.status] += 1
         return error_reply(error)
+
+
+def _trace_id(traceparent: str | None) -> bytes | None:
+    """The trace id of a valid W3C ``traceparent`` (version 00), else None."""
+    if traceparent is None or len(traceparent) != 55:
+        return None
+    version, trace, span, flags = [*traceparent.split("-"), "", "", "", ""][:4]
+    if version != "00" or len(trace) != 32 or len(span) != 16 or len(flags) != 2:
+        return None
+    try:
+        raw = bytes.fromhex(trace)
+        bytes.fromhex(span + flags)
+    except ValueError:
+        return None
+    return raw if any(raw) else None
 
 
 class PickerServer:

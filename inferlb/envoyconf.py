@@ -16,7 +16,8 @@ TEMPLATE = "bootstrap.yaml.j2"
 BODY_ROUTES = ("/v1/completions", "/v1/chat/completions")
 FALLBACK_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
 # The request headers Envoy sends to the picker; it reads nothing else.
-FORWARD_HEADERS = (":path", ":method", "x-request-id")
+# traceparent: the picker continues the client's trace when it injects its own into the upstream request.
+FORWARD_HEADERS = (":path", ":method", "x-request-id", "traceparent")
 
 
 class EnvoyConfigError(ValueError):

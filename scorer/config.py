@@ -64,6 +64,20 @@ class SignalsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OtelConfig:
+    """The span loop. ``receiver``: where the OTLP gRPC receiver listens for the servers' spans (None: off);
+    ``inject_traceparent``: give each routed request a W3C traceparent so its server span joins the decision;
+    latency statistics over ``window_s`` (quantiles) and with ``half_life_s`` (EWMA), published to the scorers
+    every ``publish_interval_s``."""
+
+    receiver: str | None = None
+    inject_traceparent: bool = True
+    window_s: float = 60.0
+    half_life_s: float = 10.0
+    publish_interval_s: float = 0.25
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     """When an endpoint counts as saturated for admission control."""
 
@@ -108,6 +122,7 @@ class Config:
     classes: tuple[ClassRule, ...] = ()
     default_class: RequestClass = field(default_factory=lambda: RequestClass("default"))
     admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
+    otel: OtelConfig = field(default_factory=lambda: OtelConfig())
 
     def profile_spec(self) -> ProfileSpec | str:
         """The spec of the chosen policy: a profile of this file, else the preset's name."""
@@ -153,6 +168,7 @@ def parse_config(data: Any) -> Config:
             "classes",
             "default_class",
             "admission",
+            "otel",
         },
     )
     listen = DEFAULT_LISTEN
@@ -174,6 +190,7 @@ def parse_config(data: Any) -> Config:
     session_header = _header_name(top["session_header"], "session_header") if "session_header" in top else None
     class_header = _header_name(top["class_header"], "class_header") if "class_header" in top else None
     admission = _admission(top["admission"]) if "admission" in top else AdmissionConfig()
+    otel = _otel(top["otel"], listen, admin) if "otel" in top else OtelConfig()
     max_body = DEFAULT_MAX_BODY_BYTES
     if "max_body_bytes" in top:
         max_body = top["max_body_bytes"]
@@ -203,7 +220,28 @@ def parse_config(data: Any) -> Config:
         classes=classes,
         default_class=default_class,
         admission=admission,
+        otel=otel,
     )
+
+
+def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
+    raw = _mapping(
+        value, "otel", allowed={"receiver", "inject_traceparent", "window_s", "half_life_s", "publish_interval_s"}
+    )
+    out: dict[str, Any] = {}
+    if raw.get("receiver") is not None:
+        receiver = _address(raw["receiver"], "otel.receiver")
+        if receiver in (listen, admin):
+            raise ConfigError(f"otel.receiver must differ from listen and admin; got {receiver!r}")
+        out["receiver"] = receiver
+    if "inject_traceparent" in raw:
+        if not isinstance(raw["inject_traceparent"], bool):
+            raise ConfigError(f"otel.inject_traceparent must be true or false; got {raw['inject_traceparent']!r}")
+        out["inject_traceparent"] = raw["inject_traceparent"]
+    for name, low, high in (("window_s", 1, 86400), ("half_life_s", 0.01, 86400), ("publish_interval_s", 0.01, 60)):
+        if name in raw:
+            out[name] = _number(raw[name], f"otel.{name}", low, high)
+    return OtelConfig(**out)
 
 
 def _header_name(value: Any, where: str) -> str:

@@ -92,5 +92,6 @@ class RequestFeatures:
     prefix_hashes: tuple[int, ...] = ()
     session_key: str | None = None
     class_hint: str | None = None
+    traceparent: str | None = None
     request_class: str | None = None
     pool_mask: Any = None  # numpy bool array over the pool: the endpoints the request's class may use

@@ -67,7 +67,7 @@ def test_picker_wiring() -> None:
     assert ext_proc["message_timeout"] == "0.750s"
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
     forwarded = [p["exact"] for p in ext_proc["forward_rules"]["allowed_headers"]["patterns"]]
-    assert sorted(forwarded) == [":method", ":path", "x-request-id"]
+    assert sorted(forwarded) == [":method", ":path", "traceparent", "x-request-id"]
     by_name = clusters(doc)
     picker = by_name["inferlb_picker"]
     assert "http2_protocol_options" in str(picker["typed_extension_protocol_options"])
