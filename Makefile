@@ -32,7 +32,7 @@ bench: $(VENV)/.installed-bench
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy inferlb filter scorer sim envoy bench
+	$(BIN)/mypy inferlb filter scorer sim envoy bench otel
 
 # What the emulator costs (8 servers at 50 req/s), how fast the simulator replays the Mooncake trace, and
 # what a pick and a metrics scrape cost.

@@ -1,5 +1,5 @@
 """The ``inferlb`` command: serve (the picker), envoy-config, demo, sim (emulated inference servers), gpu-agent
-(this node's GPUs from NVML over HTTP)."""
+(this node's GPUs from NVML over HTTP), heatmap (the latency heatmap of a file of spans)."""
 
 from __future__ import annotations
 
@@ -126,6 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--interval-s", type=float, default=0.5, help="seconds between NVML samples (default 0.5)")
     agent.add_argument("--host", help="this node's name in the reports (default: the machine's hostname)")
     agent.set_defaults(run=_gpu_agent)
+
+    heatmap = sub.add_parser(
+        "heatmap",
+        help="render the latency heatmap of an OTLP/JSON lines file of spans (PNG, optionally JSON and HTML)",
+        description="Read llm_request spans from an OTLP/JSON lines file (as an OpenTelemetry collector's file "
+        "exporter writes it) and render P95 TTFT per endpoint x time and requests per TTFT bucket x time.",
+    )
+    heatmap.add_argument("--from", dest="source", required=True, type=Path, metavar="FILE", help="OTLP/JSON lines")
+    heatmap.add_argument("--out", required=True, type=Path, help="the PNG to write")
+    heatmap.add_argument("--bucket-s", type=float, default=10.0, help="seconds per time bucket (default 10)")
+    heatmap.add_argument("--json", type=Path, metavar="OUT.json", help="also write the grids as JSON")
+    heatmap.add_argument("--html", type=Path, metavar="OUT.html", help="also write a self-contained HTML page")
+    heatmap.set_defaults(run=_heatmap)
     return parser
 
 
@@ -238,4 +251,42 @@ def _gpu_agent(args: argparse.Namespace) -> int:
         asyncio.run(serve_agent(create_agent_app(reader, interval_s=args.interval_s), args.listen))
     finally:
         reader.close()
+    return 0
+
+
+def _heatmap(args: argparse.Namespace) -> int:
+    import os
+
+    from inferlb.otel.heatmap import HeatmapAggregator, add_otlp_request, load_otlp_json_lines
+    from inferlb.otel.render import render_html, render_json, render_png
+
+    try:
+        aggregator = HeatmapAggregator(bucket_s=args.bucket_s)
+    except ValueError as exc:
+        raise ValueError(f"--bucket-s: {exc}") from None
+    spans = sum(add_otlp_request(aggregator, request) for request in load_otlp_json_lines(args.source))
+    grid = aggregator.grid()
+    if not grid["endpoints"]:
+        raise ValueError(
+            f"{args.source}: no llm_request span with an end time and an endpoint ({spans} LLM spans read; an "
+            "endpoint comes from server.address + server.port on the span or its resource, or inferlb.endpoint)"
+        )
+    render_png(grid, args.out)
+    written = [str(args.out)]
+    if args.json:
+        args.json.write_bytes(render_json(grid))
+        written.append(str(args.json))
+    if args.html:
+        # Served next to the JSON, the page polls it; otherwise it is a static report.
+        url = Path(os.path.relpath(args.json.resolve(), args.html.resolve().parent)).as_posix() if args.json else None
+        args.html.write_text(render_html(grid, refresh_s=10.0 if url else None, json_url=url), encoding="utf-8")
+        written.append(str(args.html))
+    requests = sum(sum(row) for row in grid["count"])
+    print(
+        f"heatmap: {requests} requests on {len(grid['endpoints'])} endpoints in {len(grid['times'])} buckets of "
+        f"{aggregator.bucket_s:g} s; wrote {', '.join(written)}"
+    )
+    skipped = {key: grid[key] for key in ("late", "dropped", "invalid", "unattributed") if grid[key]}
+    if skipped:
+        print(f"heatmap: not shown: {', '.join(f'{n} {key}' for key, n in skipped.items())}", file=sys.stderr)
     return 0

@@ -25,6 +25,7 @@ import numpy as np
 import uvicorn
 
 from inferlb.filter.server import ExtProcService, PickerServer
+from inferlb.otel.loop import SpanLoop
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.api import create_admin_app
 from inferlb.scorer.classes import Admission, Classifier
@@ -65,10 +66,13 @@ class Picker:
     _collector_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _admin: uvicorn.Server | None = None
     _started: bool = False
+    spans: SpanLoop | None = None
 
     async def start(self) -> None:
         await self.server.start()
         loop = asyncio.get_running_loop()
+        if self.spans is not None:
+            await self.spans.start()
         self._start_collectors()
         if self.config.admin is not None:
             self._tasks.append(loop.create_task(self._serve_admin(self.config.admin), name="admin"))
@@ -86,6 +90,8 @@ class Picker:
         finally:
             if self._admin is not None:
                 self._admin.should_exit = True
+            if self.spans is not None:
+                await self.spans.stop()
             await self._stop_collectors()
             for task in self._tasks:
                 if task.get_name() != "admin":
@@ -141,6 +147,8 @@ class Picker:
 
     def _apply(self, config: Config) -> None:
         old = self.config
+        if config.otel.receiver != old.otel.receiver:
+            raise ConfigError("otel.receiver cannot change while the picker runs; restart it")
         for name in ("listen", "admin"):
             if getattr(config, name) != getattr(old, name):
                 raise ConfigError(
@@ -165,6 +173,9 @@ class Picker:
         self.service.class_header = config.class_header
         self.service.classifier = Classifier(config.classes, config.default_class)
         self.service.admission = _admission(config, pool, signals)
+        if self.spans is not None:
+            self.spans.rebind(pool, signals, keep=same_pool)
+            self.service.trace_join = self.spans.join if config.otel.inject_traceparent else None
         self.engine, self.config = engine, config
         self.reloads += 1
         restart = (
@@ -277,7 +288,12 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
         admission=_admission(config, pool, signals),
     )
     collector, gpu = _collectors(config, pool, signals)
-    return Picker(
+    spans = None
+    if config.otel.receiver is not None:
+        spans = SpanLoop(config.otel, pool, signals)
+        if config.otel.inject_traceparent:
+            service.trace_join = spans.join
+    picker = Picker(
         config,
         engine,
         service,
@@ -287,6 +303,8 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
         collector=collector,
         gpu_collector=gpu,
     )
+    picker.spans = spans
+    return picker
 
 
 async def serve(config: Config, config_path: Path | None = None, *, listen_override: str | None = None) -> None:

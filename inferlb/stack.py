@@ -40,6 +40,7 @@ class StackOptions:
     profile: str = "h100-llama3.1-8b"
     time_scale: float = 1.0
     sim_args: tuple[str, ...] = ()
+    spans: bool = False  # the picker runs an OTLP receiver and the emulated servers send it their spans
     envoy_concurrency: int = 2
     envoy: EnvoyOptions = field(default_factory=EnvoyOptions)
     picker_log_level: str = "info"
@@ -70,6 +71,7 @@ class LocalStack:
         self.endpoints = list(options.servers) or [f"127.0.0.1:{free_port()}" for _ in range(options.backends)]
         self.picker_address = f"127.0.0.1:{free_port()}"
         self.picker_admin_address = f"127.0.0.1:{free_port()}"
+        self.receiver_address = f"127.0.0.1:{free_port()}" if options.spans else None
         self.gateway_address = f"127.0.0.1:{free_port()}"
         self.admin_address = f"127.0.0.1:{free_port()}"
         self.access_log_path = workdir / "access.log"
@@ -97,6 +99,7 @@ class LocalStack:
         return {
             "listen": self.picker_address,
             "admin": self.picker_admin_address,
+            **({"otel": {"receiver": self.receiver_address}} if self.receiver_address else {}),
             "policy": self.options.policy,
             "pool": {"endpoints": [self._endpoint(a) for a in self.endpoints]},
         }
@@ -139,6 +142,8 @@ class LocalStack:
     def start_backends(self) -> None:
         options = self.options
         args = ["--profile", options.profile, "--time-scale", str(options.time_scale), *options.sim_args]
+        if self.receiver_address is not None:
+            args += ["--otlp-endpoint", self.receiver_address]
         for model in options.models:
             args += ["--model", model]
         self.backends = start_sim(self.endpoints, self.workdir / "backends.log", *args)

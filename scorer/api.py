@@ -105,6 +105,7 @@ def create_admin_app(picker: Picker) -> FastAPI:
         stale = signals.stale(now)
         ages = snap.age(now)
         errors = picker.collector.last_error if picker.collector is not None else [None] * len(engine.pool)
+        spans = picker.spans.view() if picker.spans is not None else None
         rows = []
         for i, endpoint in enumerate(engine.pool):
             rows.append(
@@ -126,6 +127,8 @@ def create_admin_app(picker: Picker) -> FastAPI:
                     "inflight_tokens": int(engine.inflight.tokens[i]),
                 }
             )
+            if spans is not None and i < len(spans["count"]):
+                rows[-1]["spans"] = {key: _num(values[i]) for key, values in spans.items()}
         return {"snapshot_age_s": round(now - snap.built_at, 3), "endpoints": rows}
 
     @app.get("/decisions")
@@ -245,6 +248,21 @@ def prometheus_text(picker: Picker) -> str:
     lines += [
         f'inferlb_scorer_errors_total{{scorer="{_label(n)}"}} {c}' for n, c in sorted(engine.scorer_errors.items())
     ]
+    if picker.spans is not None:
+        stats = picker.spans.receiver.stats
+        lines += [
+            "# HELP inferlb_spans_received_total Spans the OTLP receiver took, by what became of them.",
+            "# TYPE inferlb_spans_received_total counter",
+            f'inferlb_spans_received_total{{outcome="joined_by_trace"}} {stats.joined_by_trace}',
+            f'inferlb_spans_received_total{{outcome="joined_by_resource"}} {stats.joined_by_resource}',
+            f'inferlb_spans_received_total{{outcome="unjoined"}} {stats.unjoined}',
+            f'inferlb_spans_received_total{{outcome="envoy"}} {stats.envoy_spans}',
+            f'inferlb_spans_received_total{{outcome="malformed"}} {stats.malformed}',
+            f'inferlb_spans_received_total{{outcome="other"}} {stats.spans - stats.llm_spans - stats.envoy_spans}',
+            "# HELP inferlb_span_requests_dropped_total OTLP export requests dropped because the queue was full.",
+            "# TYPE inferlb_span_requests_dropped_total counter",
+            f"inferlb_span_requests_dropped_total {stats.dropped_requests}",
+        ]
     lines += [
         "# HELP inferlb_config_reloads_total Configurations applied since start (file or API).",
         "# TYPE inferlb_config_reloads_total counter",

@@ -1,0 +1,89 @@
+"""The picker's span loop: the OTLP receiver's gRPC server, per-endpoint latency statistics, and the task that
+publishes them into the signals snapshot (``ttft_s`` and ``e2e_s``: the EWMAs) for the latency scorers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import grpc
+import numpy as np
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+from inferlb.otel.latency import EndpointLatency
+from inferlb.otel.receiver import SpanReceiver, TraceJoin
+from inferlb.scorer.config import OtelConfig
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.signals import Signals
+
+__all__ = ["SpanLoop"]
+
+logger = logging.getLogger(__name__)
+
+
+class SpanLoop:
+    """Receiver + statistics + publisher for one picker. `start`/`stop` run it; `rebind` follows a new pool."""
+
+    def __init__(self, config: OtelConfig, pool: Pool, signals: Signals) -> None:
+        assert config.receiver is not None
+        self.config = config
+        self.join = TraceJoin()
+        self.pool, self.signals = pool, signals
+        self.latency = EndpointLatency(len(pool), window_s=config.window_s, half_life_s=config.half_life_s)
+        self.receiver = SpanReceiver(self.latency.observe, {e.address: e.index for e in pool}, self.join)
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 8 << 20)])
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self.receiver, server)
+        assert self.config.receiver is not None
+        self.port = server.add_insecure_port(self.config.receiver)
+        if not self.port:
+            raise OSError(f"the OTLP receiver cannot bind {self.config.receiver}")
+        await server.start()
+        self._server = server
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self.receiver.run(), name="otlp receiver"),
+            loop.create_task(self._publish(), name="latency publisher"),
+        ]
+        logger.info("OTLP receiver listening on %s", self.config.receiver)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0.5)
+            self._server = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    def rebind(self, pool: Pool, signals: Signals, *, keep: bool) -> None:
+        """After a reload: the same pool keeps its statistics and trace ids; a new pool starts fresh."""
+        self.signals = signals
+        if keep:
+            return
+        self.pool = pool
+        self.join = TraceJoin()
+        self.receiver.join = self.join
+        self.latency = EndpointLatency(len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s)
+        self.receiver.rebind(self.latency.observe, {e.address: e.index for e in pool})
+
+    def view(self) -> dict[str, Any]:
+        """The statistics as arrays (for the admin API)."""
+        return {k: np.asarray(v) for k, v in self.latency.arrays().items()}
+
+    async def _publish(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.publish_interval_s)
+            arrays = self.latency.arrays()
+            signals = self.signals
+            if len(arrays["ttft_ewma"]) != len(signals.snapshot):
+                continue  # a reload is switching pools
+            signals.publish(signals.snapshot.with_values(ttft_s=arrays["ttft_ewma"], e2e_s=arrays["e2e_ewma"]))

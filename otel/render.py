@@ -1,0 +1,390 @@
+"""The latency heatmap's renderers: PNG (matplotlib), a self-contained HTML page, JSON.
+
+Each takes the dict `inferlb.otel.heatmap.HeatmapAggregator.grid` returns (or that dict read back from JSON) and
+shows two grids: P95 time to first token per endpoint x time, and request counts per TTFT bucket x time. All three
+check the grid's shape first and raise ``ValueError`` saying what is wrong with it. They are pure functions of the
+grid: safe to call from any thread, though the PNG takes tens to hundreds of milliseconds of CPU, so a server
+should run it in a worker thread rather than on its event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["render_html", "render_json", "render_png"]
+
+_KEYS = ("bucket_s", "times", "endpoints", "p95_ttft_s", "count", "latency_bounds_s", "latency_counts")
+
+
+def _check_grid(grid: Mapping[str, Any]) -> None:
+    if not isinstance(grid, Mapping):
+        raise ValueError(f"a heatmap grid must be a mapping, not {type(grid).__name__}")
+    missing = [key for key in _KEYS if key not in grid]
+    if missing:
+        raise ValueError(f"the heatmap grid lacks {', '.join(missing)}: pass HeatmapAggregator.grid()'s result")
+    times, endpoints, bounds = grid["times"], grid["endpoints"], grid["latency_bounds_s"]
+    shapes = (
+        ("p95_ttft_s", grid["p95_ttft_s"], len(endpoints)),
+        ("count", grid["count"], len(endpoints)),
+        ("latency_counts", grid["latency_counts"], len(bounds) + 1),
+    )
+    for key, rows, expected in shapes:
+        if not isinstance(rows, list) or len(rows) != expected:
+            raise ValueError(f"grid[{key!r}] must be a list of {expected} rows")
+        for i, row in enumerate(rows):
+            if not isinstance(row, list) or len(row) != len(times):
+                raise ValueError(f"grid[{key!r}][{i}] must be a list of {len(times)} values, one per time bucket")
+    if not (isinstance(grid["bucket_s"], int | float) and grid["bucket_s"] > 0):
+        raise ValueError(f"grid['bucket_s'] must be seconds > 0; got {grid['bucket_s']!r}")
+
+
+def render_json(grid: Mapping[str, Any]) -> bytes:
+    """The grid as compact UTF-8 JSON (what the HTML page polls as ``heatmap.json``)."""
+    _check_grid(grid)
+    return json.dumps(dict(grid), separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+# --- PNG ------------------------------------------------------------------------------------------------------
+
+
+def render_png(grid: Mapping[str, Any], path: str | Path) -> None:
+    """Write the two grids as a PNG to ``path`` (raises ``OSError`` if it cannot be written).
+
+    Top: P95 TTFT per endpoint (rows) x time (columns), log colour scale, grey where there is no data; endpoints
+    whose median P95 is at least twice the fleet's median have their label in red. Bottom: requests per TTFT
+    bucket (log latency axis) x time, log colour scale. Time is UTC. Draws on matplotlib's Agg canvas directly, so
+    it neither needs a display nor touches pyplot's global state.
+    """
+    _check_grid(grid)
+    import matplotlib.dates as mdates
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+
+    times: list[float] = [float(t) for t in grid["times"]]
+    endpoints: list[str] = list(grid["endpoints"])
+    bounds: list[float] = [float(b) for b in grid["latency_bounds_s"]]
+    bucket_s = float(grid["bucket_s"])
+    requests = sum(sum(row) for row in grid["count"])
+
+    top_height = min(14.0, max(2.5, 0.28 * len(endpoints) + 1.2))
+    figure = Figure(figsize=(12, top_height + 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    figure.suptitle(
+        f"inferlb latency heatmap: {requests} requests, {len(endpoints)} endpoints, {bucket_s:g} s buckets"
+        + _counters_note(grid)
+    )
+    if not times:
+        figure.text(0.5, 0.5, "no LLM request spans in the window", ha="center", va="center", fontsize=14)
+        figure.savefig(path, format="png")
+        return
+    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[top_height, 4.0])
+
+    x = mdates.date2num([datetime.fromtimestamp(t, tz=UTC) for t in [*times, times[-1] + bucket_s]])
+    span_s = times[-1] + bucket_s - times[0]
+    date_format = "%H:%M:%S" if span_s <= 86400 else "%m-%d %H:%M"
+
+    # Top: endpoint x time, P95 TTFT.
+    p95 = np.array([[math.nan if v is None else float(v) for v in row] for row in grid["p95_ttft_s"]], dtype=float)
+    p95 = p95.reshape(len(endpoints), len(times))
+    values = p95[np.isfinite(p95)]
+    cmap = _colormap("inferno", bad="#d9d9d9")
+    if values.size:
+        vmax = float(values.max())
+        vmin = float(values[values > 0].min()) if (values > 0).any() else vmax
+        vmin = max(vmin, 1e-4)
+        vmax = max(vmax, vmin * 2)
+        shown = np.ma.masked_invalid(np.clip(p95, vmin, None))
+        mesh = top.pcolormesh(x, np.arange(len(endpoints) + 1), shown, cmap=cmap, norm=LogNorm(vmin, vmax))
+        bar = figure.colorbar(mesh, ax=top, label="P95 TTFT", pad=0.01)
+        _label_axis(bar.ax.yaxis, _seconds, subs=(1.0, 2.0, 5.0))
+    else:
+        top.pcolormesh(x, np.arange(len(endpoints) + 1), np.ma.masked_all(p95.shape), cmap=cmap)
+        top.text(0.5, 0.5, "no TTFT values", transform=top.transAxes, ha="center", va="center")
+    top.set_ylim(len(endpoints), 0)  # first endpoint at the top
+    step = max(1, math.ceil(len(endpoints) / 45))
+    ticks = list(range(0, len(endpoints), step))
+    top.set_yticks([i + 0.5 for i in ticks], [endpoints[i] for i in ticks], fontsize=8)
+    hot = _hot_rows(p95)
+    for label, i in zip(top.get_yticklabels(), ticks, strict=True):
+        if i in hot:
+            label.set_color("#c00000")
+            label.set_fontweight("bold")
+    top.set_title("P95 time to first token per endpoint (grey: no requests)")
+    top.set_ylabel("endpoint")
+
+    # Bottom: TTFT bucket x time, request counts.
+    counts = np.array(grid["latency_counts"], dtype=float).reshape(len(bounds) + 1, len(times))
+    low_ratio = bounds[1] / bounds[0] if len(bounds) > 1 else 2.0
+    high_ratio = bounds[-1] / bounds[-2] if len(bounds) > 1 else 2.0
+    y = np.array([bounds[0] / low_ratio, *bounds, bounds[-1] * high_ratio])
+    peak = float(counts.max())
+    mesh = bottom.pcolormesh(
+        x,
+        y,
+        np.ma.masked_less_equal(counts, 0),
+        cmap=_colormap("viridis", bad="white"),
+        norm=LogNorm(1, max(peak, 2.0)),
+    )
+    bar = figure.colorbar(mesh, ax=bottom, label="requests", pad=0.01)
+    _label_axis(bar.ax.yaxis, lambda v: f"{v:g}")
+    bottom.set_yscale("log")
+    _label_axis(bottom.yaxis, _seconds)
+    bottom.set_ylim(y[0], y[-1])
+    bottom.set_title("Requests per TTFT bucket, all endpoints (lowest and highest rows: under/over the bounds)")
+    bottom.set_ylabel("TTFT")
+    bottom.set_xlabel("time (UTC), bucket start")
+    bottom.xaxis.set_major_formatter(mdates.DateFormatter(date_format, tz=UTC))
+    bottom.xaxis_date(tz=UTC)
+    figure.savefig(path, format="png")
+
+
+def _seconds(value: float) -> str:
+    """``0.25`` -> ``"250 ms"``, ``2.5`` -> ``"2.5 s"``: latencies as an operator reads them."""
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+def _label_axis(axis: Any, text: Any, subs: tuple[float, ...] = (1.0,)) -> None:
+    """Log-axis ticks at ``subs`` x powers of ten, labelled with ``text(value)``; minor ticks unlabelled."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: text(value)))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _colormap(name: str, *, bad: str) -> Any:
+    from matplotlib import colormaps
+
+    return colormaps[name].with_extremes(bad=bad)
+
+
+def _hot_rows(p95: Any) -> set[int]:
+    """Rows whose median P95 is at least twice the median of all rows' medians (needs 3+ rows with data)."""
+    import numpy as np
+
+    medians = {i: float(np.median(row[np.isfinite(row)])) for i, row in enumerate(p95) if np.isfinite(row).any()}
+    if len(medians) < 3:
+        return set()
+    fleet = float(np.median(list(medians.values())))
+    return {i for i, m in medians.items() if m >= 2 * fleet and m > 0}
+
+
+def _counters_note(grid: Mapping[str, Any]) -> str:
+    labels = {
+        "dropped": "over the endpoint cap",
+        "late": "older than the window",
+        "invalid": "malformed",
+        "unattributed": "no endpoint",
+    }
+    parts = [f"{grid[key]} {text}" for key, text in labels.items() if grid.get(key)]
+    return f"\n(not shown: {', '.join(parts)})" if parts else ""
+
+
+# --- HTML -----------------------------------------------------------------------------------------------------
+
+
+def render_html(
+    grid: Mapping[str, Any],
+    *,
+    refresh_s: float | None = 10.0,
+    json_url: str | None = "heatmap.json",
+    title: str = "inferlb latency heatmap",
+) -> str:
+    """A self-contained HTML page (inline CSS and JS, the grid embedded as JSON, no external resources) that draws
+    the same two grids on canvases, with a hover read-out.
+
+    Every ``refresh_s`` seconds (None: never) it fetches ``json_url`` (relative to the page; the JSON of
+    `render_json`) and redraws; with ``json_url`` None, or when the page was opened from a file and the fetch
+    fails, it reloads itself instead. A failed fetch keeps the data shown and says so on the page. Raises
+    ``ValueError`` for a malformed grid or a ``refresh_s`` that is not a number of seconds > 0.
+    """
+    import html
+
+    _check_grid(grid)
+    if refresh_s is not None and not (
+        isinstance(refresh_s, int | float) and not isinstance(refresh_s, bool) and math.isfinite(refresh_s)
+    ):
+        raise ValueError(f"refresh_s must be seconds > 0 or None; got {refresh_s!r}")
+    if refresh_s is not None and refresh_s <= 0:
+        raise ValueError(f"refresh_s must be seconds > 0 or None; got {refresh_s!r}")
+    replacements = {
+        "__TITLE__": html.escape(title),
+        "__DATA__": _script_json(dict(grid)),
+        "__REFRESH_S__": _script_json(refresh_s),
+        "__JSON_URL__": _script_json(json_url),
+    }
+    page = _PAGE
+    for token, value in replacements.items():
+        page = page.replace(token, value)
+    return page
+
+
+def _script_json(value: Any) -> str:
+    """JSON that is safe inside a <script> element: no '<', '>' or '&' that could end it or open a comment."""
+    text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>__TITLE__</title>
+<style>
+  body { font: 14px system-ui, sans-serif; margin: 16px 24px; color: #222; background: #fff; }
+  h1 { font-size: 20px; margin: 0 0 4px; }
+  h2 { font-size: 15px; margin: 18px 0 6px; }
+  #summary, #status { color: #555; margin: 2px 0; }
+  #hover { font-family: ui-monospace, monospace; min-height: 1.4em; margin: 8px 0; }
+  canvas { display: block; }
+</style>
+</head>
+<body>
+<h1>__TITLE__</h1>
+<p id="summary"></p>
+<h2>P95 time to first token per endpoint (grey: no requests; red label: a hot endpoint)</h2>
+<canvas id="p95"></canvas>
+<h2>Requests per TTFT bucket, all endpoints</h2>
+<canvas id="lat"></canvas>
+<p id="hover">&nbsp;</p>
+<p id="status"></p>
+<script id="heatmap-data" type="application/json">__DATA__</script>
+<script>
+"use strict";
+const REFRESH_S = __REFRESH_S__;
+const JSON_URL = __JSON_URL__;
+let grid = JSON.parse(document.getElementById("heatmap-data").textContent);
+
+const STOPS = [[0,0,4],[40,11,84],[101,21,110],[159,42,99],[212,72,66],[245,125,21],[250,193,39],[252,255,164]];
+function colour(t) {
+  t = Math.min(1, Math.max(0, t)) * (STOPS.length - 1);
+  const i = Math.min(STOPS.length - 2, Math.floor(t)), f = t - i, a = STOPS[i], b = STOPS[i + 1];
+  return "rgb(" + [0, 1, 2].map(k => Math.round(a[k] + (b[k] - a[k]) * f)).join(",") + ")";
+}
+function seconds(s) {
+  if (s === null || s === undefined) return "no data";
+  return s < 1 ? (s * 1000).toPrecision(3) + " ms" : s.toPrecision(3) + " s";
+}
+function clock(t) { return new Date(t * 1000).toISOString().slice(11, 19); }
+function median(xs) {
+  const s = xs.slice().sort((a, b) => a - b), m = s.length >> 1;
+  return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
+}
+
+// One heatmap: rows x columns of cells, a log colour scale, labels left, times below, a legend right.
+function draw(canvas, spec) {
+  const left = 150, right = 110, topPad = 6, bottomPad = 34;
+  const cols = grid.times.length, rows = spec.rows;
+  const width = Math.max(400, Math.min(1600, document.body.clientWidth));
+  const cellW = Math.max(1, (width - left - right) / Math.max(cols, 1));
+  const height = topPad + bottomPad + rows * spec.rowHeight;
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = width * ratio; canvas.height = height * ratio;
+  canvas.style.width = width + "px"; canvas.style.height = height + "px";
+  const g = canvas.getContext("2d");
+  g.setTransform(ratio, 0, 0, ratio, 0, 0);
+  g.clearRect(0, 0, width, height);
+  g.font = "11px system-ui, sans-serif";
+  let lo = Infinity, hi = -Infinity;
+  for (let r = 0; r < rows; r++) for (let c = 0; c < cols; c++) {
+    const v = spec.value(r, c);
+    if (v !== null && v > 0) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+  }
+  if (hi === lo) hi = lo * 2;
+  const l0 = Math.log(lo), l1 = Math.log(hi);
+  for (let r = 0; r < rows; r++) {
+    for (let c = 0; c < cols; c++) {
+      const v = spec.value(r, c);
+      g.fillStyle = v === null || v <= 0 || !isFinite(l0) ? spec.empty : colour((Math.log(v) - l0) / (l1 - l0));
+      g.fillRect(left + c * cellW, topPad + r * spec.rowHeight, Math.ceil(cellW), spec.rowHeight);
+    }
+  }
+  const every = Math.max(1, Math.ceil(rows * 13 / (rows * spec.rowHeight)));
+  g.textAlign = "right"; g.textBaseline = "middle";
+  for (let r = 0; r < rows; r += every) {
+    const hot = spec.hot && spec.hot.has(r);
+    g.fillStyle = hot ? "#c00000" : "#222";
+    g.font = (hot ? "bold " : "") + "11px system-ui, sans-serif";
+    g.fillText(spec.label(r).slice(0, 24), left - 6, topPad + (r + 0.5) * spec.rowHeight);
+  }
+  g.font = "11px system-ui, sans-serif"; g.fillStyle = "#222";
+  g.textAlign = "center"; g.textBaseline = "top";
+  const step = Math.max(1, Math.ceil(70 / cellW));
+  const axisY = topPad + rows * spec.rowHeight + 4;
+  for (let c = 0; c < cols; c += step) g.fillText(clock(grid.times[c]), left + (c + 0.5) * cellW, axisY);
+  const caption = "time (UTC), bucket start; " + grid.bucket_s + " s buckets";
+  g.fillText(caption, left + (width - left - right) / 2, height - 14);
+  if (isFinite(l0)) {
+    const x = width - right + 14, barH = Math.max(40, rows * spec.rowHeight);
+    for (let i = 0; i < barH; i++) { g.fillStyle = colour(1 - i / barH); g.fillRect(x, topPad + i, 14, 1); }
+    g.fillStyle = "#222"; g.textAlign = "left"; g.textBaseline = "top";
+    g.fillText(spec.legend(hi), x + 18, topPad);
+    g.textBaseline = "bottom"; g.fillText(spec.legend(lo), x + 18, topPad + barH);
+  }
+  canvas.onmousemove = ev => {
+    const box = canvas.getBoundingClientRect();
+    const c = Math.floor((ev.clientX - box.left - left) / cellW);
+    const r = Math.floor((ev.clientY - box.top - topPad) / spec.rowHeight);
+    document.getElementById("hover").textContent =
+      c >= 0 && c < cols && r >= 0 && r < rows ? clock(grid.times[c]) + "  " + spec.describe(r, c) : "\\u00a0";
+  };
+}
+
+function render() {
+  const bounds = grid.latency_bounds_s, nb = bounds.length + 1;
+  const requests = grid.count.reduce((s, row) => s + row.reduce((a, b) => a + b, 0), 0);
+  const notes = ["dropped", "late", "invalid", "unattributed"].filter(k => grid[k]).map(k => grid[k] + " " + k);
+  document.getElementById("summary").textContent = requests + " requests, " + grid.endpoints.length +
+    " endpoints, " + grid.times.length + " time buckets" + (grid.times.length ? " from " +
+    new Date(grid.times[0] * 1000).toISOString() : "") + (notes.length ? "; not shown: " + notes.join(", ") : "");
+  const medians = [];
+  grid.p95_ttft_s.forEach((row, i) => {
+    const v = row.filter(x => x !== null);
+    if (v.length) medians.push([i, median(v)]);
+  });
+  const fleet = medians.length >= 3 ? median(medians.map(m => m[1])) : Infinity;
+  const hot = new Set(medians.filter(m => m[1] > 0 && m[1] >= 2 * fleet).map(m => m[0]));
+  draw(document.getElementById("p95"), {
+    rows: grid.endpoints.length,
+    rowHeight: Math.max(6, Math.min(22, Math.floor(600 / Math.max(1, grid.endpoints.length)))),
+    value: (r, c) => grid.p95_ttft_s[r][c], label: r => grid.endpoints[r], hot: hot, empty: "#d9d9d9",
+    legend: v => "P95 " + seconds(v),
+    describe: (r, c) =>
+      grid.endpoints[r] + "  P95 TTFT " + seconds(grid.p95_ttft_s[r][c]) + "  requests " + grid.count[r][c],
+  });
+  const bucket = r => nb - 1 - r;  // highest latency at the top
+  const name = b => b === 0 ? "\\u2264 " + seconds(bounds[0]) : b === nb - 1 ? "> " + seconds(bounds[nb - 2]) :
+    seconds(bounds[b - 1]) + " \\u2013 " + seconds(bounds[b]);
+  draw(document.getElementById("lat"), {
+    rows: nb, rowHeight: 14, value: (r, c) => grid.latency_counts[bucket(r)][c] || null, label: r => name(bucket(r)),
+    empty: "#ffffff", legend: v => Math.round(v) + " req",
+    describe: (r, c) => "TTFT " + name(bucket(r)) + "  requests " + grid.latency_counts[bucket(r)][c],
+  });
+}
+
+function status(text) { document.getElementById("status").textContent = text; }
+function refresh() {
+  if (JSON_URL === null) { location.reload(); return; }
+  fetch(JSON_URL, {cache: "no-store"})
+    .then(r => { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
+    .then(g => { grid = g; render(); status("updated " + new Date().toISOString()); })
+    .catch(e => {
+      if (location.protocol === "file:") location.reload();
+      else status("refresh failed (" + e.message + "); showing the last data received");
+    });
+}
+render();
+window.addEventListener("resize", render);
+if (REFRESH_S !== null) setInterval(refresh, REFRESH_S * 1000);
+</script>
+</body>
+</html>
+"""
