@@ -30,6 +30,7 @@ MODEL = "demo-model"
 REQUEST_TIMEOUT_S = 30.0
 BURST_DEADLINE_S = 120.0
 ACCESS_LOG_WAIT_S = 10.0
+SPANS_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ def run_demo(options: DemoOptions, out_dir: Path, stream: TextIO = sys.stdout) -
     if options.backends < 1 or options.requests < options.backends or options.concurrency < 1:
         raise ValueError("need backends >= 1, requests >= backends and concurrency >= 1")
     out_dir = out_dir.resolve()
-    stack_options = StackOptions(backends=options.backends, models=(MODEL,), policy=options.policy)
+    stack_options = StackOptions(backends=options.backends, models=(MODEL,), policy=options.policy, spans=True)
     print(f"inferlb demo: starting {options.backends} emulated vLLM servers, the picker and Envoy ...", file=stream)
     try:
         with LocalStack(stack_options, out_dir) as stack:
@@ -65,7 +66,10 @@ def run_demo(options: DemoOptions, out_dir: Path, stream: TextIO = sys.stdout) -
             elapsed = time.monotonic() - started
             refusals = asyncio.run(_refusals(stack.gateway_url))
             log = _wait_for_access_log(stack, len(outcomes) + len(refusals))
-            return _report(stack, options, outcomes, refusals, log, elapsed, out_dir, stream)
+            code = _report(stack, options, outcomes, refusals, log, elapsed, out_dir, stream)
+            heatmap = _heatmap(stack, sum(o.status == 200 for o in outcomes), out_dir / "heatmap.png")
+            print(f"latency heatmap from the servers' spans: {heatmap}", file=stream)
+            return code
     except ProcessError as exc:
         print(f"inferlb demo: a process failed: {exc}\n(logs in {out_dir})", file=stream)
         return 1
@@ -158,6 +162,24 @@ def _wait_for_access_log(stack: LocalStack, expected: int) -> list[dict[str, Any
         if len(log) >= expected or time.monotonic() > deadline:
             return log
         time.sleep(0.05)  # Envoy flushes its access log every 100 ms; the deadline bounds the wait
+
+
+def _heatmap(stack: LocalStack, expected: int, path: Path) -> str:
+    """Wait (bounded) for the servers' spans to reach the picker, then save its heatmap; returns the path or why
+    there is none."""
+    deadline = time.monotonic() + SPANS_WAIT_S
+    try:
+        while True:
+            grid = httpx.get(f"{stack.picker_admin_url}/heatmap.json", timeout=5).json()
+            if sum(sum(row) for row in grid["count"]) >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # the servers export spans in batches every 0.5 s; the deadline bounds the wait
+        response = httpx.get(f"{stack.picker_admin_url}/heatmap.png", timeout=60)
+        response.raise_for_status()
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return f"none ({exc})"
+    path.write_bytes(response.content)
+    return str(path)
 
 
 def _report(

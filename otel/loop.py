@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
+from inferlb.otel.heatmap import HeatmapAggregator
 from inferlb.otel.latency import EndpointLatency
 from inferlb.otel.receiver import SpanReceiver, TraceJoin
 from inferlb.scorer.config import OtelConfig
@@ -32,7 +33,10 @@ class SpanLoop:
         self.join = TraceJoin()
         self.pool, self.signals = pool, signals
         self.latency = EndpointLatency(len(pool), window_s=config.window_s, half_life_s=config.half_life_s)
-        self.receiver = SpanReceiver(self.latency.observe, {e.address: e.index for e in pool}, self.join)
+        self.heatmap = HeatmapAggregator(bucket_s=config.heatmap_bucket_s)
+        self.receiver = SpanReceiver(
+            self.latency.observe, {e.address: e.index for e in pool}, self.join, heatmap=self.heatmap
+        )
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -22,6 +22,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
+from inferlb.otel.heatmap import HeatmapAggregator
+
 __all__ = ["LLM_SPAN", "ReceiverStats", "SpanReceiver", "TraceJoin"]
 
 logger = logging.getLogger(__name__)
@@ -96,10 +98,13 @@ class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         join: TraceJoin,
         *,
         max_queue: int = 1024,
+        heatmap: HeatmapAggregator | None = None,
     ) -> None:
         self.observe = observe
         self.endpoints = dict(endpoints)
+        self._addresses = {index: address for address, index in self.endpoints.items()}
         self.join = join
+        self.heatmap = heatmap
         self.stats = ReceiverStats()
         self._queue: deque[trace_service_pb2.ExportTraceServiceRequest] = deque()
         self._max_queue = max_queue
@@ -108,6 +113,7 @@ class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def rebind(self, observe: Callable[[int, float | None, float | None], None], endpoints: Mapping[str, int]) -> None:
         """Feed another pool from now on (after a config reload)."""
         self.observe, self.endpoints = observe, dict(endpoints)
+        self._addresses = {index: address for address, index in self.endpoints.items()}
 
     async def Export(
         self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
@@ -174,6 +180,8 @@ class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             stats.joined_by_resource += 1
         stats.by_endpoint[str(endpoint)] += 1
         self.observe(endpoint, ttft, e2e)
+        if self.heatmap is not None:
+            self.heatmap.add(span.end_time_unix_nano / 1e9, self._addresses.get(endpoint), ttft, e2e)
 
 
 def _server_address(attributes: Mapping[str, Any]) -> str | None:

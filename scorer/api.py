@@ -10,6 +10,7 @@
 | ``POST /config`` | a new configuration (YAML or JSON body), validated then applied without dropping a request; |
 |  | an invalid one is refused (400) and the old one stays |
 | ``POST /config/reload`` | re-read the config file (the same as when the file changes) |
+| ``GET /heatmap`` | the latency heatmap (HTML that refreshes itself); ``/heatmap.json``, ``/heatmap.png`` |
 | ``GET /metrics`` | Prometheus text: decisions by endpoint and reason, pick latency, scrape errors, staleness, |
 |  | shed requests |
 
@@ -18,15 +19,19 @@ Handlers only read in-process state; none waits on the network.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
+from inferlb.otel.render import render_html, render_json, render_png
 from inferlb.scorer.decisions import PICK_BUCKETS_S
 from inferlb.scorer.errors import ConfigError
 
@@ -156,11 +161,38 @@ def create_admin_app(picker: Picker) -> FastAPI:
             return _error(409, "this picker was not started from a config file")
         return _apply(picker.reload_file)
 
+    @app.get("/heatmap")
+    async def heatmap_page() -> Response:
+        if picker.spans is None:
+            return _error(404, "no span receiver: set otel.receiver in the config")
+        return HTMLResponse(render_html(picker.spans.heatmap.grid(), json_url="heatmap.json", refresh_s=5.0))
+
+    @app.get("/heatmap.json")
+    async def heatmap_json() -> Response:
+        if picker.spans is None:
+            return _error(404, "no span receiver: set otel.receiver in the config")
+        return Response(render_json(picker.spans.heatmap.grid()), media_type="application/json")
+
+    @app.get("/heatmap.png")
+    async def heatmap_png() -> Response:
+        if picker.spans is None:
+            return _error(404, "no span receiver: set otel.receiver in the config")
+        grid = picker.spans.heatmap.grid()
+        # Drawing takes a while; it runs on a worker thread so routing does not wait for it.
+        return Response(await asyncio.to_thread(_png_bytes, grid), media_type="image/png")
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(prometheus_text(picker), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _png_bytes(grid: dict[str, Any]) -> bytes:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "heatmap.png"
+        render_png(grid, path)
+        return path.read_bytes()
 
 
 def _apply(action: Callable[[], None]) -> Response:

@@ -75,6 +75,7 @@ class OtelConfig:
     window_s: float = 60.0
     half_life_s: float = 10.0
     publish_interval_s: float = 0.25
+    heatmap_bucket_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +227,9 @@ def parse_config(data: Any) -> Config:
 
 def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
     raw = _mapping(
-        value, "otel", allowed={"receiver", "inject_traceparent", "window_s", "half_life_s", "publish_interval_s"}
+        value,
+        "otel",
+        allowed={"receiver", "inject_traceparent", "window_s", "half_life_s", "publish_interval_s", "heatmap_bucket_s"},
     )
     out: dict[str, Any] = {}
     if raw.get("receiver") is not None:
@@ -238,7 +241,13 @@ def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
         if not isinstance(raw["inject_traceparent"], bool):
             raise ConfigError(f"otel.inject_traceparent must be true or false; got {raw['inject_traceparent']!r}")
         out["inject_traceparent"] = raw["inject_traceparent"]
-    for name, low, high in (("window_s", 1, 86400), ("half_life_s", 0.01, 86400), ("publish_interval_s", 0.01, 60)):
+    bounds = (
+        ("window_s", 1, 86400),
+        ("half_life_s", 0.01, 86400),
+        ("publish_interval_s", 0.01, 60),
+        ("heatmap_bucket_s", 0.1, 3600),
+    )
+    for name, low, high in bounds:
         if name in raw:
             out[name] = _number(raw[name], f"otel.{name}", low, high)
     return OtelConfig(**out)

@@ -61,3 +61,41 @@ def test_server_spans_are_joined_and_their_p99_matches_the_servers_logs(tmp_path
         exact = float(np.quantile(ttfts, 0.99, method="inverted_cdf"))
         assert math.isclose(row["spans"]["ttft_p99"], exact, rel_tol=0.026), (row["address"], exact, row["spans"])
         assert row["ttft_s"] is not None  # the EWMA reached the scorers' snapshot
+
+
+def test_a_slowed_server_is_the_hot_row_of_the_heatmap(tmp_path: Path) -> None:
+    options = StackOptions(
+        backends=3,
+        models=(MODEL,),
+        policy="round-robin",  # the slow server keeps getting its third, so its row fills in
+        time_scale=SCALE,
+        spans=True,
+        sim_args=("--fault", "0:slowdown=5"),
+    )
+    rng = random.Random(4)
+    with LocalStack(options, tmp_path) as stack:
+        shots, t = [], 0.0
+        for i in range(90):
+            t += rng.expovariate(8.0)
+            shots.append(Shot(f"r{i}", t, stack.gateway_url, MODEL, "w" * rng.randrange(2_000, 8_000), 20))
+        records = asyncio.run(replay(shots, time_scale=SCALE, timeout_s=60))
+        assert [r.error for r in records] == [None] * len(records)
+        deadline = time.monotonic() + 20
+        while True:
+            grid = httpx.get(f"{stack.picker_admin_url}/heatmap.json", timeout=5).json()
+            if sum(sum(row) for row in grid["count"]) >= len(shots):
+                break
+            assert time.monotonic() < deadline, "spans did not all reach the heatmap"
+            time.sleep(0.2)
+        png = httpx.get(f"{stack.picker_admin_url}/heatmap.png", timeout=30).content
+        page = httpx.get(f"{stack.picker_admin_url}/heatmap", timeout=5).text
+        slow = stack.endpoints[0]
+    (tmp_path / "heatmap.png").write_bytes(png)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert "<html" in page.lower() and "heatmap.json" in page
+    rows = dict(zip(grid["endpoints"], grid["p95_ttft_s"], strict=True))
+    assert set(rows) == set(stack.endpoints)
+    hottest = max(rows, key=lambda e: max(v for v in rows[e] if v is not None))
+    assert hottest == slow
+    others = [v for e, row in rows.items() if e != slow for v in row if v is not None]
+    assert min(v for v in rows[slow] if v is not None) > max(others)  # every cell of its row is hotter

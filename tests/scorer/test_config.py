@@ -115,7 +115,7 @@ ERRORS = [
     pytest.param(
         _doc(polcy="round-robin"),
         r"^config: unknown key 'polcy' \(allowed: admin, admission, class_header, classes, default_class, listen, "
-        r"max_body_bytes, policy, pool, profiles, session_header, signals\)$",
+        r"max_body_bytes, otel, policy, pool, profiles, session_header, signals\)$",
         id="unknown-top-key",
     ),
     pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
