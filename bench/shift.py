@@ -1,0 +1,123 @@
+"""How fast traffic moves off a server that turns slow.
+
+    python -m inferlb.bench.shift --out bench/results [--policy default]
+
+Four emulated H100 servers behind Envoy and the picker (with the span loop on), an open-loop stream of
+requests at a steady rate; after ``--before`` seconds server 0 is slowed 5x through its admin endpoint. Per
+1-second window of send time it reports the share of requests routed to server 0, and the time from the
+slow-down until the end of the first window whose share is below half the share before, and the mean share over
+the rest of the run. Each policy's result goes to ``shift-POLICY.json``; ``shift.md`` sums up the policies found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inferlb.sim.replay import ClientRecord, Shot, replay
+from inferlb.stack import LocalStack, StackOptions
+
+MODEL = "m"
+
+
+async def _run(stack: LocalStack, rate: float, before: float, after: float) -> tuple[list[ClientRecord], float]:
+    rng = random.Random(5)
+    shots, t = [], 0.0
+    while t < before + after:
+        t += rng.expovariate(rate)
+        shots.append(Shot(f"r{len(shots)}", t, stack.gateway_url, MODEL, "p" * rng.randrange(1_000, 6_000), 40))
+    slow = stack.endpoints[0]
+
+    async def slow_down() -> float:
+        await asyncio.sleep(before)
+        async with httpx.AsyncClient(timeout=5) as client:
+            await client.post(f"http://{slow}/admin/faults", json={"slowdown": 5})
+        return time.monotonic()
+
+    started = time.monotonic()
+    fault = asyncio.create_task(slow_down())
+    records = await replay(shots, timeout_s=120)
+    return records, (await fault) - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--policy", default="default")
+    parser.add_argument("--rate", type=float, default=16.0, help="requests per second")
+    parser.add_argument("--before", type=float, default=10.0)
+    parser.add_argument("--after", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    options = StackOptions(backends=4, models=(MODEL,), policy=args.policy, spans=True)
+    with tempfile.TemporaryDirectory() as folder, LocalStack(options, Path(folder)) as stack:
+        records, slowed_at = asyncio.run(_run(stack, args.rate, args.before, args.after))
+        slow = stack.endpoints[0]
+    first = min(r.sent_at for r in records)
+    windows: dict[int, list[bool]] = {}
+    for r in records:
+        if r.error is None:
+            windows.setdefault(int(r.sent_at - first), []).append(r.server == slow)
+    shares = {second: sum(v) / len(v) for second, v in sorted(windows.items())}
+    before = [s for second, s in shares.items() if second < int(slowed_at)]
+    share_before = sum(before) / len(before)
+    settle = None
+    for second in sorted(shares):
+        if second >= int(slowed_at) and shares[second] < share_before / 2:
+            settle = second + 1 - slowed_at  # the end of the first window below half
+            break
+    after = [s for k, s in shares.items() if k >= int(slowed_at) + 1]
+    report: dict[str, Any] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": f"python -m inferlb.bench.shift --out bench/results --policy {args.policy}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "policy": args.policy,
+        "rate_rps": args.rate,
+        "slowed_at_s": round(slowed_at, 2),
+        "share_before": round(share_before, 3),
+        "share_after": round(sum(after) / max(1, len(after)), 3),
+        "settle_s": None if settle is None else round(settle, 1),
+        "errors": sum(r.error is not None for r in records),
+        "shares": {str(k): round(v, 3) for k, v in shares.items()},
+    }
+    (args.out / f"shift-{args.policy}.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps({k: v for k, v in report.items() if k != "shares"}))
+    print(" ".join(f"{k}:{v:.2f}" for k, v in shares.items()))
+    _summary(args.out)
+    return 0
+
+
+def _summary(out: Path) -> None:
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("shift-*.json"))]
+    lines = [
+        "# Traffic shift after a server turns 5x slower",
+        "",
+        "4 emulated H100 servers, open-loop requests at a steady rate, server 0 slowed 5x through its admin",
+        "endpoint after 10 s. Share = requests sent to server 0, by 1-second window of send time.",
+        "",
+        "| policy | date | rate req/s | share before | share after | first window below half, s after |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        settle = "never" if r["settle_s"] is None else r["settle_s"]
+        lines.append(
+            f"| {r['policy']} | {r['date']} | {r['rate_rps']} | {r['share_before']} | {r['share_after']} | {settle} |"
+        )
+    command = rows[0]["command"].rsplit(" --policy", 1)[0]
+    lines += ["", f"Command: `{command} --policy NAME`; {rows[0]['machine']}.", ""]
+    (out / "shift.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
