@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from inferlb.otel.heatmap import HeatmapAggregator
 from inferlb.otel.latency import EndpointLatency
+from inferlb.otel.promhist import LatencyHistograms
 from inferlb.otel.receiver import SpanReceiver, TraceJoin
 from inferlb.scorer.config import OtelConfig
 from inferlb.scorer.pool import Pool
@@ -33,10 +34,9 @@ class SpanLoop:
         self.join = TraceJoin()
         self.pool, self.signals = pool, signals
         self.latency = EndpointLatency(len(pool), window_s=config.window_s, half_life_s=config.half_life_s)
+        self.histograms = LatencyHistograms(len(pool))
         self.heatmap = HeatmapAggregator(bucket_s=config.heatmap_bucket_s)
-        self.receiver = SpanReceiver(
-            self.latency.observe, {e.address: e.index for e in pool}, self.join, heatmap=self.heatmap
-        )
+        self.receiver = SpanReceiver(self._observe, {e.address: e.index for e in pool}, self.join, heatmap=self.heatmap)
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -77,7 +77,12 @@ class SpanLoop:
         self.join = TraceJoin()
         self.receiver.join = self.join
         self.latency = EndpointLatency(len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s)
-        self.receiver.rebind(self.latency.observe, {e.address: e.index for e in pool})
+        self.histograms = LatencyHistograms(len(pool))
+        self.receiver.rebind(self._observe, {e.address: e.index for e in pool})
+
+    def _observe(self, endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:
+        self.latency.observe(endpoint, ttft_s, e2e_s)
+        self.histograms.observe(endpoint, ttft_s, e2e_s)
 
     def view(self) -> dict[str, Any]:
         """The statistics as arrays (for the admin API)."""

@@ -295,6 +295,7 @@ def prometheus_text(picker: Picker) -> str:
             "# TYPE inferlb_span_requests_dropped_total counter",
             f"inferlb_span_requests_dropped_total {stats.dropped_requests}",
         ]
+        lines += picker.spans.histograms.render([e.address for e in picker.spans.pool])
     lines += [
         "# HELP inferlb_config_reloads_total Configurations applied since start (file or API).",
         "# TYPE inferlb_config_reloads_total counter",

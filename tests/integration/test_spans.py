@@ -51,6 +51,9 @@ def test_server_spans_are_joined_and_their_p99_matches_the_servers_logs(tmp_path
         metrics = parse_exposition(httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text)
 
     outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics.get("inferlb_spans_received").samples}
+    ttft = metrics.get("inferlb_endpoint_ttft_seconds")
+    assert ttft.type == "histogram"
+    assert sum(s.value for s in ttft.samples if s.name.endswith("_count")) == expected
     # Every span joined through the trace id the picker injected, none through the fallback.
     assert outcomes["joined_by_trace"] == expected and outcomes["unjoined"] == 0
     for row in rows:
