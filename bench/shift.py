@@ -33,7 +33,8 @@ MODEL = "m"
 
 async def _run(stack: LocalStack, rate: float, before: float, after: float) -> tuple[list[ClientRecord], float]:
     rng = random.Random(5)
-    shots, t = [], 0.0
+    shots: list[Shot] = []
+    t = 0.0
     while t < before + after:
         t += rng.expovariate(rate)
         shots.append(Shot(f"r{len(shots)}", t, stack.gateway_url, MODEL, "p" * rng.randrange(1_000, 6_000), 40))
