@@ -35,6 +35,7 @@ from inferlb.filter.errors import OverloadedError, RequestError, from_routing_er
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_header
 from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.otel.receiver import TraceJoin
+from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.classes import Admission, Classifier
 from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
@@ -80,6 +81,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         classifier: Classifier | None = None,
         admission: Admission | None = None,
         trace_join: TraceJoin | None = None,
+        route_spans: RouteSpans | None = None,
     ) -> None:
         for name, value in (("session_header", session_header), ("class_header", class_header)):
             if value is not None and (not value or value != value.strip()):
@@ -93,6 +95,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # With a join, every routed request gets a W3C traceparent (continuing the client's trace if it sent one)
         # and its trace id is remembered with the endpoint, so the server's span can be matched to the decision.
         self.trace_join = trace_join
+        # With route spans, the injected traceparent names the picker's own inferlb.route span.
+        self.route_spans = route_spans
         self.replies = RouteReplies(engine.pool)
         self.stats = FilterStats()
         self.decisions = DecisionLog()
@@ -138,6 +142,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 decided = True
                 refusal = await self._admit(features)
                 if refusal is not None:
+                    if self.route_spans is not None:
+                        self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
                     yield self._refuse(refusal)
                     continue
                 reply, lease = self._route(features, replies)
@@ -187,12 +193,16 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self, features: RequestFeatures, replies: tuple[ProcessingResponse, ...]
     ) -> tuple[ProcessingResponse, Lease | None]:
         engine = self.engine
+        spans = self.route_spans
+        started_ns = time.time_ns() if spans is not None else 0
         started = time.perf_counter()
         try:
             decision = engine.decide(features)
         except RoutingError as exc:
             error = from_routing_error(exc)
             self.decisions.record_refusal(features.request_id, features.model, error.status)
+            if spans is not None:
+                spans.refused(features, error.status, error.type, started_ns)
             return self._refuse(error), None
         self.decisions.record(features.request_id, features.model, decision, time.perf_counter() - started)
         index = decision.endpoint.index
@@ -201,11 +211,16 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         lease = engine.inflight.acquire(index, features.prompt_tokens)
         self.stats.routed += 1
         join = self.trace_join
-        if join is None:
-            return replies[index], lease
-        trace_id = _trace_id(features.traceparent) or os.urandom(16)
-        join.record(trace_id, index)
-        traceparent = f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"
+        traced = spans.routed(features, decision, started_ns) if spans is not None else None
+        if traced is None:
+            if join is None:
+                return replies[index], lease
+            trace_id = _trace_id(features.traceparent) or os.urandom(16)
+            traceparent = f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"
+        else:
+            trace_id, traceparent = traced
+        if join is not None:
+            join.record(trace_id, index)
         return with_header(replies[index], "traceparent", traceparent), lease
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:

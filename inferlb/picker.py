@@ -26,6 +26,7 @@ import uvicorn
 
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.otel.loop import SpanLoop
+from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.api import create_admin_app
 from inferlb.scorer.classes import Admission, Classifier
@@ -38,6 +39,7 @@ from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.signals import Signals
+from inferlb.sim.spans import create_tracer_provider
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ class Picker:
                 self._admin.should_exit = True
             if self.spans is not None:
                 await self.spans.stop()
+            if self.service.route_spans is not None:
+                await asyncio.to_thread(self.service.route_spans.shutdown)
             await self._stop_collectors()
             for task in self._tasks:
                 if task.get_name() != "admin":
@@ -293,6 +297,10 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
         spans = SpanLoop(config.otel, pool, signals)
         if config.otel.inject_traceparent:
             service.trace_join = spans.join
+    if config.otel.exporter != "none" and config.otel.export_endpoint is not None:
+        protocol = "grpc" if config.otel.exporter == "otlp-grpc" else "http/protobuf"
+        provider = create_tracer_provider(config.otel.export_endpoint, protocol=protocol, service_name="inferlb")
+        service.route_spans = RouteSpans(provider)
     picker = Picker(
         config,
         engine,

@@ -72,6 +72,8 @@ class OtelConfig:
 
     receiver: str | None = None
     inject_traceparent: bool = True
+    exporter: str = "none"  # where the picker's own inferlb.route spans go: none | otlp-grpc | otlp-http
+    export_endpoint: str | None = None
     window_s: float = 60.0
     half_life_s: float = 10.0
     publish_interval_s: float = 0.25
@@ -229,7 +231,16 @@ def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
     raw = _mapping(
         value,
         "otel",
-        allowed={"receiver", "inject_traceparent", "window_s", "half_life_s", "publish_interval_s", "heatmap_bucket_s"},
+        allowed={
+            "receiver",
+            "inject_traceparent",
+            "window_s",
+            "half_life_s",
+            "publish_interval_s",
+            "heatmap_bucket_s",
+            "exporter",
+            "export_endpoint",
+        },
     )
     out: dict[str, Any] = {}
     if raw.get("receiver") is not None:
@@ -241,6 +252,15 @@ def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
         if not isinstance(raw["inject_traceparent"], bool):
             raise ConfigError(f"otel.inject_traceparent must be true or false; got {raw['inject_traceparent']!r}")
         out["inject_traceparent"] = raw["inject_traceparent"]
+    if "exporter" in raw:
+        exporter = raw["exporter"]
+        if exporter not in ("none", "otlp-grpc", "otlp-http"):
+            raise ConfigError(f"otel.exporter must be none, otlp-grpc or otlp-http; got {exporter!r}")
+        out["exporter"] = exporter
+    if raw.get("export_endpoint") is not None:
+        out["export_endpoint"] = _string(raw["export_endpoint"], "otel.export_endpoint")
+    if out.get("exporter", "none") != "none" and "export_endpoint" not in out:
+        raise ConfigError("otel.export_endpoint is required with an otlp exporter (host:port or a URL)")
     bounds = (
         ("window_s", 1, 86400),
         ("half_life_s", 0.01, 86400),
