@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.classes import Admission, Classifier, ClassRule, RequestClass
@@ -22,7 +21,7 @@ from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.signals import Signals
 
-from .test_server import MODEL, FakeEnvoy, body_message, destination, headers_message
+from .test_server import MODEL, destination, route_buffered
 
 ENDPOINTS = [("127.0.0.1:9101", "fast"), ("127.0.0.1:9102", "fast"), ("127.0.0.1:9103", "long")]
 BATCH = RequestClass("batch", on_saturation="shed", retry_after_s=7)
@@ -106,16 +105,7 @@ async def saturated() -> AsyncIterator[tuple[PickerServer, Signals]]:
 
 
 async def send(server: PickerServer, body: dict, *, class_hint: str | None = None):
-    envoy = FakeEnvoy(server)
-    try:
-        message = headers_message(body_mode=ProcessingMode.BUFFERED)
-        if class_hint is not None:
-            header = message.request_headers.headers.headers.add()
-            header.key, header.raw_value = "x-class", class_hint.encode()
-        await envoy.send(message)
-        return await envoy.send(body_message(body))
-    finally:
-        await envoy.close()
+    return await route_buffered(server, body, {"x-class": class_hint})
 
 
 async def test_only_the_class_pool_counts_and_is_used(saturated) -> None:

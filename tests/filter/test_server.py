@@ -87,6 +87,24 @@ class FakeEnvoy:
         await self.channel.close()
 
 
+async def route_buffered(
+    picker: PickerServer, body: dict[str, Any], headers: dict[str, str | None]
+) -> ProcessingResponse:
+    """One request the way Envoy sends a buffered-body route: headers (plus ``headers``; None values are left
+    out), then the JSON body; returns the picker's reply to the body."""
+    envoy = FakeEnvoy(picker)
+    try:
+        message = headers_message(body_mode=ProcessingMode.BUFFERED)
+        for key, value in headers.items():
+            if value is not None:
+                header = message.request_headers.headers.headers.add()
+                header.key, header.raw_value = key, value.encode()
+        await envoy.send(message)
+        return await envoy.send(body_message(body))
+    finally:
+        await envoy.close()
+
+
 def destination(reply: ProcessingResponse) -> str:
     phase = reply.WhichOneof("response")
     common = getattr(reply, phase).response

@@ -8,7 +8,7 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.otel.receiver import TraceJoin
 
-from .test_server import MODEL, FakeEnvoy, body_message, destination, headers_message, make_engine
+from .test_server import MODEL, FakeEnvoy, body_message, destination, headers_message, make_engine, route_buffered
 
 INCOMING = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -31,16 +31,7 @@ def header(reply, key: str) -> str | None:
 @pytest.mark.parametrize("incoming", [None, INCOMING, "00-zz-bad-01", "00-" + "0" * 32 + "-00f067aa0ba902b7-01"])
 async def test_routed_requests_carry_a_traceparent_that_the_join_knows(traced, incoming):
     server, join = traced
-    envoy = FakeEnvoy(server)
-    try:
-        message = headers_message(body_mode=ProcessingMode.BUFFERED)
-        if incoming is not None:
-            h = message.request_headers.headers.headers.add()
-            h.key, h.raw_value = "traceparent", incoming.encode()
-        await envoy.send(message)
-        reply = await envoy.send(body_message({"model": MODEL, "prompt": "hi"}))
-    finally:
-        await envoy.close()
+    reply = await route_buffered(server, {"model": MODEL, "prompt": "hi"}, {"traceparent": incoming})
     traceparent = header(reply, "traceparent")
     version, trace, span, flags = traceparent.split("-")
     assert (version, len(trace), len(span), flags) == ("00", 32, 16, "01")

@@ -4,7 +4,6 @@ made a child of it through the injected traceparent."""
 from __future__ import annotations
 
 import pytest
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -15,7 +14,12 @@ from inferlb.otel.routespans import ROUTE_SPAN, RouteSpans
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.errors import ConfigError
 
-from ..filter.test_server import MODEL, FakeEnvoy, body_message, destination, headers_message, make_engine
+from ..filter.test_server import (
+    MODEL,
+    destination,
+    make_engine,
+    route_buffered,
+)
 
 INCOMING = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -34,16 +38,7 @@ async def traced():
 
 
 async def send(server, body, traceparent=None):
-    envoy = FakeEnvoy(server)
-    try:
-        message = headers_message(body_mode=ProcessingMode.BUFFERED)
-        if traceparent is not None:
-            h = message.request_headers.headers.headers.add()
-            h.key, h.raw_value = "traceparent", traceparent.encode()
-        await envoy.send(message)
-        return await envoy.send(body_message(body))
-    finally:
-        await envoy.close()
+    return await route_buffered(server, body, {"traceparent": traceparent})
 
 
 def injected(reply) -> str:
