@@ -15,7 +15,8 @@ from inferlb.scorer.promtext import parse_exposition
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
-def test_every_dashboard_query_names_a_metric_the_picker_exposes() -> None:
+async def test_every_dashboard_query_names_a_metric_the_picker_exposes() -> None:
+    # create_picker builds gRPC servers, which belong to a running event loop.
     dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     names = {m for e in exprs for m in re.findall(r"\b(inferlb_[a-z0-9_]+)", e)}
