@@ -114,6 +114,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         lease: Lease | None = None
         features: RequestFeatures | None = None
         decided = False
+        # With Envoy's own tracing on, Envoy sends its trace context on this gRPC stream and later replaces the
+        # traceparent we set on the upstream request with its own: the server's span then carries Envoy's trace
+        # id, so the join remembers that one too.
+        envoy_trace = _envoy_trace_id(context) if self.trace_join is not None else None
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
@@ -147,6 +151,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     yield self._refuse(refusal)
                     continue
                 reply, lease = self._route(features, replies)
+                if envoy_trace is not None and lease is not None and self.trace_join is not None:
+                    self.trace_join.record(envoy_trace, lease.index)
                 yield reply
         except Exception:
             self.stats.failed += 1
@@ -226,6 +232,17 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     def _refuse(self, error: RequestError) -> ProcessingResponse:
         self.stats.refused[error.status] += 1
         return error_reply(error)
+
+
+def _envoy_trace_id(context: grpc.aio.ServicerContext) -> bytes | None:
+    try:
+        metadata = context.invocation_metadata() or ()
+    except Exception:  # a context without metadata (a test double): nothing to learn
+        return None
+    for key, value in metadata:
+        if key == "traceparent":
+            return _trace_id(value if isinstance(value, str) else value.decode("latin-1"))
+    return None
 
 
 def _trace_id(traceparent: str | None) -> bytes | None:

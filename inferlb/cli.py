@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="also send this request header to the picker (repeatable)",
     )
+    envoy.add_argument(
+        "--tracing", action="store_true", help="send Envoy's own spans to the picker's OTLP receiver (otel.receiver)"
+    )
     envoy.add_argument("--out", type=Path, help="write here instead of stdout")
     envoy.set_defaults(run=_envoy_config)
 
@@ -163,6 +166,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
         fallback_lb_policy=args.fallback_lb_policy,
         access_log_path=None if args.access_log == "none" else args.access_log,
         forward_headers=tuple(args.forward_header),
+        tracing=args.tracing,
     )
     text = render_bootstrap(load_config(args.config), options)
     if args.out:

@@ -42,6 +42,7 @@ class EnvoyOptions:
     access_log_path: str | None = "/dev/stdout"
     picker: bool = True
     forward_headers: tuple[str, ...] = FORWARD_HEADERS
+    tracing: bool = False  # send Envoy's own spans to the picker's OTLP receiver (config otel.receiver)
 
 
 def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
@@ -59,6 +60,15 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
     for name in ("message_timeout_ms", "connect_timeout_ms", "max_requests"):
         if getattr(options, name) <= 0:
             raise EnvoyConfigError(f"{name} must be > 0; got {getattr(options, name)}")
+    tracer_host, tracer_port = "", 0
+    if options.tracing:
+        if config.otel.receiver is None:
+            raise EnvoyConfigError(
+                "Envoy tracing sends spans to the picker's receiver: set otel.receiver in its config"
+            )
+        tracer_host, tracer_port = _address(config.otel.receiver, "otel.receiver")
+        if tracer_host in ("0.0.0.0", "::"):
+            tracer_host = "127.0.0.1" if tracer_host == "0.0.0.0" else "::1"
     template_text = importlib.resources.files("inferlb.envoy").joinpath(TEMPLATE).read_text(encoding="utf-8")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
     text = env.from_string(template_text).render(
@@ -67,6 +77,9 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         admin_host=admin_host,
         admin_port=admin_port,
         picker=options.picker,
+        tracer=options.tracing,
+        tracer_host=tracer_host,
+        tracer_port=tracer_port,
         picker_host=picker_host,
         picker_port=picker_port,
         endpoints=[parse_address(e.address) for e in config.endpoints],

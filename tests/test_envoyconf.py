@@ -142,3 +142,18 @@ def test_extra_forwarded_headers_are_added_lowercased() -> None:
     ext_proc = hcm(doc)["http_filters"][0]["typed_config"]
     forwarded = [p["exact"] for p in ext_proc["forward_rules"]["allowed_headers"]["patterns"]]
     assert "x-session-id" in forwarded and ":path" in forwarded
+
+
+def test_tracing_needs_the_receiver_and_points_envoy_at_it() -> None:
+    pool = {"endpoints": [{"address": "10.0.0.1:80"}]}
+    with pytest.raises(EnvoyConfigError, match=r"otel\.receiver"):
+        render_bootstrap(parse_config({"pool": pool}), EnvoyOptions(tracing=True))
+    config = parse_config({"pool": pool, "otel": {"receiver": "0.0.0.0:4317"}})
+    doc = yaml.safe_load(render_bootstrap(config, EnvoyOptions(tracing=True)))
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    address = clusters["inferlb_otlp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "127.0.0.1", "port_value": 4317}
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["tracing"]["provider"]["name"] == "envoy.tracers.opentelemetry"
+    plain = yaml.safe_load(render_bootstrap(config, EnvoyOptions()))["static_resources"]["listeners"][0]
+    assert "tracing" not in plain["filter_chains"][0]["filters"][0]["typed_config"]

@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
+from inferlb.envoyconf import EnvoyOptions
 from inferlb.scorer.promtext import parse_exposition
 from inferlb.sim.replay import Shot, replay
 from inferlb.stack import LocalStack, StackOptions
@@ -102,3 +103,22 @@ def test_a_slowed_server_is_the_hot_row_of_the_heatmap(tmp_path: Path) -> None:
     assert hottest == slow
     others = [v for e, row in rows.items() if e != slow for v in row if v is not None]
     assert min(v for v in rows[slow] if v is not None) > max(others)  # every cell of its row is hotter
+
+
+def test_envoy_spans_reach_the_receiver_and_server_spans_still_join(tmp_path: Path) -> None:
+    options = StackOptions(backends=2, models=(MODEL,), policy="default", spans=True, envoy=EnvoyOptions(tracing=True))
+    with LocalStack(options, tmp_path) as stack, httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+        for i in range(10):
+            response = client.post("/v1/completions", json={"model": MODEL, "prompt": f"hello {i}", "max_tokens": 4})
+            assert response.status_code == 200
+        deadline = time.monotonic() + 20
+        while True:
+            metrics = parse_exposition(httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text)
+            outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics.get("inferlb_spans_received").samples}
+            joined = outcomes["joined_by_trace"] + outcomes["joined_by_resource"]
+            if joined >= 10 and outcomes["envoy"] >= 10:
+                break
+            assert time.monotonic() < deadline, outcomes
+            time.sleep(0.2)
+    assert outcomes["unjoined"] == 0
+    assert outcomes["joined_by_trace"] == 10, outcomes  # Envoy's tracer did not replace the picker's traceparent
