@@ -15,19 +15,15 @@ import gc
 import logging
 import os
 import signal
-import socket
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import uvicorn
 
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.otel.loop import SpanLoop
 from inferlb.otel.routespans import RouteSpans
-from inferlb.scorer.address import parse_address
 from inferlb.scorer.api import create_admin_app
 from inferlb.scorer.classes import Admission, Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
@@ -39,6 +35,7 @@ from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.signals import Signals
+from inferlb.serving import serve as serve_asgi
 from inferlb.sim.spans import create_tracer_provider
 
 logger = logging.getLogger(__name__)
@@ -62,11 +59,9 @@ class Picker:
     gpu_collector: GpuCollector | None = None
     reloads: int = 0
     config_refusals: int = 0
-    admin_port: int | None = None
     listen_override: str | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _collector_tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _admin: uvicorn.Server | None = None
     _started: bool = False
     spans: SpanLoop | None = None
 
@@ -77,11 +72,23 @@ class Picker:
             await self.spans.start()
         self._start_collectors()
         if self.config.admin is not None:
-            self._tasks.append(loop.create_task(self._serve_admin(self.config.admin), name="admin"))
-            while self._admin is None or not self._admin.started:
-                if self._tasks[-1].done():
-                    self._tasks[-1].result()  # raises the bind error
-                await asyncio.sleep(0.01)
+            # The picker handles SIGTERM/SIGINT for all of its parts; the admin server stops when cancelled.
+            listening = asyncio.Event()
+            admin = loop.create_task(
+                serve_asgi(
+                    [(self.config.admin, create_admin_app(self))],
+                    ready=listening,
+                    handle_signals=False,
+                    what="admin API",
+                ),
+                name="admin",
+            )
+            self._tasks.append(admin)
+            waiting = loop.create_task(listening.wait())
+            await asyncio.wait([waiting, admin], return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            if admin.done():
+                admin.result()  # raises the bind error
         if self.config_path is not None:
             self._tasks.append(loop.create_task(self._watch(self.config_path), name="config watch"))
         self._started = True
@@ -90,16 +97,13 @@ class Picker:
         try:
             await self.server.stop(grace)
         finally:
-            if self._admin is not None:
-                self._admin.should_exit = True
             if self.spans is not None:
                 await self.spans.stop()
             if self.service.route_spans is not None:
                 await asyncio.to_thread(self.service.route_spans.shutdown)
             await self._stop_collectors()
             for task in self._tasks:
-                if task.get_name() != "admin":
-                    task.cancel()
+                task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._tasks.clear()
 
@@ -230,33 +234,6 @@ class Picker:
                 logger.error("config file changed but was refused; the old config stays in force: %s", exc)
 
     # ---- admin API ----------------------------------------------------------------------------------------
-
-    async def _serve_admin(self, address: str) -> None:
-        host, port = parse_address(address)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(exc.errno, f"admin API cannot bind {address}: {exc.strerror}") from exc
-        self.admin_port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            create_admin_app(self), log_config=None, log_level="warning", access_log=False, lifespan="off", ws="none"
-        )
-        self._admin = _QuietServer(config)
-        try:
-            await self._admin.serve(sockets=[sock])
-        finally:
-            sock.close()
-
-
-class _QuietServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the picker handles SIGTERM/SIGINT for all of its parts."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def _admission(config: Config, pool: Pool, signals: Signals) -> Admission:

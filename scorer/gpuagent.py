@@ -15,20 +15,18 @@ import contextlib
 import importlib
 import logging
 import math
-import signal
-import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.gpustate import GpuReport, parse_gpu_report
+from inferlb.serving import serve
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -336,97 +334,13 @@ def create_agent_app(
 # Serving
 
 
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signals to :func:`serve_agent` and tells when it is listening."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.listening = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # uvicorn's own capture re-raises the signal after shutdown, which would kill the process before the
-        # caller has released NVML.
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            self.listening.set()
-
-
 async def serve_agent(app: FastAPI, listen: str, *, ready: asyncio.Event | None = None) -> None:
     """Serve ``app`` on ``listen`` (literal ``ip:port``) until SIGTERM/SIGINT or cancellation, then shut down
     gracefully and return. A malformed address raises ValueError, a busy one OSError naming it; ``ready`` is set
     once the server listens. Signal handlers are installed only in the main thread and put back on return."""
     try:
-        host, port = parse_address(listen)
+        parse_address(listen)
     except ValueError as exc:
         raise ValueError(f"bad listen address {listen!r}: {exc}") from None
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"cannot bind {listen}: {exc.strerror}") from exc
-    server = _Server(
-        uvicorn.Config(
-            app,
-            log_config=None,  # the caller owns logging; uvicorn's dictConfig would replace handlers process-wide
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            ws="none",
-            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
-        )
-    )
-    restore = _install_signal_handlers(asyncio.get_running_loop(), server)
-    task = asyncio.create_task(server.serve(sockets=[sock]), name=f"gpu-agent {listen}")
-    try:
-        listening = asyncio.create_task(server.listening.wait())
-        try:
-            await asyncio.wait([listening, task], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            listening.cancel()
-        if server.listening.is_set():
-            logger.info("GPU agent listening on %s", listen)
-            if ready is not None:
-                ready.set()
-        await asyncio.shield(task)
-    finally:
-        server.should_exit = True
-        try:
-            await asyncio.wait([task])
-        finally:
-            restore()
-            sock.close()
-
-
-def _install_signal_handlers(loop: asyncio.AbstractEventLoop, server: _Server) -> Callable[[], None]:
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def on_signal(signum: int) -> None:
-        logger.info("GPU agent: got %s, shutting down", signal.Signals(signum).name)
-        if server.should_exit and signum == signal.SIGINT:
-            server.force_exit = True
-        server.should_exit = True
-
-    previous: dict[int, Any] = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(signum)
-        try:
-            loop.add_signal_handler(signum, on_signal, signum)
-        except (NotImplementedError, RuntimeError, ValueError) as exc:
-            logger.warning("GPU agent: cannot handle %s in this loop (%s); stop it by cancelling", signum, exc)
-            continue
-        previous[signum] = handler
-
-    def restore() -> None:
-        for signum, handler in previous.items():
-            loop.remove_signal_handler(signum)
-            if handler is not None:
-                signal.signal(signum, handler)
-
-    return restore
+    # lifespan "on": the app's sampler starts and stops with the server.
+    await serve([(listen, app)], ready=ready, lifespan="on", what="GPU agent")

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from inferlb.sim.serve import serve
+from inferlb.serving import serve
 from inferlb.sim.server import FAULT_KEYS, EmulatedServer, ServerOptions
 from inferlb.sim.spans import RequestSpans, create_tracer_provider
 

@@ -31,11 +31,11 @@ from typing import Any
 import orjson
 
 from inferlb.scorer.gpustate import GpuInfo, GpuReport
+from inferlb.serving import ASGIApp, Receive, Scope, Send
 from inferlb.sim.engine import Engine, EngineOptions, RequestState, SimRequest
 from inferlb.sim.metrics import VllmMetrics
 from inferlb.sim.openai import BadRequest, Prompt, chunk_event, completion_body, parse_chat, parse_completion
 from inferlb.sim.profiles import Profile
-from inferlb.sim.serve import ASGIApp, Receive, Scope, Send
 from inferlb.sim.spans import RequestSpans
 
 __all__ = ["FAULT_KEYS", "SEEN_DEST_HEADER", "SERVER_HEADER", "EmulatedServer", "ServerOptions"]

@@ -16,8 +16,8 @@ from inferlb.procs import free_port
 from inferlb.scorer.config import load_config
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.promtext import parse_exposition
+from inferlb.serving import serve
 from inferlb.sim.profiles import get_profile
-from inferlb.sim.serve import serve
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
 H100 = get_profile("h100-llama3.1-8b")

@@ -14,8 +14,8 @@ from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
+from inferlb.serving import serve
 from inferlb.sim.profiles import get_profile
-from inferlb.sim.serve import serve
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
 H100 = get_profile("h100-llama3.1-8b")

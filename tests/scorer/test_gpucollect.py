@@ -12,8 +12,8 @@ from inferlb.procs import free_port
 from inferlb.scorer.config import GpuSource
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.signals import Signals
+from inferlb.serving import serve
 from inferlb.sim.profiles import get_profile
-from inferlb.sim.serve import serve
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
 TP4 = get_profile("h100x4-llama3.1-70b")

@@ -17,10 +17,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from inferlb.procs import free_port
 from inferlb.scorer.gpustate import parse_gpu_report
 from inferlb.scorer.promtext import read_vllm
+from inferlb.serving import serve
 from inferlb.sim.engine import Engine, EngineOptions, SimRequest
 from inferlb.sim.openai import output_text
 from inferlb.sim.profiles import get_profile
-from inferlb.sim.serve import serve
 from inferlb.sim.server import SEEN_DEST_HEADER, SERVER_HEADER, EmulatedServer, ServerOptions
 from inferlb.sim.spans import RequestSpans
 from inferlb.sim.tokens import count_tokens

@@ -1,6 +1,7 @@
-"""Running ASGI apps on loopback: one uvicorn server per address, all in the current event loop.
+"""Serving ASGI apps: one uvicorn server per address, all in the current event loop.
 
-Used by ``inferlb sim`` to serve several emulated inference servers from one process.
+The one way the project runs HTTP servers: ``inferlb sim`` (several emulated servers in one process), the GPU
+agent, and the picker's admin API (which leaves signals to the picker).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import signal
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -33,7 +34,14 @@ _GRACEFUL_SHUTDOWN_S = 5
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-async def serve(apps: Sequence[tuple[str, ASGIApp]], *, ready: asyncio.Event | None = None) -> None:
+async def serve(
+    apps: Sequence[tuple[str, ASGIApp]],
+    *,
+    ready: asyncio.Event | None = None,
+    lifespan: Literal["auto", "on", "off"] = "off",
+    handle_signals: bool = True,
+    what: str = "server",
+) -> None:
     """Serve each ``(address, app)`` in the running event loop until SIGTERM/SIGINT or cancellation.
 
     Every address is validated and bound before any server starts: a malformed address raises ValueError, a busy
@@ -46,8 +54,11 @@ async def serve(apps: Sequence[tuple[str, ASGIApp]], *, ready: asyncio.Event | N
     loop cannot receive signals, so stop by cancelling); the previous Python-level handlers are put back on return.
     uvicorn's own per-server signal capture is disabled because with several servers in one loop each would replace
     the process-wide handler of the one before, and it re-raises the signal after shutdown.
+
+    ``lifespan`` is uvicorn's setting ("on" for apps with start-up work); ``handle_signals=False`` leaves signals to
+    the caller (stop by cancelling); ``what`` names the servers in messages ("bad {what} address ...").
     """
-    endpoints = [(address, *_parse_address(address)) for address, _ in apps]
+    endpoints = [(address, *_parse_address(address, what)) for address, _ in apps]
     if not endpoints:
         raise ValueError("serve() needs at least one address")
     addresses = [address for address, _ in apps]
@@ -70,7 +81,7 @@ async def serve(apps: Sequence[tuple[str, ASGIApp]], *, ready: asyncio.Event | N
                 log_config=None,
                 log_level="warning",
                 access_log=False,
-                lifespan="off",
+                lifespan=lifespan,
                 ws="none",
                 timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
             )
@@ -78,12 +89,12 @@ async def serve(apps: Sequence[tuple[str, ASGIApp]], *, ready: asyncio.Event | N
         for _, app in apps
     ]
     loop = asyncio.get_running_loop()
-    restore_signals = _install_signal_handlers(loop, servers)
+    restore_signals = _install_signal_handlers(loop, servers) if handle_signals else (lambda: None)
     tasks: list[asyncio.Task[None]] = []
     try:
         # Pre-bound sockets: uvicorn's own bind failure path calls sys.exit(), which escapes an event loop.
         tasks = [
-            asyncio.create_task(server.serve(sockets=[sock]), name=f"sim {address}")
+            asyncio.create_task(server.serve(sockets=[sock]), name=f"{what} {address}")
             for server, sock, (address, _, _) in zip(servers, sockets, endpoints, strict=True)
         ]
         listening = asyncio.create_task(_all_listening(servers))
@@ -92,7 +103,7 @@ async def serve(apps: Sequence[tuple[str, ASGIApp]], *, ready: asyncio.Event | N
         finally:
             listening.cancel()
         if listening.done() and not listening.cancelled():
-            logger.info("emulated servers listening on %s", ", ".join(addresses))
+            logger.info("%s listening on %s", what, ", ".join(addresses))
             if ready is not None:
                 ready.set()
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -138,11 +149,11 @@ async def _all_listening(servers: Sequence[_Server]) -> None:
 def _install_signal_handlers(loop: asyncio.AbstractEventLoop, servers: Sequence[_Server]) -> Callable[[], None]:
     """Make SIGINT/SIGTERM stop every server; return a function that undoes it."""
     if threading.current_thread() is not threading.main_thread():
-        logger.debug("sim: not in the main thread, no signal handlers; stop serve() by cancelling it")
+        logger.debug("not in the main thread, no signal handlers; stop serve() by cancelling it")
         return lambda: None
 
     def on_signal(signum: int) -> None:
-        logger.info("sim: got %s, shutting down", signal.Signals(signum).name)
+        logger.info("got %s, shutting down", signal.Signals(signum).name)
         for server in servers:
             if server.should_exit and signum == signal.SIGINT:
                 server.force_exit = True
@@ -155,7 +166,7 @@ def _install_signal_handlers(loop: asyncio.AbstractEventLoop, servers: Sequence[
             loop.add_signal_handler(signum, on_signal, signum)
         except (NotImplementedError, RuntimeError, ValueError) as exc:
             # e.g. a loop without signal support; cancellation still works.
-            logger.warning("sim: cannot handle %s in this loop (%s); stop serve() by cancelling it", signum, exc)
+            logger.warning("cannot handle %s in this loop (%s); stop serve() by cancelling it", signum, exc)
             continue
         previous[signum] = handler
 
@@ -182,11 +193,11 @@ def _bind(address: str, host: str, port: int) -> socket.socket:
     return sock
 
 
-def _parse_address(address: str) -> tuple[str, int]:
+def _parse_address(address: str, what: str) -> tuple[str, int]:
     """Split literal ``"ip:port"`` / ``"[ipv6]:port"``; ValueError naming the address otherwise.
 
     The same rules as the pool's addresses: a server must be something the picker can name."""
     try:
         return parse_address(address)
     except ValueError as exc:
-        raise ValueError(f"bad server address {address!r}: {exc}") from None
+        raise ValueError(f"bad {what} address {address!r}: {exc}") from None
