@@ -150,9 +150,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
                     yield self._refuse(refusal)
                     continue
-                reply, lease = self._route(features, replies)
-                if envoy_trace is not None and lease is not None and self.trace_join is not None:
-                    self.trace_join.record(envoy_trace, lease.index)
+                reply, lease = self._route(features, replies, envoy_trace)
                 yield reply
         except Exception:
             self.stats.failed += 1
@@ -196,7 +194,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         return None
 
     def _route(
-        self, features: RequestFeatures, replies: tuple[ProcessingResponse, ...]
+        self, features: RequestFeatures, replies: tuple[ProcessingResponse, ...], envoy_trace: bytes | None = None
     ) -> tuple[ProcessingResponse, Lease | None]:
         engine = self.engine
         spans = self.route_spans
@@ -227,6 +225,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             trace_id, traceparent = traced
         if join is not None:
             join.record(trace_id, index)
+            if envoy_trace is not None:
+                join.record(envoy_trace, index)
         return with_header(replies[index], "traceparent", traceparent), lease
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:

@@ -40,10 +40,16 @@ from inferlb.scorer.address import format_address
 
 __all__ = [
     "DEFAULT_LATENCY_BOUNDS",
+    "E2E_ATTRIBUTE",
+    "LLM_SPAN",
+    "TTFT_ATTRIBUTE",
     "HeatmapAggregator",
     "HeatmapSpanExporter",
     "add_otlp_request",
+    "latency_seconds",
     "load_otlp_json_lines",
+    "otlp_attributes",
+    "span_endpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -150,15 +156,15 @@ class HeatmapAggregator:
 
         ``ttft_s``/``e2e_s`` are seconds, None when unknown. ``endpoint`` None counts in `unattributed`.
         """
-        ttft = _latency(ttft_s)
-        bad = (ttft_s is not None and ttft is None) or (e2e_s is not None and _latency(e2e_s) is None)
+        ttft = latency_seconds(ttft_s)
+        bad = (ttft_s is not None and ttft is None) or (e2e_s is not None and latency_seconds(e2e_s) is None)
         with self._lock:
             if bad:
                 self.invalid += 1
             if endpoint is None:
                 self.unattributed += 1
                 return
-            if not isinstance(endpoint, str) or not endpoint or _latency(end_time_s) is None:
+            if not isinstance(endpoint, str) or not endpoint or latency_seconds(end_time_s) is None:
                 if not bad:
                     self.invalid += 1
                 return
@@ -271,7 +277,7 @@ class HeatmapAggregator:
         return cell.hi  # unreachable while hist sums to n
 
 
-def _latency(value: Any) -> float | None:
+def latency_seconds(value: Any) -> float | None:
     """``value`` as finite seconds >= 0, else None."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
@@ -306,12 +312,14 @@ def _feed(
         return False
     end_s = end_ns / 1e9 if end_ns else math.nan  # OTLP's "unset" is 0; the aggregator counts NaN as invalid
     aggregator.add(
-        end_s, _endpoint(attributes, resource), attributes.get(TTFT_ATTRIBUTE), attributes.get(E2E_ATTRIBUTE)
+        end_s, span_endpoint(attributes, resource), attributes.get(TTFT_ATTRIBUTE), attributes.get(E2E_ATTRIBUTE)
     )
     return True
 
 
-def _endpoint(attributes: Mapping[str, Any], resource: Mapping[str, Any]) -> str | None:
+def span_endpoint(attributes: Mapping[str, Any], resource: Mapping[str, Any]) -> str | None:
+    """The "ip:port" a span names as its server: ``inferlb.endpoint``, else ``server.address`` + ``server.port``
+    of the span, then of its resource; None if none does."""
     named = attributes.get(ENDPOINT_ATTRIBUTE)
     if isinstance(named, str) and named:
         return named
@@ -378,16 +386,17 @@ def add_otlp_request(aggregator: HeatmapAggregator, request: ExportTraceServiceR
     """
     matched = 0
     for resource_spans in request.resource_spans:
-        resource = _otlp_attributes(resource_spans.resource.attributes)
+        resource = otlp_attributes(resource_spans.resource.attributes)
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 matched += _feed(
-                    aggregator, span.name, span.end_time_unix_nano, _otlp_attributes(span.attributes), resource
+                    aggregator, span.name, span.end_time_unix_nano, otlp_attributes(span.attributes), resource
                 )
     return matched
 
 
-def _otlp_attributes(pairs: Any) -> dict[str, Any]:
+def otlp_attributes(pairs: Any) -> dict[str, Any]:
+    """OTLP protobuf key-values as a dict of their scalar values (arrays and maps are left out)."""
     attributes: dict[str, Any] = {}
     for pair in pairs:
         kind = pair.value.WhichOneof("value")

@@ -12,25 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1 import common_pb2
 
-from inferlb.otel.heatmap import HeatmapAggregator
+from inferlb.otel.heatmap import (
+    E2E_ATTRIBUTE,
+    LLM_SPAN,
+    TTFT_ATTRIBUTE,
+    HeatmapAggregator,
+    latency_seconds,
+    otlp_attributes,
+    span_endpoint,
+)
 
 __all__ = ["LLM_SPAN", "ReceiverStats", "SpanReceiver", "TraceJoin"]
 
 logger = logging.getLogger(__name__)
-
-LLM_SPAN = "llm_request"
-TTFT = "gen_ai.latency.time_to_first_token"
-E2E = "gen_ai.latency.e2e"
 
 
 class TraceJoin:
@@ -65,23 +67,6 @@ class ReceiverStats:
     unjoined: int = 0
     envoy_spans: int = 0
     malformed: int = 0
-    by_endpoint: Counter[str] = field(default_factory=Counter)
-
-
-def _value(any_value: common_pb2.AnyValue) -> Any:
-    kind = any_value.WhichOneof("value")
-    return getattr(any_value, kind) if kind else None
-
-
-def _attributes(pairs: Any) -> dict[str, Any]:
-    return {kv.key: _value(kv.value) for kv in pairs}
-
-
-def _seconds(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) and value >= 0 else None
 
 
 class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -142,8 +127,7 @@ class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def process(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
         stats = self.stats
         for resource_spans in request.resource_spans:
-            resource = _attributes(resource_spans.resource.attributes)
-            server = _server_address(resource)
+            resource = otlp_attributes(resource_spans.resource.attributes)
             is_envoy = str(resource.get("service.name", "")).lower().startswith("envoy")
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
@@ -152,17 +136,18 @@ class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                         stats.envoy_spans += 1
                         continue
                     try:
-                        self._span(span, server)
+                        self._span(span, resource)
                     except Exception:  # a span of a shape we never imagined: skip it, count it
                         stats.malformed += 1
 
-    def _span(self, span: Any, server: str | None) -> None:
+    def _span(self, span: Any, resource: Mapping[str, Any]) -> None:
         stats = self.stats
-        attributes = _attributes(span.attributes)
-        if span.name != LLM_SPAN and TTFT not in attributes and E2E not in attributes:
+        attributes = otlp_attributes(span.attributes)
+        if span.name != LLM_SPAN and TTFT_ATTRIBUTE not in attributes and E2E_ATTRIBUTE not in attributes:
             return
         stats.llm_spans += 1
-        ttft, e2e = _seconds(attributes.get(TTFT)), _seconds(attributes.get(E2E))
+        ttft = latency_seconds(attributes.get(TTFT_ATTRIBUTE))
+        e2e = latency_seconds(attributes.get(E2E_ATTRIBUTE))
         if ttft is None and e2e is None:
             stats.malformed += 1
             return
@@ -170,28 +155,12 @@ class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         if endpoint is not None:
             stats.joined_by_trace += 1
         else:
+            server = span_endpoint(attributes, resource)
             endpoint = self.endpoints.get(server) if server is not None else None
-            if endpoint is None:
-                attr_server = _server_address(attributes)
-                endpoint = self.endpoints.get(attr_server) if attr_server is not None else None
             if endpoint is None:
                 stats.unjoined += 1
                 return
             stats.joined_by_resource += 1
-        stats.by_endpoint[str(endpoint)] += 1
         self.observe(endpoint, ttft, e2e)
         if self.heatmap is not None:
             self.heatmap.add(span.end_time_unix_nano / 1e9, self._addresses.get(endpoint), ttft, e2e)
-
-
-def _server_address(attributes: Mapping[str, Any]) -> str | None:
-    host, port = attributes.get("server.address"), attributes.get("server.port")
-    if not isinstance(host, str) or not host:
-        return None
-    if ":" in host and not host.startswith("["):  # an IPv6 literal
-        host = f"[{host}]"
-    if isinstance(port, int) and not isinstance(port, bool):
-        return f"{host}:{port}"
-    if isinstance(port, str) and port.isdigit():
-        return f"{host}:{port}"
-    return host  # perhaps already "ip:port"; the pool lookup decides

@@ -199,11 +199,6 @@ class Engine:
     def ready(self) -> bool:
         return self.now >= self.ready_at
 
-    def next_step_end(self) -> float | None:
-        """When the step in progress ends; None when idle or hung."""
-        seg = self._segment
-        return None if seg is None else seg.end_of(seg.done + 1)
-
     def segment_end(self) -> float | None:
         """When the planned run of steps ends (the next time a request can finish or join); None when idle."""
         seg = self._segment
@@ -431,9 +426,7 @@ class Engine:
                 if more:
                     # The next step of the segment is already running: it holds the block for its token.
                     cache.allocate(request.blocks, cache.blocks_for(request.computed + 1) - request.blocks.blocks)
-        else:
-            # A mixed step is a segment of one; its effects land in _finish_segment.
-            pass
+        # A mixed step is a segment of one; its effects land in _finish_segment.
         seg.done = n
 
     def _finish_segment(self, seg: _Segment, end: float) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from inferlb.scorer.gpustate import GpuInfo, GpuReport
-from inferlb.serving import ASGIApp, Receive, Scope, Send
+from inferlb.serving import Receive, Scope, Send
 from inferlb.sim.engine import Engine, EngineOptions, RequestState, SimRequest
 from inferlb.sim.metrics import VllmMetrics
 from inferlb.sim.openai import BadRequest, Prompt, chunk_event, completion_body, parse_chat, parse_completion
@@ -569,7 +569,3 @@ async def _send_error(
     # vLLM's error shape: {"error": {"message", "type", "param", "code"}}.
     payload = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     await _send_json(send, status, payload, headers)
-
-
-def as_app(server: EmulatedServer) -> ASGIApp:
-    return server

@@ -209,15 +209,3 @@ def stack(vllm_servers: list[VllmServer], tmp_path_factory: pytest.TempPathFacto
     options = StackOptions(servers=tuple(s.address for s in vllm_servers), models=(MODEL,), policy="kv-aware")
     with LocalStack(options, tmp_path_factory.mktemp("gateway")) as running:
         yield running
-
-
-def log_entry(stack: LocalStack, request_id: str, timeout: float = 10.0) -> dict[str, Any]:
-    """The access-log entry of one request; Envoy flushes the log every 100 ms, so poll for it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for entry in stack.access_log():
-            if entry.get("request_id") == request_id:
-                return entry
-        if time.monotonic() > deadline:
-            raise AssertionError(f"request {request_id} not in Envoy's access log after {timeout} s")
-        time.sleep(0.05)

@@ -24,7 +24,8 @@ from inferlb.scorer.promtext import parse_exposition, read_vllm, read_vllm_signa
 from inferlb.scorer.signals import Signals
 from inferlb.stack import LocalStack
 
-from .conftest import KV_CACHE_BYTES, MODEL, VllmServer, log_entry
+from ..integration.conftest import log_entry
+from .conftest import KV_CACHE_BYTES, MODEL, VllmServer
 
 # Starting two vLLM servers is part of the first test's time.
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(400)]
