@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import time
 from collections import deque
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
+from inferlb.bench.report import header, write
 from inferlb.filter.request import apply_body
 from inferlb.procs import ProcessError, free_port
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
@@ -165,15 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scrape {scrape}", flush=True)
     (args.out / "sim.log").unlink(missing_ok=True)
     report = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m inferlb.bench.pick --out bench/results" + (" --quick" if args.quick else ""),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        **header(f"python -m inferlb.bench.pick --out bench/results{' --quick' if args.quick else ''}"),
         "picks": picks,
         "scrape": scrape,
     }
-    (args.out / "pick.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (args.out / "pick.md").write_text(_markdown(report), encoding="utf-8")
-    print(f"wrote {args.out / 'pick.md'}")
+    print(f"wrote {write(args.out, 'pick', report, _markdown)}")
     return 0
 
 

@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from inferlb.bench.report import header
 from inferlb.sim.replay import ClientRecord, Shot, replay
 from inferlb.stack import LocalStack, StackOptions
 
@@ -80,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     after = [s for k, s in shares.items() if k >= int(slowed_at) + 1]
     report: dict[str, Any] = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": f"python -m inferlb.bench.shift --out bench/results --policy {args.policy}",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        **header(f"python -m inferlb.bench.shift --out bench/results --policy {args.policy}"),
         "policy": args.policy,
         "rate_rps": args.rate,
         "slowed_at_s": round(slowed_at, 2),

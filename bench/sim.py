@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
-import platform
 import statistics
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from inferlb.bench.load import cpu_seconds
+from inferlb.bench.report import header, write
 from inferlb.procs import free_port
 from inferlb.sim.des import FleetView, simulate, trace_arrivals
 from inferlb.sim.profiles import get_profile
@@ -150,15 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     live = live_cost(traces, 8, 50.0, 5.0 if args.quick else 20.0, args.out)
     (args.out / "sim.log").unlink(missing_ok=True)
     report = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m inferlb.bench.sim --out bench/results" + (" --quick" if args.quick else ""),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        **header(f"python -m inferlb.bench.sim --out bench/results{' --quick' if args.quick else ''}"),
         "des": des,
         "live": live,
     }
-    (args.out / "sim.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (args.out / "sim.md").write_text(_markdown(report), encoding="utf-8")
-    print(f"wrote {args.out / 'sim.md'}")
+    print(f"wrote {write(args.out, 'sim', report, _markdown)}")
     return 0
 
 

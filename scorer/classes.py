@@ -111,8 +111,7 @@ class Admission:
         signals = self.signals
         snapshot = signals.snapshot
         if snapshot is not self._for:  # once per scrape
-            with np.errstate(invalid="ignore"):
-                full = (snapshot.waiting > self.max_waiting) | (snapshot.kv_usage > self.max_kv_usage)
+            full = snapshot.over(self.max_waiting, self.max_kv_usage)
             self._full, self._any_full, self._for = full, bool(full.any()), snapshot
         if not self._any_full and now <= signals.all_fresh_until:
             return False  # the usual case: nothing is full and every endpoint is fresh

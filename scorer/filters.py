@@ -52,8 +52,7 @@ class SaturationFilter:
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         snapshot = state.signals.snapshot
         if snapshot is not self._for:  # once per scrape, not once per pick
-            with np.errstate(invalid="ignore"):
-                saturated = (snapshot.waiting > self.max_waiting) | (snapshot.kv_usage > self.max_kv_usage)
+            saturated = snapshot.over(self.max_waiting, self.max_kv_usage)
             self._saturated, self._any, self._for = saturated, bool(saturated.any()), snapshot
         if not self._any:
             return candidates

@@ -80,6 +80,12 @@ class Snapshot:
         age = now - self.scraped_at
         return np.where(np.isnan(age), math.inf, age)
 
+    def over(self, max_waiting: float, max_kv_usage: float) -> np.ndarray:
+        """Per endpoint: more than ``max_waiting`` queued requests or KV-cache use above ``max_kv_usage``
+        (unknown values are not over)."""
+        with np.errstate(invalid="ignore"):
+            return (self.waiting > max_waiting) | (self.kv_usage > max_kv_usage)
+
     def with_values(self, **changes: Any) -> Snapshot:
         """A new snapshot with some arrays replaced (each copied and frozen); the rest is shared."""
         size = len(self)
