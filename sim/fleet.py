@@ -7,14 +7,15 @@ resource) and its start-up faults; `run_fleet` serves them all until SIGTERM/SIG
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
-from inferlb.serving import serve
+from inferlb.serving import ASGIApp, serve
 from inferlb.sim.server import FAULT_KEYS, EmulatedServer, ServerOptions
 from inferlb.sim.spans import RequestSpans, create_tracer_provider
 
-__all__ = ["build_fleet", "parse_fault", "run_fleet"]
+__all__ = ["build_fleet", "parse_fault", "run_fleet", "serving"]
 
 
 def parse_fault(text: str, replicas: int) -> tuple[int, dict[str, object]]:
@@ -71,10 +72,39 @@ def build_fleet(
     return servers
 
 
-async def run_fleet(servers: Sequence[EmulatedServer], *, ready: asyncio.Event | None = None) -> None:
-    """Serve ``servers`` until SIGTERM/SIGINT or cancellation, then stop their drivers and flush their spans."""
+async def run_fleet(
+    servers: Sequence[EmulatedServer],
+    *,
+    ready: asyncio.Event | None = None,
+    extra: Sequence[tuple[str, ASGIApp]] = (),
+) -> None:
+    """Serve ``servers`` (and any ``extra`` apps) until SIGTERM/SIGINT or cancellation, then stop their drivers and
+    flush their spans."""
     try:
-        await serve([(server.address, server) for server in servers], ready=ready)
+        await serve([*((server.address, server) for server in servers), *extra], ready=ready)
     finally:
         for server in servers:
             await server.aclose()
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    servers: Sequence[EmulatedServer], *, extra: Sequence[tuple[str, ASGIApp]] = (), timeout_s: float = 10.0
+) -> AsyncIterator[Sequence[EmulatedServer]]:
+    """``async with serving(servers):`` the fleet listens over loopback in this event loop for the block, and is
+    shut down (drivers stopped, spans flushed) when it ends. A server that cannot start raises here."""
+    ready = asyncio.Event()
+    task = asyncio.create_task(run_fleet(servers, ready=ready, extra=extra))
+    waiting = asyncio.create_task(ready.wait())
+    await asyncio.wait([waiting, task], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    if task.done():
+        task.result()
+    if not ready.is_set():
+        task.cancel()
+        raise TimeoutError(f"the emulated servers did not listen within {timeout_s} s")
+    try:
+        yield servers
+    finally:
+        task.cancel()
+        await asyncio.wait({task}, timeout=timeout_s)

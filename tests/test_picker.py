@@ -16,7 +16,7 @@ from inferlb.procs import free_port
 from inferlb.scorer.config import load_config
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.promtext import parse_exposition
-from inferlb.serving import serve
+from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
@@ -35,14 +35,8 @@ async def servers():
     emulated = [
         EmulatedServer(f"127.0.0.1:{free_port()}", ServerOptions(profile=H100, models=("m",))) for _ in range(3)
     ]
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve([(s.address, s) for s in emulated], ready=ready))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield emulated
-    task.cancel()
-    await asyncio.wait({task}, timeout=10)
-    for s in emulated:
-        await s.aclose()
+    async with serving(emulated):
+        yield emulated
 
 
 def document(servers, **extra) -> dict:

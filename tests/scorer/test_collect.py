@@ -14,7 +14,7 @@ from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
-from inferlb.serving import serve
+from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
@@ -44,15 +44,9 @@ async def fleet():
     silent = await asyncio.start_server(never_answer, "127.0.0.1", 0)
     silent_address = f"127.0.0.1:{silent.sockets[0].getsockname()[1]}"
     closed = f"127.0.0.1:{free_port()}"
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve([*((s.address, s) for s in emulated), (garbage, garbage_app)], ready=ready))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield emulated, [s.address for s in emulated] + [garbage, silent_address, closed]
-    task.cancel()
-    await asyncio.wait({task}, timeout=10)
+    async with serving(emulated, extra=[(garbage, garbage_app)]):
+        yield emulated, [s.address for s in emulated] + [garbage, silent_address, closed]
     silent.close()
-    for s in emulated:
-        await s.aclose()
 
 
 async def test_one_round_reads_live_servers_and_marks_the_rest_down(fleet):

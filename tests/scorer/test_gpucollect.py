@@ -12,7 +12,7 @@ from inferlb.procs import free_port
 from inferlb.scorer.config import GpuSource
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.signals import Signals
-from inferlb.serving import serve
+from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
@@ -22,14 +22,8 @@ TP4 = get_profile("h100x4-llama3.1-70b")
 @pytest.fixture
 async def servers():
     emulated = [EmulatedServer(f"127.0.0.1:{free_port()}", ServerOptions(profile=TP4, models=("m",))) for _ in range(2)]
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve([(s.address, s) for s in emulated], ready=ready))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield emulated
-    task.cancel()
-    await asyncio.wait({task}, timeout=10)
-    for s in emulated:
-        await s.aclose()
+    async with serving(emulated):
+        yield emulated
 
 
 async def test_gpu_state_reaches_the_snapshot(servers):

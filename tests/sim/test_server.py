@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from inferlb.procs import free_port
 from inferlb.scorer.gpustate import parse_gpu_report
 from inferlb.scorer.promtext import read_vllm
-from inferlb.serving import serve
 from inferlb.sim.engine import Engine, EngineOptions, SimRequest
+from inferlb.sim.fleet import serving
 from inferlb.sim.openai import output_text
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import SEEN_DEST_HEADER, SERVER_HEADER, EmulatedServer, ServerOptions
@@ -361,14 +361,8 @@ async def live():
     """Two emulated servers over loopback, in this event loop."""
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     servers = [EmulatedServer(a, dataclasses.replace(FAST, time_scale=5.0, cold_start_s=10.0)) for a in addresses]
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve([(s.address, s) for s in servers], ready=ready))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield servers
-    task.cancel()
-    await asyncio.wait({task}, timeout=10)
-    for s in servers:
-        await s.aclose()
+    async with serving(servers):
+        yield servers
 
 
 async def test_streams_arrive_token_by_token_over_loopback(live):
