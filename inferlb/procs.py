@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,9 +27,42 @@ class ProcessError(RuntimeError):
     """A managed process failed to start, died, or did not become ready in time."""
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; the IANA range elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel's choice for port 0)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+    """A TCP port that is free now and that no outgoing connection will take before someone listens on it.
+
+    The kernel's choice for port 0 comes from the ephemeral range, which outgoing connections also draw
+    from: a client connecting in the seconds between this call and the listener's bind could take the
+    port (a real failure seen under load). So ports are drawn at random below the ephemeral range, tested
+    by binding, and never handed out twice by this process.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low_ephemeral, high_ephemeral = _ephemeral_range()
+    low, high = (20_000, low_ephemeral - 1) if low_ephemeral > 21_000 else (high_ephemeral + 1, 65_535)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket(family) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(family) as sock:  # a crowded range: the kernel's choice is still better than failing
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
