@@ -46,7 +46,7 @@ COMPLETION = json.dumps(
 @dataclass(frozen=True, slots=True)
 class Variant:
     name: str
-    gateway: str  # which stack serves it: "envoy" (no picker), "noop", "inferlb"
+    gateway: str  # which stack serves it: "envoy" (no picker), "noop", "inferlb", "inferlb-timed"
     path: str
     body: bool
 
@@ -58,6 +58,8 @@ VARIANTS = (
     Variant("envoy-rr body", "envoy", "/v1/completions", True),
     Variant("noop body", "noop", "/v1/completions", True),
     Variant("inferlb body", "inferlb", "/v1/completions", True),
+    # otel.latency_source: stream: a second, observing ext_proc stream per request times the response.
+    Variant("inferlb body timed", "inferlb-timed", "/v1/completions", True),
 )
 
 
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         noop = (sys.executable, "-m", "inferlb.bench.noop_picker")
         stacks["noop"] = LocalStack(replace(common, envoy=no_log, picker_command=noop), workdir / "noop")
         stacks["inferlb"] = LocalStack(replace(common, envoy=no_log, picker_log_level="warning"), workdir / "inferlb")
+        timed = replace(common, envoy=no_log, picker_log_level="warning", latency_source="stream")
+        stacks["inferlb-timed"] = LocalStack(timed, workdir / "inferlb-timed")
         for stack in stacks.values():
             stack.start()
         rows = []
@@ -275,6 +279,26 @@ def _markdown(results: dict[str, Any]) -> str:
             ratio = ours["picker_cpu_us"] / noop["picker_cpu_us"]
             added = f"{noop['p50_ms'] - base['p50_ms']:+.2f}, {ours['p50_ms'] - base['p50_ms']:+.2f}"
             out.append(f"| {c} | {kind} | {ratio:.2f}x | {added} |")
+    out += ["", "## What timing responses in the filter costs (otel.latency_source: stream, same run)", ""]
+    out += [
+        "The picker times each response from a second ext_proc stream that Envoy feeds in observability mode",
+        "(request headers, response headers, the first body chunk; then the picker closes it). Envoy never",
+        "waits on that stream, so latency should move little; the price is the picker's CPU per request.",
+        "",
+        "| concurrency | picker CPU µs/req untimed → timed | ratio | Envoy CPU µs/req untimed → timed "
+        "| p50 ms untimed → timed |",
+        "|---:|---|---:|---|---|",
+    ]
+    for c in sorted({r["concurrency"] for r in rows}):
+        plain, timed = by.get(("inferlb body", c)), by.get(("inferlb body timed", c))
+        if not (plain and timed and plain["picker_cpu_us"] and timed["picker_cpu_us"]):
+            continue
+        out.append(
+            f"| {c} | {plain['picker_cpu_us']:.0f} → {timed['picker_cpu_us']:.0f} | "
+            f"{timed['picker_cpu_us'] / plain['picker_cpu_us']:.2f}x | "
+            f"{plain['envoy_cpu_us']:.0f} → {timed['envoy_cpu_us']:.0f} | "
+            f"{plain['p50_ms']:.2f} → {timed['p50_ms']:.2f} |"
+        )
     out += [
         "",
         "## inferlb's own work per request (in process, no gRPC)",

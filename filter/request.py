@@ -37,21 +37,21 @@ def features_from_headers(
     for header in headers:
         key = header.key
         if key == ":path":
-            features.path = _header_text(header)
+            features.path = header_text(header)
         elif key == ":method":
-            features.method = _header_text(header)
+            features.method = header_text(header)
         elif key == "x-request-id":
-            features.request_id = _header_text(header)
+            features.request_id = header_text(header)
         elif key == "traceparent":
-            features.traceparent = _header_text(header)
+            features.traceparent = header_text(header)
         if key == session_header:
-            features.session_key = _header_text(header) or None
+            features.session_key = header_text(header) or None
         if key == class_header:
-            features.class_hint = _header_text(header) or None
+            features.class_hint = header_text(header) or None
     return features
 
 
-def _header_text(header: Any) -> str:
+def header_text(header: Any) -> str:
     # Envoy fills raw_value (bytes); older versions, or send_raw_value off, fill value instead.
     raw = header.raw_value
     return raw.decode("utf-8", "replace") if raw else header.value

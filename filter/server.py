@@ -9,6 +9,9 @@ Stream state machine, per request:
    the destination header, or refuse with an ImmediateResponse (400/404/413/503, JSON body).
 3. Anything else Envoy sends (response phases, if a route turns them on) is let through unchanged.
 
+A stream whose first message is in observability mode comes from the ``inferlb.observe`` filter instead: it is
+timed (``filter/observe.py``) when the service has a ``response_timer`` and closed at once otherwise.
+
 The decision counts the request as in flight on its endpoint; the count drops when the stream ends, which
 Envoy does when the HTTP request finishes, fails, or the client goes away. Release sits in a ``finally``, so
 no exit path leaks a count. Unexpected exceptions are logged and end the stream with a gRPC error, and Envoy's
@@ -22,7 +25,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +35,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferlb.filter.errors import OverloadedError, RequestError, from_routing_error
+from inferlb.filter.observe import ObserveStats, time_response
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_header
 from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.otel.receiver import TraceJoin
@@ -97,6 +101,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.trace_join = trace_join
         # With route spans, the injected traceparent names the picker's own inferlb.route span.
         self.route_spans = route_spans
+        # With a response timer (otel.latency_source: stream), observing streams are timed into it.
+        self.response_timer: Callable[[int, float | None, float | None], None] | None = None
+        self.observe_stats = ObserveStats()
+        self._endpoints = {e.address: e.index for e in engine.pool}
         self.replies = RouteReplies(engine.pool)
         self.stats = FilterStats()
         self.decisions = DecisionLog()
@@ -105,6 +113,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         """Route with ``engine`` from now on (a config reload). Streams that already hold a lease release it into
         the old engine's counters; a request between its headers and its body is decided by the new engine."""
         self.replies = RouteReplies(engine.pool)
+        self._endpoints = {e.address: e.index for e in engine.pool}
         self.engine = engine
 
     async def Process(
@@ -120,6 +129,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         envoy_trace = _envoy_trace_id(context) if self.trace_join is not None else None
         try:
             async for message in request_iterator:
+                if message.observability_mode:
+                    timer = self.response_timer
+                    if timer is not None:
+                        await time_response(message, request_iterator, self._endpoints, timer, self.observe_stats)
+                    return
                 kind = message.WhichOneof("request")
                 if decided or kind not in ("request_headers", "request_body"):
                     if kind in CONTINUE:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import jinja2
 import yaml
 
+from inferlb.filter.observe import OBSERVED_HEADERS
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.config import Config
 
@@ -91,6 +92,8 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         max_requests=options.max_requests,
         access_log_path=options.access_log_path,
         body_routes=BODY_ROUTES,
+        observe=options.picker and config.otel.latency_source == "stream",
+        observed_headers=OBSERVED_HEADERS,
         # The session header is the picker's input for session affinity: Envoy must send it.
         forward_headers=sorted(
             {

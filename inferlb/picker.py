@@ -23,6 +23,7 @@ import numpy as np
 
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.otel.loop import SpanLoop
+from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.api import create_admin_app
 from inferlb.scorer.classes import Admission, Classifier
@@ -157,6 +158,11 @@ class Picker:
         old = self.config
         if config.otel.receiver != old.otel.receiver:
             raise ConfigError("otel.receiver cannot change while the picker runs; restart it")
+        if config.otel.latency_source != old.otel.latency_source:
+            raise ConfigError(
+                "otel.latency_source cannot change while the picker runs: Envoy's bootstrap changes with it "
+                "(inferlb envoy-config); restart both"
+            )
         for name in ("listen", "admin"):
             if getattr(config, name) != getattr(old, name):
                 raise ConfigError(
@@ -183,7 +189,7 @@ class Picker:
         self.service.admission = _admission(config, pool, signals)
         if self.spans is not None:
             self.spans.rebind(pool, signals, keep=same_pool)
-            self.service.trace_join = self.spans.join if config.otel.inject_traceparent else None
+            self.service.trace_join = _trace_join(config, self.spans)
         self.engine, self.config = engine, config
         self.reloads += 1
         restart = (
@@ -270,10 +276,11 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
     )
     collector, gpu = _collectors(config, pool, signals)
     spans = None
-    if config.otel.receiver is not None:
+    if config.otel.receiver is not None or config.otel.latency_source == "stream":
         spans = SpanLoop(config.otel, pool, signals)
-        if config.otel.inject_traceparent:
-            service.trace_join = spans.join
+        service.trace_join = _trace_join(config, spans)
+        if config.otel.latency_source == "stream":
+            service.response_timer = spans.observe_response
     if config.otel.exporter != "none" and config.otel.export_endpoint is not None:
         protocol = "grpc" if config.otel.exporter == "otlp-grpc" else "http/protobuf"
         provider = create_tracer_provider(config.otel.export_endpoint, protocol=protocol, service_name="inferlb")
@@ -290,6 +297,11 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
     )
     picker.spans = spans
     return picker
+
+
+def _trace_join(config: Config, spans: SpanLoop) -> TraceJoin | None:
+    """The join that injected trace ids go into: only where spans come in to be joined."""
+    return spans.join if config.otel.receiver is not None and config.otel.inject_traceparent else None
 
 
 async def serve(config: Config, config_path: Path | None = None, *, listen_override: str | None = None) -> None:

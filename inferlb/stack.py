@@ -41,6 +41,7 @@ class StackOptions:
     time_scale: float = 1.0
     sim_args: tuple[str, ...] = ()
     spans: bool = False  # the picker runs an OTLP receiver and the emulated servers send it their spans
+    latency_source: str = "spans"  # the picker's otel.latency_source; "stream": it times responses itself
     envoy_concurrency: int = 2
     envoy: EnvoyOptions = field(default_factory=EnvoyOptions)
     picker_log_level: str = "info"
@@ -99,10 +100,16 @@ class LocalStack:
         return {
             "listen": self.picker_address,
             "admin": self.picker_admin_address,
-            **({"otel": {"receiver": self.receiver_address}} if self.receiver_address else {}),
+            **({"otel": self._otel()} if self._otel() else {}),
             "policy": self.options.policy,
             "pool": {"endpoints": [self._endpoint(a) for a in self.endpoints]},
         }
+
+    def _otel(self) -> dict[str, Any]:
+        otel: dict[str, Any] = {"receiver": self.receiver_address} if self.receiver_address else {}
+        if self.options.latency_source != "spans":
+            otel["latency_source"] = self.options.latency_source
+        return otel
 
     def _endpoint(self, address: str) -> dict[str, Any]:
         entry: dict[str, Any] = {"address": address, "models": list(self.options.models)}

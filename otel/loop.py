@@ -1,11 +1,15 @@
-"""The picker's span loop: the OTLP receiver's gRPC server, per-endpoint latency statistics, and the task that
-publishes them into the signals snapshot (``ttft_s`` and ``e2e_s``: the EWMAs) for the latency scorers."""
+"""The picker's latency loop: per-endpoint latency statistics, fed by the servers' spans at the OTLP receiver
+(``otel.latency_source: spans``) or by the filter timing responses (``stream``), and the task that publishes
+them into the signals snapshot (``ttft_s`` and ``e2e_s``: the EWMAs) for the latency scorers. The statistics,
+the Prometheus histograms and the heatmap take one source only, so nothing is counted twice; with ``stream``
+a configured receiver still takes spans (Envoy's, say) and counts them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -26,22 +30,37 @@ logger = logging.getLogger(__name__)
 
 
 class SpanLoop:
-    """Receiver + statistics + publisher for one picker. `start`/`stop` run it; `rebind` follows a new pool."""
+    """Receiver (if configured) + statistics + publisher for one picker. `start`/`stop` run it; `rebind` follows
+    a new pool; `observe_response` is the filter's way in (``latency_source: stream``)."""
 
     def __init__(self, config: OtelConfig, pool: Pool, signals: Signals) -> None:
-        assert config.receiver is not None
         self.config = config
+        self.from_spans = config.latency_source == "spans"
         self.join = TraceJoin()
         self.pool, self.signals = pool, signals
         self.latency = EndpointLatency(len(pool), window_s=config.window_s, half_life_s=config.half_life_s)
         self.histograms = LatencyHistograms(len(pool))
         self.heatmap = HeatmapAggregator(bucket_s=config.heatmap_bucket_s)
-        self.receiver = SpanReceiver(self._observe, {e.address: e.index for e in pool}, self.join, heatmap=self.heatmap)
+        self._addresses = [e.address for e in pool]
+        self.receiver = (
+            SpanReceiver(
+                self._observe if self.from_spans else _ignore,
+                {e.address: e.index for e in pool},
+                self.join,
+                heatmap=self.heatmap if self.from_spans else None,
+            )
+            if config.receiver is not None
+            else None
+        )
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._publish(), name="latency publisher")]
+        if self.receiver is None:
+            return
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 8 << 20)])
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self.receiver, server)
         assert self.config.receiver is not None
@@ -50,11 +69,7 @@ class SpanLoop:
             raise OSError(f"the OTLP receiver cannot bind {self.config.receiver}")
         await server.start()
         self._server = server
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self.receiver.run(), name="otlp receiver"),
-            loop.create_task(self._publish(), name="latency publisher"),
-        ]
+        self._tasks.append(loop.create_task(self.receiver.run(), name="otlp receiver"))
         logger.info("OTLP receiver listening on %s", self.config.receiver)
 
     async def stop(self) -> None:
@@ -74,15 +89,24 @@ class SpanLoop:
         if keep:
             return
         self.pool = pool
+        self._addresses = [e.address for e in pool]
         self.join = TraceJoin()
-        self.receiver.join = self.join
         self.latency = EndpointLatency(len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s)
         self.histograms = LatencyHistograms(len(pool))
-        self.receiver.rebind(self._observe, {e.address: e.index for e in pool})
+        if self.receiver is not None:
+            self.receiver.join = self.join
+            self.receiver.rebind(self._observe if self.from_spans else _ignore, {e.address: e.index for e in pool})
 
     def _observe(self, endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:
         self.latency.observe(endpoint, ttft_s, e2e_s)
         self.histograms.observe(endpoint, ttft_s, e2e_s)
+
+    def observe_response(self, endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:
+        """A latency the filter measured on the response stream (``latency_source: stream``)."""
+        if endpoint >= len(self._addresses):
+            return  # measured against a pool a reload has just replaced
+        self._observe(endpoint, ttft_s, e2e_s)
+        self.heatmap.add(time.time(), self._addresses[endpoint], ttft_s, e2e_s)
 
     def view(self) -> dict[str, Any]:
         """The statistics as arrays (for the admin API)."""
@@ -96,3 +120,7 @@ class SpanLoop:
             if len(arrays["ttft_ewma"]) != len(signals.snapshot):
                 continue  # a reload is switching pools
             signals.publish(signals.snapshot.with_values(ttft_s=arrays["ttft_ewma"], e2e_s=arrays["e2e_ewma"]))
+
+
+def _ignore(endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:
+    """Spans' latencies when the statistics come from the response stream: the receiver still counts them."""

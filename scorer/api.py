@@ -110,7 +110,7 @@ def create_admin_app(picker: Picker) -> FastAPI:
         stale = signals.stale(now)
         ages = snap.age(now)
         errors = picker.collector.last_error if picker.collector is not None else [None] * len(engine.pool)
-        spans = picker.spans.view() if picker.spans is not None else None
+        latency = picker.spans.view() if picker.spans is not None else None
         rows = []
         for i, endpoint in enumerate(engine.pool):
             rows.append(
@@ -132,8 +132,9 @@ def create_admin_app(picker: Picker) -> FastAPI:
                     "inflight_tokens": int(engine.inflight.tokens[i]),
                 }
             )
-            if spans is not None and i < len(spans["count"]):
-                rows[-1]["spans"] = {key: _num(values[i]) for key, values in spans.items()}
+            if latency is not None and i < len(latency["count"]):
+                # From the servers' spans or from the response stream, as otel.latency_source says.
+                rows[-1]["latency"] = {key: _num(values[i]) for key, values in latency.items()}
         return {"snapshot_age_s": round(now - snap.built_at, 3), "endpoints": rows}
 
     @app.get("/decisions")
@@ -161,22 +162,24 @@ def create_admin_app(picker: Picker) -> FastAPI:
             return _error(409, "this picker was not started from a config file")
         return _apply(picker.reload_file)
 
+    NO_LATENCY = "no latency source: set otel.receiver (servers' spans) or otel.latency_source: stream in the config"
+
     @app.get("/heatmap")
     async def heatmap_page() -> Response:
         if picker.spans is None:
-            return _error(404, "no span receiver: set otel.receiver in the config")
+            return _error(404, NO_LATENCY)
         return HTMLResponse(render_html(picker.spans.heatmap.grid(), json_url="heatmap.json", refresh_s=5.0))
 
     @app.get("/heatmap.json")
     async def heatmap_json() -> Response:
         if picker.spans is None:
-            return _error(404, "no span receiver: set otel.receiver in the config")
+            return _error(404, NO_LATENCY)
         return Response(render_json(picker.spans.heatmap.grid()), media_type="application/json")
 
     @app.get("/heatmap.png")
     async def heatmap_png() -> Response:
         if picker.spans is None:
-            return _error(404, "no span receiver: set otel.receiver in the config")
+            return _error(404, NO_LATENCY)
         grid = picker.spans.heatmap.grid()
         # Drawing takes a while; it runs on a worker thread so routing does not wait for it.
         return Response(await asyncio.to_thread(_png_bytes, grid), media_type="image/png")
@@ -280,7 +283,7 @@ def prometheus_text(picker: Picker) -> str:
     lines += [
         f'inferlb_scorer_errors_total{{scorer="{_label(n)}"}} {c}' for n, c in sorted(engine.scorer_errors.items())
     ]
-    if picker.spans is not None:
+    if picker.spans is not None and picker.spans.receiver is not None:
         stats = picker.spans.receiver.stats
         lines += [
             "# HELP inferlb_spans_received_total Spans the OTLP receiver took, by what became of them.",
@@ -295,7 +298,19 @@ def prometheus_text(picker: Picker) -> str:
             "# TYPE inferlb_span_requests_dropped_total counter",
             f"inferlb_span_requests_dropped_total {stats.dropped_requests}",
         ]
+    if picker.spans is not None:
         lines += picker.spans.histograms.render([e.address for e in picker.spans.pool])
+    if picker.spans is not None and picker.spans.config.latency_source == "stream":
+        observed = picker.service.observe_stats
+        lines += [
+            "# HELP inferlb_responses_timed_total Responses the filter timed or not (otel.latency_source: stream).",
+            "# TYPE inferlb_responses_timed_total counter",
+            f'inferlb_responses_timed_total{{outcome="ttft"}} {observed.ttft}',
+            f'inferlb_responses_timed_total{{outcome="e2e"}} {observed.e2e}',
+            f'inferlb_responses_timed_total{{outcome="not_ok"}} {observed.not_ok}',
+            f'inferlb_responses_timed_total{{outcome="unknown_endpoint"}} {observed.unknown_endpoint}',
+            f'inferlb_responses_timed_total{{outcome="unfinished"}} {observed.unfinished}',
+        ]
     lines += [
         "# HELP inferlb_config_reloads_total Configurations applied since start (file or API).",
         "# TYPE inferlb_config_reloads_total counter",

@@ -63,14 +63,22 @@ class SignalsConfig:
     gpu_interval_s: float = 0.5
 
 
+LATENCY_SOURCES = ("spans", "stream")
+
+
 @dataclass(frozen=True, slots=True)
 class OtelConfig:
     """The span loop. ``receiver``: where the OTLP gRPC receiver listens for the servers' spans (None: off);
     ``inject_traceparent``: give each routed request a W3C traceparent so its server span joins the decision;
     latency statistics over ``window_s`` (quantiles) and with ``half_life_s`` (EWMA), published to the scorers
-    every ``publish_interval_s``."""
+    every ``publish_interval_s``.
+
+    ``latency_source`` says what feeds those statistics: ``spans`` (the servers' spans, at the receiver) or
+    ``stream`` (the picker times each response as Envoy passes it through: TTFT to the first non-empty chunk of
+    a streamed response, E2E to the body of any other; for servers that send no spans)."""
 
     receiver: str | None = None
+    latency_source: str = "spans"
     inject_traceparent: bool = True
     exporter: str = "none"  # where the picker's own inferlb.route spans go: none | otlp-grpc | otlp-http
     export_endpoint: str | None = None
@@ -240,6 +248,7 @@ def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
             "heatmap_bucket_s",
             "exporter",
             "export_endpoint",
+            "latency_source",
         },
     )
     out: dict[str, Any] = {}
@@ -257,6 +266,12 @@ def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
         if exporter not in ("none", "otlp-grpc", "otlp-http"):
             raise ConfigError(f"otel.exporter must be none, otlp-grpc or otlp-http; got {exporter!r}")
         out["exporter"] = exporter
+    if "latency_source" in raw:
+        if raw["latency_source"] not in LATENCY_SOURCES:
+            raise ConfigError(
+                f"otel.latency_source must be {' or '.join(LATENCY_SOURCES)}; got {raw['latency_source']!r}"
+            )
+        out["latency_source"] = raw["latency_source"]
     if raw.get("export_endpoint") is not None:
         out["export_endpoint"] = _string(raw["export_endpoint"], "otel.export_endpoint")
     if out.get("exporter", "none") != "none" and "export_endpoint" not in out:

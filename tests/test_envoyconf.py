@@ -20,6 +20,8 @@ CONFIG = parse_config(
         "pool": {"endpoints": [{"address": "10.0.0.1:8000"}, {"address": "[fd00::2]:8000"}]},
     }
 )
+# Latency timed from the response stream instead of the servers' spans.
+STREAM_TIMED = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:80"}]}, "otel": {"latency_source": "stream"}})
 
 
 def hcm(doc: dict[str, Any]) -> dict[str, Any]:
@@ -33,16 +35,17 @@ def clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.envoy
 @pytest.mark.parametrize(
-    "options",
+    ("config", "options"),
     [
-        pytest.param(EnvoyOptions(), id="default"),
-        pytest.param(EnvoyOptions(fail_open=False, access_log_path=None), id="fail-closed"),
-        pytest.param(EnvoyOptions(picker=False, fallback_lb_policy="ROUND_ROBIN"), id="no-picker"),
+        pytest.param("plain", EnvoyOptions(), id="default"),
+        pytest.param("plain", EnvoyOptions(fail_open=False, access_log_path=None), id="fail-closed"),
+        pytest.param("plain", EnvoyOptions(picker=False, fallback_lb_policy="ROUND_ROBIN"), id="no-picker"),
+        pytest.param("stream-timed", EnvoyOptions(), id="stream-timed"),
     ],
 )
-def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, options: EnvoyOptions) -> None:
+def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, config: str, options: EnvoyOptions) -> None:
     path = tmp_path / "envoy.yaml"
-    path.write_text(render_bootstrap(CONFIG, options))
+    path.write_text(render_bootstrap(STREAM_TIMED if config == "stream-timed" else CONFIG, options))
     result = subprocess.run(
         [find_tool("envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True,
@@ -157,3 +160,33 @@ def test_tracing_needs_the_receiver_and_points_envoy_at_it() -> None:
     assert hcm["tracing"]["provider"]["name"] == "envoy.tracers.opentelemetry"
     plain = yaml.safe_load(render_bootstrap(config, EnvoyOptions()))["static_resources"]["listeners"][0]
     assert "tracing" not in plain["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_stream_timing_adds_an_observing_filter_that_envoy_never_waits_for() -> None:
+    filters = hcm(yaml.safe_load(render_bootstrap(STREAM_TIMED, EnvoyOptions())))["http_filters"]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.ext_proc",
+        "inferlb.observe",
+        "envoy.filters.http.router",
+    ]
+    observe = filters[1]["typed_config"]
+    assert observe["observability_mode"] is True and observe["failure_mode_allow"] is True
+    mode = observe["processing_mode"]
+    assert (mode["request_body_mode"], mode["response_header_mode"], mode["response_body_mode"]) == (
+        "NONE",
+        "SEND",
+        "STREAMED",
+    )
+    patterns = {p["exact"] for p in observe["forward_rules"]["allowed_headers"]["patterns"]}
+    assert patterns == {"x-gateway-destination-endpoint", ":status", "content-type"}
+    # Spans (the default) or no picker: no observing filter.
+    for config, options in ((CONFIG, EnvoyOptions()), (STREAM_TIMED, EnvoyOptions(picker=False))):
+        names = [f["name"] for f in hcm(yaml.safe_load(render_bootstrap(config, options)))["http_filters"]]
+        assert "inferlb.observe" not in names
+
+
+def test_the_model_list_is_neither_routed_nor_timed() -> None:
+    routes = hcm(yaml.safe_load(render_bootstrap(STREAM_TIMED, EnvoyOptions())))["route_config"]["virtual_hosts"][0]
+    models = next(r for r in routes["routes"] if r["name"] == "models")
+    per_filter = models["typed_per_filter_config"]
+    assert per_filter["inferlb.observe"]["disabled"] and per_filter["envoy.filters.http.ext_proc"]["disabled"]

@@ -133,3 +133,43 @@ async def test_the_config_file_is_watched(picker, servers):
     await until(lambda: len(picker.engine.pool) == 2)
     await until(lambda: picker.collector is not None and picker.collector.stats.rounds > 0)
     assert len(picker.engine.signals.snapshot) == 2
+
+
+async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(servers, tmp_path: Path):
+    # No receiver: the filter's response timings are the only latency source.
+    doc = document(servers, otel={"latency_source": "stream", "publish_interval_s": 0.05})
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    await picker.start()
+    try:
+        assert picker.spans is not None and picker.spans.receiver is None
+        timer = picker.service.response_timer
+        assert timer is not None
+        for _ in range(20):
+            timer(2, 0.8, None)  # slow first tokens on the third endpoint
+            timer(0, 0.05, None)
+            timer(1, None, 1.5)  # an unstreamed response: E2E only
+        await until(lambda: picker.engine.signals.snapshot.ttft_s[2] > 0.5)
+        admin = f"http://{picker.config.admin}"
+        async with httpx.AsyncClient(base_url=admin, timeout=5) as client:
+            rows = (await client.get("/endpoints")).json()["endpoints"]
+            assert [r["latency"]["count"] for r in rows] == [20, 20, 20]
+            assert rows[2]["latency"]["ttft_p99"] == pytest.approx(0.8, rel=0.03)
+            assert rows[1]["latency"]["e2e_p50"] == pytest.approx(1.5, rel=0.03)
+            grid = (await client.get("/heatmap.json")).json()
+            assert sum(map(sum, grid["count"])) == 60
+            metrics = parse_exposition((await client.get("/metrics")).text)
+            assert metrics.get("inferlb_endpoint_ttft_seconds").type == "histogram"
+            assert metrics.get("inferlb_responses_timed") is not None
+            assert metrics.get("inferlb_spans_received") is None  # no receiver, no span counters
+
+            changed = {**doc, "otel": {"latency_source": "spans"}}
+            refused = await client.post("/config", content=yaml.safe_dump(changed))
+            assert refused.status_code == 400 and "latency_source cannot change" in refused.json()["error"]["message"]
+    finally:
+        await picker.stop(0.5)
+
+
+def _write(tmp_path: Path, doc: dict) -> Path:
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path

@@ -19,4 +19,3 @@ def test_a_port_is_never_handed_out_twice_and_can_be_bound() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports[-1]))
         sock.listen()
-

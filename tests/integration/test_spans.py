@@ -44,7 +44,7 @@ def test_server_spans_are_joined_and_their_p99_matches_the_servers_logs(tmp_path
         deadline = time.monotonic() + 20  # the servers export spans in batches every 0.5 s
         while True:
             rows = httpx.get(f"{stack.picker_admin_url}/endpoints", timeout=5).json()["endpoints"]
-            counted = sum((row.get("spans") or {}).get("count") or 0 for row in rows)
+            counted = sum((row.get("latency") or {}).get("count") or 0 for row in rows)
             if counted >= expected:
                 break
             assert time.monotonic() < deadline, f"only {counted} of {expected} spans arrived"
@@ -60,10 +60,10 @@ def test_server_spans_are_joined_and_their_p99_matches_the_servers_logs(tmp_path
     for row in rows:
         log = logs[row["address"]]
         ttfts = np.array([e["ttft_s"] for e in log])
-        assert row["spans"]["count"] == len(log)
+        assert row["latency"]["count"] == len(log)
         # The receiver's P99 sits in a 5% log bucket: within 2.5% of the exact nearest-rank P99.
         exact = float(np.quantile(ttfts, 0.99, method="inverted_cdf"))
-        assert math.isclose(row["spans"]["ttft_p99"], exact, rel_tol=0.026), (row["address"], exact, row["spans"])
+        assert math.isclose(row["latency"]["ttft_p99"], exact, rel_tol=0.026), (row["address"], exact, row["latency"])
         assert row["ttft_s"] is not None  # the EWMA reached the scorers' snapshot
 
 
@@ -122,3 +122,54 @@ def test_envoy_spans_reach_the_receiver_and_server_spans_still_join(tmp_path: Pa
             time.sleep(0.2)
     assert outcomes["unjoined"] == 0
     assert outcomes["joined_by_trace"] == 10, outcomes  # Envoy's tracer did not replace the picker's traceparent
+
+
+def test_without_spans_the_filter_times_responses_from_the_stream(tmp_path: Path) -> None:
+    # otel.latency_source: stream, no receiver, servers that send no spans; one server slowed 5x.
+    options = StackOptions(
+        backends=3,
+        models=(MODEL,),
+        policy="round-robin",  # every server keeps its third, so each has enough samples
+        latency_source="stream",
+        sim_args=("--fault", "0:slowdown=5"),
+    )
+    rng = random.Random(5)
+    with LocalStack(options, tmp_path) as stack:
+        shots, t = [], 0.0
+        for i in range(120):
+            t += rng.expovariate(8.0)
+            shots.append(Shot(f"r{i}", t, stack.gateway_url, MODEL, "w" * rng.randrange(2_000, 8_000), 20))
+        records = asyncio.run(replay(shots, timeout_s=60))
+        assert [(r.error, r.tokens) for r in records] == [(None, 20)] * len(records)  # responses arrive whole
+        logs = {a: httpx.get(f"http://{a}/admin/requests", timeout=5).json()["requests"] for a in stack.endpoints}
+        deadline = time.monotonic() + 10
+        while True:
+            rows = httpx.get(f"{stack.picker_admin_url}/endpoints", timeout=5).json()["endpoints"]
+            if sum((row.get("latency") or {}).get("count") or 0 for row in rows) >= len(shots):
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.1)
+        grid = httpx.get(f"{stack.picker_admin_url}/heatmap.json", timeout=5).json()
+        metrics = parse_exposition(httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text)
+        envoy = stack.envoy_counters("http.inferlb.ext_proc.")
+    outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics.get("inferlb_responses_timed").samples}
+    assert outcomes["ttft"] == len(shots) and outcomes["unknown_endpoint"] == outcomes["not_ok"] == 0
+    assert envoy["http.inferlb.ext_proc.streams_failed"] == 0
+    clients: dict[str, list[float]] = {}
+    for record in records:
+        clients.setdefault(record.server, []).append(record.ttft_s or 0.0)
+    medians = {}
+    for row in rows:
+        server = np.median([e["ttft_s"] for e in logs[row["address"]]])
+        client = np.median(clients[row["address"]])
+        measured = row["latency"]["ttft_p50"]
+        assert row["latency"]["count"] == len(logs[row["address"]])
+        # The filter's clock runs from just after the routing reply to the first chunk passing Envoy: more than
+        # the server's own TTFT, less than the client's (which adds the client's hop and the decision). The
+        # median sits in a 5% log bucket, and the picker reads its messages a little late under load.
+        assert server * 0.974 - 0.003 <= measured <= client * 1.026 + 0.003, (row["address"], server, measured, client)
+        medians[row["address"]] = measured
+    slow = stack.endpoints[0]
+    assert max(medians, key=medians.__getitem__) == slow
+    rows_p95 = dict(zip(grid["endpoints"], grid["p95_ttft_s"], strict=True))
+    assert max(rows_p95, key=lambda e: max(v for v in rows_p95[e] if v is not None)) == slow

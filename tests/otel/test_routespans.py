@@ -82,6 +82,7 @@ async def test_a_refused_request_gets_an_error_span(traced):
         pytest.param({"exporter": "jaeger"}, "otel.exporter must be", id="exporter"),
         pytest.param({"exporter": "otlp-grpc"}, "otel.export_endpoint is required", id="endpoint"),
         pytest.param({"receiver": "127.0.0.1:9002"}, "must differ from listen", id="receiver-port"),
+        pytest.param({"latency_source": "envoy"}, "otel.latency_source must be spans or stream", id="source"),
     ],
 )
 def test_otel_config_errors(otel, message):

@@ -1,0 +1,187 @@
+"""Timing responses from the stream Envoy mirrors in observability mode (otel.latency_source: stream)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
+
+from inferlb.filter.observe import ObserveStats, time_response
+from inferlb.filter.server import ExtProcService, PickerServer
+
+from .test_server import ENDPOINTS, make_engine, until
+
+POOL = {address: i for i, address in enumerate(ENDPOINTS)}
+
+
+def _headers(pairs: dict[str, str], *, response: bool = False, observe: bool = True) -> ProcessingRequest:
+    headers = HttpHeaders(
+        headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])
+    )
+    message = ProcessingRequest(response_headers=headers) if response else ProcessingRequest(request_headers=headers)
+    message.observability_mode = observe
+    return message
+
+
+def _chunk(data: bytes, eos: bool = False) -> ProcessingRequest:
+    return ProcessingRequest(response_body=HttpBody(body=data, end_of_stream=eos), observability_mode=True)
+
+
+def request(endpoint: str | None = ENDPOINTS[1]) -> ProcessingRequest:
+    pairs = {":path": "/v1/completions"}
+    if endpoint is not None:
+        pairs["x-gateway-destination-endpoint"] = endpoint
+    return _headers(pairs)
+
+
+def response(status: str = "200", content_type: str = "text/event-stream") -> ProcessingRequest:
+    return _headers({":status": status, "content-type": content_type}, response=True)
+
+
+class Clock:
+    """Advances by ``step`` seconds at every reading."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 100.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+async def _aiter(messages: list[ProcessingRequest], consumed: list[int]) -> AsyncIterator[ProcessingRequest]:
+    for message in messages:
+        consumed[0] += 1
+        yield message
+
+
+async def timed(
+    messages: list[ProcessingRequest], clock: Clock | None = None
+) -> tuple[list[tuple[int, float | None, float | None]], ObserveStats, int]:
+    """Run ``time_response`` over ``messages``; return what it observed, its stats and how many it read."""
+    seen: list[tuple[int, float | None, float | None]] = []
+    stats = ObserveStats()
+    consumed = [1]
+    rest = _aiter(messages[1:], consumed)
+    await time_response(messages[0], rest, POOL, lambda *m: seen.append(m), stats, clock or Clock(0.25))
+    return seen, stats, consumed[0]
+
+
+CASES = [
+    # name, messages after the request headers, (ttft?, e2e?), the stat that counts it
+    ("streamed: first non-empty chunk is TTFT", [response(), _chunk(b""), _chunk(b"data: {}\n\n")], "ttft"),
+    ("unstreamed: first body chunk is E2E", [response(content_type="application/json"), _chunk(b"{}", True)], "e2e"),
+    (
+        "content type parameters and case",
+        [response(content_type="Text/Event-Stream; charset=utf-8"), _chunk(b"x")],
+        "ttft",
+    ),
+    ("an error status is not latency", [response(status="503"), _chunk(b"{}", True)], "not_ok"),
+    ("no body ever came", [response()], "unfinished"),
+    ("an empty body", [response(content_type="application/json"), _chunk(b"", True)], "unfinished"),
+]
+
+
+@pytest.mark.parametrize(("name", "rest", "outcome"), CASES, ids=[c[0] for c in CASES])
+async def test_outcomes(name: str, rest: list[ProcessingRequest], outcome: str) -> None:
+    seen, stats, _ = await timed([request(), *rest])
+    assert getattr(stats, outcome) == 1
+    assert sum(getattr(stats, f) for f in ("ttft", "e2e", "not_ok", "unknown_endpoint", "unfinished")) == 1
+    if outcome in ("ttft", "e2e"):
+        [(endpoint, ttft, e2e)] = seen
+        assert endpoint == 1
+        assert (ttft is not None, e2e is not None) == (outcome == "ttft", outcome == "e2e")
+        assert (ttft or e2e or 0) > 0
+    else:
+        assert seen == []
+
+
+async def test_the_time_runs_from_the_request_headers_to_the_first_token() -> None:
+    clock = Clock(0.0)
+    consumed = [1]
+
+    async def messages() -> AsyncIterator[ProcessingRequest]:
+        for message, wait in ((response(), 0.2), (_chunk(b""), 0.3), (_chunk(b"data: t\n\n"), 0.5)):
+            clock.now += wait  # time passes before each message reaches the picker
+            consumed[0] += 1
+            yield message
+
+    seen: list[tuple[int, float | None, float | None]] = []
+    await time_response(request(), messages(), POOL, lambda *m: seen.append(m), ObserveStats(), clock)
+    assert seen == [(1, pytest.approx(1.0), None)]
+
+
+async def test_it_stops_reading_at_the_measurement() -> None:
+    # Returning ends the stream, so Envoy mirrors nothing more of a long response.
+    chunks = [_chunk(b"data: %d\n\n" % i) for i in range(100)]
+    _, stats, consumed = await timed([request(), response(), *chunks])
+    assert stats.ttft == 1 and consumed == 3
+
+
+@pytest.mark.parametrize(
+    "first",
+    [request(endpoint=None), request(endpoint="10.9.9.9:80"), request(endpoint=""), response()],
+    ids=["no destination", "outside the pool", "empty destination", "not request headers"],
+)
+async def test_nothing_to_attribute_it_to(first: ProcessingRequest) -> None:
+    seen, stats, consumed = await timed([first, response(), _chunk(b"x")])
+    assert seen == [] and stats.unknown_endpoint == 1 and consumed == 1
+
+
+# ---- through the service, over real gRPC ----------------------------------------------------------------------
+
+
+Observed = list[tuple[int, float | None, float | None]]
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[PickerServer, Observed]]:
+    seen: Observed = []
+    service = ExtProcService(make_engine(), max_body_bytes=4096)
+    service.response_timer = lambda *m: seen.append(m)
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    yield server, seen
+    await server.stop(0)
+
+
+async def _mirror(server: PickerServer, messages: list[ProcessingRequest]) -> list[object]:
+    """Send ``messages`` as Envoy's observing filter does (never waiting for answers); return what came back."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = external_processor_pb2_grpc.ExternalProcessorStub(channel).Process()
+        for message in messages:
+            try:
+                await call.write(message)
+            except asyncio.InvalidStateError:
+                break  # the picker has already closed the stream
+        replies = [reply async for reply in call]
+        assert await call.code() == grpc.StatusCode.OK
+        return replies
+
+
+async def test_the_service_times_observing_streams_and_never_answers_them(
+    served: tuple[PickerServer, Observed],
+) -> None:
+    server, seen = served
+    replies = await _mirror(server, [request(ENDPOINTS[2]), response(), _chunk(b"data: a\n\n"), _chunk(b"b")])
+    assert replies == []
+    await until(lambda: len(seen) == 1)
+    assert seen[0][0] == 2 and seen[0][1] is not None
+    assert server.service.observe_stats.ttft == 1
+    assert server.service.engine.inflight.total() == 0  # an observing stream is not a routed request
+
+
+async def test_without_a_timer_observing_streams_are_closed_at_once() -> None:
+    service = ExtProcService(make_engine(), max_body_bytes=4096)
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    try:
+        assert await _mirror(server, [request(), response(), _chunk(b"x")]) == []
+        assert service.observe_stats.ttft == 0 and service.stats.routed == 0
+    finally:
+        await server.stop(0)
