@@ -7,7 +7,7 @@ VLLM_VENV := $(VENV)/vllm
 VLLM_VERSION := 0.32.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-slow test-vllm bench bench-sim lint clean
+.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality lint clean
 
 demo: $(VENV)/.installed-envoy
 	$(BIN)/inferlb demo
@@ -22,12 +22,20 @@ test-slow: $(VENV)/.installed-test
 # its torch are large, so they live in a venv of their own inside .venv; the tests start the servers with its
 # Python (INFERLB_VLLM_PYTHON) and run themselves in .venv.
 test-vllm: $(VENV)/.installed-test $(VLLM_VENV)/.installed
-	INFERLB_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -m vllm tests/vllm
+	INFERLB_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -m vllm tests/vllm tests/sim/test_tokenize_render.py
 
 # What the picker hop costs: Envoy + inferlb against Envoy alone and against a do-nothing ext_proc server.
 bench: $(VENV)/.installed-bench
 	@command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -q wrk >/dev/null; }
 	$(BIN)/python -m inferlb.bench.hop --out bench/results
+
+# Routing quality on the four shipped traces (../shared/traces): every contender in the simulator at 16 servers,
+# then through the live gateway at what this machine sustains. Add QUICK=--quick for a run of a few minutes.
+TRACES := $(foreach t,mooncake_conversation_trace.jsonl mooncake_synthetic_trace.jsonl \
+	AzureLLMInferenceTrace_code.csv AzureLLMInferenceTrace_conv.csv,--trace ../shared/traces/$(t))
+bench-quality: $(VENV)/.installed-bench
+	$(BIN)/inferlb bench --mode des $(TRACES) --out bench/results/quality/des $(QUICK)
+	$(BIN)/inferlb bench --mode live $(TRACES) --out bench/results/quality/live --time-scale 6 $(QUICK)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

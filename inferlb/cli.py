@@ -101,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--model", action="append", help="served model name (default: the profile's); repeatable")
     sim.add_argument("--time-scale", type=float, default=1.0, help="engine seconds per wall second (default 1)")
     sim.add_argument("--seed", type=int, default=0, help="seed of server 0; server i gets seed+i")
+    sim.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve /v1/completions/render, as `vllm serve --enable-scale-out` does (vLLM answers it 403 without)",
+    )
     sim.add_argument("--jitter", type=float, default=0.02, help="log-normal sigma of step times (default 0.02)")
     sim.add_argument("--cold-start", action="store_true", help="start not ready, as after a crash")
     sim.add_argument("--cold-start-s", type=float, help="cold-start time in engine seconds (default: the profile's)")
@@ -142,7 +147,24 @@ def _parser() -> argparse.ArgumentParser:
     heatmap.add_argument("--json", type=Path, metavar="OUT.json", help="also write the grids as JSON")
     heatmap.add_argument("--html", type=Path, metavar="OUT.html", help="also write a self-contained HTML page")
     heatmap.set_defaults(run=_heatmap)
+
+    from inferlb.bench.quality import add_arguments
+
+    bench = sub.add_parser(
+        "bench",
+        help="routing quality on real traces: every contender, same fleet, trace and seed (simulated or live)",
+        description="Replay traces open loop against each contender at a sweep of loads; write results.json, "
+        "summary.json, results.md and plots into --out.",
+    )
+    add_arguments(bench)
+    bench.set_defaults(run=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from inferlb.bench.quality import run
+
+    return run(args, sys.argv[1:])
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -222,6 +244,7 @@ def _sim(args: argparse.Namespace) -> int:
         start_cold=args.cold_start,
         cold_start_s=args.cold_start_s,
         default_max_tokens=args.max_tokens,
+        enable_scale_out=args.enable_scale_out,
     )
     servers = build_fleet(
         addresses, options, otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol, faults=faults

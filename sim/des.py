@@ -175,12 +175,14 @@ def simulate(
     faults: Sequence[FaultEvent] = (),
     drain: bool = True,
     max_time_s: float | None = None,
+    on_finish: Callable[[RequestRecord, float], None] | None = None,
 ) -> SimResult:
     """Replay ``arrivals`` (any order; sorted by time here) on one server per profile, routed by ``policy``.
 
     Server i is seeded with ``seed + i``. With ``drain`` the run goes on until every request has ended (bounded
     by ``max_time_s`` if given); otherwise it stops at the last arrival. A policy that raises or returns an index
     out of range is counted in ``policy_errors`` and its request goes to server ``hash(id) % n`` instead.
+    ``on_finish(record, now)`` is told of every request that ends on a server, when it ends (a span's moment).
     """
     if not profiles:
         raise ValueError("simulate() needs at least one server profile")
@@ -231,7 +233,9 @@ def simulate(
             view.inflight[server] -= 1
             view.inflight_tokens[server] -= arrival.prompt_tokens
             error = None if request.state is RequestState.FINISHED else "aborted"
-            records[k] = _record(arrival, server, request, error)
+            record = records[k] = _record(arrival, server, request, error)
+            if on_finish is not None:
+                on_finish(record, view.now)
 
     for k, arrival in enumerate(ordered):
         push(arrival.at, _ARRIVAL, k)

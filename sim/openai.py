@@ -1,7 +1,8 @@
 """The OpenAI request and response shapes the emulator speaks, as vLLM's OpenAI-compatible server does.
 
 `parse_completion` and `parse_chat` turn a decoded JSON body into a `Prompt` (what the engine needs) or raise
-`BadRequest` with vLLM-style wording; the chunk and body builders produce the JSON vLLM returns. Output text is
+`BadRequest` with vLLM-style wording; the chunk and body builders produce the JSON vLLM returns. `parse_tokenize`,
+`tokenize_body` and `render_body` do the same for ``/tokenize`` and ``/v1/completions/render``. Output text is
 deterministic: token i is the i-th four-character piece of a fixed sentence, so that a conversation that sends an
 answer back as the next prompt sends the same text every time.
 """
@@ -9,17 +10,31 @@ answer back as the next prompt sends the same text every time.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import orjson
 
-from inferlb.sim.tokens import block_hashes, chat_text, count_tokens
+from inferlb.sim.tokens import block_hashes, chat_text, count_tokens, token_ids, token_pieces
 
-__all__ = ["BadRequest", "Prompt", "chunk_event", "completion_body", "output_text", "parse_chat", "parse_completion"]
+__all__ = [
+    "BadRequest",
+    "Prompt",
+    "Tokenize",
+    "chunk_event",
+    "completion_body",
+    "output_text",
+    "parse_chat",
+    "parse_completion",
+    "parse_tokenize",
+    "render_body",
+    "tokenize_body",
+]
 
 _SENTENCE = "The emulated model answers with this sentence, four characters per token, again and again. "
 _PIECES = tuple(_SENTENCE[i : i + 4] for i in range(0, len(_SENTENCE), 4))
+_GENERATION_PROMPT = chat_text([])  # what chat_text appends after the messages
 
 
 class BadRequest(ValueError):
@@ -128,6 +143,13 @@ def _finish(
     )
 
 
+def _completion_prompt(body: Mapping[str, object]) -> object:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    return prompt
+
+
 def parse_completion(
     body: object, *, models: Sequence[str], block_size: int, max_model_len: int, default_max_tokens: int
 ) -> Prompt:
@@ -135,9 +157,7 @@ def parse_completion(
     if not isinstance(body, Mapping):
         raise BadRequest("request body must be a JSON object")
     model = _model(body, models)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    prompt = _completion_prompt(body)
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' must not be empty", param="prompt")
@@ -185,6 +205,113 @@ def parse_chat(
         max_model_len=max_model_len,
         default_max_tokens=default_max_tokens,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenize:
+    """A parsed ``/tokenize`` body: the text to tokenize and whether to return the token strings."""
+
+    text: str
+    return_token_strs: bool
+
+
+def _bool_field(body: Mapping[str, object], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be a boolean; got {value!r}", param=key)
+    return value
+
+
+def parse_tokenize(body: object, *, models: Sequence[str]) -> Tokenize:
+    """A ``/tokenize`` body, as vLLM's ``TokenizeRequest``: ``{model?, prompt}`` (text), or ``{model?, messages}``
+    rendered by `chat_text` (without the generation prompt when ``add_generation_prompt`` is false).
+
+    ``add_special_tokens`` is accepted and changes nothing: the emulated tokenizer has no special tokens, so the
+    count equals ``usage.prompt_tokens`` of the same prompt on ``/v1/completions`` or ``/v1/chat/completions``."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("request body must be a JSON object")
+    if body.get("model") is not None:  # vLLM's TokenizeRequest takes model: null as "the served model"
+        _model(body, models)
+    with_strs = _bool_field(body, "return_token_strs", False)
+    _bool_field(body, "add_special_tokens", True)
+    if "messages" in body and "prompt" not in body:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise BadRequest("'messages' must be a list of message objects", param="messages")
+        generation_prompt = _bool_field(body, "add_generation_prompt", True)
+        if generation_prompt and _bool_field(body, "continue_final_message", False):
+            raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        text = chat_text(messages)
+        return Tokenize(text if generation_prompt else text[: -len(_GENERATION_PROMPT)], with_strs)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise BadRequest("'prompt' must be a string (or send 'messages' to tokenize a chat)", param="prompt")
+    return Tokenize(prompt, with_strs)
+
+
+def tokenize_body(request: Tokenize, max_model_len: int) -> dict[str, object]:
+    """vLLM's ``TokenizeResponse``: ``{count, max_model_len, tokens, token_strs}`` (``token_strs`` null unless
+    asked for)."""
+    ids = token_ids(request.text)
+    return {
+        "count": len(ids),
+        "max_model_len": max_model_len,
+        "tokens": ids,
+        "token_strs": token_pieces(request.text) if request.return_token_strs else None,
+    }
+
+
+def render_body(body: Mapping[str, object], prompt: Prompt) -> list[dict[str, object]]:
+    """What vLLM's ``POST /v1/completions/render`` answers for a completion request that `parse_completion`
+    accepted (one prompt): a one-element list of ``GenerateRequest``, the token ids the engine would run and
+    the sampling parameters. ``sampling_params`` holds the fields vLLM sends for a plain request (it leaves out
+    those at their defaults); ``max_tokens`` is the output length this emulator will give."""
+    raw = _completion_prompt(body)
+    ids = token_ids(raw) if isinstance(raw, str) else list(raw) if isinstance(raw, list) else []
+    options = body.get("stream_options")
+    stream_options = None
+    if prompt.stream and isinstance(options, Mapping):
+        continuous = options.get("continuous_usage_stats") is True
+        stream_options = {"include_usage": prompt.include_usage, "continuous_usage_stats": continuous}
+    salt, priority = body.get("cache_salt"), body.get("priority")
+    sampling_params = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "temperature": 1.0 if prompt.temperature is None else prompt.temperature,
+        "top_p": 1.0 if prompt.top_p is None else prompt.top_p,
+        "min_p": 0.0,
+        "stop": [],
+        "stop_token_ids": [],
+        "max_tokens": prompt.max_tokens,
+        "output_kind": 1 if prompt.stream else 2,  # vLLM's RequestOutputKind: DELTA when streamed, FINAL_ONLY
+        "skip_clone": True,
+        "bad_words": [],
+        "skip_reading_prefix_cache": False,
+    }
+    return [
+        {
+            "request_id": f"cmpl-{uuid.uuid4().hex}",
+            "token_ids": ids,
+            "token_offsets": None,
+            "features": None,
+            "content_parts": None,
+            "sampling_params": sampling_params,
+            "model": body.get("model"),
+            "reasoning_ended": None,
+            "reasoning_parser_kwargs": None,
+            "return_token_ids": None,
+            "output_mode": "tokens",
+            "stream": prompt.stream,
+            "stream_options": stream_options,
+            "cache_salt": salt if isinstance(salt, str) else None,
+            "priority": priority if isinstance(priority, int) and not isinstance(priority, bool) else 0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+        }
+    ]
 
 
 def output_text(start: int, stop: int) -> str:

@@ -8,10 +8,12 @@ A driver task advances the engine to the next moment something happens (a step t
 or the next streaming flush, every ``flush_interval_s`` of wall time) and wakes the requests that progressed.
 Arrivals and faults wake it at once. All state lives in the one event loop; nothing here is thread-safe.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (vLLM's names), ``GET /gpu`` (the emulated GPU view, the GPU agent's schema),
-``GET|POST /admin/faults`` and ``GET /admin/requests`` (the log of finished requests). Every response names the
-server in `SERVER_HEADER` and echoes the ``x-gateway-destination-endpoint`` it was sent in `SEEN_DEST_HEADER`.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not), ``POST /tokenize``,
+``POST /v1/completions/render`` (403 unless ``enable_scale_out``, as in vLLM), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (vLLM's names), ``GET /gpu`` (the emulated GPU view, the GPU agent's schema), ``GET|POST
+/admin/faults``, ``GET /admin/requests`` (the log of finished requests) and ``GET /admin/routes`` (how many
+requests each route answered, by status). Every response names the server in `SERVER_HEADER` and echoes the
+``x-gateway-destination-endpoint`` it was sent in `SEEN_DEST_HEADER`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import itertools
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +33,20 @@ from typing import Any
 import orjson
 
 from inferlb.scorer.gpustate import GpuInfo, GpuReport
-from inferlb.serving import Receive, Scope, Send
+from inferlb.serving import Message, Receive, Scope, Send
 from inferlb.sim.engine import Engine, EngineOptions, RequestState, SimRequest
 from inferlb.sim.metrics import VllmMetrics
-from inferlb.sim.openai import BadRequest, Prompt, chunk_event, completion_body, parse_chat, parse_completion
+from inferlb.sim.openai import (
+    BadRequest,
+    Prompt,
+    chunk_event,
+    completion_body,
+    parse_chat,
+    parse_completion,
+    parse_tokenize,
+    render_body,
+    tokenize_body,
+)
 from inferlb.sim.profiles import Profile
 from inferlb.sim.spans import RequestSpans
 
@@ -52,16 +64,19 @@ _GPU_WINDOW_S = 1.0
 _ROUTES: Mapping[str, tuple[str, ...]] = {
     "/v1/completions": ("POST",),
     "/v1/chat/completions": ("POST",),
+    "/tokenize": ("POST",),
+    "/v1/completions/render": ("POST",),
     "/v1/models": ("GET",),
     "/health": ("GET",),
     "/metrics": ("GET",),
     "/gpu": ("GET",),
     "/admin/faults": ("GET", "POST"),
     "/admin/requests": ("GET",),
+    "/admin/routes": ("GET",),
 }
 # Paths that answer while the server is starting (cold start): the emulator's own controls and the GPU view,
 # which a separate agent process would keep serving.
-_ALWAYS_UP = frozenset({"/admin/faults", "/admin/requests", "/gpu"})
+_ALWAYS_UP = frozenset({"/admin/faults", "/admin/requests", "/admin/routes", "/gpu"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +89,8 @@ class ServerOptions:
     - ``cold_start_s``: the cold-start time (default: the profile's).
     - ``default_max_tokens``: output length when a request gives none (it then finishes with "stop").
     - ``flush_interval_s_wall``: how often streamed tokens are sent during long decode runs.
+    - ``enable_scale_out``: serve ``/v1/completions/render``, as ``vllm serve --enable-scale-out`` does; without it
+      vLLM 0.32 answers that route 403.
     """
 
     profile: Profile
@@ -86,6 +103,7 @@ class ServerOptions:
     default_max_tokens: int = 128
     flush_interval_s_wall: float = 0.02
     log_size: int = 100_000
+    enable_scale_out: bool = False
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -157,6 +175,8 @@ class EmulatedServer:
         digest = hashlib.sha256(address.encode()).hexdigest()
         self._gpu_uuids = tuple(f"GPU-{digest[:8]}-{digest[8:12]}-{i:04x}" for i in range(self.profile.gpu_count))
         self.injected_errors = 0
+        # "METHOD /path STATUS" -> responses; paths outside the route table count as one key so the map stays small.
+        self.route_counts: Counter[str] = Counter()
 
     # ---- the clock and the driver ----------------------------------------------------------------------------
 
@@ -348,6 +368,18 @@ class EmulatedServer:
         if scope["type"] != "http":
             return
         self._ensure_driver()
+        path, method = scope["path"], scope["method"]
+        route = f"{method} {path if path in _ROUTES else '(other)'}"
+        counts = self.route_counts
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                counts[f"{route} {message['status']}"] += 1
+            await send(message)
+
+        await self._route(scope, receive, counted)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen = b""
         for name, value in scope["headers"]:
             if name == _DEST_REQUEST_HEADER:
@@ -376,9 +408,17 @@ class EmulatedServer:
         elif path == "/gpu":
             await _send_json(send, 200, self.gpu_report().to_json(), headers)
         elif path == "/admin/requests":
-            await _send_json(send, 200, {"server": self.address, "requests": list(self._log)}, headers)
+            # busy_s: time spent in engine steps since start (the benchmarks' load-imbalance figure).
+            body = {"server": self.address, "busy_s": self.engine.busy_s, "requests": list(self._log)}
+            await _send_json(send, 200, body, headers)
+        elif path == "/admin/routes":
+            await _send_json(send, 200, {"server": self.address, "routes": dict(self.route_counts)}, headers)
         elif path == "/admin/faults":
             await self._faults_route(method, receive, send, headers)
+        elif path == "/tokenize":
+            await self._tokenize(receive, send, headers)
+        elif path == "/v1/completions/render":
+            await self._render(receive, send, headers)
         else:
             await self._generate(scope, receive, send, headers, chat=path == "/v1/chat/completions")
 
@@ -425,6 +465,42 @@ class EmulatedServer:
                 return
         await _send_json(send, 200, self.faults(), headers)
 
+    async def _tokenize(self, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        body = await _read_json(receive, send, headers)
+        if body is None:
+            return
+        try:
+            request = parse_tokenize(body, models=self.options.models)
+        except BadRequest as exc:
+            await _send_bad_request(send, exc, headers)
+            return
+        await _send_json(send, 200, tokenize_body(request, self.profile.max_model_len), headers)
+
+    async def _render(self, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        if not self.options.enable_scale_out:
+            message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+            await _send_error(send, 403, message, headers, kind="PermissionDeniedError")
+            return
+        body = await _read_json(receive, send, headers)
+        if body is None:
+            return
+        try:
+            prompt = self._parse(body, chat=False)
+        except BadRequest as exc:
+            await _send_bad_request(send, exc, headers)
+            return
+        await _send_json(send, 200, render_body(body, prompt), headers)
+
+    def _parse(self, body: object, *, chat: bool) -> Prompt:
+        profile, options = self.profile, self.options
+        return (parse_chat if chat else parse_completion)(
+            body,
+            models=options.models,
+            block_size=profile.block_size,
+            max_model_len=profile.max_model_len,
+            default_max_tokens=options.default_max_tokens,
+        )
+
     async def _generate(
         self, scope: Scope, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]], *, chat: bool
     ) -> None:
@@ -435,20 +511,10 @@ class EmulatedServer:
         body = await _read_json(receive, send, headers)
         if body is None:
             return
-        profile, options = self.profile, self.options
-        parse = parse_chat if chat else parse_completion
         try:
-            prompt = parse(
-                body,
-                models=options.models,
-                block_size=profile.block_size,
-                max_model_len=profile.max_model_len,
-                default_max_tokens=options.default_max_tokens,
-            )
+            prompt = self._parse(body, chat=chat)
         except BadRequest as exc:
-            await _send_error(
-                send, exc.status, str(exc), headers, kind="BadRequestError" if exc.status == 400 else "NotFoundError"
-            )
+            await _send_bad_request(send, exc, headers)
             return
         trace = _trace_headers(scope["headers"])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
@@ -561,6 +627,11 @@ async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes,
 
 async def _send_json(send: Send, status: int, payload: object, headers: list[tuple[bytes, bytes]]) -> None:
     await _send(send, status, orjson.dumps(payload), headers, b"application/json")
+
+
+async def _send_bad_request(send: Send, exc: BadRequest, headers: list[tuple[bytes, bytes]]) -> None:
+    kind = "BadRequestError" if exc.status == 400 else "NotFoundError"
+    await _send_error(send, exc.status, str(exc), headers, kind=kind)
 
 
 async def _send_error(

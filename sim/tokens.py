@@ -8,6 +8,8 @@ prompts share a block hash exactly when they share the whole prefix up to the en
 are hashed; a trailing partial block is never cached.
 
 Hashes are 63-bit non-negative ints from BLAKE2b, the same in every process (Python's own ``hash`` is salted).
+`token_ids` gives each four-character piece an id below `VOCAB_SIZE`, also the same in every process (what
+``/tokenize`` answers), so equal text always has equal ids and a shared prefix has a shared id prefix.
 """
 
 from __future__ import annotations
@@ -16,16 +18,57 @@ import hashlib
 from array import array
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from inferlb.scorer.features import CHARS_PER_TOKEN
 
-__all__ = ["CHARS_PER_TOKEN", "block_hashes", "chat_text", "count_tokens", "id_block_hashes", "text_block_hashes"]
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "VOCAB_SIZE",
+    "block_hashes",
+    "chat_text",
+    "count_tokens",
+    "id_block_hashes",
+    "text_block_hashes",
+    "token_ids",
+    "token_pieces",
+]
 
+# Llama 3's vocabulary size: ids look like a real tokenizer's, and fit the u32 that Rust routers parse them into.
+VOCAB_SIZE = 128_256
 _MASK63 = (1 << 63) - 1
+# Odd 64-bit constants (splitmix64's) that mix a piece's four code points into one id.
+_MIX = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93], dtype=np.uint64)
+_FINAL = np.uint64(0xFF51AFD7ED558CCD)
 
 
 def count_tokens(text: str) -> int:
     """Tokens in ``text``: ceil(characters / 4)."""
     return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def token_pieces(text: str) -> list[str]:
+    """The tokens of ``text`` as text: its four-character pieces (the last may be shorter)."""
+    return [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def token_ids(text: str) -> list[int]:
+    """One id in ``[0, VOCAB_SIZE)`` per piece of `token_pieces`, a hash of the piece's code points alone (the same
+    in every process). Vectorised: a router may ask every server to tokenize every prompt.
+
+    Unlike a real tokenizer's, two different pieces may share an id; no id is special (there is no BOS)."""
+    if not text:
+        return []
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4").astype(np.uint64)
+    pad = -len(points) % CHARS_PER_TOKEN
+    if pad:
+        points = np.concatenate([points, np.zeros(pad, dtype=np.uint64)])
+    pieces = points.reshape(-1, CHARS_PER_TOKEN)
+    mixed = pieces @ _MIX  # wraps modulo 2**64, as a hash should
+    mixed ^= mixed >> np.uint64(31)
+    mixed *= _FINAL
+    mixed ^= mixed >> np.uint64(29)
+    return (mixed % np.uint64(VOCAB_SIZE)).tolist()
 
 
 def chat_text(messages: Sequence[Mapping[str, object]]) -> str:

@@ -1,0 +1,113 @@
+"""Tests for bench/peers.py: each peer router starts on loopback, routes streamed and plain completions to both
+emulated servers with full outputs, and (vllm-router cache_aware) gets its per-request render calls answered."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from inferlb.bench.peers import PEERS, Peer, available, start_peer
+from inferlb.procs import ProcessError, free_port
+from inferlb.sim.fleet import serving
+from inferlb.sim.openai import output_text
+from inferlb.sim.profiles import get_profile
+from inferlb.sim.server import EmulatedServer, ServerOptions
+
+pytestmark = pytest.mark.peers
+
+MODEL = "m"
+MAX_TOKENS = 6
+REQUESTS = 10
+# 50x real time: a request takes the emulated engine tens of ms, a few ms here. Render answered, as after
+# `vllm serve --enable-scale-out`, so that vllm-router's cache_aware mode gets what it asks for.
+H100 = get_profile("h100-llama3.1-8b")
+OPTIONS = ServerOptions(profile=H100, models=(MODEL,), time_scale=50.0, enable_scale_out=True)
+
+
+async def _complete(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
+    # Prompts differ from their first character, so no prefix ties them to one server.
+    body = {"model": MODEL, "prompt": f"{i} request {i}: " + "words " * 40, "max_tokens": MAX_TOKENS}
+    if i % 2:
+        text, done = [], False
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return response.status_code, "".join(text) if done else "(stream ended without [DONE])"
+    response = await client.post("/v1/completions", json=body)
+    return response.status_code, response.json()["choices"][0]["text"] if response.status_code == 200 else response.text
+
+
+async def _get(url: str) -> Any:
+    async with httpx.AsyncClient(timeout=5) as client:
+        response = await client.get(url)
+    response.raise_for_status()
+    return response.json()
+
+
+@pytest.mark.parametrize("peer", [pytest.param(p, id=p.name.replace(" ", "-")) for p in PEERS])
+async def test_peer_routes_completions_to_both_servers(peer: Peer, tmp_path: Path):
+    reason = available(peer)
+    if reason is not None:
+        pytest.fail(reason)  # not a skip: a benchmark without its peers must say so
+    servers = [EmulatedServer(f"127.0.0.1:{free_port()}", OPTIONS) for _ in range(2)]
+    async with serving(servers):
+        listen = f"127.0.0.1:{free_port()}"
+        # start_peer polls with blocking sleeps; the servers it waits for answer from this event loop.
+        process = await asyncio.to_thread(start_peer, peer, [s.address for s in servers], listen, tmp_path)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://{listen}", timeout=20) as client:
+                results = await asyncio.gather(*(_complete(client, i) for i in range(REQUESTS)))
+            logs = [await _get(f"http://{s.address}/admin/requests") for s in servers]
+            routes = [(await _get(f"http://{s.address}/admin/routes"))["routes"] for s in servers]
+        finally:
+            await asyncio.to_thread(process.stop)
+    assert results == [(200, output_text(0, MAX_TOKENS))] * REQUESTS, process.log_tail()
+    served = [len(log["requests"]) for log in logs]
+    assert sum(served) == REQUESTS
+    assert all(served), f"{peer.name} sent every request to one server: {served}; routes seen: {routes}"
+    side_calls: Counter[str] = Counter()
+    for counts in routes:
+        side_calls.update({k: n for k, n in counts.items() if "/tokenize" in k or "/render" in k})
+    assert all(k.endswith(" 200") for k in side_calls), f"side calls answered with errors: {side_calls}"
+    if peer.name == "vllm-router cache_aware":
+        # It renders every completion on every worker; had those failed it would be measured crippled.
+        assert side_calls["POST /v1/completions/render 200"] == REQUESTS * len(servers), routes
+
+
+def test_a_missing_peer_is_named_with_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    peer = PEERS[2]
+    reason = available(peer)
+    assert reason is not None
+    assert reason.startswith("sglang-router cache_aware: sglang-router is not installed")
+    assert "pip install 'sglang-router==0.3.2'" in reason
+    with pytest.raises(ProcessError, match="is not installed"):
+        start_peer(peer, ["127.0.0.1:1"], "127.0.0.1:2", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("workers", "listen", "words"),
+    [
+        pytest.param(["127.0.0.1:1"], "0.0.0.0:8000", "must be a loopback address", id="all-interfaces"),
+        pytest.param(["127.0.0.1:1"], "localhost:8000", "not a literal IP", id="hostname"),
+        pytest.param([], "127.0.0.1:8000", "at least one worker", id="no-workers"),
+        pytest.param(["worker:1"], "127.0.0.1:8000", "not a literal IP", id="bad-worker"),
+    ],
+)
+def test_bad_addresses_are_refused_before_anything_starts(workers, listen, words, tmp_path: Path):
+    with pytest.raises(ValueError, match=words):
+        start_peer(PEERS[0], workers, listen, tmp_path)
+    assert not list(tmp_path.iterdir())
