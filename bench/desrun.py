@@ -1,0 +1,168 @@
+"""The simulator half of the routing-quality benchmark: one trace, one fleet, one load, one contender per run.
+
+Contenders are named as in results.json: ``envoy:ROUND_ROBIN``, ``envoy:LEAST_REQUEST``, ``envoy:RANDOM`` (Envoy's
+balancers, as Envoy implements them), ``inferlb:<preset>`` (the real scoring engine) and ``oracle`` (exact server
+state; the bound). Load is a fraction of the fleet's capacity, measured here by the simulator itself: one server
+given a burst of the trace's own requests, all at once, completes them at its saturated rate; the fleet's capacity
+is that times the number of servers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from inferlb.bench.metrics import Outcome, summarise
+from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RandomPolicy, RoundRobin
+from inferlb.scorer.presets import PRESET_NAMES
+from inferlb.sim.des import Arrival, FleetView, Policy, RequestRecord, SimResult, simulate, trace_arrivals
+from inferlb.sim.profiles import Profile, get_profile
+from inferlb.sim.traces import load_trace
+
+__all__ = ["DES_CONTENDERS", "DesJob", "capacity_rps", "load_arrivals", "make_policy", "run_job", "scaled"]
+
+DES_CONTENDERS: tuple[str, ...] = (
+    "envoy:ROUND_ROBIN",
+    "envoy:LEAST_REQUEST",
+    "envoy:RANDOM",
+    *(f"inferlb:{name}" for name in PRESET_NAMES),
+    "oracle",
+)
+CAPACITY_SAMPLE = 400  # requests in the burst that measures one server's saturated rate
+
+
+@dataclass(frozen=True, slots=True)
+class DesJob:
+    """One simulated run. ``rate_rps`` is the offered load it replays the trace at."""
+
+    trace: str  # path
+    requests: int
+    servers: int
+    profile: str
+    policy: str
+    load: float
+    rate_rps: float
+    seed: int
+    scrape_interval_s: float = 0.1
+
+
+def load_arrivals(path: str, requests: int, block_size: int) -> list[Arrival]:
+    """The first ``requests`` requests of the trace (its ticks spread evenly), as arrivals."""
+    trace = load_trace(path, limit=requests, spread_ticks=True)
+    return trace_arrivals(trace, block_size)
+
+
+def scaled(arrivals: Sequence[Arrival], rate_rps: float) -> list[Arrival]:
+    """The same requests in the same order and rhythm, time-scaled so that their mean rate is ``rate_rps``."""
+    if len(arrivals) < 2:
+        return list(arrivals)
+    first, last = arrivals[0].at, arrivals[-1].at
+    native = (len(arrivals) - 1) / (last - first) if last > first else float("inf")
+    factor = native / rate_rps if native != float("inf") else 0.0
+    if factor == 0.0:  # every request at one instant: space them evenly instead
+        return [replace(a, at=k / rate_rps) for k, a in enumerate(arrivals)]
+    return [replace(a, at=(a.at - first) * factor) for a in arrivals]
+
+
+def capacity_rps(arrivals: Sequence[Arrival], profile: Profile, seed: int) -> float:
+    """One server's saturated rate on this request mix: a burst of the first requests, all at time 0."""
+    burst = [replace(a, at=0.0) for a in arrivals[:CAPACITY_SAMPLE]]
+    result = simulate(burst, lambda _a, _v: 0, [profile], seed=seed)
+    done = [r for r in result.records if r.error is None and r.e2e_s is not None]
+    makespan = max((r.arrival_s + (r.e2e_s or 0.0) for r in done), default=0.0)
+    if not done or makespan <= 0:
+        raise RuntimeError("the capacity burst completed nothing; is the profile able to serve these prompts?")
+    return len(done) / makespan
+
+
+class _Timed:
+    """Wraps a policy to count the CPU it spends per decision (the picker-CPU figure)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.cpu_s = 0.0
+        self.calls = 0
+
+    def __call__(self, arrival: Arrival, view: FleetView) -> int:
+        started = time.process_time()
+        try:
+            return self.policy(arrival, view)
+        finally:
+            self.cpu_s += time.process_time() - started
+            self.calls += 1
+
+
+def make_policy(name: str, profiles: Sequence[Profile], seed: int) -> Policy:
+    """The DES policy for a contender name (see the module docstring). ``ValueError`` for an unknown name."""
+    if name == "envoy:ROUND_ROBIN":
+        return RoundRobin()
+    if name == "envoy:LEAST_REQUEST":
+        return LeastRequest(seed)
+    if name == "envoy:RANDOM":
+        return RandomPolicy(seed)
+    if name == "oracle":
+        return Oracle(profiles)
+    if name.startswith("inferlb:") and name.removeprefix("inferlb:") in PRESET_NAMES:
+        return PresetPolicy(name.removeprefix("inferlb:"), profiles, seed=seed)
+    raise ValueError(f"unknown DES contender {name!r}; known: {', '.join(DES_CONTENDERS)}")
+
+
+def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str, Any]:
+    """Simulate one job; its results.json row (plus the raw TTFTs under ``_ttft_s`` for the CDF plot)."""
+    profile = get_profile(job.profile)
+    profiles = [profile] * job.servers
+    if arrivals is None:
+        arrivals = load_arrivals(job.trace, job.requests, profile.block_size)
+    policy = make_policy(job.policy, profiles, job.seed)
+    timed = _Timed(policy)
+    finished: Callable[[RequestRecord, float], None] | None = getattr(policy, "finished", None)
+    result = simulate(
+        scaled(arrivals, job.rate_rps),
+        timed,
+        profiles,
+        seed=job.seed,
+        scrape_interval_s=job.scrape_interval_s,
+        on_finish=finished,
+    )
+    row = _row(job, result)
+    # A preset's figure is Engine.decide alone (its adapter also rebuilds the snapshot, the collectors' job live).
+    cpu_s = getattr(policy, "decide_cpu_s", timed.cpu_s)
+    row["picker_cpu_us"] = round(cpu_s / max(timed.calls, 1) * 1e6, 1)
+    row["wall_s"] = round(result.wall_s, 2)
+    row["_ttft_s"] = [r.ttft_s for r in result.records if r.error is None and r.ttft_s is not None]
+    return row
+
+
+def _row(job: DesJob, result: SimResult) -> dict[str, Any]:
+    outcomes = [
+        Outcome(
+            server=str(r.server),
+            arrival_s=r.arrival_s,
+            ttft_s=r.ttft_s,
+            e2e_s=r.e2e_s,
+            output_tokens=r.output_tokens,
+            error=r.error,
+        )
+        for r in result.records
+    ]
+    stats = result.servers
+    figures = summarise(
+        outcomes,
+        [s.busy_s for s in stats],
+        sum(s.prefix_cache_hits for s in stats),
+        sum(s.prefix_cache_queries for s in stats),
+    )
+    return {
+        "trace": Path(job.trace).name,
+        "mode": "des",
+        "policy": job.policy,
+        "load": job.load,
+        "rate_rps": round(job.rate_rps, 3),
+        **figures,
+        "servers": job.servers,
+        "profile": job.profile,
+        "policy_errors": result.policy_errors,
+    }

@@ -1,0 +1,259 @@
+"""The live half of the routing-quality benchmark: client -> router -> emulated servers over loopback.
+
+Contenders: ``envoy:ROUND_ROBIN``, ``envoy:LEAST_REQUEST``, ``envoy:RANDOM`` (Envoy alone), ``inferlb:<preset>``
+(Envoy + the picker) and the peer routers of `inferlb.bench.peers` (the router alone in front of the servers, as
+they are deployed). Every run starts fresh emulated servers, so no contender inherits another's warm caches; the
+load generator (`inferlb.bench.loadgen`) is its own process. The servers run ``time_scale`` times faster than real
+time and the generator sends that much faster, so times are reported in model seconds, comparable with the
+simulator's. Each run also records how many of the machine's cores the processes used, the check that the
+machine itself was not the bottleneck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inferlb.bench.desrun import capacity_rps, load_arrivals
+from inferlb.bench.load import cpu_seconds
+from inferlb.bench.metrics import Outcome, summarise
+from inferlb.bench.quality import _goodput
+from inferlb.envoyconf import EnvoyOptions
+from inferlb.procs import ManagedProcess, free_port, stop_all
+from inferlb.scorer.presets import PRESET_NAMES
+from inferlb.scorer.promtext import parse_exposition
+from inferlb.sim.profiles import get_profile
+from inferlb.stack import LocalStack, StackOptions, start_sim
+
+__all__ = ["LIVE_CONTENDERS", "run_live"]
+
+MODEL = "bench-model"
+ENVOY_CONTENDERS = ("envoy:ROUND_ROBIN", "envoy:LEAST_REQUEST", "envoy:RANDOM")
+LIVE_LOADS = (0.5, 0.8)
+LIVE_LOADS_QUICK = (0.6,)
+
+
+def _peer_names() -> tuple[str, ...]:
+    try:
+        from inferlb.bench.peers import PEERS
+    except ImportError:
+        return ()
+    return tuple(peer.name for peer in PEERS)
+
+
+LIVE_CONTENDERS: tuple[str, ...] = (*ENVOY_CONTENDERS, *(f"inferlb:{p}" for p in PRESET_NAMES), *_peer_names())
+
+
+def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    profile = get_profile(args.profile)
+    servers = args.servers or 4
+    requests = args.requests or (60 if args.quick else 120)
+    loads = tuple(args.loads or (LIVE_LOADS_QUICK if args.quick else LIVE_LOADS))
+    wanted = tuple(args.policies or LIVE_CONTENDERS)
+    unknown = [p for p in wanted if p not in LIVE_CONTENDERS]
+    if unknown:
+        raise SystemExit(
+            f"inferlb bench: error: unknown live contender(s) {unknown}; known: {', '.join(LIVE_CONTENDERS)}"
+        )
+    notes: list[str] = []
+    policies = []
+    for name in wanted:
+        reason = _unavailable(name)
+        if reason is None:
+            policies.append(name)
+        else:
+            notes.append(f"{name} not run: {reason}")
+    summary: dict[str, Any] = {
+        "fleet": {"servers": servers, "profile": profile.name, "time_scale": args.time_scale},
+        "traces": {},
+        "notes": notes,
+    }
+    rows: list[dict[str, Any]] = []
+    bar = progress(len(args.trace) * len(loads) * len(policies))
+    workroot = Path(tempfile.mkdtemp(prefix="inferlb-bench-live-"))
+    for path in args.trace:
+        arrivals = load_arrivals(path, requests, profile.block_size)
+        capacity = capacity_rps(arrivals, profile, args.seed) * servers
+        summary["traces"][Path(path).name] = {
+            "requests": len(arrivals),
+            "capacity_rps": round(capacity, 3),
+            "slo_ttft_p99_ms": args.slo_ms,
+        }
+        for load in loads:
+            for policy in policies:
+                workdir = workroot / Path(path).stem / f"{policy.replace(':', '-')}-{load}"
+                row = _run_one(path, requests, policy, load, load * capacity, servers, profile.name, args, workdir)
+                rows.append(row)
+                bar.step(f"{Path(path).name} {policy} load {load}: TTFT p99 {row['ttft_p99_ms']} ms")
+    bar.done()
+    slo_missing = [t for t, info in summary["traces"].items() if info["slo_ttft_p99_ms"] is None]
+    for trace in slo_missing:  # default SLO: twice the best TTFT p99 at the lowest load run
+        lowest = min(loads)
+        best = min(
+            (r["ttft_p99_ms"] for r in rows if r["trace"] == trace and r["load"] == lowest and r["ttft_p99_ms"]),
+            default=None,
+        )
+        summary["traces"][trace]["slo_ttft_p99_ms"] = None if best is None else round(2 * best, 1)
+    if all(info["slo_ttft_p99_ms"] is not None for info in summary["traces"].values()):
+        _goodput(rows, summary)
+    summary["workdir"] = str(workroot)
+    return rows, summary
+
+
+def _unavailable(name: str) -> str | None:
+    if name.startswith(("envoy:", "inferlb:")):
+        return None
+    from inferlb.bench.peers import PEERS, available
+
+    peer = next(p for p in PEERS if p.name == name)
+    return available(peer)
+
+
+def _run_one(
+    trace: str,
+    requests: int,
+    policy: str,
+    load: float,
+    rate: float,
+    servers: int,
+    profile: str,
+    args: argparse.Namespace,
+    workdir: Path,
+) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    sim_args = ("--profile", profile, "--time-scale", str(args.time_scale), "--seed", str(args.seed))
+    processes: list[ManagedProcess] = []
+    stack: LocalStack | None = None
+    try:
+        if policy.startswith(("envoy:", "inferlb:")):
+            kind, name = policy.split(":", 1)
+            envoy = (
+                EnvoyOptions(access_log_path=None, picker=False, fallback_lb_policy=name)
+                if kind == "envoy"
+                else EnvoyOptions(access_log_path=None)
+            )
+            options = StackOptions(
+                backends=servers,
+                models=(MODEL,),
+                policy=name if kind == "inferlb" else "least-request",
+                profile=profile,
+                time_scale=args.time_scale,
+                sim_args=("--seed", str(args.seed)),
+                envoy=envoy,
+                envoy_concurrency=1,
+                picker_log_level="warning",
+            )
+            stack = LocalStack(options, workdir).start()
+            endpoints, url = stack.endpoints, stack.gateway_url
+            router = stack.picker
+            watched = [p for p in (stack.envoy, stack.picker, stack.backends) if p is not None]
+        else:
+            from inferlb.bench.peers import PEERS, start_peer
+
+            endpoints = [f"127.0.0.1:{free_port()}" for _ in range(servers)]
+            # vllm-router's cache_aware mode asks every worker to render every request; real vLLM answers
+            # that only with --enable-scale-out, so the peer is measured as it would be deployed.
+            backends = start_sim(endpoints, workdir / "backends.log", *sim_args, "--model", MODEL, "--enable-scale-out")
+            processes.append(backends)
+            listen = f"127.0.0.1:{free_port()}"
+            peer = next(p for p in PEERS if p.name == policy)
+            router = start_peer(peer, endpoints, listen, workdir)
+            processes.append(router)
+            url = f"http://{listen}"
+            watched = [router, backends]
+        return _measure(trace, requests, policy, load, rate, url, endpoints, router, watched, args, workdir)
+    finally:
+        if stack is not None:
+            stack.stop()
+        stop_all(processes)
+
+
+def _measure(
+    trace: str,
+    requests: int,
+    policy: str,
+    load: float,
+    rate: float,
+    url: str,
+    endpoints: Sequence[str],
+    router: ManagedProcess | None,
+    watched: Sequence[ManagedProcess],
+    args: argparse.Namespace,
+    workdir: Path,
+) -> dict[str, Any]:
+    out = workdir / "records.jsonl"
+    argv = [
+        sys.executable, "-m", "inferlb.bench.loadgen",
+        "--trace", trace, "--requests", str(requests), "--rate", str(rate),
+        "--time-scale", str(args.time_scale), "--url", url, "--model", MODEL, "--out", str(out),
+    ]  # fmt: skip
+    cpu_before = {p.pid: cpu_seconds(p.pid) for p in watched if p.pid}
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    subprocess.run(argv, check=True, timeout=1800, stdout=subprocess.DEVNULL)
+    wall = time.monotonic() - started
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    loadgen_cpu = (children.ru_utime - children_before.ru_utime) + (children.ru_stime - children_before.ru_stime)
+    cpu = {p.pid: cpu_seconds(p.pid) - cpu_before[p.pid] for p in watched if p.pid}
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines() if line.strip()]
+    outcomes = [
+        Outcome(
+            server=r["server"],
+            arrival_s=r["at"],
+            ttft_s=r["ttft_s"],
+            e2e_s=r["e2e_s"],
+            output_tokens=r["tokens"],
+            error=_error(r),
+            shed=r["status"] == 429,
+        )
+        for r in records
+    ]
+    hits = queries = 0.0
+    busy: list[float] = []
+    for address in endpoints:
+        metrics = parse_exposition(httpx.get(f"http://{address}/metrics", timeout=10).text)
+        hits += _total(metrics, "vllm:prefix_cache_hits")
+        queries += _total(metrics, "vllm:prefix_cache_queries")
+        log = httpx.get(f"http://{address}/admin/requests", timeout=10).json()
+        busy.append(float(log.get("busy_s", 0.0)))
+    figures = summarise(outcomes, busy, hits, queries)
+    router_cpu = cpu.get(router.pid) if router is not None and router.pid else None
+    total_cpu = sum(cpu.values()) + loadgen_cpu
+    return {
+        "trace": Path(trace).name,
+        "mode": "live",
+        "policy": policy,
+        "load": load,
+        "rate_rps": round(rate, 3),
+        **figures,
+        "picker_cpu_us": None if router_cpu is None else round(router_cpu / max(len(records), 1) * 1e6, 1),
+        "cores_used": round(total_cpu / wall, 2) if wall > 0 else None,
+        "wall_s": round(wall, 1),
+        "servers": len(endpoints),
+        "_ttft_s": [o.ttft_s for o in outcomes if o.ttft_s is not None and o.error is None],
+    }
+
+
+def _error(record: dict[str, Any]) -> str | None:
+    if record["status"] == 429:
+        return None  # shed by admission control: a deliberate answer, counted as shed
+    if record["status"] == 200 and record["error"] is None:
+        return None
+    return record["error"] or f"status {record['status']}"
+
+
+def _total(metrics: Any, name: str) -> float:
+    family = metrics.get(name)
+    if family is None:
+        return 0.0
+    return float(sum(s.value for s in family.samples if s.name.endswith("_total") or s.name == name))

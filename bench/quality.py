@@ -1,0 +1,328 @@
+"""Routing quality on real traces: ``inferlb bench --mode des|live --trace FILE --out DIR [--quick]``.
+
+Every contender available in the mode replays the same trace on the same fleet with the same seed, open loop,
+at each load of a sweep (a load is a fraction of the fleet's measured capacity). Per contender and load it
+records TTFT p50/p90/p99, E2E p99, throughput, prefix-cache hit rate, load imbalance, errors, shed requests and
+the picker's CPU per request; per contender, the goodput: the highest rate whose TTFT p99 meets the SLO.
+
+Output in ``--out``: ``results.json`` (one object per trace x contender x load), ``summary.json`` (fleet,
+capacity, SLO and goodput per trace and contender), ``results.md`` (tables) and, per trace, two plots:
+``<trace>-ttft-cdf.png`` (TTFT CDF per contender at the headline load) and ``<trace>-p99-vs-load.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from inferlb.bench.desrun import DES_CONTENDERS, DesJob, capacity_rps, load_arrivals, run_job
+from inferlb.bench.metrics import goodput
+from inferlb.bench.report import header
+from inferlb.sim.profiles import PROFILES, get_profile
+
+__all__ = ["main"]
+
+DES_LOADS = (0.2, 0.4, 0.6, 0.8, 1.0)
+DES_LOADS_QUICK = (0.3, 0.6, 0.9)
+HEADLINE_LOAD = 0.6  # the load of the per-trace table and the CDF plot (the nearest one run)
+SLO_FACTOR = 2.0  # default SLO: TTFT p99 within twice the oracle's at a light load
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="inferlb bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv), ["bench", *(argv if argv is not None else sys.argv[1:])])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=("des", "live"), required=True, help="simulator or live gateway")
+    parser.add_argument("--trace", action="append", required=True, help="a trace file (repeat for several)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for results.json, tables and plots")
+    parser.add_argument("--quick", action="store_true", help="fewer requests and loads: under 5 minutes")
+    parser.add_argument("--policies", nargs="+", help="contenders (default: every one available in the mode)")
+    parser.add_argument("--servers", type=int, help="fleet size (default: des 16, live 4)")
+    parser.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES), help="GPU x model")
+    parser.add_argument("--requests", type=int, help="requests replayed from the start of each trace")
+    parser.add_argument("--loads", type=float, nargs="+", help="fractions of the fleet's capacity")
+    parser.add_argument("--slo-ms", type=float, help="TTFT p99 SLO for goodput (default: 2x the oracle's, light load)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="simulations in parallel")
+    parser.add_argument("--time-scale", type=float, default=4.0, help="live: emulated servers' speed-up")
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the benchmark ``args`` describe; ``argv`` (after ``inferlb``) is recorded as the command."""
+    for path in args.trace:
+        if not Path(path).is_file():
+            print(f"inferlb bench: error: trace file not found: {path}", file=sys.stderr)
+            return 2
+    command = "inferlb " + " ".join(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "des":
+        rows, summary = _des(args)
+    else:
+        from inferlb.bench.liverun import run_live  # imports Envoy plumbing only when needed
+
+        rows, summary = run_live(args, _Progress)
+    ttfts = {k: row.pop("_ttft_s") for k, row in _keyed(rows) if "_ttft_s" in row}
+    meta = {**header(command), "cpu": _cpu_model(), "mode": args.mode}
+    (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+    (args.out / "summary.json").write_text(json.dumps({"meta": meta, **summary}, indent=1) + "\n", encoding="utf-8")
+    (args.out / "results.md").write_text(markdown(meta, rows, summary), encoding="utf-8")
+    _plots(args.out, rows, ttfts, summary)
+    print(f"results in {args.out}/results.json, tables in {args.out}/results.md, plots beside them")
+    return 0
+
+
+# ---- the simulator ------------------------------------------------------------------------------------------
+
+
+def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    profile = get_profile(args.profile)
+    servers = args.servers or 16
+    requests = args.requests or (300 if args.quick else 2000)
+    loads = tuple(args.loads or (DES_LOADS_QUICK if args.quick else DES_LOADS))
+    policies = tuple(args.policies or DES_CONTENDERS)
+    unknown = [p for p in policies if p not in DES_CONTENDERS]
+    if unknown:
+        raise SystemExit(
+            f"inferlb bench: error: unknown DES contender(s) {unknown}; known: {', '.join(DES_CONTENDERS)}"
+        )
+    summary: dict[str, Any] = {"fleet": {"servers": servers, "profile": profile.name}, "traces": {}}
+    jobs: list[DesJob] = []
+    for path in args.trace:
+        arrivals = load_arrivals(path, requests, profile.block_size)
+        capacity = capacity_rps(arrivals, profile, args.seed) * servers
+        slo_ms = args.slo_ms
+        if slo_ms is None:
+            light = run_job(DesJob(path, requests, servers, profile.name, "oracle", 0.1, 0.1 * capacity, args.seed))
+            slo_ms = round(SLO_FACTOR * (light["ttft_p99_ms"] or 0.0), 1)
+        summary["traces"][Path(path).name] = {
+            "requests": len(arrivals),
+            "capacity_rps": round(capacity, 3),
+            "slo_ttft_p99_ms": slo_ms,
+        }
+        jobs += [
+            DesJob(path, requests, servers, profile.name, policy, load, load * capacity, args.seed)
+            for load in loads
+            for policy in policies
+        ]
+    rows = _run_parallel(jobs, args.jobs)
+    _goodput(rows, summary)
+    return rows, summary
+
+
+def _run_parallel(jobs: Sequence[DesJob], workers: int) -> list[dict[str, Any]]:
+    progress = _Progress(len(jobs))
+    rows: list[dict[str, Any]] = []
+    if workers <= 1:
+        for job in jobs:
+            rows.append(run_job(job))
+            progress.step(f"{Path(job.trace).name} {job.policy} load {job.load}")
+    else:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            futures = {pool.submit(run_job, job): job for job in jobs}
+            for future in as_completed(futures):
+                job = futures[future]
+                rows.append(future.result())
+                progress.step(f"{Path(job.trace).name} {job.policy} load {job.load}")
+    progress.done()
+    order = {(j.trace, j.policy, j.load): k for k, j in enumerate(jobs)}
+    names = {Path(j.trace).name: j.trace for j in jobs}
+    rows.sort(key=lambda r: order[(names[r["trace"]], r["policy"], r["load"])])
+    return rows
+
+
+def _goodput(rows: Iterable[dict[str, Any]], summary: dict[str, Any]) -> None:
+    per: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
+    for row in rows:
+        per.setdefault((row["trace"], row["policy"]), []).append((row["rate_rps"], row["ttft_p99_ms"]))
+    for (trace, policy), points in per.items():
+        info = summary["traces"][trace]
+        info.setdefault("goodput_rps", {})[policy] = goodput(points, info["slo_ttft_p99_ms"])
+
+
+# ---- reporting ----------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A progress bar on a terminal, one line per step otherwise (CI logs)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.count, self.started = total, 0, time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        self.count += 1
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.count * (self.total - self.count)
+        width = 30
+        filled = int(width * self.count / max(self.total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        line = f"[{bar}] {self.count}/{self.total} {elapsed:5.0f}s elapsed, ~{left:4.0f}s left  {what}"
+        if self.tty:
+            sys.stderr.write("\r" + line[:150].ljust(150))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _keyed(rows: Iterable[dict[str, Any]]) -> Iterable[tuple[tuple[str, str, float], dict[str, Any]]]:
+    for row in rows:
+        yield (row["trace"], row["policy"], row["load"]), row
+
+
+def _headline(loads: Iterable[float]) -> float:
+    return min(loads, key=lambda load: abs(load - HEADLINE_LOAD))
+
+
+def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:
+    fleet = summary.get("fleet", {})
+    out = [
+        f"# Routing quality ({meta['mode']})",
+        "",
+        f"{meta['date']} · `{meta['command']}` · {meta['machine']} ({meta['cpu']})",
+        "",
+        f"Fleet: {fleet.get('servers')} x {fleet.get('profile')}. Loads are fractions of the fleet's capacity "
+        "(one server's saturated rate on the trace's own requests, times the fleet size). Goodput: the highest "
+        "rate at which TTFT p99 meets the SLO (interpolated between the loads run).",
+    ]
+    for note in summary.get("notes", ()):
+        out += ["", note]
+    for trace, info in summary["traces"].items():
+        trace_rows = [r for r in rows if r["trace"] == trace]
+        if not trace_rows:
+            continue
+        loads = sorted({r["load"] for r in trace_rows})
+        headline = _headline(loads)
+        out += [
+            "",
+            f"## {trace}",
+            "",
+            f"{info['requests']} requests · capacity {info['capacity_rps']} req/s · "
+            f"SLO TTFT p99 <= {info['slo_ttft_p99_ms']} ms",
+            "",
+            f"At load {headline}:",
+            "",
+            "| contender | goodput req/s | TTFT p50 ms | p90 | p99 | E2E p99 ms | req/s | out tok/s | prefix hit "
+            "| imbalance CV | errors | shed | picker µs/req |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in (r for r in trace_rows if r["load"] == headline):
+            good = info.get("goodput_rps", {}).get(r["policy"])
+            out.append(
+                f"| {r['policy']} | {_fmt(good)} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p90_ms'])} | "
+                f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['e2e_p99_ms'])} | {_fmt(r['throughput_rps'])} | "
+                f"{_fmt(r['output_tokens_per_s'])} | {_fmt(r['prefix_hit_rate'])} | {_fmt(r['imbalance_cv'])} | "
+                f"{r['errors']} | {r['shed']} | {_fmt(r.get('picker_cpu_us'))} |"
+            )
+        out += ["", "TTFT p99 ms by load:", ""]
+        out += ["| contender | " + " | ".join(str(load) for load in loads) + " |"]
+        out += ["|---|" + "---:|" * len(loads)]
+        policies = list(dict.fromkeys(r["policy"] for r in trace_rows))
+        by = {(r["policy"], r["load"]): r for r in trace_rows}
+        for policy in policies:
+            cells = [_fmt(by[(policy, load)]["ttft_p99_ms"]) if (policy, load) in by else "—" for load in loads]
+            out.append(f"| {policy} | " + " | ".join(cells) + " |")
+        out += ["", f"![TTFT CDF]({_stem(trace)}-ttft-cdf.png) ![TTFT p99 by load]({_stem(trace)}-p99-vs-load.png)"]
+    return "\n".join(out) + "\n"
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1 else f"{value:,.1f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def _stem(trace: str) -> str:
+    return Path(trace).stem
+
+
+def _plots(
+    out: Path,
+    rows: Sequence[dict[str, Any]],
+    ttfts: dict[tuple[str, str, float], list[float]],
+    summary: dict[str, Any],
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for trace in summary["traces"]:
+        trace_rows = [r for r in rows if r["trace"] == trace]
+        if not trace_rows:
+            continue
+        loads = sorted({r["load"] for r in trace_rows})
+        headline = _headline(loads)
+        policies = list(dict.fromkeys(r["policy"] for r in trace_rows))
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for policy in policies:
+            values = np.sort(np.asarray(ttfts.get((trace, policy, headline), []), dtype=float))
+            if len(values):
+                ax.plot(values * 1000, np.arange(1, len(values) + 1) / len(values), label=policy, linewidth=1.2)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, log scale)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{trace}: TTFT CDF at load {headline}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{_stem(trace)}-ttft-cdf.png", dpi=110)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for policy in policies:
+            points = sorted((r["rate_rps"], r["ttft_p99_ms"]) for r in trace_rows if r["policy"] == policy)
+            xs = [x for x, y in points if y is not None]
+            ys = [y for _, y in points if y is not None]
+            ax.plot(xs, ys, marker="o", label=policy, linewidth=1.2, markersize=3)
+        slo = summary["traces"][trace]["slo_ttft_p99_ms"]
+        if slo:
+            ax.axhline(slo, color="black", linestyle="--", linewidth=0.8, label=f"SLO {slo:g} ms")
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_ylabel("TTFT p99 (ms, log scale)")
+        ax.set_title(f"{trace}: TTFT p99 against load")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{_stem(trace)}-p99-vs-load.png", dpi=110)
+        plt.close(fig)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+ProgressFactory = Callable[[int], _Progress]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The routing-quality benchmark: its figures, its simulator policies and `inferlb bench` end to end on a small
+trace (the simulator in full; the live gateway with two contenders)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inferlb.bench.desrun import DES_CONTENDERS, DesJob, capacity_rps, load_arrivals, make_policy, run_job, scaled
+from inferlb.bench.metrics import Outcome, goodput, summarise
+from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RoundRobin
+from inferlb.cli import main
+from inferlb.sim.des import Arrival, simulate
+from inferlb.sim.profiles import get_profile
+
+H100 = get_profile("h100-llama3.1-8b")
+RESULT_KEYS = {
+    "trace",
+    "mode",
+    "policy",
+    "load",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "e2e_p99_ms",
+    "throughput_rps",
+    "output_tokens_per_s",
+    "prefix_hit_rate",
+    "imbalance_cv",
+    "errors",
+    "shed",
+}
+
+
+def write_trace(path: Path, requests: int = 80, seed: int = 1) -> Path:
+    """A small Mooncake-format trace: 8 conversations whose turns share growing prefixes."""
+    rng = random.Random(seed)
+    lines, t = [], 0.0
+    prefixes: dict[int, list[int]] = {}
+    next_block = 1
+    for _ in range(requests):
+        t += rng.expovariate(2.0)
+        family = rng.randrange(8)
+        blocks = prefixes.setdefault(family, [0])
+        for _ in range(rng.randrange(1, 4)):
+            blocks.append(next_block)
+            next_block += 1
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": int(t * 1000),
+                    "input_length": 512 * len(blocks),
+                    "output_length": rng.randrange(8, 64),
+                    "hash_ids": list(blocks),
+                }
+            )
+        )
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+# ---- figures ---------------------------------------------------------------------------------------------------
+
+
+def test_summary_figures() -> None:
+    outcomes = [Outcome("a", float(i), 0.1 * (i + 1), 1.0 + i, 10) for i in range(10)]
+    outcomes += [Outcome("b", 3.0, None, None, 0, error="status 500"), Outcome("b", 4.0, None, None, 0, shed=True)]
+    figures = summarise(outcomes, busy_s=[2.0, 2.0, 2.0, 6.0], prefix_hits=30, prefix_queries=120)
+    assert figures["requests"] == 12 and figures["errors"] == 1 and figures["shed"] == 1
+    assert figures["ttft_p50_ms"] == pytest.approx(550.0)
+    assert figures["ttft_p99_ms"] == pytest.approx(991.0)
+    # 10 successes between the first arrival (0 s) and the last completion (9 + 10 = 19 s)
+    assert figures["throughput_rps"] == pytest.approx(10 / 19, rel=1e-3)
+    assert figures["output_tokens_per_s"] == pytest.approx(100 / 19, rel=1e-2)
+    assert figures["prefix_hit_rate"] == 0.25
+    busy = np.array([2.0, 2.0, 2.0, 6.0])
+    assert figures["imbalance_cv"] == pytest.approx(busy.std() / busy.mean(), rel=1e-3)
+
+
+def test_goodput_is_the_last_rate_within_the_slo_interpolated_to_the_crossing() -> None:
+    assert goodput([(1.0, 100.0), (2.0, 200.0), (3.0, 600.0)], slo_ms=400.0) == pytest.approx(2.5)
+    assert goodput([(3.0, 100.0), (1.0, 50.0)], slo_ms=400.0) == 3.0  # every load met it: the highest run
+    assert goodput([(1.0, 500.0), (2.0, 900.0)], slo_ms=400.0) is None  # none did
+
+
+# ---- simulator policies -----------------------------------------------------------------------------------------
+
+
+def test_scaling_keeps_order_and_rhythm_and_sets_the_mean_rate() -> None:
+    arrivals = [Arrival(str(i), t, 100, 10) for i, t in enumerate([10.0, 11.0, 15.0, 20.0])]
+    out = scaled(arrivals, rate_rps=3.0)
+    assert [a.id for a in out] == ["0", "1", "2", "3"]
+    assert out[0].at == 0.0 and out[-1].at == pytest.approx(1.0)  # 3 gaps at 3 req/s
+    assert out[1].at == pytest.approx(0.1) and out[2].at == pytest.approx(0.5)
+
+
+def test_envoy_round_robin_and_least_request_as_envoy_does_them() -> None:
+    arrivals = [Arrival(str(i), i * 0.01, 200, 400) for i in range(40)]
+    rr = simulate(arrivals, RoundRobin(), [H100] * 4, seed=0, drain=False)
+    assert [r.server for r in rr.records[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # Least request: the less busy of two random choices. An idle server among busy ones wins whenever it is
+    # drawn, 1 - (3/4)^2 = 7/16 of the time (uniform random would give it 1/4).
+    lr = LeastRequest(seed=3)
+    view = _view(inflight=[0, 9, 9, 9])
+    share = sum(lr(arrivals[0], view) == 0 for _ in range(4000)) / 4000
+    assert share == pytest.approx(7 / 16, abs=0.03)
+
+
+def _view(inflight: list[int]):  # type: ignore[no-untyped-def]
+    from inferlb.sim.des import FleetView
+
+    n = len(inflight)
+    return FleetView(0.0, tuple(f"s{i}" for i in range(n)), [None] * n, inflight, [0] * n, ())
+
+
+def test_the_oracle_goes_where_the_prefix_is_cached() -> None:
+    shared = list(range(1000, 1064))  # 64 blocks of 16 tokens: 1,024 tokens of shared prefix
+    first = Arrival("a", 0.0, 1024, 4, shared)
+    rest = [Arrival(f"b{i}", 1.0 + i, 1100, 4, [*shared, 5000 + i]) for i in range(6)]
+    result = simulate([first, *rest], Oracle([H100] * 4), [H100] * 4, seed=0)
+    assert {r.server for r in result.records} == {result.records[0].server}  # everything follows the cache
+    assert sum(r.cached_tokens for r in result.records[1:]) >= 6 * 1024 - 6 * 16
+
+
+def test_a_preset_decides_through_the_engine_and_learns_latency_from_finished_requests() -> None:
+    profiles = [H100] * 3
+    policy = PresetPolicy("default", profiles, seed=0)
+    arrivals = [Arrival(str(i), i * 0.05, 300, 20) for i in range(60)]
+    result = simulate(arrivals, policy, profiles, seed=0, on_finish=policy.finished)
+    assert result.policy_errors == 0 and policy.decisions == 60
+    assert len({r.server for r in result.records}) == 3
+    assert np.isfinite(policy.signals.snapshot.ttft_s).all()  # the latency scorer had data
+    assert policy.decide_cpu_s > 0
+
+
+def test_every_contender_has_a_policy_and_unknown_names_are_refused() -> None:
+    for name in DES_CONTENDERS:
+        assert callable(make_policy(name, [H100] * 2, seed=0))
+    with pytest.raises(ValueError, match="unknown DES contender 'nginx'"):
+        make_policy("nginx", [H100], seed=0)
+
+
+def test_a_job_row_has_the_results_keys(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", requests=40)
+    arrivals = load_arrivals(str(trace), 40, H100.block_size)
+    capacity = capacity_rps(arrivals, H100, seed=0)
+    assert capacity > 0
+    row = run_job(DesJob(str(trace), 40, 4, H100.name, "inferlb:default", 0.5, 0.5 * capacity * 4, 0))
+    assert set(row) >= RESULT_KEYS and row["mode"] == "des" and row["requests"] == 40 and row["errors"] == 0
+    assert len(row["_ttft_s"]) == 40
+
+
+# ---- end to end --------------------------------------------------------------------------------------------------
+
+
+def test_inferlb_bench_des_writes_results_tables_and_plots(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "conv.jsonl")
+    out = tmp_path / "out"
+    code = main(
+        [
+            "bench",
+            "--mode",
+            "des",
+            "--trace",
+            str(trace),
+            "--out",
+            str(out),
+            "--servers",
+            "4",
+            "--loads",
+            "0.3",
+            "0.9",
+            "--jobs",
+            "1",
+            "--requests",
+            "80",
+        ]
+    )
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert len(rows) == 2 * len(DES_CONTENDERS)
+    assert all(set(row) >= RESULT_KEYS and row["errors"] == 0 for row in rows)
+    by = {(r["policy"], r["load"]): r for r in rows}
+    # Prefix-aware routing finds the shared conversation prefixes that round robin scatters.
+    assert by[("inferlb:prefix-aware", 0.9)]["prefix_hit_rate"] > by[("envoy:ROUND_ROBIN", 0.9)]["prefix_hit_rate"]
+    summary = json.loads((out / "summary.json").read_text())
+    info = summary["traces"]["conv.jsonl"]
+    assert info["capacity_rps"] > 0 and info["slo_ttft_p99_ms"] > 0 and set(info["goodput_rps"]) == set(DES_CONTENDERS)
+    table = (out / "results.md").read_text()
+    assert "| inferlb:default |" in table and "SLO TTFT p99" in table
+    for name in ("conv-ttft-cdf.png", "conv-p99-vs-load.png"):
+        assert (out / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_missing_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--mode", "des", "--trace", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)])
+    assert code == 2 and "trace file not found" in capsys.readouterr().err
+
+
+@pytest.mark.envoy
+def test_inferlb_bench_live_through_envoy(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "conv.jsonl", requests=30)
+    out = tmp_path / "out"
+    argv = ["bench", "--mode", "live", "--trace", str(trace), "--out", str(out), "--servers", "2", "--loads", "0.5"]
+    argv += ["--requests", "30", "--time-scale", "4", "--policies", "envoy:ROUND_ROBIN", "inferlb:default"]
+    assert main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["policy"] for r in rows] == ["envoy:ROUND_ROBIN", "inferlb:default"]
+    for row in rows:
+        assert set(row) >= RESULT_KEYS and row["mode"] == "live"
+        assert row["requests"] == 30 and row["errors"] == 0 and row["ttft_p50_ms"] > 0
+        assert row["imbalance_cv"] is not None and row["cores_used"] > 0
+    assert rows[0]["picker_cpu_us"] is None and rows[1]["picker_cpu_us"] > 0
