@@ -7,7 +7,7 @@ VLLM_VENV := $(VENV)/vllm
 VLLM_VERSION := 0.32.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality lint clean
+.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-external lint clean
 
 demo: $(VENV)/.installed-envoy
 	$(BIN)/inferlb demo
@@ -35,7 +35,18 @@ TRACES := $(foreach t,mooncake_conversation_trace.jsonl mooncake_synthetic_trace
 	AzureLLMInferenceTrace_code.csv AzureLLMInferenceTrace_conv.csv,--trace ../shared/traces/$(t))
 bench-quality: $(VENV)/.installed-bench
 	$(BIN)/inferlb bench --mode des $(TRACES) --out bench/results/quality/des $(QUICK)
-	$(BIN)/inferlb bench --mode live $(TRACES) --out bench/results/quality/live --time-scale 6 $(QUICK)
+	$(BIN)/inferlb bench --mode live $(TRACES) --out bench/results/quality/live $(QUICK)
+
+# Our gateway under guidellm (another team's load tool), beside the servers' and Envoy's own figures. guidellm
+# and its torch live in a venv of their own (torch 2.13.0: the CPU build this machine keeps on disk).
+LOADTOOL_VENV := $(VENV)/loadtool
+bench-external: $(VENV)/.installed-bench $(LOADTOOL_VENV)/.installed
+	$(BIN)/python -m inferlb.bench.external --out bench/results
+
+$(LOADTOOL_VENV)/.installed: | $(BIN)/python
+	$(PYTHON) -m venv $(LOADTOOL_VENV)
+	$(LOADTOOL_VENV)/bin/pip install -q "guidellm==0.8.1" "torch==2.13.0"
+	@touch $@
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
