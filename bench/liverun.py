@@ -3,9 +3,9 @@
 Contenders: ``envoy:ROUND_ROBIN``, ``envoy:LEAST_REQUEST``, ``envoy:RANDOM`` (Envoy alone), ``inferlb:<preset>``
 (Envoy + the picker) and the peer routers of `inferlb.bench.peers` (the router alone in front of the servers, as
 they are deployed). Every run starts fresh emulated servers, so no contender inherits another's warm caches; the
-load generator (`inferlb.bench.loadgen`) is its own process. The servers run ``time_scale`` times faster than real
-time and the generator sends that much faster, so times are reported in model seconds, comparable with the
-simulator's. Each run also records how many of the machine's cores the processes used, the check that the
+load generator (`inferlb.bench.loadgen`) is its own process. The servers run ``time_scale`` times real time (per
+trace: as fast as the machine carries, below 1 for the high-rate traces) and the generator sends at that pace, so
+times are reported in model seconds, comparable with the simulator's. Each run also records how many of the machine's cores the processes used, the check that the
 machine itself was not the bottleneck.
 """
 
@@ -41,6 +41,11 @@ MODEL = "bench-model"
 ENVOY_CONTENDERS = ("envoy:ROUND_ROBIN", "envoy:LEAST_REQUEST", "envoy:RANDOM")
 LIVE_LOADS = (0.5, 0.8)
 LIVE_LOADS_QUICK = (0.6,)
+# What this kind of machine (2 cores shared by the load generator, Envoy, the router and the emulated servers)
+# carries without becoming the bottleneck itself: requests and streamed tokens per wall-clock second at the
+# highest load. The servers' time scale is chosen per trace to stay under both (below 1: slower than real time).
+MAX_WALL_RPS = 12.0
+MAX_WALL_TOKENS_PER_S = 4000.0
 
 
 def _peer_names() -> tuple[str, ...]:
@@ -74,7 +79,7 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
         else:
             notes.append(f"{name} not run: {reason}")
     summary: dict[str, Any] = {
-        "fleet": {"servers": servers, "profile": profile.name, "time_scale": args.time_scale},
+        "fleet": {"servers": servers, "profile": profile.name},
         "traces": {},
         "notes": notes,
     }
@@ -84,15 +89,21 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
     for path in args.trace:
         arrivals = load_arrivals(path, requests, profile.block_size)
         capacity = capacity_rps(arrivals, profile, args.seed) * servers
+        peak = max(loads) * capacity
+        mean_output = sum(a.output_tokens for a in arrivals) / len(arrivals)
+        scale = min(MAX_WALL_RPS / peak, MAX_WALL_TOKENS_PER_S / (peak * mean_output))
+        if args.time_scale is not None:
+            scale = min(scale, args.time_scale)
         summary["traces"][Path(path).name] = {
             "requests": len(arrivals),
             "capacity_rps": round(capacity, 3),
             "slo_ttft_p99_ms": args.slo_ms,
+            "time_scale": round(scale, 4),
         }
         for load in loads:
             for policy in policies:
                 workdir = workroot / Path(path).stem / f"{policy.replace(':', '-')}-{load}"
-                row = _run_one(path, requests, policy, load, load * capacity, servers, profile.name, args, workdir)
+                row = _run_one(path, requests, policy, load, load * capacity, servers, profile.name, scale, args, workdir)
                 rows.append(row)
                 bar.step(f"{Path(path).name} {policy} load {load}: TTFT p99 {row['ttft_p99_ms']} ms")
     bar.done()
@@ -127,11 +138,12 @@ def _run_one(
     rate: float,
     servers: int,
     profile: str,
+    scale: float,
     args: argparse.Namespace,
     workdir: Path,
 ) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
-    sim_args = ("--profile", profile, "--time-scale", str(args.time_scale), "--seed", str(args.seed))
+    sim_args = ("--profile", profile, "--time-scale", str(scale), "--seed", str(args.seed))
     processes: list[ManagedProcess] = []
     stack: LocalStack | None = None
     try:
@@ -147,7 +159,7 @@ def _run_one(
                 models=(MODEL,),
                 policy=name if kind == "inferlb" else "least-request",
                 profile=profile,
-                time_scale=args.time_scale,
+                time_scale=scale,
                 sim_args=("--seed", str(args.seed)),
                 envoy=envoy,
                 envoy_concurrency=1,
@@ -171,7 +183,7 @@ def _run_one(
             processes.append(router)
             url = f"http://{listen}"
             watched = [router, backends]
-        return _measure(trace, requests, policy, load, rate, url, endpoints, router, watched, args, workdir)
+        return _measure(trace, requests, policy, load, rate, url, endpoints, router, watched, scale, workdir)
     finally:
         if stack is not None:
             stack.stop()
@@ -188,14 +200,14 @@ def _measure(
     endpoints: Sequence[str],
     router: ManagedProcess | None,
     watched: Sequence[ManagedProcess],
-    args: argparse.Namespace,
+    scale: float,
     workdir: Path,
 ) -> dict[str, Any]:
     out = workdir / "records.jsonl"
     argv = [
         sys.executable, "-m", "inferlb.bench.loadgen",
         "--trace", trace, "--requests", str(requests), "--rate", str(rate),
-        "--time-scale", str(args.time_scale), "--url", url, "--model", MODEL, "--out", str(out),
+        "--time-scale", str(scale), "--url", url, "--model", MODEL, "--out", str(out),
     ]  # fmt: skip
     cpu_before = {p.pid: cpu_seconds(p.pid) for p in watched if p.pid}
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)

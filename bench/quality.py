@@ -36,7 +36,8 @@ __all__ = ["main"]
 DES_LOADS = (0.2, 0.4, 0.6, 0.8, 1.0)
 DES_LOADS_QUICK = (0.3, 0.6, 0.9)
 HEADLINE_LOAD = 0.6  # the load of the per-trace table and the CDF plot (the nearest one run)
-SLO_FACTOR = 2.0  # default SLO: TTFT p99 within twice the oracle's at a light load
+SLO_FACTOR = 2.0
+DEFAULT = "inferlb:default"  # default SLO: TTFT p99 within twice the oracle's at a light load
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ms", type=float, help="TTFT p99 SLO for goodput (default: 2x the oracle's, light load)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="simulations in parallel")
-    parser.add_argument("--time-scale", type=float, default=4.0, help="live: emulated servers' speed-up")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        help="live: at most this speed-up of the emulated servers (default: as fast as the machine carries)",
+    )
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -218,7 +223,8 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], summary: dict
             f"## {trace}",
             "",
             f"{info['requests']} requests · capacity {info['capacity_rps']} req/s · "
-            f"SLO TTFT p99 <= {info['slo_ttft_p99_ms']} ms",
+            f"SLO TTFT p99 <= {info['slo_ttft_p99_ms']} ms"
+            + (f" · servers at {info['time_scale']}x real time" if "time_scale" in info else ""),
             "",
             f"At load {headline}:",
             "",
@@ -242,8 +248,35 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], summary: dict
         for policy in policies:
             cells = [_fmt(by[(policy, load)]["ttft_p99_ms"]) if (policy, load) in by else "—" for load in loads]
             out.append(f"| {policy} | " + " | ".join(cells) + " |")
+        out += _against_default(trace_rows, loads, by)
         out += ["", f"![TTFT CDF]({_stem(trace)}-ttft-cdf.png) ![TTFT p99 by load]({_stem(trace)}-p99-vs-load.png)"]
     return "\n".join(out) + "\n"
+
+
+def _against_default(
+    rows: Sequence[dict[str, Any]], loads: Sequence[float], by: dict[tuple[str, float], dict[str, Any]]
+) -> list[str]:
+    """Where any contender beat inferlb:default by more than 5% on TTFT p50, p99 or E2E p99, load by load."""
+    if not any(r["policy"] == DEFAULT for r in rows):
+        return []
+    out = ["", f"Where a contender beat `{DEFAULT}` by more than 5% (its figure / the default's):", ""]
+    found = False
+    for load in loads:
+        ours = by.get((DEFAULT, load))
+        if ours is None:
+            continue
+        for row in (r for r in rows if r["load"] == load and r["policy"] != DEFAULT):
+            wins = []
+            for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("e2e_p99_ms", "E2E p99")):
+                theirs, mine = row.get(key), ours.get(key)
+                if theirs and mine and theirs < 0.95 * mine:
+                    wins.append(f"{label} {theirs / mine:.2f}x")
+            if wins:
+                found = True
+                out.append(f"- load {load}, {row['policy']}: {', '.join(wins)}")
+    if not found:
+        out.append("- none")
+    return out
 
 
 def _fmt(value: object) -> str:
