@@ -5,8 +5,8 @@ Contenders: ``envoy:ROUND_ROBIN``, ``envoy:LEAST_REQUEST``, ``envoy:RANDOM`` (En
 they are deployed). Every run starts fresh emulated servers, so no contender inherits another's warm caches; the
 load generator (`inferlb.bench.loadgen`) is its own process. The servers run ``time_scale`` times real time (per
 trace: as fast as the machine carries, below 1 for the high-rate traces) and the generator sends at that pace, so
-times are reported in model seconds, comparable with the simulator's. Each run also records how many of the machine's cores the processes used, the check that the
-machine itself was not the bottleneck.
+times are reported in model seconds, comparable with the simulator's. Each run also records how many of the
+machine's cores the processes used, the check that the machine itself was not the bottleneck.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
         "fleet": {"servers": servers, "profile": profile.name},
         "traces": {},
         "notes": notes,
+        "slo_rule": "SLO: as given" if args.slo_ms else "SLO: twice the best TTFT p99 at the lowest load run.",
     }
     rows: list[dict[str, Any]] = []
     bar = progress(len(args.trace) * len(loads) * len(policies))
@@ -103,7 +104,8 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
         for load in loads:
             for policy in policies:
                 workdir = workroot / Path(path).stem / f"{policy.replace(':', '-')}-{load}"
-                row = _run_one(path, requests, policy, load, load * capacity, servers, profile.name, scale, args, workdir)
+                rate = load * capacity
+                row = _run_one(path, requests, policy, load, rate, servers, profile.name, scale, args, workdir)
                 rows.append(row)
                 bar.step(f"{Path(path).name} {policy} load {load}: TTFT p99 {row['ttft_p99_ms']} ms")
     bar.done()

@@ -33,7 +33,7 @@ from inferlb.sim.profiles import PROFILES, get_profile
 
 __all__ = ["main"]
 
-DES_LOADS = (0.2, 0.4, 0.6, 0.8, 1.0)
+DES_LOADS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2)
 DES_LOADS_QUICK = (0.3, 0.6, 0.9)
 HEADLINE_LOAD = 0.6  # the load of the per-trace table and the CDF plot (the nearest one run)
 SLO_FACTOR = 2.0
@@ -106,7 +106,11 @@ def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]
         raise SystemExit(
             f"inferlb bench: error: unknown DES contender(s) {unknown}; known: {', '.join(DES_CONTENDERS)}"
         )
-    summary: dict[str, Any] = {"fleet": {"servers": servers, "profile": profile.name}, "traces": {}}
+    summary: dict[str, Any] = {
+        "fleet": {"servers": servers, "profile": profile.name},
+        "traces": {},
+        "slo_rule": "SLO: as given" if args.slo_ms else "SLO: twice the oracle's TTFT p99 at load 0.1.",
+    }
     jobs: list[DesJob] = []
     for path in args.trace:
         arrivals = load_arrivals(path, requests, profile.block_size)
@@ -208,7 +212,8 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], summary: dict
         "",
         f"Fleet: {fleet.get('servers')} x {fleet.get('profile')}. Loads are fractions of the fleet's capacity "
         "(one server's saturated rate on the trace's own requests, times the fleet size). Goodput: the highest "
-        "rate at which TTFT p99 meets the SLO (interpolated between the loads run).",
+        "rate at which TTFT p99 meets the SLO (interpolated between the loads run; '>=' where it met the SLO at "
+        "every load, '<' where at none). " + summary.get("slo_rule", ""),
     ]
     for note in summary.get("notes", ()):
         out += ["", note]
@@ -232,10 +237,11 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], summary: dict
             "| imbalance CV | errors | shed | picker µs/req |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        rates = [r["rate_rps"] for r in trace_rows]
         for r in (r for r in trace_rows if r["load"] == headline):
-            good = info.get("goodput_rps", {}).get(r["policy"])
+            good = _goodput_text(info.get("goodput_rps", {}).get(r["policy"]), min(rates), max(rates))
             out.append(
-                f"| {r['policy']} | {_fmt(good)} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p90_ms'])} | "
+                f"| {r['policy']} | {good} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p90_ms'])} | "
                 f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['e2e_p99_ms'])} | {_fmt(r['throughput_rps'])} | "
                 f"{_fmt(r['output_tokens_per_s'])} | {_fmt(r['prefix_hit_rate'])} | {_fmt(r['imbalance_cv'])} | "
                 f"{r['errors']} | {r['shed']} | {_fmt(r.get('picker_cpu_us'))} |"
@@ -277,6 +283,14 @@ def _against_default(
     if not found:
         out.append("- none")
     return out
+
+
+def _goodput_text(value: float | None, lowest: float, highest: float) -> str:
+    """Goodput as a bound where the sweep did not bracket it: ">= highest" if the SLO held at every load,
+    "< lowest" if it held at none."""
+    if value is None:
+        return f"< {_fmt(lowest)}"
+    return f">= {_fmt(value)}" if value >= highest else _fmt(value)
 
 
 def _fmt(value: object) -> str:

@@ -19,6 +19,9 @@ FALLBACK_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
 # The request headers Envoy sends to the picker; it reads nothing else.
 # traceparent: the picker continues the client's trace when it injects its own into the upstream request.
 FORWARD_HEADERS = (":path", ":method", "x-request-id", "traceparent")
+# Below the inference servers' keep-alive (vLLM's uvicorn: 5 s), so that Envoy, not the server, closes an idle
+# upstream connection and never sends a request on one that is being closed.
+UPSTREAM_IDLE_TIMEOUT_MS = 4000
 
 
 class EnvoyConfigError(ValueError):
@@ -87,6 +90,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         failure_mode_allow=options.fail_open,
         message_timeout=_duration(options.message_timeout_ms),
         connect_timeout=_duration(options.connect_timeout_ms),
+        upstream_idle_timeout=_duration(UPSTREAM_IDLE_TIMEOUT_MS),
         buffer_limit_bytes=config.max_body_bytes,
         fallback_lb_policy=options.fallback_lb_policy,
         max_requests=options.max_requests,

@@ -190,3 +190,14 @@ def test_the_model_list_is_neither_routed_nor_timed() -> None:
     models = next(r for r in routes["routes"] if r["name"] == "models")
     per_filter = models["typed_per_filter_config"]
     assert per_filter["inferlb.observe"]["disabled"] and per_filter["envoy.filters.http.ext_proc"]["disabled"]
+
+
+def test_envoy_closes_idle_upstream_connections_before_the_servers_do() -> None:
+    # vLLM's keep-alive is 5 s; a request on a connection the server is closing would fail with a 503.
+    by_name = clusters(yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions())))
+    for name in ("inferlb_picked", "inferlb_fallback"):
+        options = by_name[name]["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        ]
+        assert float(options["common_http_protocol_options"]["idle_timeout"].rstrip("s")) < 5
+        assert "http_protocol_options" in options["explicit_http_config"]
