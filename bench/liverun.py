@@ -27,12 +27,11 @@ import httpx
 from inferlb.bench.desrun import capacity_rps, load_arrivals
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.metrics import Outcome, summarise
-from inferlb.bench.quality import _goodput
+from inferlb.bench.quality import _goodput, settings
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, free_port, stop_all
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.promtext import parse_exposition
-from inferlb.sim.profiles import get_profile
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
 __all__ = ["LIVE_CONTENDERS", "run_live"]
@@ -60,16 +59,21 @@ LIVE_CONTENDERS: tuple[str, ...] = (*ENVOY_CONTENDERS, *(f"inferlb:{p}" for p in
 
 
 def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    profile = get_profile(args.profile)
-    servers = args.servers or 4
-    requests = args.requests or (60 if args.quick else 120)
-    loads = tuple(args.loads or (LIVE_LOADS_QUICK if args.quick else LIVE_LOADS))
-    wanted = tuple(args.policies or LIVE_CONTENDERS)
-    unknown = [p for p in wanted if p not in LIVE_CONTENDERS]
-    if unknown:
-        raise SystemExit(
-            f"inferlb bench: error: unknown live contender(s) {unknown}; known: {', '.join(LIVE_CONTENDERS)}"
-        )
+    chosen = settings(
+        args,
+        "live",
+        servers=4,
+        requests=(60, 120),
+        loads=(LIVE_LOADS_QUICK, LIVE_LOADS),
+        contenders=LIVE_CONTENDERS,
+    )
+    profile, servers, requests, loads, wanted = (
+        chosen.profile,
+        chosen.servers,
+        chosen.requests,
+        chosen.loads,
+        chosen.policies,
+    )
     notes: list[str] = []
     policies = []
     for name in wanted:

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import numpy as np
 from inferlb.bench.desrun import DES_CONTENDERS, DesJob, capacity_rps, load_arrivals, run_job
 from inferlb.bench.metrics import goodput
 from inferlb.bench.report import header
-from inferlb.sim.profiles import PROFILES, get_profile
+from inferlb.sim.profiles import PROFILES, Profile, get_profile
 
 __all__ = ["main"]
 
@@ -95,17 +96,56 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 # ---- the simulator ------------------------------------------------------------------------------------------
 
 
-def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    profile = get_profile(args.profile)
-    servers = args.servers or 16
-    requests = args.requests or (300 if args.quick else 2000)
-    loads = tuple(args.loads or (DES_LOADS_QUICK if args.quick else DES_LOADS))
-    policies = tuple(args.policies or DES_CONTENDERS)
-    unknown = [p for p in policies if p not in DES_CONTENDERS]
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """A mode's run settings: the command line's, else the mode's defaults (quick or full)."""
+
+    profile: Profile
+    servers: int
+    requests: int
+    loads: tuple[float, ...]
+    policies: tuple[str, ...]
+
+
+def settings(
+    args: argparse.Namespace,
+    mode: str,
+    *,
+    servers: int,
+    requests: tuple[int, int],
+    loads: tuple[tuple[float, ...], tuple[float, ...]],
+    contenders: Sequence[str],
+) -> Settings:
+    """``requests`` and ``loads`` are (quick, full) defaults. SystemExit names unknown contenders."""
+    policies = tuple(args.policies or contenders)
+    unknown = [p for p in policies if p not in contenders]
     if unknown:
-        raise SystemExit(
-            f"inferlb bench: error: unknown DES contender(s) {unknown}; known: {', '.join(DES_CONTENDERS)}"
-        )
+        raise SystemExit(f"inferlb bench: error: unknown {mode} contender(s) {unknown}; known: {', '.join(contenders)}")
+    return Settings(
+        get_profile(args.profile),
+        args.servers or servers,
+        args.requests or requests[0 if args.quick else 1],
+        tuple(args.loads or loads[0 if args.quick else 1]),
+        policies,
+    )
+
+
+def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    chosen = settings(
+        args,
+        "DES",
+        servers=16,
+        requests=(300, 2000),
+        loads=(DES_LOADS_QUICK, DES_LOADS),
+        contenders=DES_CONTENDERS,
+    )
+    profile, servers, requests, loads, policies = (
+        chosen.profile,
+        chosen.servers,
+        chosen.requests,
+        chosen.loads,
+        chosen.policies,
+    )
     summary: dict[str, Any] = {
         "fleet": {"servers": servers, "profile": profile.name},
         "traces": {},
