@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from inferlb.bench.report import header, write
+from inferlb.bench.report import cpu_model, header, write
 from inferlb.procs import ManagedProcess
 from inferlb.stack import LocalStack, StackOptions
 
@@ -404,16 +404,6 @@ def access_log(stack: LocalStack, expected: int, timeout_s: float = 5.0) -> list
         time.sleep(0.1)  # a poll interval, bounded by the deadline
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def measure(plan: Plan, venv: Path, workdir: Path) -> dict[str, Any]:
     """Start the gateway, run the tool through it, and gather the three views."""
     tool_binary(venv)  # before starting anything
@@ -560,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     report = {
         **header("python -m inferlb.bench.external " + " ".join(argv if argv is not None else sys.argv[1:])),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "load_average": " ".join(f"{x:.2f}" for x in load),
         "wall_s": round(time.monotonic() - started, 1),
         "workdir": str(workdir),

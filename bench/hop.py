@@ -31,6 +31,7 @@ import jinja2
 
 from inferlb.bench import micro, pyspy
 from inferlb.bench.load import LoadResult, cpu_seconds, run_wrk
+from inferlb.bench.report import cpu_model
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
 from inferlb.stack import LocalStack, StackOptions
@@ -229,19 +230,11 @@ def _profile(stack: LocalStack, workdir: Path, duration: float) -> dict[str, Any
 
 def _machine(started: datetime, argv: list[str] | None) -> dict[str, Any]:
     envoy_version = subprocess.run([find_tool("envoy"), "--version"], capture_output=True, text=True).stdout.strip()
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python -m inferlb.bench.hop " + " ".join(argv if argv is not None else sys.argv[1:]),
         "cpus": os.cpu_count(),
-        "cpu_model": cpu,
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "envoy": envoy_version.split("version:")[-1].strip(),
     }

@@ -16,7 +16,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,7 +28,7 @@ import numpy as np
 
 from inferlb.bench.desrun import DES_CONTENDERS, DesJob, capacity_rps, load_arrivals, run_job
 from inferlb.bench.metrics import goodput
-from inferlb.bench.report import header
+from inferlb.bench.report import cpu_model, header
 from inferlb.sim.profiles import PROFILES, Profile, get_profile
 
 __all__ = ["main"]
@@ -84,7 +83,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         rows, summary = run_live(args, _Progress)
     ttfts = {k: row.pop("_ttft_s") for k, row in _keyed(rows) if "_ttft_s" in row}
-    meta = {**header(command), "cpu": _cpu_model(), "mode": args.mode}
+    meta = {**header(command), "cpu": cpu_model(), "mode": args.mode}
     (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, **summary}, indent=1) + "\n", encoding="utf-8")
     (args.out / "results.md").write_text(markdown(meta, rows, summary), encoding="utf-8")
@@ -396,16 +395,6 @@ def _plots(
         fig.tight_layout()
         fig.savefig(out / f"{_stem(trace)}-p99-vs-load.png", dpi=110)
         plt.close(fig)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 ProgressFactory = Callable[[int], _Progress]

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["header", "write"]
+__all__ = ["cpu_model", "header", "write"]
 
 
 def header(command: str) -> dict[str, Any]:
@@ -20,6 +20,17 @@ def header(command: str) -> dict[str, Any]:
         "command": command,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
     }
+
+
+def cpu_model() -> str:
+    """The processor's model name from /proc/cpuinfo ("unknown" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def write(out: Path, name: str, report: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> Path:
