@@ -31,7 +31,7 @@ from inferlb.bench.quality import _goodput, settings
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, free_port, stop_all
 from inferlb.scorer.presets import PRESET_NAMES
-from inferlb.scorer.promtext import parse_exposition
+from inferlb.scorer.promtext import read_vllm
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
 __all__ = ["LIVE_CONTENDERS", "run_live"]
@@ -239,9 +239,9 @@ def _measure(
     hits = queries = 0.0
     busy: list[float] = []
     for address in endpoints:
-        metrics = parse_exposition(httpx.get(f"http://{address}/metrics", timeout=10).text)
-        hits += _total(metrics, "vllm:prefix_cache_hits")
-        queries += _total(metrics, "vllm:prefix_cache_queries")
+        reading = read_vllm(httpx.get(f"http://{address}/metrics", timeout=10).content, histograms=False)
+        hits += reading.prefix_cache_hits or 0
+        queries += reading.prefix_cache_queries or 0
         log = httpx.get(f"http://{address}/admin/requests", timeout=10).json()
         busy.append(float(log.get("busy_s", 0.0)))
     figures = summarise(outcomes, busy, hits, queries)
@@ -268,10 +268,3 @@ def _error(record: dict[str, Any]) -> str | None:
     if record["status"] == 200 and record["error"] is None:
         return None
     return record["error"] or f"status {record['status']}"
-
-
-def _total(metrics: Any, name: str) -> float:
-    family = metrics.get(name)
-    if family is None:
-        return 0.0
-    return float(sum(s.value for s in family.samples if s.name.endswith("_total") or s.name == name))

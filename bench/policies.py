@@ -119,10 +119,13 @@ class PresetPolicy:
         profile = build_profile(preset, np.random.default_rng(seed), size=n)
         self.engine = Engine(self.pool, profile, self.inflight, self.signals)
         self.latency = EndpointLatency(n, window_s=60.0, half_life_s=half_life_s)
-        self._kv_tokens = np.array([p.num_gpu_blocks * p.block_size for p in profiles], dtype=float)
         total = np.array([p.gpu_memory_bytes * p.gpu_count for p in profiles], dtype=float)
-        self._gpu_total = total
-        self._gpu_free = total * (1 - np.array([p.gpu_memory_utilization for p in profiles]))  # vLLM pre-allocates
+        # What never changes: the KV cache's size, and GPU memory (vLLM pre-allocates its share at start-up).
+        self._fixed = Snapshot.empty(n).with_values(
+            kv_tokens=[p.num_gpu_blocks * p.block_size for p in profiles],
+            gpu_total_bytes=total,
+            gpu_free_bytes=total * (1 - np.array([p.gpu_memory_utilization for p in profiles])),
+        )
         self._block_step = [max(1, PREFIX_BLOCK_TOKENS // p.block_size) for p in profiles]
         self._scraped: list[float] = [-1.0] * n
         self._latency_dirty = False
@@ -181,19 +184,13 @@ class PresetPolicy:
             scraped[i] = now_mono - (view.now - snap.scraped_at)
         arrays = self.latency.arrays(now=view.now)
         self.signals.publish(
-            Snapshot(
+            self._fixed.with_values(
                 running=running,
                 waiting=waiting,
                 kv_usage=kv_usage,
-                kv_tokens=self._kv_tokens,
                 gpu_util=util,
-                gpu_free_bytes=self._gpu_free,
-                gpu_total_bytes=self._gpu_total,
-                ttft_s=np.asarray(arrays["ttft_ewma"], dtype=float),
-                e2e_s=np.asarray(arrays["e2e_ewma"], dtype=float),
-                prefill_tokens_per_s=nan,
+                ttft_s=arrays["ttft_ewma"],
+                e2e_s=arrays["e2e_ewma"],
                 scraped_at=scraped,
-                up=np.ones(n, dtype=bool),
-                lora=(None,) * n,
             )
         )
