@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from inferlb.bench import offline_tokenizer
 from inferlb.bench.report import cpu_model, header, write
 from inferlb.procs import ManagedProcess
 from inferlb.stack import LocalStack, StackOptions
@@ -60,33 +61,10 @@ DEFAULT_VENV = REPO / ".venv" / "loadtool"
 INSTALL = f'python3 -m venv .venv/loadtool && .venv/loadtool/bin/pip install "{TOOL}=={TOOL_VERSION}" "torch==2.13.0"'
 COMPLETIONS = "/v1/completions"
 
-# Run by the tool venv's Python (it has `tokenizers`, and `faker`, which guidellm draws its synthetic prompts
-# from): argv is the output folder and the vocabulary size. Trained on Faker's English, a byte-level BPE of 2,048
-# tokens averages about 4.4 characters a token on those prompts: close to the emulated servers' own count
-# (ceil(characters / 4)) and to Llama's tokenizer on English, so the prompt lengths guidellm asks for are about
-# the lengths the servers see. The same recipe as tests/vllm/conftest.py, on another corpus.
-_TRAIN_TOKENIZER = """
-import sys
-from faker import Faker
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-out, vocab_size = sys.argv[1:]
-fake = Faker()
-fake.seed_instance(0)
-corpus = [fake.paragraph(nb_sentences=8) for _ in range(5000)]
-tokenizer = Tokenizer(models.BPE())
-tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tokenizer.decoder = decoders.ByteLevel()
-trainer = trainers.BpeTrainer(
-    vocab_size=int(vocab_size),
-    special_tokens=["<s>", "</s>"],
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    show_progress=False,
-)
-tokenizer.train_from_iterator(corpus, trainer)
-tokenizer.save(out + "/tokenizer.json")
-print(tokenizer.get_vocab_size())
-"""
+# Trained on Faker's English (offline_tokenizer.py without files; guidellm draws its synthetic prompts from
+# Faker too), a byte-level BPE of 2,048 tokens averages about 4.4 characters a token on those prompts: close to
+# the emulated servers' own count (ceil(characters / 4)) and to Llama's tokenizer on English, so the prompt
+# lengths guidellm asks for are about the lengths the servers see.
 
 # Nothing the tool runs may reach for Hugging Face's hub, or phone home.
 _OFFLINE_ENV = {
@@ -278,10 +256,11 @@ def join_overhead(report: Mapping[str, Any], entries: Sequence[Mapping[str, Any]
 
 def make_tokenizer(python: Path, folder: Path, vocab_size: int = 2048) -> Path:
     """A model folder that ``transformers.AutoTokenizer.from_pretrained(folder)`` loads offline: a byte-level BPE
-    tokenizer trained by the tool venv's ``python`` (see _TRAIN_TOKENIZER), its config and a Llama config.json."""
+    tokenizer trained by the tool venv's ``python`` (`inferlb.bench.offline_tokenizer`), its config and a Llama
+    config.json."""
     folder.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
-        [str(python), "-c", _TRAIN_TOKENIZER, str(folder), str(vocab_size)],
+        [str(python), str(offline_tokenizer.SCRIPT), str(folder), str(vocab_size)],
         capture_output=True,
         text=True,
         timeout=300,

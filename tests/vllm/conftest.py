@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from inferlb.bench import offline_tokenizer
 from inferlb.procs import ManagedProcess, free_port, http_ok, stop_all
 from inferlb.stack import LocalStack, StackOptions
 
@@ -32,26 +33,6 @@ READY_TIMEOUT_S = 180.0
 KV_CACHE_BYTES = 64 << 20
 MAX_MODEL_LEN = 512
 REPO = Path(__file__).resolve().parents[2]
-
-# Run by the vLLM venv's Python: argv is the output folder, the vocabulary size, then the training files.
-_TRAIN_TOKENIZER = """
-import sys
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-out, vocab_size, *files = sys.argv[1:]
-tokenizer = Tokenizer(models.BPE())
-tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tokenizer.decoder = decoders.ByteLevel()
-trainer = trainers.BpeTrainer(
-    vocab_size=int(vocab_size),
-    special_tokens=["<s>", "</s>"],
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    show_progress=False,
-)
-tokenizer.train(files, trainer)
-tokenizer.save(out + "/tokenizer.json")
-print(tokenizer.get_vocab_size())
-"""
 
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}\n{% endfor %}"
@@ -97,7 +78,7 @@ def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     folder = tmp_path_factory.mktemp("tiny-model")
     corpus = [REPO / "README.md", *sorted((REPO / "scorer").glob("*.py")), *sorted((REPO / "inferlb").glob("*.py"))]
     done = subprocess.run(
-        [str(vllm_python), "-c", _TRAIN_TOKENIZER, str(folder), "2048", *map(str, corpus)],
+        [str(vllm_python), str(offline_tokenizer.SCRIPT), str(folder), "2048", *map(str, corpus)],
         capture_output=True,
         text=True,
         timeout=120,
