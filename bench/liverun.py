@@ -27,7 +27,7 @@ import httpx
 from inferlb.bench.desrun import capacity_rps, load_arrivals
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.metrics import Outcome, summarise
-from inferlb.bench.quality import _goodput, settings
+from inferlb.bench.quality import add_goodput, settings
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, free_port, stop_all
 from inferlb.scorer.presets import PRESET_NAMES
@@ -122,7 +122,7 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
         )
         summary["traces"][trace]["slo_ttft_p99_ms"] = None if best is None else round(2 * best, 1)
     if all(info["slo_ttft_p99_ms"] is not None for info in summary["traces"].values()):
-        _goodput(rows, summary)
+        add_goodput(rows, summary)
     summary["workdir"] = str(workroot)
     return rows, summary
 

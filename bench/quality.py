@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +169,7 @@ def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]
             for policy in policies
         ]
     rows = _run_parallel(jobs, args.jobs)
-    _goodput(rows, summary)
+    add_goodput(rows, summary)
     return rows, summary
 
 
@@ -195,7 +195,7 @@ def _run_parallel(jobs: Sequence[DesJob], workers: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _goodput(rows: Iterable[dict[str, Any]], summary: dict[str, Any]) -> None:
+def add_goodput(rows: Iterable[dict[str, Any]], summary: dict[str, Any]) -> None:
     per: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
     for row in rows:
         per.setdefault((row["trace"], row["policy"]), []).append((row["rate_rps"], row["ttft_p99_ms"]))
@@ -368,14 +368,8 @@ def _plots(
             if len(values):
                 ax.plot(values * 1000, np.arange(1, len(values) + 1) / len(values), label=policy, linewidth=1.2)
         ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms, log scale)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{trace}: TTFT CDF at load {headline}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / f"{_stem(trace)}-ttft-cdf.png", dpi=110)
-        plt.close(fig)
+        title = f"{trace}: TTFT CDF at load {headline}"
+        _save(fig, ax, out / f"{_stem(trace)}-ttft-cdf.png", title, "TTFT (ms, log scale)", "fraction of requests")
 
         fig, ax = plt.subplots(figsize=(8, 5))
         for policy in policies:
@@ -387,17 +381,24 @@ def _plots(
         if slo:
             ax.axhline(slo, color="black", linestyle="--", linewidth=0.8, label=f"SLO {slo:g} ms")
         ax.set_yscale("log")
-        ax.set_xlabel("offered load (req/s)")
-        ax.set_ylabel("TTFT p99 (ms, log scale)")
-        ax.set_title(f"{trace}: TTFT p99 against load")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / f"{_stem(trace)}-p99-vs-load.png", dpi=110)
-        plt.close(fig)
+        title = f"{trace}: TTFT p99 against load"
+        _save(
+            fig, ax, out / f"{_stem(trace)}-p99-vs-load.png", title, "offered load (req/s)", "TTFT p99 (ms, log scale)"
+        )
 
 
-ProgressFactory = Callable[[int], _Progress]
+def _save(fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: str) -> None:
+    """Label, grid and legend a plot the same way as every other, write it and free it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
