@@ -13,8 +13,9 @@ divided by ``rate_scale``.
 Prompts are synthetic but keep the trace's prefix sharing: Mooncake ``hash_ids`` name 512-token blocks, and
 `block_text` turns an id into the same 2,048 characters in every process, so equal ids give equal prefixes in a
 simulator and against a live server alike. Positions no id covers get text unique to (trace name, request index,
-position). `block_keys` gives the simulator cheap integer keys that share leading runs exactly where the chained
-`inferlb.sim.tokens.text_block_hashes` of `prompt_text` do, without hashing megabytes of text.
+position). `block_keys` gives the simulator cheap integer keys, chained over the ids as
+`inferlb.sim.tokens.text_block_hashes` of `prompt_text` are over the text, so a block is shared exactly where the
+live server would share it, for any file, without hashing megabytes of text.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ _TRANSLATE = bytes(_ALPHABET[b % len(_ALPHABET)] for b in range(256))
 # Token counts above this are refused: they bound the filler keys' fields (see `block_keys`) and no real prompt
 # comes near them.
 _MAX_TOKENS = (1 << 40) - 1
+# Chained block keys keep 54 bits, so a key times up to 512 sub-blocks stays below 2**63.
+_CHAIN_MASK = (1 << 54) - 1
 _DATETIME = re.compile(r"(\d{4})-(\d{1,2})-(\d{1,2})[ T](\d{1,2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 _NON_BLANK = re.compile(r"\S")
 _INTEGER = re.compile(r"[+-]?\d+")
@@ -433,14 +436,26 @@ def _name_tag(trace_name: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def _chain_ids(ids: tuple[int, ...]) -> list[int]:
+    """One key per id, each a function of the ids up to and including it (``ids[:i + 1]``), below 2**54."""
+    keys: list[int] = []
+    previous = b"inferlb:"  # 8 bytes, as every digest after it, so (previous, id) is read back unambiguously
+    for h in ids:
+        previous = hashlib.blake2b(previous + b"%d" % h, digest_size=8).digest()
+        keys.append(int.from_bytes(previous, "little") & _CHAIN_MASK)
+    return keys
+
+
 def block_keys(request: TraceRequest, block_size: int, trace_name: str = "") -> list[int]:
     """Integer keys for the ``prompt_tokens // block_size`` full blocks of ``prompt_text(request, trace_name)``.
 
-    Two requests' keys agree at a block exactly when that block's text does, so the leading run of equal keys is
-    as long as the leading run of equal `text_block_hashes` entries (which are chained). A block inside slot ``i``
-    of a hash id ``h`` gets ``h * (512 // block_size) + sub-block``; a block of filler text gets a negative key
-    unique to (``trace_name``, ``request.index``, block). ``block_size`` must divide 512; ``ValueError`` otherwise,
-    or when a hash id is negative.
+    Keys are chained as `inferlb.sim.tokens.text_block_hashes` are: block ``b`` inside slot ``i`` gets
+    ``c * (512 // block_size) + sub-block``, where ``c`` is a hash of ``hash_ids[:i + 1]`` (not of ``hash_ids[i]``
+    alone), so two blocks get equal keys exactly when their text and all the text before them are equal, whether
+    or not the file's ids are themselves prefix-chained (request A = [1, 2] and request B = [2] share nothing,
+    as on a live server). Equal id sequences give equal keys in every process. A block of filler text gets a
+    negative key unique to (``trace_name``, ``request.index``, block). ``block_size`` must divide 512;
+    ``ValueError`` otherwise, or when a hash id is negative.
     """
     if not 1 <= block_size <= MOONCAKE_BLOCK_TOKENS or MOONCAKE_BLOCK_TOKENS % block_size:
         raise ValueError(f"block_size must divide {MOONCAKE_BLOCK_TOKENS}, got {block_size!r}")
@@ -451,12 +466,13 @@ def block_keys(request: TraceRequest, block_size: int, trace_name: str = "") -> 
     blocks = request.prompt_tokens // block_size
     covered = min(blocks, len(ids) * per)
     whole, rest = divmod(covered, per)
+    chained = _chain_ids(ids[: whole + (1 if rest else 0)])
     keys: list[int] = []
-    for h in ids[:whole]:
-        keys.extend(range(h * per, h * per + per))
+    for c in chained[:whole]:
+        keys.extend(range(c * per, c * per + per))
     if rest:
-        h = ids[whole]
-        keys.extend(range(h * per, h * per + rest))
+        c = chained[whole]
+        keys.extend(range(c * per, c * per + rest))
     if covered < blocks:
         # Fields of 40 bits each: blocks and indexes stay below 2**40 (token counts are capped at that).
         base = -1 - (request.index << 40) - (_name_tag(trace_name) << 80)

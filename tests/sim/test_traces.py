@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from inferlb.sim import traces
+from inferlb.sim.des import simulate, trace_arrivals
+from inferlb.sim.profiles import get_profile
 from inferlb.sim.tokens import count_tokens, text_block_hashes
 from inferlb.sim.traces import (
     MOONCAKE_BLOCK_TOKENS,
@@ -392,6 +394,20 @@ def _prefix_trace(tmp_path: Path) -> Trace:
     return load_trace(_write(tmp_path, "prefix.jsonl", _jsonl(*rows)))
 
 
+def _cached_runs(blocks: list[list[int]]) -> list[int]:
+    """For each request in turn, how many of its leading blocks an unbounded prefix cache already holds (every
+    block of the requests before it), as `inferlb.sim.kvcache.KVCache.match` counts them."""
+    seen: set[int] = set()
+    runs = []
+    for keys in blocks:
+        n = 0
+        while n < len(keys) and keys[n] in seen:
+            n += 1
+        runs.append(n)
+        seen.update(keys)
+    return runs
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 64, 512])
 def test_block_keys_share_leading_runs_exactly_where_text_hashes_do(tmp_path: Path, block_size: int) -> None:
     trace = _prefix_trace(tmp_path)
@@ -406,6 +422,47 @@ def test_block_keys_share_leading_runs_exactly_where_text_hashes_do(tmp_path: Pa
             assert _leading_equal(keys[i], keys[j]) == expected, (i, j)
             shared += expected > 0
     assert shared > 50  # the trace does share prefixes, so the check above is not vacuous
+    assert _cached_runs(keys) == _cached_runs(hashes)
+
+
+_NOT_CHAINED = _jsonl(
+    _row(0, 1024, ids=[1, 2]),
+    _row(1, 512, ids=[2]),  # id 2 follows id 1 above: different text before it, so nothing to share
+    _row(2, 1536, ids=[2, 1, 3]),  # starts as the row above does: shares its one block
+    _row(3, 1024, ids=[3, 3]),  # an id repeated inside one request
+    _row(4, 1536, ids=[1, 2, 3]),  # shares 2 blocks with the first row, not its third with row 2
+    _row(5, 1100, ids=[7, 1, 2]),
+    _row(6, 1024, ids=[1, 2]),  # the first row again: shares everything
+)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 512])
+def test_block_keys_of_a_file_whose_ids_are_not_chained_share_what_the_live_server_would(
+    tmp_path: Path, block_size: int
+) -> None:
+    trace = load_trace(_write(tmp_path, "loose.jsonl", _NOT_CHAINED))
+    keys = [block_keys(r, block_size, trace.name) for r in trace.requests]
+    hashes = [text_block_hashes(prompt_text(r, trace.name), block_size) for r in trace.requests]
+    per = MOONCAKE_BLOCK_TOKENS // block_size
+    runs = _cached_runs(hashes)
+    assert runs == [0, 0, per, 0, 2 * per, 0, 2 * per]
+    assert _cached_runs(keys) == runs
+    # Equal blocks of text give equal keys, and only they do, across the whole file.
+    pairs = {(k, h) for ks, hs in zip(keys, hashes, strict=True) for k, h in zip(ks, hs, strict=True)}
+    assert len({k for k, _ in pairs}) == len({h for _, h in pairs}) == len(pairs)
+
+
+def test_a_block_id_seen_later_in_another_request_is_not_cached_in_the_simulator(tmp_path: Path) -> None:
+    """Request A = [1, 2], then B = [2]: B's first block follows different text on A, so a live server's chained
+    hashes share nothing, and neither may the simulator (it once gave B 496 cached tokens). C = [1] does share."""
+    rows = [_row(0, 1024, 1, [1, 2]), _row(10_000, 512, 1, [2]), _row(20_000, 512, 1, [1])]
+    trace = load_trace(_write(tmp_path, "ab.jsonl", _jsonl(*rows)))
+    profile = get_profile("h100-llama3.1-8b")
+    result = simulate(trace_arrivals(trace, profile.block_size), lambda arrival, view: 0, [profile], jitter=0.0)
+    a, b, c = result.records
+    assert (a.error, b.error, c.error) == (None, None, None)
+    assert b.cached_tokens == 0
+    assert c.cached_tokens == 512 - profile.block_size  # all but the block holding the last token
 
 
 def test_prompt_text_lengths_and_prefixes(tmp_path: Path) -> None:
@@ -438,6 +495,30 @@ def test_block_text_is_fixed_by_the_id() -> None:
 def test_block_keys_rejects_block_sizes_that_do_not_divide_512(block_size: int) -> None:
     with pytest.raises(ValueError, match="block_size must divide 512"):
         block_keys(TraceRequest(0, 0.0, 2048, 1, (0, 1, 2, 3)), block_size)
+
+
+@pytest.mark.parametrize(
+    "file",
+    [
+        pytest.param("mooncake_conversation_trace.jsonl", id="mooncake-conversation"),
+        pytest.param("mooncake_synthetic_trace.jsonl", id="mooncake-synthetic"),
+    ],
+)
+def test_block_keys_of_the_shipped_traces_share_as_the_ids_do(file: str) -> None:
+    """The shipped traces' ids are prefix-chained (an id always follows the same ids), so keying blocks by their
+    chain of ids gives exactly the sharing that keying them by the id alone did: a one-to-one map between the two."""
+    path = _traces_dir() / file
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (set INFERLB_TRACES_DIR to the folder holding the shared traces)")
+    trace = load_trace(path)
+    by_id: dict[int, int] = {}
+    by_key: dict[int, int] = {}
+    for r in trace.requests:
+        covered = r.hash_ids[: r.prompt_tokens // MOONCAKE_BLOCK_TOKENS]
+        for h, key in zip(covered, block_keys(r, MOONCAKE_BLOCK_TOKENS, trace.name), strict=False):
+            assert by_id.setdefault(h, key) == key
+            assert by_key.setdefault(key, h) == h
+    assert len(by_id) > 10_000
 
 
 def test_block_keys_rejects_negative_hash_ids() -> None:
