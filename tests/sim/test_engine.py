@@ -70,6 +70,42 @@ def test_blocks_never_exceed_total_and_every_request_completes_exactly(specs, fa
         assert request.arrival <= request.scheduled_at <= request.first_token_at <= request.finished_at
 
 
+# Two requests that arrive together, each short enough to be admitted in the first step (2 x 32 <= the 64-token
+# budget) and long enough to need 13..24 of TINY's 24 blocks by its end: they decode side by side, so before either
+# finishes they hold >= 26 blocks between them, which the cache does not have. Preemption is certain.
+crowding_pair = st.lists(
+    st.tuples(st.integers(1, 32), st.integers(13 * 16, 24 * 16)),  # (prompt tokens, prompt + output tokens)
+    min_size=2,
+    max_size=2,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=crowding_pair, later=st.lists(request_spec, max_size=10), fast=st.booleans())
+def test_requests_preempted_for_blocks_still_complete_exactly(pair, later, fast):
+    engine = Engine(TINY, EngineOptions(jitter=0.05, seed=2, fast_forward=fast))
+    requests = [make(i, 10 + i, prompt, total - prompt, TINY.block_size) for i, (prompt, total) in enumerate(pair)]
+    for request in requests:
+        assert engine.add(request)
+    t = 0.0
+    for i, (family, prompt, output, gap) in enumerate(later, start=len(requests)):
+        t += gap
+        engine.advance(t)
+        check_blocks(engine)
+        request = make(i, family, prompt, output, TINY.block_size)
+        assert engine.add(request)
+        requests.append(request)
+    run_to_end(engine)
+    assert engine.preemptions > 0
+    assert engine.preemptions == sum(r.preemptions for r in requests)
+    assert not engine.running and not engine.waiting
+    assert engine.cache.used == 0
+    for request in requests:
+        assert request.state is RequestState.FINISHED
+        assert request.output == request.max_tokens
+        assert request.arrival <= request.scheduled_at <= request.first_token_at <= request.finished_at
+
+
 def test_preempted_requests_resume_and_finish():
     engine = Engine(TINY, EXACT)
     requests = [SimRequest(f"r{i}", 100, 60) for i in range(4)]  # 4 x 160 tokens > 24 x 16 blocks
