@@ -1,15 +1,30 @@
-"""Tests for sim/metrics.py: the emulator's /metrics, checked against real vLLM 0.32 output with the picker's parser."""
+"""Tests for sim/metrics.py: the emulator's /metrics, checked against real vLLM 0.32 output with the picker's parser,
+both as rendered and as a running emulator serves it over HTTP."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import httpx
 import pytest
 
-from inferlb.scorer.promtext import PICKER_METRICS, Exposition, MetricFamily, parse_exposition, read_vllm
+from inferlb.procs import free_port
+from inferlb.scorer.promtext import (
+    PICKER_METRICS,
+    SCRAPED_FAMILIES,
+    Exposition,
+    MetricFamily,
+    parse_exposition,
+    read_vllm,
+    read_vllm_signals,
+)
+from inferlb.sim.fleet import serving
 from inferlb.sim.metrics import CONTENT_TYPE, FINISHED_REASONS, VllmMetrics, _go_float
+from inferlb.sim.profiles import get_profile
+from inferlb.sim.server import EmulatedServer, ServerOptions
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm"
 FIXTURE_FILES = ["vllm-0.32.0-cpu-metrics.txt", "vllm-0.32.0-cpu-metrics-queued.txt"]
@@ -307,3 +322,77 @@ def test_two_instances_are_independent() -> None:
 
 def test_content_type() -> None:
     assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+
+
+# --- Over HTTP: what a picker scrapes from a running emulator, against real vLLM ---------------------------------
+
+SHARED_FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
+# The snapshot fields the picker reads; LoRA info is absent from both (no LoRA on either server).
+READ_FIELDS = (
+    "running",
+    "waiting",
+    "kv_cache_usage",
+    "block_size",
+    "num_gpu_blocks",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "ttft",
+    "e2e_latency",
+    "queue_time",
+)
+# The fields of the collector's filtered scrape (`SCRAPED_FAMILIES` through ``/metrics?name[]=...``).
+SIGNAL_FIELDS = ("running", "waiting", "kv_cache_usage", "block_size", "num_gpu_blocks")
+
+
+async def _scrape_emulator() -> tuple[bytes, bytes]:
+    """A running emulator's ``GET /metrics`` after some traffic, in full and as the collector asks for it."""
+    options = ServerOptions(profile=get_profile("h100-llama3.1-8b"), models=("m",), time_scale=50.0, jitter=0.0)
+    server = EmulatedServer(f"127.0.0.1:{free_port()}", options)
+    base = f"http://{server.address}"
+    query = "&".join(f"name%5B%5D={quote(name, safe='')}" for name in SCRAPED_FAMILIES)
+    async with serving([server]), httpx.AsyncClient(timeout=10) as client:
+        for prompt in ("one " * 40, "one " * 40, "two " * 10):
+            body = {"model": "m", "prompt": prompt, "max_tokens": 5}
+            assert (await client.post(f"{base}/v1/completions", json=body)).status_code == 200
+        full = await client.get(f"{base}/metrics")
+        filtered = await client.get(f"{base}/metrics?{query}")
+    for response in (full, filtered):
+        assert response.status_code == 200
+        assert response.headers["content-type"] == CONTENT_TYPE
+    return full.content, filtered.content
+
+
+def _real_expositions(source: str) -> list[tuple[str, bytes]]:
+    if source == "repo":
+        return [(name, (FIXTURES / name).read_bytes()) for name in FIXTURE_FILES]
+    paths = sorted(SHARED_FIXTURES.glob("*.txt")) if SHARED_FIXTURES.is_dir() else []
+    if not paths:
+        pytest.skip(f"no real vLLM expositions in {SHARED_FIXTURES}")
+    return [(path.name, path.read_bytes()) for path in paths]
+
+
+@pytest.mark.parametrize("source", [pytest.param("repo", id="repo-fixtures"), pytest.param("shared", id="shared")])
+async def test_a_running_emulators_metrics_read_as_real_vllms(source: str) -> None:
+    real = _real_expositions(source)
+    full, filtered = await _scrape_emulator()
+    expected_absent = {"vllm:gpu_cache_usage_perc", "vllm:lora_requests_info"}
+    for name, body in [("emulator", full), *real]:
+        expo = parse_exposition(body)
+        assert expo.malformed == 0, name
+        assert {m for m in PICKER_METRICS if m not in expo} == expected_absent, name
+        snap = read_vllm(body)
+        assert snap.malformed == 0, name
+        missing = [field for field in READ_FIELDS if getattr(snap, field) is None]
+        assert missing == [], name
+        assert snap.lora is None, name
+        signals = read_vllm_signals(body)
+        quick = read_vllm(body, histograms=False)
+        assert [getattr(signals, f) for f in SIGNAL_FIELDS] == [getattr(quick, f) for f in SIGNAL_FIELDS], name
+    # The collector's filtered scrape carries what it reads, with the same values as the full one.
+    narrow, wide = read_vllm_signals(filtered), read_vllm(full)
+    assert [getattr(narrow, f) for f in SIGNAL_FIELDS] == [getattr(wide, f) for f in SIGNAL_FIELDS]
+    assert parse_exposition(filtered).families.keys() <= set(SCRAPED_FAMILIES)
+    snap = read_vllm(full)
+    assert snap.prefix_cache_queries == 90 and snap.prefix_cache_hits is not None and snap.prefix_cache_hits > 0
+    assert snap.e2e_latency is not None and snap.e2e_latency.count == 3
