@@ -260,8 +260,15 @@ class SeedFormulaScorer(_SnapshotScorer):
         self, alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, max_queue: float = 32.0, floor: float = 0.05
     ) -> None:
         super().__init__()
-        if min(alpha, beta, gamma) < 0 or alpha + beta + gamma <= 0 or max_queue <= 0 or not 0 <= floor < 1:
-            raise ValueError("seed formula needs alpha, beta, gamma >= 0 (not all 0), max_queue > 0, 0 <= floor < 1")
+        for name, weight in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+            if not weight >= 0:
+                raise ValueError(f"{name} must be >= 0; got {weight!r}")
+        if not alpha + beta + gamma > 0:
+            raise ValueError("alpha, beta and gamma must not all be 0 (they weigh the three terms)")
+        if not max_queue > 0:
+            raise ValueError(f"max_queue must be > 0; got {max_queue!r}")
+        if not 0 <= floor < 1:
+            raise ValueError(f"floor must be in [0, 1); got {floor!r}")
         self.alpha, self.beta, self.gamma = alpha, beta, gamma
         self.max_queue, self.floor = max_queue, floor
         self._latency = LatencyScorer("e2e_s")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from inferlb.scorer.config import (
 )
 from inferlb.scorer.errors import ConfigError, ScorerError
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
-from inferlb.scorer.registry import ProfileSpec
+from inferlb.scorer.registry import ProfileSpec, default_registry
 
 GOOD_YAML = """\
 listen: 127.0.0.1:9100
@@ -365,12 +367,13 @@ def _profile_doc(**profile: Any) -> dict[str, Any]:
         ),
         pytest.param(
             _profile_doc(filters=["model", {"type": "saturation", "max_kv_usage": 2}]),
-            r"^profiles\.mine\.filters\[1\]: saturation needs .*max_kv_usage <= 1$",
+            r"^profiles\.mine\.filters\[1\]\.max_kv_usage must be a number in \(0, 1\]; got 2$",
             id="bad-parameter-value",
         ),
         pytest.param(
             _profile_doc(scorers=[{"type": "prefix-affinity", "gard": 2}]),
-            r"^profiles\.mine\.scorers\[0\]: bad parameters for 'prefix-affinity': .*gard",
+            r"^profiles\.mine\.scorers\[0\]: unknown parameter 'gard' for 'prefix-affinity' "
+            r"\(accepted: capacity_blocks, guard\)$",
             id="unknown-parameter",
         ),
         pytest.param(
@@ -451,3 +454,177 @@ def test_presets_are_chosen_by_name() -> None:
     config = parse_config({"policy": "kv-aware", "pool": POOL})
     assert config.profile_spec() == "kv-aware"
     assert config.signals == SignalsConfig()
+
+
+# ---------------------------------------------------------------- plugin parameters, from YAML text
+
+PLACES = {
+    "filters": "profiles.default.filters[1]",
+    "scorers": "profiles.default.scorers[0]",
+    "picker": "profiles.default.picker",
+}
+
+
+def _plugin_yaml(kind: str, entry: str) -> str:
+    """A config whose profile "default" holds ``entry`` (a YAML flow mapping) at the place ``PLACES[kind]``."""
+    filters = f"[model, {entry}]" if kind == "filters" else "[model]"
+    scorers = f"[{entry}]" if kind == "scorers" else "[]"
+    picker = entry if kind == "picker" else "max-score"
+    return f"""\
+policy: default
+profiles:
+  default:
+    filters: {filters}
+    scorers: {scorers}
+    picker: {picker}
+pool:
+  endpoints: [{{address: 10.0.0.1:80}}, {{address: 10.0.0.2:80}}]
+"""
+
+
+# (kind, plugin type, parameter, what the message says it must be, {bad value as YAML: how the message shows it}).
+# Every declared parameter of every built-in plugin is here (test_every_declared_parameter_is_tested checks).
+MUST_BE = [
+    ("filters", "saturation", "max_waiting", "a number >= 0 or .inf", {"x": "'x'", "-1": "-1", "true": "True"}),
+    (
+        "filters",
+        "saturation",
+        "max_kv_usage",
+        "a number in (0, 1]",
+        {"0": "0", "1.5": "1.5", ".nan": "nan", "null": "None"},
+    ),
+    ("filters", "memory-fit", "margin", "a number >= 1", {"x": "'x'", "0.9": "0.9", ".inf": "inf"}),
+    ("filters", "memory-fit", "bytes_per_token", "a number > 0", {"0": "0", "'131072'": "'131072'", "[1]": "[1]"}),
+    (
+        "filters",
+        "memory-fit",
+        "default_output_tokens",
+        "an integer >= 0",
+        {"256.0": "256.0", "-1": "-1", "false": "False"},
+    ),
+    ("scorers", "in-flight-tokens", "unit", "a number > 0", {"0": "0", "-4096": "-4096", ".inf": "inf", "yes": "True"}),
+    ("scorers", "latency", "signal", "one of 'ttft_s', 'e2e_s'", {"ttft": "'ttft'", "1": "1"}),
+    ("scorers", "predicted-ttft", "block_tokens", "an integer >= 1", {"0": "0", "64.0": "64.0", "'64'": "'64'"}),
+    ("scorers", "seed-formula", "alpha", "a number >= 0", {"-1": "-1", ".inf": "inf"}),
+    ("scorers", "seed-formula", "beta", "a number >= 0", {"true": "True", "-0.5": "-0.5"}),
+    ("scorers", "seed-formula", "gamma", "a number >= 0", {".nan": "nan", "'1'": "'1'"}),
+    ("scorers", "seed-formula", "max_queue", "a number > 0", {"0": "0", "'32'": "'32'"}),
+    ("scorers", "seed-formula", "floor", "a number in [0, 1)", {"1": "1", "-0.1": "-0.1"}),
+    ("scorers", "prefix-affinity", "guard", "a number > 0 or .inf", {"0": "0", "-.inf": "-inf", "'2'": "'2'"}),
+    ("scorers", "prefix-affinity", "capacity_blocks", "an integer >= 1", {"0": "0", "1.5": "1.5", "true": "True"}),
+    ("scorers", "session-affinity", "c", "a number >= 1 or .inf", {"0.5": "0.5", "'1.25'": "'1.25'", ".nan": "nan"}),
+    ("scorers", "session-affinity", "vnodes", "an integer >= 1", {"0": "0", "true": "True", "[160]": "[160]"}),
+]
+
+BAD_VALUES = [
+    pytest.param(
+        kind,
+        f"{{type: {plugin}, {param}: {value}}}",
+        f"{PLACES[kind]}.{param} must be {must}; got {shown}",
+        id=f"{plugin}.{param}={value}",
+    )
+    for kind, plugin, param, must, values in MUST_BE
+    for value, shown in values.items()
+]
+
+# (kind, plugin type, an unknown parameter, what the message lists as accepted)
+UNKNOWN = [
+    ("filters", "memory-fit", "marg", "bytes_per_token, default_output_tokens, margin"),
+    ("filters", "model", "models", "none"),
+    ("filters", "staleness", "stale_after_s", "none"),
+    ("filters", "saturation", "max_queue", "max_kv_usage, max_waiting"),
+    ("scorers", "queue", "foo", "none"),
+    ("scorers", "predicted-ttft", "prefix_match", "block_tokens"),
+    ("scorers", "prefix-affinity", "index", "capacity_blocks, guard"),
+    ("scorers", "session-affinity", "ring", "c, vnodes"),
+    ("scorers", "seed-formula", "delta", "alpha, beta, floor, gamma, max_queue"),
+    ("picker", "max-score", "rng", "none"),
+    ("picker", "round-robin", "start", "none"),
+    ("picker", "weighted-random", "seed", "none"),
+    ("picker", "power-of-two", "seed", "none"),
+]
+
+BAD_VALUES += [
+    pytest.param(
+        kind,
+        f"{{type: {plugin}, {name}: 1}}",
+        f"{PLACES[kind]}: unknown parameter {name!r} for {plugin!r} (accepted: {accepted})",
+        id=f"{plugin}-unknown-{name}",
+    )
+    for kind, plugin, name, accepted in UNKNOWN
+]
+
+
+@pytest.mark.parametrize(("kind", "entry", "message"), BAD_VALUES)
+def test_bad_plugin_parameters_name_the_parameter_and_its_place(kind: str, entry: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(yaml.safe_load(_plugin_yaml(kind, entry)))
+    assert str(info.value) == message
+
+
+def test_every_declared_parameter_is_tested() -> None:
+    registry = default_registry()
+    tables = {"filters": registry.filters, "scorers": registry.scorers, "picker": registry.pickers}
+    declared = {
+        (kind, name, param) for kind, table in tables.items() for name, p in table.items() for param in p.params
+    }
+    assert declared == {(kind, plugin, param) for kind, plugin, param, _, _ in MUST_BE}
+    assert set(registry.pickers) <= {plugin for kind, plugin, _, _ in UNKNOWN if kind == "picker"}
+
+
+def test_seed_formula_weights_must_not_all_be_zero() -> None:
+    text = _plugin_yaml("scorers", "{type: seed-formula, alpha: 0, beta: 0, gamma: 0}")
+    with pytest.raises(ConfigError) as info:
+        parse_config(yaml.safe_load(text))
+    assert str(info.value) == (
+        "profiles.default.scorers[0]: alpha, beta and gamma must not all be 0 (they weigh the three terms)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "entry", "attributes", "expected"),
+    [
+        pytest.param(
+            "filters",
+            "{type: saturation, max_waiting: .inf, max_kv_usage: 1}",
+            ("max_waiting", "max_kv_usage"),
+            (math.inf, 1),
+            id="saturation",
+        ),
+        pytest.param(
+            "filters",
+            "{type: memory-fit, margin: 1, bytes_per_token: 0.5, default_output_tokens: 0}",
+            ("margin", "bytes_per_token", "default_output_tokens"),
+            (1, 0.5, 0),
+            id="memory-fit",
+        ),
+        pytest.param("scorers", "{type: in-flight-tokens, unit: 1}", ("unit",), (1.0,), id="in-flight-tokens"),
+        pytest.param("scorers", "{type: latency, signal: e2e_s}", ("signal",), ("e2e_s",), id="latency"),
+        pytest.param(
+            "scorers", "{type: predicted-ttft, block_tokens: 1}", ("block_tokens",), (1,), id="predicted-ttft"
+        ),
+        pytest.param(
+            "scorers",
+            "{type: seed-formula, alpha: 0, beta: 0, gamma: 2, max_queue: 0.5, floor: 0}",
+            ("alpha", "gamma", "max_queue", "floor"),
+            (0, 2, 0.5, 0),
+            id="seed-formula",
+        ),
+        pytest.param(
+            "scorers",
+            "{type: prefix-affinity, guard: .inf, capacity_blocks: 1}",
+            ("guard", "index.capacity_blocks"),
+            (math.inf, 1),
+            id="prefix-affinity",
+        ),
+        pytest.param(
+            "scorers", "{type: session-affinity, c: 1, vnodes: 1}", ("c", "ring.vnodes"), (1, 1), id="session-affinity"
+        ),
+    ],
+)
+def test_plugin_parameters_at_their_bounds_are_accepted(
+    kind: str, entry: str, attributes: tuple[str, ...], expected: tuple[Any, ...]
+) -> None:
+    profile = build_profile(parse_config(yaml.safe_load(_plugin_yaml(kind, entry))).profile_spec(), size=2)
+    plugin: Any = profile.filters[1] if kind == "filters" else profile.scorers[0].scorer
+    assert tuple(operator.attrgetter(name)(plugin) for name in attributes) == expected
