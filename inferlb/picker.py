@@ -113,7 +113,7 @@ class Picker:
         reasons = []
         if not self._started:
             reasons.append("starting")
-        if self.collector is not None and self.collector.stats.rounds == 0:
+        if self.collector is not None and not self.collector.first_round_done:
             reasons.append("no metrics scrape finished yet")
         return reasons
 
@@ -252,7 +252,9 @@ def _collectors(config: Config, pool: Pool, signals: Signals) -> tuple[MetricsCo
     collector = None
     if config.signals.scrape_metrics:
         options = CollectorOptions(
-            interval_s=config.signals.scrape_interval_s, timeout_s=config.signals.scrape_timeout_s
+            interval_s=config.signals.scrape_interval_s,
+            timeout_s=config.signals.scrape_timeout_s,
+            only_read=config.signals.scrape_filter,
         )
         collector = MetricsCollector(pool, signals, options)
     sources = [e.gpu for e in config.endpoints]

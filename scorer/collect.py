@@ -1,10 +1,15 @@
 """The vLLM metrics collector: scrapes every endpoint's ``/metrics`` in the background and publishes snapshots.
 
-One round scrapes all endpoints concurrently, each bounded by ``timeout_s``; then one new `Snapshot` is
-published with what the round learned. Rounds start every ``interval_s`` (a slow round delays the next; rounds
-never overlap). A failed scrape (refused, timed out, an HTTP error, a body without the metrics) marks the
-endpoint down and keeps its last values with their old scrape time, so the staleness filter can tell; it never
-stops the collector. Picks never wait for a scrape: they read the latest snapshot.
+Every endpoint has its own scrape loop: a scrape every ``interval_s``, bounded by ``timeout_s``, the loops spread
+evenly over the interval so that a large pool is scraped as a steady trickle instead of a burst. A body is parsed
+as soon as it arrives, in its own loop turn (a few hundred microseconds for vLLM's exposition), so the event loop
+that answers Envoy never waits behind a whole pool's worth of parsing; and a hung endpoint delays only its own
+readings. Readings land in staging arrays; a new `Snapshot` is published at most ``publish_delay_s`` after a
+reading arrives, so many scrapes make one snapshot (scorers that compute once per snapshot stay cheap).
+
+A failed scrape (refused, timed out, an HTTP error, a body without the metrics) marks the endpoint down and keeps
+its last values with their old scrape time, so the staleness filter can tell; it never stops the collector.
+Picks never wait for a scrape: they read the latest snapshot.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.httpget import HttpGetError, HttpGetter
 from inferlb.scorer.pool import Pool
-from inferlb.scorer.promtext import VllmSnapshot, read_vllm_signals
+from inferlb.scorer.promtext import SCRAPED_FAMILIES, VllmSnapshot, read_vllm_signals
 from inferlb.scorer.signals import Signals
 
 __all__ = ["CollectorOptions", "MetricsCollector", "ScrapeStats"]
@@ -30,34 +36,50 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class CollectorOptions:
-    """``interval_s``: time between round starts; ``timeout_s``: per scrape; ``path``: the metrics path."""
+    """``interval_s``: time between one endpoint's scrape starts; ``timeout_s``: per scrape; ``path``: the metrics
+    path; ``only_read``: ask for only the families the collector reads (`SCRAPED_FAMILIES`, through the
+    ``name[]`` query that Prometheus client libraries, vLLM's among them, honour: a 57 KB exposition becomes
+    about 1 KB); ``publish_delay_s``: how long a reading may wait to be published with the readings after it."""
 
     interval_s: float = 0.1
     timeout_s: float = 0.5
     path: str = "/metrics"
+    only_read: bool = True
+    publish_delay_s: float = 0.005
+
+    @property
+    def target(self) -> str:
+        """The request target of a scrape."""
+        if not self.only_read:
+            return self.path
+        query = "&".join(f"name%5B%5D={quote(name, safe='')}" for name in SCRAPED_FAMILIES)
+        return f"{self.path}{'&' if '?' in self.path else '?'}{query}"
 
     def __post_init__(self) -> None:
-        for name in ("interval_s", "timeout_s"):
+        for name in ("interval_s", "timeout_s", "publish_delay_s"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a number > 0; got {value!r}")
 
 
 @dataclass(slots=True)
 class ScrapeStats:
-    """Counters of the collector (event-loop owned). ``errors`` is keyed by endpoint address."""
+    """Counters of the collector (event-loop owned). ``errors`` is keyed by endpoint address; ``attempted`` is how
+    many endpoints have had at least one scrape attempt (all of them: the first round is done)."""
 
-    rounds: int = 0
     scrapes: int = 0
+    bytes: int = 0
+    published: int = 0
+    attempted: int = 0
     errors: Counter[str] = field(default_factory=Counter)
-    last_round_s: float = 0.0
     parse_s: float = 0.0
 
 
 class MetricsCollector:
     """Scrapes ``pool``'s endpoints into ``signals``, over one kept-alive connection per endpoint.
 
-    Use ``await collector.run()`` as a task (cancel it to stop) or ``await collector.scrape_once()`` for one round.
+    Use ``await collector.run()`` as a task (cancel it to stop) or ``await collector.scrape_once()`` for one
+    scrape of every endpoint, published at once; the two must not run at the same time.
     """
 
     def __init__(
@@ -72,79 +94,119 @@ class MetricsCollector:
         self.signals = signals
         self.options = options or CollectorOptions()
         self._clock = clock
-        self._getters = [HttpGetter(*parse_address(e.address), self.options.path) for e in pool]
+        self._getters = [HttpGetter(*parse_address(e.address), self.options.target) for e in pool]
         self.stats = ScrapeStats()
         self.last_error: list[str | None] = [None] * len(pool)
+        self._tried = [False] * len(pool)
+        # Staging: the latest reading of each endpoint, copied into a snapshot when published.
+        old = signals.snapshot
+        self._running, self._waiting = old.running.copy(), old.waiting.copy()
+        self._kv_usage, self._kv_tokens = old.kv_usage.copy(), old.kv_tokens.copy()
+        self._scraped_at, self._up = old.scraped_at.copy(), old.up.copy()
+        self._lora = list(old.lora)
+        self._publish_pending: asyncio.TimerHandle | None = None
+        self._round_published = False
+
+    @property
+    def first_round_done(self) -> bool:
+        """Whether every endpoint has been scraped (successfully or not) at least once, and that published."""
+        return self._round_published
 
     async def aclose(self) -> None:
+        if self._publish_pending is not None:
+            self._publish_pending.cancel()
+            self._publish_pending = None
         for getter in self._getters:
             getter.close()
 
     async def run(self) -> None:
-        """Scrape forever, a round every ``interval_s``; returns only by cancellation."""
+        """Scrape forever, each endpoint every ``interval_s``; returns only by cancellation."""
+        n = len(self._getters)
+        interval = self.options.interval_s
+        loops = [
+            asyncio.create_task(self._endpoint_loop(i, interval * i / n), name=f"scrape {endpoint.address}")
+            for i, endpoint in enumerate(self.pool.endpoints)
+        ]
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+
+    async def scrape_once(self) -> None:
+        """Scrape every endpoint once, concurrently, and publish the result."""
+        await asyncio.gather(*(self._scrape(i) for i in range(len(self._getters))))
+        self._publish()
+
+    async def _endpoint_loop(self, i: int, phase: float) -> None:
+        await asyncio.sleep(phase)
         interval = self.options.interval_s
         while True:
             started = self._clock()
-            await self.scrape_once()
+            await self._scrape(i)
+            self._schedule_publish()
             await asyncio.sleep(max(0.0, interval - (self._clock() - started)))
 
-    async def scrape_once(self) -> None:
-        started = self._clock()
-        results = await asyncio.gather(*(self._scrape(i) for i in range(len(self._getters))))
-        now = self._clock()
-        parse_started = time.perf_counter()
-        old = self.signals.snapshot
-        running, waiting = old.running.copy(), old.waiting.copy()
-        kv_usage, kv_tokens = old.kv_usage.copy(), old.kv_tokens.copy()
-        scraped_at, up = old.scraped_at.copy(), old.up.copy()
-        lora = list(old.lora)
-        for i, body in enumerate(results):
-            if body is None:
-                up[i] = False
-                continue
-            reading: VllmSnapshot = read_vllm_signals(body)
-            if reading.running is None and reading.waiting is None and reading.kv_cache_usage is None:
-                self._failed(i, "no vLLM metrics in the response")
-                up[i] = False
-                continue
-            running[i] = _value(reading.running)
-            waiting[i] = _value(reading.waiting)
-            kv_usage[i] = _value(reading.kv_cache_usage)
-            if reading.num_gpu_blocks is not None and reading.block_size is not None:
-                kv_tokens[i] = reading.num_gpu_blocks * reading.block_size
-            lora[i] = reading.lora
-            scraped_at[i] = now
-            up[i] = True
-            self.last_error[i] = None
-        self.signals.publish(
-            old.with_values(
-                running=running,
-                waiting=waiting,
-                kv_usage=kv_usage,
-                kv_tokens=kv_tokens,
-                scraped_at=scraped_at,
-                up=up,
-                lora=lora,
-            )
-        )
-        stats = self.stats
-        stats.rounds += 1
-        stats.scrapes += len(results)
-        stats.parse_s += time.perf_counter() - parse_started
-        stats.last_round_s = self._clock() - started
-
-    async def _scrape(self, i: int) -> bytes | None:
+    async def _scrape(self, i: int) -> None:
         try:
             status, body = await self._getters[i].get(self.options.timeout_s)
         except HttpGetError as exc:
             self._failed(i, str(exc))
-            return None
-        if status != 200:
-            self._failed(i, f"HTTP {status}")
-            return None
-        return body
+        else:
+            if status != 200:
+                self._failed(i, f"HTTP {status}")
+            else:
+                self._read(i, body)
+        self.stats.scrapes += 1
+        if not self._tried[i]:
+            self._tried[i] = True
+            self.stats.attempted += 1
+
+    def _read(self, i: int, body: bytes) -> None:
+        self.stats.bytes += len(body)
+        started = time.perf_counter()
+        reading: VllmSnapshot = read_vllm_signals(body)
+        self.stats.parse_s += time.perf_counter() - started
+        if reading.running is None and reading.waiting is None and reading.kv_cache_usage is None:
+            self._failed(i, "no vLLM metrics in the response")
+            return
+        self._running[i] = _value(reading.running)
+        self._waiting[i] = _value(reading.waiting)
+        self._kv_usage[i] = _value(reading.kv_cache_usage)
+        if reading.num_gpu_blocks is not None and reading.block_size is not None:
+            self._kv_tokens[i] = reading.num_gpu_blocks * reading.block_size
+        self._lora[i] = reading.lora
+        self._scraped_at[i] = self._clock()
+        self._up[i] = True
+        self.last_error[i] = None
+
+    def _schedule_publish(self) -> None:
+        if self._publish_pending is None:
+            loop = asyncio.get_running_loop()
+            self._publish_pending = loop.call_later(self.options.publish_delay_s, self._publish)
+
+    def _publish(self) -> None:
+        if self._publish_pending is not None:
+            self._publish_pending.cancel()
+            self._publish_pending = None
+        # Onto the latest snapshot: other collectors (GPU state, spans) publish their own fields into it.
+        self.signals.publish(
+            self.signals.snapshot.with_values(
+                running=self._running,
+                waiting=self._waiting,
+                kv_usage=self._kv_usage,
+                kv_tokens=self._kv_tokens,
+                scraped_at=self._scraped_at,
+                up=self._up,
+                lora=self._lora,
+            )
+        )
+        self.stats.published += 1
+        self._round_published = self.stats.attempted == len(self._getters)
 
     def _failed(self, i: int, reason: str) -> None:
+        self._up[i] = False
         address = self.pool.endpoints[i].address
         if self.last_error[i] is None:
             logger.warning(

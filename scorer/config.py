@@ -15,6 +15,7 @@ Example::
     signals:
       scrape_interval_s: 0.1        # every endpoint's vLLM /metrics, this often
       scrape_timeout_s: 0.5
+      scrape_filter: true           # ask for only the families the picker reads (/metrics?name[]=...)
       stale_after_s: 1.0            # older metrics count as stale: the endpoint is treated as saturated
     profiles:
       my-profile:
@@ -54,9 +55,12 @@ MAX_SCORERS = 32
 
 @dataclass(frozen=True, slots=True)
 class SignalsConfig:
-    """How the picker collects server signals. ``scrape_metrics=False`` turns the vLLM scraper off."""
+    """How the picker collects server signals. ``scrape_metrics=False`` turns the vLLM scraper off;
+    ``scrape_filter`` asks each server for only the metric families the picker reads (``/metrics?name[]=...``,
+    which vLLM's Prometheus endpoint honours; a server that ignores it sends everything, which still works)."""
 
     scrape_metrics: bool = True
+    scrape_filter: bool = True
     scrape_interval_s: float = 0.1
     scrape_timeout_s: float = 0.5
     stale_after_s: float = 1.0
@@ -377,20 +381,34 @@ def _classes(
 
 
 def _signals(value: Any) -> SignalsConfig:
-    fields = {"scrape_metrics", "scrape_interval_s", "scrape_timeout_s", "stale_after_s", "gpu_interval_s"}
+    fields = {
+        "scrape_metrics",
+        "scrape_filter",
+        "scrape_interval_s",
+        "scrape_timeout_s",
+        "stale_after_s",
+        "gpu_interval_s",
+    }
     raw = _mapping(value, "signals", allowed=fields)
     out: dict[str, Any] = {}
-    if "scrape_metrics" in raw:
-        if not isinstance(raw["scrape_metrics"], bool):
-            raise ConfigError(f"signals.scrape_metrics must be true or false; got {raw['scrape_metrics']!r}")
-        out["scrape_metrics"] = raw["scrape_metrics"]
+    for name in ("scrape_metrics", "scrape_filter"):
+        if name in raw:
+            if not isinstance(raw[name], bool):
+                raise ConfigError(f"signals.{name} must be true or false; got {raw[name]!r}")
+            out[name] = raw[name]
     for name in ("scrape_interval_s", "scrape_timeout_s", "stale_after_s", "gpu_interval_s"):
         if name in raw:
             number = raw[name]
             if isinstance(number, bool) or not isinstance(number, int | float) or not 0.001 <= number <= 3600:
                 raise ConfigError(f"signals.{name} must be a number of seconds in 0.001..3600; got {number!r}")
             out[name] = float(number)
-    return SignalsConfig(**out)
+    signals = SignalsConfig(**out)
+    if signals.scrape_metrics and signals.stale_after_s <= signals.scrape_interval_s:
+        raise ConfigError(
+            f"signals.stale_after_s must be greater than signals.scrape_interval_s "
+            f"({signals.stale_after_s:g} <= {signals.scrape_interval_s:g}): every endpoint would always be stale"
+        )
+    return signals
 
 
 def _profiles(value: Any) -> dict[str, ProfileSpec]:

@@ -68,7 +68,7 @@ async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, se
     admin = f"http://{picker.config.admin}"
     async with httpx.AsyncClient(base_url=admin, timeout=5) as client:
         assert (await client.get("/healthz")).json() == {"status": "ok"}
-        await until(lambda: picker.collector.stats.rounds > 0 and picker.gpu_collector.rounds > 0)
+        await until(lambda: picker.collector.first_round_done and picker.gpu_collector.rounds > 0)
         assert (await client.get("/readyz")).status_code == 200
         rows = (await client.get("/endpoints")).json()["endpoints"]
         assert [r["address"] for r in rows] == [s.address for s in servers]
@@ -131,7 +131,7 @@ async def test_the_config_file_is_watched(picker, servers):
     # A new pool: fresh counts and the collectors follow the new endpoints.
     path.write_text(yaml.safe_dump({**doc, "pool": {"endpoints": doc["pool"]["endpoints"][:2]}}))
     await until(lambda: len(picker.engine.pool) == 2)
-    await until(lambda: picker.collector is not None and picker.collector.stats.rounds > 0)
+    await until(lambda: picker.collector is not None and picker.collector.first_round_done)
     assert len(picker.engine.signals.snapshot) == 2
 
 

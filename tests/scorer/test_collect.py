@@ -83,7 +83,7 @@ async def test_one_round_reads_live_servers_and_marks_the_rest_down(fleet):
     assert "no vLLM metrics" in collector.last_error[2]
     assert "timed out" in collector.last_error[3]
     assert "ConnectionRefusedError" in collector.last_error[4]
-    assert collector.stats.rounds == 1 and collector.stats.scrapes == 5
+    assert collector.stats.published == 1 and collector.stats.scrapes == 5 and collector.first_round_done
 
 
 async def test_a_server_that_goes_down_keeps_its_values_but_turns_stale(fleet):
@@ -119,10 +119,55 @@ async def test_run_keeps_scraping_until_cancelled(fleet):
     with pytest.raises(asyncio.CancelledError):
         await task
     await collector.aclose()
-    assert collector.stats.rounds >= 3 and not collector.stats.errors
+    assert collector.stats.scrapes >= 3 and not collector.stats.errors
 
 
-@pytest.mark.parametrize("bad", [{"interval_s": 0}, {"timeout_s": -1}, {"timeout_s": math.nan}])
+async def test_a_hung_endpoint_holds_back_only_its_own_readings(fleet):
+    """Each endpoint is scraped on its own schedule: one that never answers (here for up to 30 s) does not stop
+    the others from being read every interval."""
+    _, addresses = fleet
+    pool = Pool([EndpointConfig(a, None) for a in (addresses[0], addresses[3])])  # live, silent
+    signals = Signals(2, stale_after_s=5)
+    collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.02, timeout_s=30))
+    task = asyncio.create_task(collector.run())
+    seen: set[float] = set()
+    deadline = asyncio.get_running_loop().time() + 20
+    while len(seen) < 5:  # five fresh readings of the live server, each published
+        assert asyncio.get_running_loop().time() < deadline
+        seen.add(float(signals.snapshot.scraped_at[0]))
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await collector.aclose()
+    assert not collector.first_round_done  # the silent endpoint's first scrape never ended
+    assert math.isnan(signals.snapshot.scraped_at[1]) and not collector.stats.errors
+
+
+async def test_the_scrape_asks_for_only_the_families_it_reads(fleet):
+    emulated, addresses = fleet
+    pool = Pool([EndpointConfig(addresses[0], None)])
+    readings = []
+    for only_read in (True, False):
+        signals = Signals(1)
+        collector = MetricsCollector(pool, signals, CollectorOptions(only_read=only_read))
+        await collector.scrape_once()
+        await collector.aclose()
+        readings.append((collector.stats.bytes, signals.snapshot))
+    (small, filtered), (large, full) = readings
+    assert small * 5 < large  # the emulator honours name[] as vLLM's prometheus_client does
+    for name in ("running", "waiting", "kv_usage", "kv_tokens"):
+        assert getattr(filtered, name)[0] == getattr(full, name)[0]
+    assert filtered.kv_tokens[0] == TINY.num_gpu_blocks * TINY.block_size
+    target = CollectorOptions().target
+    assert target.startswith("/metrics?name%5B%5D=vllm%3Anum_requests_running&")
+    assert CollectorOptions(path="/m?x=1").target.startswith("/m?x=1&name%5B%5D=")
+    assert CollectorOptions(only_read=False).target == "/metrics"
+
+
+@pytest.mark.parametrize(
+    "bad", [{"interval_s": 0}, {"timeout_s": -1}, {"timeout_s": math.nan}, {"publish_delay_s": True}]
+)
 def test_options_refuse_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         CollectorOptions(**bad)

@@ -410,6 +410,16 @@ def _profile_doc(**profile: Any) -> dict[str, Any]:
             id="signals-typo",
         ),
         pytest.param(
+            {"pool": POOL, "signals": {"scrape_filter": 1}},
+            r"^signals\.scrape_filter must be true or false; got 1$",
+            id="scrape-filter-flag",
+        ),
+        pytest.param(
+            {"pool": POOL, "signals": {"scrape_interval_s": 2}},
+            r"^signals\.stale_after_s must be greater than signals\.scrape_interval_s \(1 <= 2\): every endpoint",
+            id="stale-before-the-next-scrape",
+        ),
+        pytest.param(
             {"pool": POOL, "session_header": "x session"},
             r"^session_header must be an HTTP header name; got 'x session'$",
             id="session-header",
@@ -441,6 +451,8 @@ def test_a_profile_of_the_file_is_built_with_its_weights_and_parameters() -> Non
     assert config.signals == SignalsConfig(
         scrape_metrics=False, scrape_interval_s=0.25, scrape_timeout_s=0.5, stale_after_s=2.0
     )
+    # Without the scraper the interval is unused, so it need not be shorter than stale_after_s.
+    assert parse_config({"pool": POOL, "signals": {"scrape_metrics": False, "scrape_interval_s": 5}})
     spec = config.profile_spec()
     assert isinstance(spec, ProfileSpec) and spec.name == "default"
     profile = build_profile(spec, size=2)
