@@ -5,15 +5,17 @@
 1. ``Engine.decide`` per preset at 8, 64 and 1,024 endpoints, on a fleet whose every signal is known and fresh
    (so every filter and scorer does its full work), with requests carrying a 4 KB prompt's prefix hashes and
    in-flight counts that move (each decision holds its lease for a while, as requests do). p50/p99 in µs.
-2. The scraper: ``inferlb sim`` serving 256 emulated servers in one process, scraped by `MetricsCollector` every
-   100 ms for 10 s in this process; the CPU this process spent per wall second (1.0 = one core), split into
-   HTTP and parsing.
+2. The scraper: 256 endpoints serving a real vLLM exposition from memory (`metricsfarm.py`), scraped by
+   `MetricsCollector` every 100 ms for 10 s in this process; the CPU this process spent per wall second (1.0 = one
+   core), split into HTTP and parsing; then how late the event loop runs, and what a pick costs, while it scrapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -24,7 +26,7 @@ import orjson
 
 from inferlb.bench.report import header, write
 from inferlb.filter.request import apply_body
-from inferlb.procs import ProcessError, free_port
+from inferlb.procs import ManagedProcess, free_port, http_ok
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import Engine
@@ -32,7 +34,6 @@ from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
 from inferlb.scorer.signals import Signals
-from inferlb.stack import start_sim
 
 SIZES = (8, 64, 1024)
 
@@ -101,53 +102,102 @@ def pick_latency(decisions: int) -> list[dict[str, Any]]:
     return rows
 
 
-def scrape_cost(servers: int, seconds: float, workdir: Path) -> dict[str, Any]:
-    for attempt in range(3):  # a port found free may be taken by someone else before the servers bind it
-        ports: set[int] = set()
-        while len(ports) < servers:
-            ports.add(free_port())
-        addresses = [f"127.0.0.1:{port}" for port in sorted(ports)]
-        try:
-            process = start_sim(addresses, workdir / "sim.log", "--model", "m")
-            break
-        except ProcessError:
-            if attempt == 2:
-                raise
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm" / "vllm-0.32.0-cpu-metrics.txt"
+PROBE_S = 0.002  # the loop-lag probe's period
+
+
+def scrape_cost(endpoints: int, seconds: float, workdir: Path, body: Path = FIXTURE) -> dict[str, Any]:
+    """Scrape ``endpoints`` static copies of ``body`` every 100 ms for ``seconds``: what the collector costs, and
+    how late the event loop that also answers Envoy runs while it works (against the same probe with no scraping,
+    in the same run)."""
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(endpoints)]
+    argv = [sys.executable, "-m", "inferlb.bench.metricsfarm", "--body", str(body)]
+    for address in addresses:
+        argv += ["--listen", address]
+    farm = ManagedProcess("metrics farm", argv, workdir / "metricsfarm.log").start()
     try:
-        pool = Pool([EndpointConfig(a, None) for a in addresses])
-        signals = Signals(servers)
-
-        async def run() -> MetricsCollector:
-            collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.1, timeout_s=1.0))
-            await collector.scrape_once()  # connect once before measuring
-            cpu, wall = time.process_time(), time.monotonic()
-            collector.stats.parse_s = 0.0
-            rounds = collector.stats.rounds
-            task = asyncio.create_task(collector.run())
-            await asyncio.sleep(seconds)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            collector.stats.rounds -= rounds
-            run.cpu, run.wall = time.process_time() - cpu, time.monotonic() - wall  # type: ignore[attr-defined]
-            await collector.aclose()
-            return collector
-
-        collector = asyncio.run(run())
+        for address in (addresses[0], addresses[-1]):  # bound in order: the last up means all are
+            farm.wait_ready(http_ok(f"http://{address}/metrics"), 30.0, f"serving on {address}")
+        result = asyncio.run(_scrape_runs(addresses, seconds))
     finally:
-        process.stop()
-    cpu, wall = run.cpu, run.wall  # type: ignore[attr-defined]
+        farm.stop()
+    return {"endpoints": endpoints, "interval_s": 0.1, "body_bytes": body.stat().st_size, **result}
+
+
+async def _scrape_runs(addresses: list[str], seconds: float) -> dict[str, Any]:
+    n = len(addresses)
+    pool = Pool([EndpointConfig(a, None) for a in addresses])
+    signals = Signals(n, stale_after_s=1.0)
+    engine = Engine(pool, build_profile("default", np.random.default_rng(3), size=n), signals=signals)
+    request = _requests(1, np.random.default_rng(4))[0]
+    idle = await _probe(engine, request, min(seconds, 3.0))
+    runs = {}
+    for name, only_read in (("filtered", True), ("full", False)):
+        options = CollectorOptions(interval_s=0.1, timeout_s=0.5, only_read=only_read)
+        collector = MetricsCollector(pool, signals, options)
+        runs[name] = await _scrape_run(collector, engine, request, seconds)
+        print(f"scrape {name} {runs[name]}", flush=True)
+    return {"idle": idle, **runs}
+
+
+async def _scrape_run(
+    collector: MetricsCollector, engine: Engine, request: RequestFeatures, seconds: float
+) -> dict[str, Any]:
+    n = len(collector.pool)
+    await collector.scrape_once()  # connect once before measuring
+    fetched = collector.stats.bytes
+    cpu, wall = time.process_time(), time.monotonic()
+    before = dataclasses.replace(collector.stats, errors=collector.stats.errors.copy())
+    task = asyncio.create_task(collector.run())
+    await asyncio.sleep(seconds)  # the collector alone: its CPU
+    cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     stats = collector.stats
+    scrapes = stats.scrapes - before.scrapes
+    parse_s = stats.parse_s - before.parse_s
+    published = stats.published - before.published
+    errors = sum(stats.errors.values()) - sum(before.errors.values())
+    busy = await _probe(engine, request, min(seconds, 3.0))  # and the request path while it runs
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await collector.aclose()
     return {
-        "endpoints": servers,
-        "interval_s": 0.1,
+        "bytes_per_scrape": round((stats.bytes - fetched) / max(stats.scrapes - before.scrapes, 1)),
         "wall_s": round(wall, 1),
-        "rounds": stats.rounds,
-        "rounds_per_s": round(stats.rounds / wall, 2),
-        "scrapes_per_s": round(stats.rounds * servers / wall, 1),
-        "errors": sum(stats.errors.values()),
+        "scrapes_per_s": round(scrapes / wall, 1),
+        "per_endpoint_hz": round(scrapes / wall / n, 2),
+        "snapshots_per_s": round(published / wall, 1),
+        "errors": errors,
         "cores": round(cpu / wall, 3),
-        "parse_cores": round(stats.parse_s / wall, 3),
-        "cpu_us_per_scrape": round(1e6 * cpu / max(stats.rounds * servers, 1), 1),
+        "parse_cores": round(parse_s / wall, 3),
+        "cpu_us_per_scrape": round(1e6 * cpu / max(scrapes, 1), 1),
+        "scraping": busy,
+    }
+
+
+async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> dict[str, float]:
+    """Every PROBE_S: how late the loop woke us (lag), one `Engine.decide`, and the oldest endpoint data it read."""
+    loop = asyncio.get_running_loop()
+    lags, picks, ages = [], [], []
+    end = loop.time() + seconds
+    while loop.time() < end:
+        asked = loop.time()
+        await asyncio.sleep(PROBE_S)
+        lags.append(loop.time() - asked - PROBE_S)
+        started = time.perf_counter()
+        engine.decide(request)
+        picks.append(time.perf_counter() - started)
+        ages.append(float(np.max(engine.signals.snapshot.age())))
+
+    def pct(values: list[float], q: float, scale: float) -> float:
+        return round(float(np.percentile(values, q)) * scale, 2)
+
+    return {
+        "lag_p50_ms": pct(lags, 50, 1e3),
+        "lag_p99_ms": pct(lags, 99, 1e3),
+        "lag_max_ms": round(max(lags) * 1e3, 2),
+        "pick_p50_us": pct(picks, 50, 1e6),
+        "pick_p99_us": pct(picks, 99, 1e6),
+        "oldest_data_p99_ms": pct(ages, 99, 1e3),
     }
 
 
@@ -160,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     picks = pick_latency(2_000 if args.quick else 20_000)
     scrape = scrape_cost(64 if args.quick else 256, 3.0 if args.quick else 10.0, args.out)
     print(f"scrape {scrape}", flush=True)
-    (args.out / "sim.log").unlink(missing_ok=True)
+    (args.out / "metricsfarm.log").unlink(missing_ok=True)
     report = {
         **header(f"python -m inferlb.bench.pick --out bench/results{' --quick' if args.quick else ''}"),
         "picks": picks,
@@ -188,21 +238,44 @@ def _markdown(report: dict[str, Any]) -> str:
             cells.append(f"{row['p50_us']} / {row['p99_us']}")
         lines.append(f"| {preset} | " + " | ".join(cells) + " |")
     s = report["scrape"]
+    idle = s["idle"]
     lines += [
         "",
-        f"## Metrics scraper: {s['endpoints']} emulated servers every {s['interval_s']} s",
+        f"## Metrics scraper: {s['endpoints']} endpoints, each every {s['interval_s']} s",
         "",
-        "| rounds/s | scrapes/s | errors | collector cores | of which parsing | CPU µs per scrape |",
-        "|---:|---:|---:|---:|---:|---:|",
-        f"| {s['rounds_per_s']} | {s['scrapes_per_s']} | {s['errors']} | {s['cores']} | {s['parse_cores']} "
-        f"| {s['cpu_us_per_scrape']} |",
+        f"Every endpoint serves a real vLLM 0.32 exposition ({s['body_bytes'] // 1024} KB, tests/fixtures/vllm/) "
+        "from one static server process (`bench/metricsfarm.py`), which honours `name[]` as vLLM does; the "
+        "collector runs in this process, so the CPU figures are its own. *filtered* asks for only the families "
+        "the picker reads (the default, `signals.scrape_filter`); *full* fetches the whole exposition.",
         "",
-        f"At 10 rounds/s over {s['endpoints']} endpoints that cost per scrape is "
-        f"{s['cpu_us_per_scrape'] * s['endpoints'] * 10 / 1e6:.2f} of a core. Fewer than 10 rounds/s means the "
-        "servers answered more slowly than the interval: here all of them are one emulator process on the same "
-        "two cores as the collector.",
-        "",
+        "| scrape | bytes per scrape | scrapes/s | per endpoint, Hz | snapshots/s | errors | collector cores "
+        "| of which parsing | CPU µs per scrape |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    for name in ("filtered", "full"):
+        r = s[name]
+        lines.append(
+            f"| {name} | {r['bytes_per_scrape']} | {r['scrapes_per_s']} | {r['per_endpoint_hz']} "
+            f"| {r['snapshots_per_s']} | {r['errors']} | {r['cores']} | {r['parse_cores']} | {r['cpu_us_per_scrape']} |"
+        )
+    lines += [
+        "",
+        f"The request path while it scrapes: a probe on the same event loop wakes every {PROBE_S * 1e3:g} ms, "
+        "notes how late it woke (loop lag), makes one `default` pick and notes the oldest endpoint data the pick "
+        "read; the same probe with no scraping is the baseline.",
+        "",
+        "| | loop lag p50 / p99 / max, ms | pick p50 / p99, µs | oldest data p99, ms |",
+        "|---|---:|---:|---:|",
+        f"| no scraping | {idle['lag_p50_ms']} / {idle['lag_p99_ms']} / {idle['lag_max_ms']} "
+        f"| {idle['pick_p50_us']} / {idle['pick_p99_us']} | - |",
+    ]
+    for name in ("filtered", "full"):
+        b = s[name]["scraping"]
+        lines.append(
+            f"| scraping, {name} | {b['lag_p50_ms']} / {b['lag_p99_ms']} / {b['lag_max_ms']} "
+            f"| {b['pick_p50_us']} / {b['pick_p99_us']} | {b['oldest_data_p99_ms']} |"
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
