@@ -1,14 +1,20 @@
-"""The ``inferlb`` command line: errors that say how to fix the input, and envoy-config output."""
+"""The ``inferlb`` command line: errors that say how to fix the input, envoy-config output, and ``inferlb sim``'s
+start-up faults, served by the command as its own process."""
 
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
 from inferlb.cli import main
+from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
+from inferlb.stack import READY_TIMEOUT_S, start_sim
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -98,3 +104,66 @@ def test_sim_reports_a_busy_port(capsys: pytest.CaptureFixture[str]) -> None:
         port = taken.getsockname()[1]
         assert main(["sim", "--listen", f"127.0.0.1:{port}"]) == 2
     assert f"cannot bind 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+# --- inferlb sim --fault, end to end --------------------------------------------------------------------------------
+
+COMPLETION = {"model": "demo-model", "prompt": "hello there", "max_tokens": 4}
+
+
+def _complete(address: str, timeout: float = 10.0) -> int:
+    return httpx.post(f"http://{address}/v1/completions", json=COMPLETION, timeout=timeout).status_code
+
+
+@pytest.fixture(scope="module")
+def faulty_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """One ``inferlb sim`` process, three servers: 0 refuses every request, 1 hangs, 2 is healthy."""
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    log = tmp_path_factory.mktemp("sim") / "sim.log"
+    args = ("--model", "demo-model", "--time-scale", "50", "--fault", "0:error_rate=1", "--fault", "1:hang=true")
+    process = start_sim(addresses, log, *args)
+    try:
+        yield addresses
+    finally:
+        process.stop()
+
+
+def test_sim_fault_error_rate_fails_requests_on_that_server_only(faulty_fleet: list[str]) -> None:
+    refusing, _, healthy = faulty_fleet
+    assert [_complete(refusing) for _ in range(3)] == [500, 500, 500]
+    assert _complete(healthy) == 200
+    assert httpx.get(f"http://{refusing}/health", timeout=5).status_code == 200  # up, but every request fails
+
+
+def test_sim_fault_hang_stalls_requests_on_that_server_only(faulty_fleet: list[str]) -> None:
+    _, hung, healthy = faulty_fleet
+    with pytest.raises(httpx.ReadTimeout):
+        _complete(hung, timeout=1.0)
+    assert _complete(healthy) == 200
+    assert httpx.get(f"http://{hung}/health", timeout=5).status_code == 200  # the HTTP server still answers
+
+
+def test_sim_fault_crash_restarts_the_server_cold(tmp_path: Path) -> None:
+    """Server 0 crashes at start-up, so it answers 503 for its cold start (2 s at time scale 1), then serves."""
+    crashed, healthy = (f"127.0.0.1:{free_port()}" for _ in range(2))
+    argv = [find_tool("inferlb"), "sim", "--model", "demo-model", "--listen", crashed, "--listen", healthy]
+    argv += ["--fault", "0:crash=true,cold_start_s=2"]
+    process = ManagedProcess("emulated servers", argv, tmp_path / "sim.log").start()
+    try:
+        process.wait_ready(http_ok(f"http://{healthy}/health"), READY_TIMEOUT_S, f"serving on {healthy}")
+        seen: list[int] = []  # /health, polled until ready
+        refused: list[int] = []  # a completion sent after each 503 (the last may land after the cold start)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not seen or seen[-1] != 200:
+            assert time.monotonic() < deadline, f"{crashed} still not ready; /health answered {seen[-5:]}"
+            seen.append(httpx.get(f"http://{crashed}/health", timeout=5).status_code)
+            if seen[-1] == 503:
+                refused.append(_complete(crashed))
+            time.sleep(0.02)
+        assert seen[0] == 503, "the crashed server was ready at once"
+        assert set(seen) == {503, 200}
+        assert refused[0] == 503 and set(refused) <= {503, 200}
+        assert _complete(crashed) == 200
+        assert "crashed; ready again in 2.0 s" in process.log_tail()
+    finally:
+        process.stop()
