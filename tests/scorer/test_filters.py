@@ -1,0 +1,206 @@
+"""Tests for scorer/filters.py: table-driven, on fleets with fresh, stale, missing, zero and garbage signals.
+
+Every filter returns a subset of its candidates in their order, and never empties the list on its own: when it
+would drop them all, it keeps them all."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.engine import State
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter
+from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.signals import Signals
+
+NAN = math.nan
+INF = math.inf
+REQUEST = RequestFeatures(model="m", prompt_tokens=1000, max_tokens=100)
+# Long enough that a test never sees a fresh scrape go stale while it runs.
+STALE_AFTER_S = 30.0
+
+
+def state(n: int = 4, **values: Any) -> State:
+    pool = Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", None) for i in range(n)])
+    signals = Signals(n, stale_after_s=STALE_AFTER_S)
+    if values:
+        signals.publish(signals.snapshot.with_values(**values))
+    return State(pool, InFlight(n), signals)
+
+
+def check_subset(kept: np.ndarray, candidates: np.ndarray) -> None:
+    """What every filter promises: a non-empty subset of the candidates, in their order."""
+    assert len(kept) > 0
+    positions = [list(candidates).index(c) for c in kept]
+    assert positions == sorted(set(positions))
+
+
+# ---------------------------------------------------------------- staleness
+
+
+@pytest.mark.parametrize(
+    ("ages", "up", "candidates", "expected"),
+    [
+        pytest.param([0, 0, 0, 0], None, [0, 1, 2, 3], [0, 1, 2, 3], id="all-fresh"),
+        pytest.param([0, 60, 0, 0], None, [0, 1, 2, 3], [0, 2, 3], id="one-stale"),
+        pytest.param([0, 1, STALE_AFTER_S - 5, 0], None, [0, 1, 2, 3], [0, 1, 2, 3], id="old-but-within-stale-after"),
+        pytest.param([0, NAN, 0, 0], None, [0, 1, 2, 3], [0, 2, 3], id="never-scraped"),
+        pytest.param([0, 0, 0, 0], [True, False, True, True], [0, 1, 2, 3], [0, 2, 3], id="last-scrape-failed"),
+        pytest.param([0, 0, 60, 0], [True, False, True, True], [0, 1, 2, 3], [0, 3], id="stale-and-down"),
+        pytest.param([60, 60, 60, 60], None, [0, 1, 2, 3], [0, 1, 2, 3], id="all-stale-keeps-all"),
+        pytest.param([NAN] * 4, None, [0, 1, 2, 3], [0, 1, 2, 3], id="nothing-scraped-keeps-all"),
+        pytest.param([0] * 4, [False] * 4, [0, 1, 2, 3], [0, 1, 2, 3], id="all-down-keeps-all"),
+        pytest.param([0, 60, 0, 0], None, [1, 2], [2], id="subset-of-candidates"),
+        pytest.param([0, 60, 0, 60], None, [1, 3], [1, 3], id="every-candidate-stale-keeps-them"),
+        pytest.param([0, 60, 0, 0], None, [1], [1], id="single-stale-candidate-kept"),
+        pytest.param([0, INF, 0, 0], None, [0, 1, 2, 3], [0, 2, 3], id="garbage-minus-inf-timestamp"),
+    ],
+)
+def test_staleness_filter(ages: list[float], up: list[bool] | None, candidates: list[int], expected: list[int]) -> None:
+    now = time.monotonic()
+    values: dict[str, Any] = {"running": [0] * 4, "scraped_at": [now - age for age in ages]}
+    if up is not None:
+        values["up"] = up
+    given = np.array(candidates)
+    kept = StalenessFilter().filter(REQUEST, state(**values), given)
+    assert list(kept) == expected
+    check_subset(kept, given)
+
+
+def test_staleness_filter_on_an_empty_snapshot_keeps_all() -> None:
+    # Nothing ever published: every endpoint is stale, so all are kept.
+    assert list(StalenessFilter().filter(REQUEST, state(), np.arange(4))) == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- saturation
+
+
+@pytest.mark.parametrize(
+    ("params", "values", "candidates", "expected"),
+    [
+        pytest.param({}, {"waiting": [0, 20, 3, NAN]}, [0, 1, 2, 3], [0, 2, 3], id="queue"),
+        pytest.param({}, {"kv_usage": [0.5, 0.99, NAN, 0.2]}, [0, 1, 2, 3], [0, 2, 3], id="kv"),
+        pytest.param(
+            {},
+            {"waiting": [16, 17, 0, 0], "kv_usage": [0.95, 0, 0.96, 0]},
+            [0, 1, 2, 3],
+            [0, 3],
+            id="at-threshold-passes",
+        ),
+        pytest.param(
+            {}, {"waiting": [NAN] * 4, "kv_usage": [NAN] * 4}, [0, 1, 2, 3], [0, 1, 2, 3], id="unknown-passes"
+        ),
+        pytest.param({}, {"waiting": [0, 0, 0, 0], "kv_usage": [0, 0, 0, 0]}, [0, 1, 2, 3], [0, 1, 2, 3], id="zeros"),
+        pytest.param({}, {"waiting": [50, 50, 50, 50]}, [0, 1, 2, 3], [0, 1, 2, 3], id="all-saturated-keeps-all"),
+        pytest.param({}, {"waiting": [-5, INF, 0, 0], "kv_usage": [-1, 0, 7, 0]}, [0, 1, 2, 3], [0, 3], id="garbage"),
+        pytest.param({}, {"waiting": [0, 20, 0, 20]}, [1, 2, 3], [2], id="subset-of-candidates"),
+        pytest.param({}, {"waiting": [0, 20, 0, 0]}, [1], [1], id="single-saturated-candidate-kept"),
+        pytest.param({"max_waiting": 0}, {"waiting": [0, 1, 0, 2]}, [0, 1, 2, 3], [0, 2], id="max-waiting-zero"),
+        pytest.param({"max_waiting": INF}, {"waiting": [0, 1e9, 0, 0]}, [0, 1, 2, 3], [0, 1, 2, 3], id="queue-ignored"),
+        pytest.param(
+            {"max_kv_usage": 1}, {"kv_usage": [1.0, 0.5, 1.01, 0]}, [0, 1, 2, 3], [0, 1, 3], id="kv-full-is-ok"
+        ),
+    ],
+)
+def test_saturation_filter(
+    params: dict[str, float], values: dict[str, list[float]], candidates: list[int], expected: list[int]
+) -> None:
+    given = np.array(candidates)
+    kept = SaturationFilter(**params).filter(REQUEST, state(**values), given)
+    assert list(kept) == expected
+    check_subset(kept, given)
+
+
+def test_saturation_filter_follows_a_new_snapshot() -> None:
+    s = state(waiting=[0, 20, 0, 0])
+    flt = SaturationFilter()
+    assert list(flt.filter(REQUEST, s, np.arange(4))) == [0, 2, 3]
+    s.signals.publish(s.signals.snapshot.with_values(waiting=[20, 0, 0, 0]))
+    assert list(flt.filter(REQUEST, s, np.arange(4))) == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        pytest.param({"max_waiting": -1}, r"^max_waiting must be >= 0; got -1$", id="negative-waiting"),
+        pytest.param({"max_waiting": NAN}, r"^max_waiting must be >= 0; got nan$", id="nan-waiting"),
+        pytest.param({"max_kv_usage": 0}, r"^max_kv_usage must be in \(0, 1\]; got 0$", id="kv-zero"),
+        pytest.param({"max_kv_usage": 1.5}, r"^max_kv_usage must be in \(0, 1\]; got 1.5$", id="kv-above-one"),
+    ],
+)
+def test_saturation_refuses_bad_thresholds(params: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SaturationFilter(**params)
+
+
+# ---------------------------------------------------------------- memory fit
+
+# bytes_per_token 1000, margin 1.3, prompt 1000 + max_tokens 100: 1.43 MB needed.
+NEED = 1.3 * 1000 * (1000 + 100)
+
+
+@pytest.mark.parametrize(
+    ("params", "request_", "free", "candidates", "expected"),
+    [
+        pytest.param({}, REQUEST, [NEED, NEED - 1, NAN, 10 * NEED], [0, 1, 2, 3], [0, 2, 3], id="exactly-enough-fits"),
+        pytest.param({}, REQUEST, [NAN] * 4, [0, 1, 2, 3], [0, 1, 2, 3], id="unknown-passes"),
+        pytest.param({}, REQUEST, [0, 0, 0, 0], [0, 1, 2, 3], [0, 1, 2, 3], id="none-fits-keeps-all"),
+        pytest.param({}, REQUEST, [0, NEED, 0, 0], [0, 1, 2, 3], [1], id="zeros-but-one"),
+        pytest.param({}, REQUEST, [-1, INF, -INF, NEED], [0, 1, 2, 3], [1, 3], id="garbage"),
+        pytest.param({}, REQUEST, [NEED] * 4, [0, 1, 2, 3], [0, 1, 2, 3], id="all-equal"),
+        pytest.param({}, REQUEST, [0, NEED, 0, NEED], [0, 1, 2], [1], id="subset-of-candidates"),
+        pytest.param({}, REQUEST, [0, 0, 0, 0], [2], [2], id="single-candidate-that-does-not-fit"),
+        pytest.param({"margin": 1}, REQUEST, [1000 * 1100, 1000 * 1100 - 1, 0, 0], [0, 1, 2, 3], [0], id="margin-1"),
+        pytest.param(
+            {"default_output_tokens": 0},
+            RequestFeatures(model="m", prompt_tokens=1000),
+            [1.3e6, 1.3e6 - 1, 0, 0],
+            [0, 1, 2, 3],
+            [0],
+            id="no-max-tokens-uses-default-output",
+        ),
+        pytest.param(
+            {},
+            RequestFeatures(model="m", prompt_tokens=1000),
+            [1.3 * 1000 * 1256, 1.3 * 1000 * 1255, 0, 0],
+            [0, 1, 2, 3],
+            [0],
+            id="default-output-256",
+        ),
+        pytest.param(
+            {},
+            RequestFeatures(model="m", prompt_tokens=0, max_tokens=0),
+            [0, -1, NAN, 5],
+            [0, 1, 2, 3],
+            [0, 2, 3],
+            id="empty-request-needs-nothing",
+        ),
+    ],
+)
+def test_memory_fit_filter(
+    params: dict[str, float], request_: RequestFeatures, free: list[float], candidates: list[int], expected: list[int]
+) -> None:
+    given = np.array(candidates)
+    kept = MemoryFitFilter(bytes_per_token=1000, **params).filter(request_, state(gpu_free_bytes=free), given)
+    assert list(kept) == expected
+    check_subset(kept, given)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        pytest.param({"bytes_per_token": 0}, r"^bytes_per_token must be > 0; got 0$", id="bytes-zero"),
+        pytest.param({"margin": 0.5}, r"^margin must be >= 1; got 0.5$", id="margin-below-one"),
+        pytest.param({"default_output_tokens": -1}, r"^default_output_tokens must be >= 0; got -1$", id="output-neg"),
+    ],
+)
+def test_memory_fit_refuses_bad_parameters(params: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MemoryFitFilter(**params)

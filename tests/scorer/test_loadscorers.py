@@ -1,0 +1,350 @@
+"""Tests for scorer/loadscorers.py: table-driven, on fleets with normal, missing, zero, equal and garbage signals.
+
+Every scorer here is ``bounded``: it must return a float64 array shaped like its candidates, in [0, 1], without
+NaN, and `NEUTRAL_SCORE` where it knows nothing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.engine import NEUTRAL_SCORE, State
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.loadscorers import (
+    GpuFreeMemoryScorer,
+    GpuUtilScorer,
+    InFlightTokensScorer,
+    KVCacheScorer,
+    LatencyScorer,
+    LoraAffinityScorer,
+    PredictedTTFTScorer,
+    QueueScorer,
+    RunningScorer,
+    SeedFormulaScorer,
+    fewer_is_better,
+    min_max_low,
+)
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.promtext import LoraInfo
+from inferlb.scorer.signals import Signals
+
+NAN = math.nan
+INF = math.inf
+N = NEUTRAL_SCORE
+REQUEST = RequestFeatures(model="m", prompt_tokens=1000, max_tokens=100)
+ALL = [0, 1, 2, 3]
+
+
+def state(n: int = 4, tokens: Sequence[int] = (), **values: Any) -> State:
+    """A pool of ``n`` with these snapshot values and ``tokens[i]`` prompt tokens in flight to endpoint i."""
+    pool = Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", None) for i in range(n)])
+    signals = Signals(n)
+    if values:
+        signals.publish(signals.snapshot.with_values(**values))
+    inflight = InFlight(n)
+    for i, count in enumerate(tokens):
+        if count:
+            inflight.acquire(i, count)
+    return State(pool, inflight, signals)
+
+
+def check_bounded(scores: np.ndarray, candidates: np.ndarray) -> None:
+    """The ``bounded`` promise: a float64 ndarray aligned with the candidates, in [0, 1], no NaN."""
+    assert type(scores) is np.ndarray and scores.dtype == np.float64
+    assert scores.shape == candidates.shape
+    assert ((scores >= 0) & (scores <= 1)).all(), scores
+
+
+# ---------------------------------------------------------------- the two scalings
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        pytest.param([0, 1, 2, 3], [1, 2 / 3, 1 / 3, 0], id="spread"),
+        pytest.param([5, 5, 5, 5], [1, 1, 1, 1], id="all-equal"),
+        pytest.param([0, 0, 0, 0], [1, 1, 1, 1], id="zeros"),
+        pytest.param([NAN, 0, 2, NAN], [N, 1, 0, N], id="missing"),
+        pytest.param([NAN] * 4, [N] * 4, id="nothing-known"),
+        pytest.param([7], [1], id="single"),
+        pytest.param([-2, 2], [1, 0], id="negative"),
+    ],
+)
+def test_min_max_low(values: list[float], expected: list[float]) -> None:
+    assert min_max_low(np.array(values, dtype=float)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("values", "unit", "expected"),
+    [
+        pytest.param([0, 1, 2, 0], 1, [1, 0.5, 1 / 3, 1], id="requests"),
+        pytest.param([4096, 0, 8192, NAN], 4096, [0.5, 1, 1 / 3, N], id="tokens"),
+        pytest.param([3, 3, 3], 1, [1, 1, 1], id="all-equal"),
+        pytest.param([NAN] * 4, 1, [N] * 4, id="nothing-known"),
+        pytest.param([9], 1, [1], id="single"),
+    ],
+)
+def test_fewer_is_better(values: list[float], unit: float, expected: list[float]) -> None:
+    assert fewer_is_better(np.array(values, dtype=float), unit) == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------- scorers that read one snapshot signal
+
+
+@pytest.mark.parametrize(
+    ("scorer", "values", "candidates", "expected"),
+    [
+        pytest.param(QueueScorer(), {"waiting": [0, 3, NAN, 1]}, ALL, [1, 0.25, N, 0.5], id="queue"),
+        pytest.param(QueueScorer(), {"waiting": [4, 4, 4, 4]}, ALL, [1, 1, 1, 1], id="queue-all-equal"),
+        pytest.param(QueueScorer(), {"waiting": [0, 3, 5, 1]}, [2], [1], id="queue-single"),
+        pytest.param(RunningScorer(), {"running": [10, 0, 5, NAN]}, ALL, [0, 1, 0.5, N], id="running"),
+        pytest.param(RunningScorer(), {"running": [10, 0, 5, 20]}, [0, 2], [0, 1], id="running-subset"),
+        pytest.param(KVCacheScorer(), {"kv_usage": [0.0, 0.9, NAN, 7.0]}, ALL, [1, 0.1, N, 0], id="kv-garbage"),
+        pytest.param(KVCacheScorer(), {"kv_usage": [-1, 1, 0.5, 0.5]}, ALL, [1, 0, 0.5, 0.5], id="kv-negative"),
+        pytest.param(GpuUtilScorer(), {"gpu_util": [0.2, 1.0, NAN, -3]}, ALL, [0.8, 0, N, 1], id="gpu-util"),
+        pytest.param(GpuUtilScorer(), {"gpu_util": [INF, 0, 0, 0]}, ALL, [0, 1, 1, 1], id="gpu-util-inf"),
+        pytest.param(
+            GpuFreeMemoryScorer(),
+            {"gpu_free_bytes": [10, 0, NAN, 5], "gpu_total_bytes": [10, 10, 10, 0]},
+            ALL,
+            [1, 0, N, N],
+            id="gpu-memory-zero-total",
+        ),
+        pytest.param(
+            GpuFreeMemoryScorer(),
+            {"gpu_free_bytes": [INF, -5, 20, 5], "gpu_total_bytes": [10, 10, 10, INF]},
+            ALL,
+            [N, 0, 1, 0],
+            id="gpu-memory-garbage",
+        ),
+        pytest.param(LatencyScorer(), {"ttft_s": [0.1, 0.2, NAN, 0.0]}, ALL, [1, 0.5, N, N], id="latency"),
+        pytest.param(LatencyScorer(), {"ttft_s": [INF, -1, 0.5, 1]}, ALL, [N, N, 1, 0.5], id="latency-garbage"),
+        pytest.param(LatencyScorer("e2e_s"), {"e2e_s": [2, 4, 8, 1]}, [0, 1, 2], [1, 0.5, 0.25], id="e2e-subset"),
+        pytest.param(LatencyScorer(), {"ttft_s": [0.3] * 4}, ALL, [1] * 4, id="latency-all-equal"),
+        pytest.param(LatencyScorer(), {}, ALL, [N] * 4, id="latency-no-spans-yet"),
+    ],
+)
+def test_signal_scorers(
+    scorer: Any, values: dict[str, list[float]], candidates: list[int], expected: list[float]
+) -> None:
+    given = np.array(candidates)
+    got = scorer.score(REQUEST, state(**values), given)
+    assert got == pytest.approx(expected)
+    check_bounded(got, given)
+
+
+# ---------------------------------------------------------------- in-flight tokens
+
+
+@pytest.mark.parametrize(
+    ("tokens", "unit", "candidates", "expected"),
+    [
+        pytest.param([0, 0, 0, 0], 4096, ALL, [1, 1, 1, 1], id="idle"),
+        pytest.param([0, 8192, 2000, 0], 4096, ALL, [1, 1 / 3, 1 / (1 + 2000 / 4096), 1], id="spread"),
+        pytest.param([4096] * 4, 4096, ALL, [1, 1, 1, 1], id="all-equal"),
+        pytest.param([0, 1, 2, 3], 1, ALL, [1, 1 / 2, 1 / 3, 1 / 4], id="unit-1"),
+        pytest.param([0, 8192, 2000, 0], 4096, [1, 2], [1 / (1 + 6192 / 4096), 1], id="least-among-candidates"),
+        pytest.param([0, 8192, 2000, 0], 4096, [1], [1], id="single"),
+        pytest.param([0, 10**12, 0, 0], 4096, ALL, [1, 0, 1, 1], id="huge"),
+    ],
+)
+def test_in_flight_tokens_scorer(tokens: list[int], unit: float, candidates: list[int], expected: list[float]) -> None:
+    given = np.array(candidates)
+    got = InFlightTokensScorer(unit).score(REQUEST, state(tokens=tokens), given)
+    assert got == pytest.approx(expected, abs=1e-6)
+    check_bounded(got, given)
+
+
+# ---------------------------------------------------------------- predicted TTFT
+
+
+class Match:
+    """A fake prefix index: per pool endpoint, how many of the request's leading blocks it holds."""
+
+    def __init__(self, blocks: list[int]) -> None:
+        self.blocks = np.array(blocks)
+
+    def match(self, hashes: Sequence[int]) -> np.ndarray:
+        return self.blocks
+
+
+PREFIXED = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=tuple(range(15)))
+D = 20_000.0  # DEFAULT_PREFILL_TOKENS_PER_S
+
+
+@pytest.mark.parametrize(
+    ("request_", "tokens", "rates", "held", "candidates", "costs"),
+    [
+        pytest.param(REQUEST, [], None, None, ALL, [1000 / D] * 4, id="idle-default-rate"),
+        pytest.param(REQUEST, [0, 8192, 2000, 0], None, None, ALL, [1000, 9192, 3000, 1000], id="in-flight"),
+        pytest.param(
+            REQUEST, [], [NAN, 0, -5, 80_000], None, ALL, [1 / D, 1 / D, 1 / D, 1 / 80_000], id="learned-rate"
+        ),
+        pytest.param(REQUEST, [], [INF, 40_000, NAN, NAN], None, ALL, [1 / D, 1 / 40_000, 1 / D, 1 / D], id="inf-rate"),
+        pytest.param(PREFIXED, [], None, [0, 10, 0, 0], ALL, [1000, 360, 1000, 1000], id="prefix-held"),
+        pytest.param(PREFIXED, [], None, [0, 100, 0, 0], ALL, [1000, 1, 1000, 1000], id="prefix-longer-than-prompt"),
+        pytest.param(REQUEST, [], None, [0, 10, 0, 0], ALL, [1] * 4, id="no-hashes-ignores-prefix"),
+        pytest.param(PREFIXED, [0, 640, 0, 0], None, [0, 10, 0, 0], ALL, [1000, 1000, 1000, 1000], id="hit-vs-queue"),
+        pytest.param(REQUEST, [0, 8192, 2000, 0], None, None, [1, 2], [9192, 3000], id="best-among-candidates"),
+        pytest.param(REQUEST, [0, 8192, 2000, 0], None, None, [1], [1], id="single"),
+    ],
+)
+def test_predicted_ttft_is_best_cost_over_own(
+    request_: RequestFeatures,
+    tokens: list[int],
+    rates: list[float] | None,
+    held: list[int] | None,
+    candidates: list[int],
+    costs: list[float],
+) -> None:
+    values = {"prefill_tokens_per_s": rates} if rates is not None else {}
+    scorer = PredictedTTFTScorer(Match(held) if held is not None else None, block_tokens=64)
+    given = np.array(candidates)
+    got = scorer.score(request_, state(tokens=tokens, **values), given)
+    expected = min(costs) / np.array(costs)
+    assert got == pytest.approx(expected)
+    check_bounded(got, given)
+
+
+def test_predicted_ttft_follows_a_new_snapshot() -> None:
+    s = state(prefill_tokens_per_s=[D, D, D, D])
+    scorer = PredictedTTFTScorer()
+    assert scorer.score(REQUEST, s, np.arange(4)) == pytest.approx([1, 1, 1, 1])
+    s.signals.publish(s.signals.snapshot.with_values(prefill_tokens_per_s=[D, 2 * D, D, D]))
+    assert scorer.score(REQUEST, s, np.arange(4)) == pytest.approx([0.5, 1, 0.5, 0.5])
+
+
+# ---------------------------------------------------------------- the seed formula
+
+# (alpha (1 - util) + beta (1 - waiting / max_queue) + gamma (best e2e / own e2e)) / (alpha + beta + gamma),
+# floored; each unknown term counts NEUTRAL_SCORE.
+FLEET = {"gpu_util": [0.2, 0.5, NAN, 1.0], "waiting": [0, 16, NAN, 32], "e2e_s": [1, 2, NAN, 4]}
+
+
+@pytest.mark.parametrize(
+    ("params", "values", "candidates", "expected"),
+    [
+        pytest.param(
+            {},
+            FLEET,
+            ALL,
+            [(0.8 + 1 + 1) / 3, (0.5 + 0.5 + 0.5) / 3, (N + N + N) / 3, (0 + 0 + 0.25) / 3],
+            id="defaults",
+        ),
+        pytest.param(
+            {"alpha": 2, "beta": 1, "gamma": 0},
+            FLEET,
+            ALL,
+            [(2 * 0.8 + 1) / 3, (2 * 0.5 + 0.5) / 3, (2 * N + N) / 3, 0.05],
+            id="weights-and-floor",
+        ),
+        pytest.param({"alpha": 2, "beta": 1, "gamma": 0, "floor": 0}, FLEET, [3], [0], id="floor-zero"),
+        pytest.param({"floor": 0.5}, FLEET, ALL, [(0.8 + 1 + 1) / 3, 0.5, 0.5, 0.5], id="high-floor"),
+        pytest.param(
+            {"max_queue": 8},
+            {"gpu_util": [0] * 4, "waiting": [0, 4, 8, 100], "e2e_s": [1] * 4},
+            ALL,
+            [1, (1 + 0.5 + 1) / 3, 2 / 3, 2 / 3],
+            id="max-queue",
+        ),
+        pytest.param(
+            {},
+            {"gpu_util": [0.5] * 4, "waiting": [8] * 4, "e2e_s": [2] * 4},
+            ALL,
+            [(0.5 + 0.75 + 1) / 3] * 4,
+            id="all-equal",
+        ),
+        pytest.param({}, {}, ALL, [N] * 4, id="nothing-known"),
+        pytest.param(
+            {},
+            {"gpu_util": [0] * 4, "waiting": [0] * 4, "e2e_s": [0] * 4},
+            ALL,
+            [(1 + 1 + N) / 3] * 4,
+            id="zeros",
+        ),
+        pytest.param(
+            {},
+            {"gpu_util": [-3, 7, INF, NAN], "waiting": [-5, INF, 0, NAN], "e2e_s": [0, -1, INF, 2]},
+            ALL,
+            [(1 + 1 + N) / 3, (0 + 0 + N) / 3, (0 + 1 + N) / 3, (N + N + 1) / 3],
+            id="garbage",
+        ),
+        pytest.param({}, FLEET, [1, 3], [(0.5 + 0.5 + 1) / 3, (0 + 0 + 0.5) / 3], id="best-latency-among-candidates"),
+        pytest.param({}, FLEET, [3], [(0 + 0 + 1) / 3], id="single"),
+    ],
+)
+def test_seed_formula(
+    params: dict[str, float], values: dict[str, list[float]], candidates: list[int], expected: list[float]
+) -> None:
+    given = np.array(candidates)
+    got = SeedFormulaScorer(**params).score(REQUEST, state(**values), given)
+    assert got == pytest.approx(expected)
+    check_bounded(got, given)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        pytest.param({"alpha": -1}, r"^alpha must be >= 0; got -1$", id="negative-alpha"),
+        pytest.param({"gamma": NAN}, r"^gamma must be >= 0; got nan$", id="nan-gamma"),
+        pytest.param({"alpha": 0, "beta": 0, "gamma": 0}, r"^alpha, beta and gamma must not all be 0", id="all-zero"),
+        pytest.param({"max_queue": 0}, r"^max_queue must be > 0; got 0$", id="max-queue-zero"),
+        pytest.param({"floor": 1}, r"^floor must be in \[0, 1\); got 1$", id="floor-one"),
+    ],
+)
+def test_seed_formula_refuses_bad_parameters(params: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SeedFormulaScorer(**params)
+
+
+# ---------------------------------------------------------------- LoRA affinity
+
+HAS_SQL = LoraInfo(running=("sql",), waiting=(), max_lora=2)
+SLOT_FREE = LoraInfo(running=("chat",), waiting=(), max_lora=2)
+FULL = LoraInfo(running=("chat", "math"), waiting=(), max_lora=2)
+
+
+@pytest.mark.parametrize(
+    ("lora", "model", "candidates", "expected"),
+    [
+        pytest.param([HAS_SQL, SLOT_FREE, FULL, None], "sql", ALL, [1, 0.5, 0, N], id="loaded-free-full-unreported"),
+        pytest.param(
+            [LoraInfo((), ("sql",), 1), SLOT_FREE, FULL, FULL], "sql", ALL, [1, 0.5, 0, 0], id="waiting-counts"
+        ),
+        pytest.param(
+            [HAS_SQL, LoraInfo(("a", "b", "c"), (), None), None, None], "sql", ALL, [1, 0.5, N, N], id="no-max-lora"
+        ),
+        pytest.param([HAS_SQL, LoraInfo(("a",), ("b",), 2), FULL, FULL], "sql", ALL, [1, 0, 0, 0], id="slots-union"),
+        pytest.param([HAS_SQL] * 4, "sql", ALL, [1, 1, 1, 1], id="all-equal"),
+        pytest.param([HAS_SQL, SLOT_FREE, FULL, None], "base-model", ALL, [N] * 4, id="not-an-adapter"),
+        pytest.param([HAS_SQL, SLOT_FREE, FULL, None], None, ALL, [N] * 4, id="no-model"),
+        pytest.param([None] * 4, "sql", ALL, [N] * 4, id="nothing-reported"),
+        pytest.param([HAS_SQL, SLOT_FREE, FULL, None], "sql", [1, 2], [N, N], id="loaded-only-off-candidates"),
+        pytest.param([HAS_SQL, SLOT_FREE, FULL, None], "sql", [0], [1], id="single"),
+    ],
+)
+def test_lora_affinity(
+    lora: list[LoraInfo | None], model: str | None, candidates: list[int], expected: list[float]
+) -> None:
+    s = state()
+    s.signals.publish(s.signals.snapshot.with_values(lora=lora))
+    given = np.array(candidates)
+    got = LoraAffinityScorer().score(RequestFeatures(model=model), s, given)
+    assert got == pytest.approx(expected)
+    check_bounded(got, given)
+
+
+def test_lora_affinity_is_computed_once_per_scrape_and_model() -> None:
+    s = state()
+    s.signals.publish(s.signals.snapshot.with_values(lora=[HAS_SQL, SLOT_FREE, FULL, None]))
+    scorer, sql, candidates = LoraAffinityScorer(), RequestFeatures(model="sql"), np.arange(4)
+    first = scorer.score(sql, s, candidates)
+    assert scorer.score(sql, s, candidates) is first
+    s.signals.publish(s.signals.snapshot.with_values(lora=[None, HAS_SQL, FULL, None]))
+    assert scorer.score(sql, s, candidates) == pytest.approx([N, 1, 0, N])
