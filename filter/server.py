@@ -20,7 +20,6 @@ failure mode decides (fail-open sends the request to the fallback cluster).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -40,7 +39,7 @@ from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_hea
 from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
-from inferlb.scorer.classes import Admission, Classifier
+from inferlb.scorer.classes import Admission, Classifier, WaitQueue
 from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import RoutingError
@@ -96,6 +95,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.class_header = class_header.lower() if class_header is not None else None
         self.classifier = classifier or Classifier()
         self.admission = admission
+        self._wait_queue: WaitQueue | None = None
         # With a join, every routed request gets a W3C traceparent (continuing the client's trace if it sent one)
         # and its trace id is remembered with the endpoint, so the server's span can be matched to the decision.
         self.trace_join = trace_join
@@ -179,6 +179,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         its class's ``max_wait_s`` for capacity (then it is routed anyway). None: go ahead."""
         request_class = self.classifier.classify(features)
         features.request_class = request_class.name
+        features.priority = request_class.priority
+        features.ttft_slo_s = request_class.ttft_slo_s
         admission = self.admission
         if admission is None:
             return None
@@ -198,13 +200,15 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 f"{request_class.name!r} are shed under load; retry after {request_class.retry_after_s} s",
                 request_class.retry_after_s,
             )
-        deadline = time.monotonic() + request_class.max_wait_s
         self.stats.waited += 1
-        while time.monotonic() < deadline:
-            await asyncio.sleep(ADMISSION_POLL_S)
-            if not admission.saturated(candidates):
-                return None
-        self.stats.waited_out += 1  # no capacity came: route to the best of the saturated endpoints anyway
+        queue = self._wait_queue
+        if queue is None or queue.admission is not admission:  # a reload brings a new admission
+            queue = self._wait_queue = WaitQueue(admission, ADMISSION_POLL_S)
+        if await queue.wait(candidates, request_class.priority, request_class.max_wait_s):
+            features.admission = "waited"
+        else:
+            features.admission = "waited-out"  # no capacity came: route to the best of the saturated anyway
+            self.stats.waited_out += 1
         return None
 
     def _route(
@@ -222,6 +226,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             if spans is not None:
                 spans.refused(features, error.status, error.type, started_ns)
             return self._refuse(error), None
+        if features.admission == "waited-out":
+            decision.reason = "saturated"
         self.decisions.record(features.request_id, features.model, decision, time.perf_counter() - started)
         index = decision.endpoint.index
         # The prompt is the work a request brings before its first token: what the in-flight token count and

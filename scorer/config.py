@@ -48,7 +48,7 @@ from inferlb.scorer.registry import MAX_WEIGHT, BuildContext, PluginSpec, Profil
 
 DEFAULT_LISTEN = "127.0.0.1:9002"
 DEFAULT_ADMIN = "127.0.0.1:9003"
-DEFAULT_POLICY = "least-request"
+DEFAULT_POLICY = "default"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_SCORERS = 32
 

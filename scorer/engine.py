@@ -10,6 +10,7 @@ counts as 0, the worst.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,14 @@ from inferlb.scorer.signals import Signals
 logger = logging.getLogger(__name__)
 
 NEUTRAL_SCORE = 0.5
+
+# A decision's reason by the picker that made it (a picker of a plugin's own gives its name).
+_PICKER_REASONS = {
+    "max-score": "best-score",
+    "weighted-random": "sampled",
+    "power-of-two": "sampled",
+    "round-robin": "rotation",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +97,20 @@ class Profile:
 class Decision:
     """The outcome of one pick: the chosen endpoint and how it was reached. Treat as read-only.
 
-    ``scores`` maps each scorer's name to the score (before weighting) the chosen endpoint got.
-    ``ranked`` lists every candidate, best first (the chosen one first); it is computed on demand.
+    ``reason`` says why this endpoint (the ``reason`` label of the picker's decision counter):
+
+    * ``best-score``: the highest weighted score (ties broken at random);
+    * ``sampled``: drawn at random by score (weighted-random, power-of-two);
+    * ``rotation``: next in turn (round-robin);
+    * ``only-candidate``: the filters left one endpoint;
+    * ``no-fresh-metrics``: metrics are scraped, but no candidate's are fresh, so the pick ran on in-flight
+      counts and whatever else was known;
+    * ``saturated``: every candidate was saturated and the request had waited as long as its class allows
+      (set by the filter, which does the waiting).
+
+    ``scores`` maps each scorer's name to the score (before weighting) the chosen endpoint got; ``per_scorer``
+    holds every candidate's scores, aligned with ``candidates``. ``ranked`` lists every candidate, best first
+    (the chosen one first); it is computed on demand.
     """
 
     endpoint: Endpoint
@@ -98,6 +119,7 @@ class Decision:
     scores: dict[str, float]
     candidates: np.ndarray
     totals: np.ndarray
+    per_scorer: tuple[tuple[str, np.ndarray], ...] = ()
 
     @property
     def ranked(self) -> tuple[int, ...]:
@@ -129,6 +151,7 @@ class Engine:
             if hasattr(plugin, "on_pick")
         )
         self._filters = tuple(profile.filters)
+        self._reason = _PICKER_REASONS.get(profile.picker.name, profile.picker.name)
         self._scorers = tuple(
             (ws.scorer.name, ws.scorer, ws.weight, bool(getattr(ws.scorer, "bounded", False))) for ws in profile.scorers
         )
@@ -155,13 +178,25 @@ class Engine:
         chosen = int(candidates[position])
         for observe in self._observers:
             observe(request, chosen)
+        signals = state.signals
+        if len(candidates) == 1:
+            reason = "only-candidate"
+        elif (
+            signals.scraped_any
+            and (now := time.monotonic()) > signals.all_fresh_until
+            and not (signals.fresh_until[candidates] >= now).any()
+        ):
+            reason = "no-fresh-metrics"
+        else:
+            reason = self._reason
         return Decision(
             self.pool.endpoints[chosen],
             profile.name,
-            profile.picker.name,
+            reason,
             {name: float(s[position]) for name, s in per_scorer},
             candidates,
             totals,
+            tuple(per_scorer),
         )
 
     def _run_scorer(

@@ -95,3 +95,6 @@ class RequestFeatures:
     traceparent: str | None = None
     request_class: str | None = None
     pool_mask: Any = None  # numpy bool array over the pool: the endpoints the request's class may use
+    priority: int = 0  # the class's priority: among requests waiting for capacity, higher goes first
+    ttft_slo_s: float | None = None  # the class's time-to-first-token objective
+    admission: str | None = None  # "waited" (capacity came) or "waited-out" (routed though saturated)

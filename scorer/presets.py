@@ -2,8 +2,8 @@
 
 | preset | filters | scorers (weight) | picker |
 |---|---|---|---|
-| round-robin | model | - | round-robin |
-| least-request | model | in-flight | max-score |
+| round-robin | model, staleness | - | round-robin |
+| least-request | model, staleness | in-flight | max-score |
 | kv-aware | model, staleness, saturation | kv-cache 1, queue 1, in-flight 1 | max-score |
 | prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
 | seed-formula | model, staleness | seed-formula | max-score |
@@ -38,8 +38,10 @@ _GUARDED = ("model", "staleness", "saturation")
 
 PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
     {
-        "round-robin": _spec("round-robin", ("model",), (), "round-robin"),
-        "least-request": _spec("least-request", ("model",), (("in-flight", 1.0),), "max-score"),
+        # Even the policies that read no metrics skip an endpoint whose scrapes fail or lag (a stale endpoint
+        # counts as saturated), unless every endpoint is stale; without a scraper nothing changes.
+        "round-robin": _spec("round-robin", ("model", "staleness"), (), "round-robin"),
+        "least-request": _spec("least-request", ("model", "staleness"), (("in-flight", 1.0),), "max-score"),
         "kv-aware": _spec("kv-aware", _GUARDED, (("kv-cache", 1.0), ("queue", 1.0), ("in-flight", 1.0)), "max-score"),
         "prefix-aware": _spec(
             "prefix-aware",

@@ -132,6 +132,8 @@ class Signals:
         fresh.setflags(write=False)
         self.fresh_until = fresh
         self.all_fresh_until = float(fresh.min()) if len(fresh) else math.inf
+        # Whether any endpoint was ever scraped: without a scraper nothing is fresh, and that is no news.
+        self.scraped_any = bool((~np.isnan(snapshot.scraped_at)).any())
         self.snapshot = snapshot
 
     def stale(self, now: float | None = None) -> np.ndarray:

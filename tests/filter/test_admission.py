@@ -139,6 +139,7 @@ async def test_waiting_classes_wait_a_bounded_time_then_go(saturated) -> None:
     waited = time.monotonic() - started
     assert destination(reply) in {a for a, _ in ENDPOINTS} and waited >= 0.3
     assert (server.service.stats.waited, server.service.stats.waited_out) == (1, 1)
+    assert server.service.decisions.recent(1)[0]["reason"] == "saturated"
 
     async def free_capacity() -> None:
         await asyncio.sleep(0.05)
@@ -150,6 +151,7 @@ async def test_waiting_classes_wait_a_bounded_time_then_go(saturated) -> None:
     # It went as soon as the second endpoint had room (no second timeout), and there.
     assert destination(reply) == "127.0.0.1:9102"
     assert (server.service.stats.waited, server.service.stats.waited_out) == (2, 1)
+    assert server.service.decisions.recent(1)[0]["reason"] == "only-candidate"  # the others are full
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,7 @@ def test_parse_config_full_document() -> None:
 def test_parse_config_defaults_when_keys_are_absent() -> None:
     config = parse_config(_doc())
     assert config.listen == DEFAULT_LISTEN == "127.0.0.1:9002"
-    assert config.policy == DEFAULT_POLICY == "least-request"
+    assert config.policy == DEFAULT_POLICY == "default"
     assert config.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 4 * 1024 * 1024
     assert config.endpoints == (EndpointConfig(address="10.0.0.1:8000", models=None, labels={}),)
 

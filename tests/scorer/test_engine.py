@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.plugins import InFlightScorer, MaxScorePicker, ModelFilter, RoundRobinPicker
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import PRESET_NAMES, PRESETS, build_profile
+from inferlb.scorer.registry import PluginSpec, ProfileSpec
 from inferlb.scorer.signals import Signals
 
 # 0 and 2 serve only "a", 1 serves "a" and "b", 3 serves only "b", 4 serves only "c".
@@ -499,7 +501,7 @@ def test_weights_apply(weight_first: float, weight_second: float, chosen: int, t
     np.testing.assert_allclose(decision.totals, totals)
     assert decision.scores == {"first": first._by_index[chosen], "second": second._by_index[chosen]}
     assert decision.profile == "weighted"
-    assert decision.reason == "max-score"
+    assert decision.reason == "best-score"
 
 
 def test_no_scorers_gives_zero_totals() -> None:
@@ -557,4 +559,34 @@ def test_least_request_decision_reports_the_inflight_score() -> None:
     assert decision.scores == {"in-flight": 1.0}
     np.testing.assert_allclose(decision.totals, [1 / 3, 1.0, 1 / 2])
     assert decision.ranked == (1, 2, 0)
-    assert (decision.profile, decision.reason) == ("least-request", "max-score")
+    assert (decision.profile, decision.reason) == ("least-request", "best-score")
+
+
+@pytest.mark.parametrize(
+    ("preset", "ages", "model", "reason"),
+    [
+        pytest.param("default", [0.1] * 3, "a", "best-score", id="scored"),
+        pytest.param("round-robin", [0.1] * 3, "a", "rotation", id="rotation"),
+        pytest.param("least-request", [None] * 3, "a", "best-score", id="never-scraped-is-no-news"),
+        pytest.param("default", [50.0] * 3, "a", "no-fresh-metrics", id="all-stale"),
+        pytest.param("default", [50.0, 0.1, 0.1], "a", "best-score", id="two-fresh"),
+        pytest.param("default", [0.1] * 3, "b", "only-candidate", id="one-serves-the-model"),
+    ],
+)
+def test_a_decision_says_why(preset: str, ages: list[float | None], model: str, reason: str) -> None:
+    pool = Pool(FLEET[:3])
+    signals = Signals(3, stale_after_s=1.0)
+    if any(a is not None for a in ages):
+        now = time.monotonic()
+        signals.publish(signals.snapshot.with_values(scraped_at=[now - a for a in ages]))
+    engine = Engine(pool, build_profile(preset, np.random.default_rng(0), size=3), signals=signals)
+    assert engine.decide(_req(model)).reason == reason
+
+
+def test_sampling_pickers_say_so() -> None:
+    spec = ProfileSpec("p", (PluginSpec("model"),), (PluginSpec("in-flight"),), PluginSpec("power-of-two"))
+    engine = Engine(Pool(FLEET[:3]), build_profile(spec, np.random.default_rng(0), size=3))
+    decision = engine.decide(_req("a"))
+    assert decision.reason == "sampled"
+    assert [name for name, _ in decision.per_scorer] == ["in-flight"]
+    assert decision.per_scorer[0][1].shape == decision.candidates.shape
