@@ -12,24 +12,27 @@ batch that mixes prefill chunks and decode tokens):
 How the constants were fitted (details next to each profile, the published figures in ``sources`` and, as data, in
 `inferlb.sim.calibration`):
 
-* ``step_s``: the measured batch-1 time per output token where one is published (H100 and A100 Llama-3.1-8B), less
-  the small per-sequence and KV-read share; elsewhere the weight bytes read at ``ETA_BW`` of the datasheet memory
-  bandwidth (the fraction the two measured pairs reach).
+* ``step_s``: the measured batch-1 time per output token where one is published for a current vLLM (H100 and A100
+  Llama-3.1-8B), less the per-sequence and KV-read share; elsewhere the weight bytes read at ``ETA_BW`` of the
+  datasheet memory bandwidth (the fraction the two measured pairs reach).
 * ``kv_read_token_s``: KV bytes per token (per GPU) read at ``ETA_BW`` of the datasheet bandwidth.
 * ``prefill_token_s`` and ``attention_pair_s``: linear-layer FLOPs per token (2 x non-embedding parameters) and
   attention FLOPs per query/key pair (4 x layers x heads x head_dim), at ``MFU`` of the datasheet dense BF16 peak.
   ``MFU`` is the value that reproduces the one published prefill measurement found (a 500-token TTFT on A100).
-* ``decode_seq_s``: 0.3 x ``prefill_token_s``. The measured H100 time per token grows by 0.11 ms from 1 to 4
-  concurrent decodes, 37 us per added sequence, 27 us of which is its KV read: decode matmuls at small batch run
-  under the weight reads, so a sequence's marginal compute is well below its prefill cost.
+* ``decode_seq_s``: where a pair's decode was measured from batch 1 to batch 52-64 (H100, A100 and 4xH100 with
+  Llama-3 8B/70B, one vLLM run each, see `inferlb.sim.calibration`), the least-squares slope of step time against
+  batch over the whole run, with the KV read fixed at ``kv_read_token_s`` and the run's own floor (0.8-1.8 ms above
+  ``step_s``: an older vLLM) left out. The slopes are 0.5-1.1 x ``prefill_token_s``: at these batch sizes the
+  decode matmuls do not hide under the weight reads. L4 keeps 0.3 x ``prefill_token_s``, an earlier fit to the
+  H100 growth from 1 to 4 sequences, which the batch-64 runs show is too low.
 
 Memory: ``num_gpu_blocks`` is computed as vLLM does (`MemoryPlan.gpu_blocks`): ``gpu_memory_utilization`` x the
 GPU's memory, less this GPU's weight shard and the activation/non-torch reserve of vLLM's profiling run, divided by
 ``block_size`` x KV bytes per token per GPU.
 
 Limits: the model is additive where real kernels overlap (weight reads hide under prefill compute), ignores CUDA
-graph padding, sampler cost and CPU scheduling gaps, and its constants for the L4 and 4xH100 pairs rest on
-datasheet rooflines rather than measurements of those pairs (see sim/README.md, "Calibration").
+graph padding, sampler cost and CPU scheduling gaps; prefill rests on one 500-token A100 measurement and every L4
+constant on datasheet rooflines (see sim/README.md, "Calibration").
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ _URL_DEFAULTS = "https://github.com/vllm-project/vllm/blob/main/vllm/engine/arg_
 _URL_H100_DECODE = "https://yobitelcomm.github.io/bench/recipes/concurrency-sweep/"
 _URL_A100_DECODE = "https://johnmusgrave.com/p/vllm-throughput-latency-sweep-on"
 _URL_A100_TTFT = "https://docs.nvidia.com/nim/llama-3-1-nemotron-safety-guard-8b/1.10.1/performance.md"
+_URL_LAMBDA = "https://github.com/LambdaLabsML/vllm-benchmark/blob"
 
 _SRC_DEFAULTS = (
     f"{_URL_DEFAULTS} — vLLM V1 online-serving defaults: GPUs with >= 70 GiB other than A100 get "
@@ -182,15 +186,19 @@ _H100_LLAMA8B = Profile(
     max_num_batched_tokens=8192,  # vLLM default for H100 online serving
     max_num_seqs=1024,  # vLLM default for H100 online serving
     max_model_len=131_072,
-    step_s=6.45e-3,  # 6.48 ms measured at batch 1, less 7.2 us per sequence and 512 x 52.2 ns of KV read
+    step_s=6.44e-3,  # 6.48 ms measured at batch 1, less 12.5 us per sequence and 512 x 52.2 ns of KV read
     prefill_token_s=23.9e-6,  # 13.96 GFLOP per token / (0.59 x 989 TFLOPS)
     attention_pair_s=0.90e-9,  # 524,288 FLOP per pair / (0.59 x 989 TFLOPS)
-    decode_seq_s=7.2e-6,  # 0.3 x prefill_token_s; with kv_read gives 6.58 ms at 4 sequences (6.59 measured)
+    decode_seq_s=12.5e-6,  # least-squares slope of the measured batch 1-64 run; gives 6.60 ms at 4 (6.59 measured)
     kv_read_token_s=52.2e-9,  # 131,072 bytes / (0.75 x 3.35 TB/s)
     cold_start_s=45.0,  # estimate: 16 GB of safetensors from local NVMe (~10 s) + torch.compile and graph capture
     sources=(
         f"{_URL_H100_DECODE} — H100-80GB-HBM3, vLLM 0.21, Llama-3.1-8B-Instruct fp16: TPOT p50 6.48 ms at "
-        "concurrency 1 and 6.59 ms at concurrency 4 (fits step_s, decode_seq_s)",
+        "concurrency 1 and 6.59 ms at concurrency 4 (fits step_s)",
+        f"{_URL_LAMBDA}/a4f9f4371a1ccac781293837fce2bce0cc6d25cc/results/prompt_80/1xH100-80GB-SXM/"
+        "Meta-Llama-3-8B-Instruct_tp1_len2048.json — 1x H100-80GB-SXM, "
+        "Meta-Llama-3-8B-Instruct BF16, vLLM run of 2024-09-07: decode steps of 7.2 ms with 2 requests to 9.04 ms "
+        "with 64 (fits decode_seq_s)",
         f"{_URL_H100} — H100 SXM: 3.35 TB/s memory bandwidth, 989 TFLOPS dense BF16 (1,979 with sparsity)",
         _SRC_MFU + " (fits MFU 0.59, carried to H100 for prefill_token_s and attention_pair_s)",
         f"{_URL_8B} — 32 layers, 8 KV heads, head_dim 128, hidden 4096, vocab 128256 (131,072 KV bytes per token)",
@@ -199,7 +207,8 @@ _H100_LLAMA8B = Profile(
 )
 
 # A100 SXM 80GB: 2,039 GB/s, 312 dense BF16 TFLOPS. Batch-1 decode measured on the 40GB part (1,555 GB/s) at
-# ~75 tokens/s = 13.3 ms per token with 1024-1152 tokens of context; scaled by bandwidth: 10.17 ms on 80GB.
+# ~75 tokens/s = 13.3 ms per token with 1024-1152 tokens of context; scaled by bandwidth: 10.17 ms on 80GB. Decode
+# from batch 1 to 64 measured on the 80GB part with an older vLLM (about 10% slower at batch 1).
 _A100_LLAMA8B = Profile(
     name="a100-llama3.1-8b",
     gpu="NVIDIA A100-SXM4-80GB",
@@ -212,10 +221,10 @@ _A100_LLAMA8B = Profile(
     max_num_batched_tokens=2048,  # vLLM excludes A100 from the large-GPU defaults
     max_num_seqs=256,
     max_model_len=131_072,
-    step_s=10.05e-3,  # 10.17 ms scaled batch-1 figure, less 22.7 us per sequence and 1088 x 85.7 ns of KV read
+    step_s=10.0e-3,  # 10.17 ms scaled batch-1 figure, less 75 us per sequence and 1088 x 85.7 ns of KV read
     prefill_token_s=75.8e-6,  # 13.96 GFLOP per token / 184 TFLOPS (the TTFT fit)
     attention_pair_s=2.85e-9,  # 524,288 FLOP per pair / 184 TFLOPS
-    decode_seq_s=22.7e-6,  # 0.3 x prefill_token_s
+    decode_seq_s=75.0e-6,  # least-squares slope of the measured batch 1-64 run (11.2 ms at 2 to 17.37 ms at 64)
     kv_read_token_s=85.7e-9,  # 131,072 bytes / (0.75 x 2.039 TB/s)
     cold_start_s=50.0,  # estimate, as for H100 with slower compile and graph capture
     sources=(
@@ -223,6 +232,10 @@ _A100_LLAMA8B = Profile(
         "tokens/s at concurrency 1, 'roughly 77%' of the bandwidth ceiling (fits step_s after a 1555/2039 "
         "bandwidth scaling)",
         _SRC_MFU + " (fits prefill_token_s and attention_pair_s)",
+        f"{_URL_LAMBDA}/a9b42a5f83bc39976bcb6bd44a96b2b15d820e10/results/prompt_80/1xA100-80GB-SXM/"
+        "Meta-Llama-3-8B-Instruct_tp1_len2000.json — 1x A100-80GB-SXM, "
+        "Meta-Llama-3-8B-Instruct BF16, vLLM run of 2024-09-07: decode steps of 11.2 ms with 2 requests to "
+        "17.37 ms with 64 (fits decode_seq_s)",
         f"{_URL_A100} — A100 SXM 80GB: 2,039 GB/s memory bandwidth, 312 TFLOPS dense BF16; A100 40GB: 1,555 GB/s",
         f"{_URL_8B} — 32 layers, 8 KV heads, head_dim 128, hidden 4096, vocab 128256 (131,072 KV bytes per token)",
         _SRC_DEFAULTS,
@@ -247,7 +260,7 @@ _L4_LLAMA3B = Profile(
     step_s=28.6e-3,  # 6.43 GB of weights / (0.75 x 300 GB/s)
     prefill_token_s=79.0e-6,  # 5.64 GFLOP per token / (0.59 x 121 TFLOPS)
     attention_pair_s=4.82e-9,  # 344,064 FLOP per pair / (0.59 x 121 TFLOPS)
-    decode_seq_s=23.7e-6,  # 0.3 x prefill_token_s
+    decode_seq_s=23.7e-6,  # 0.3 x prefill_token_s (no measurement; the measured pairs fit 0.5-1.1 x)
     kv_read_token_s=510e-9,  # 114,688 bytes / (0.75 x 300 GB/s)
     cold_start_s=35.0,  # estimate: 6.4 GB of weights + compile and graph capture
     sources=(
@@ -260,8 +273,10 @@ _L4_LLAMA3B = Profile(
     ),
 )
 
-# 4x H100 SXM, TP4 over NVLink. No published BF16 measurement of this pair was found: per-GPU rooflines (a quarter
-# of the weights, FLOPs and KV heads each) at the measured efficiencies, plus estimated tensor-parallel costs.
+# 4x H100 SXM, TP4 over NVLink. step_s, prefill and KV read: per-GPU rooflines (a quarter of the weights, FLOPs and
+# KV heads each) at the measured efficiencies, plus estimated tensor-parallel costs. Decode from batch 1 to 52 was
+# measured (Llama-3-70B BF16, older vLLM): 17.03 ms at batch 1, 9% above step_s, as the same run's 8B H100 figure is
+# above the current vLLM's; decode_seq_s is fitted to that run.
 _H100X4_LLAMA70B = Profile(
     name="h100x4-llama3.1-70b",
     gpu="4x NVIDIA H100 80GB HBM3 (SXM, NVLink)",
@@ -277,13 +292,17 @@ _H100X4_LLAMA70B = Profile(
     step_s=15.6e-3,  # 35.3 GB per GPU / (0.75 x 3.35 TB/s) = 14.0 ms + 160 all-reduces x ~10 us (estimate)
     prefill_token_s=65.7e-6,  # 34.2 GFLOP per token per GPU / (0.59 x 989 TFLOPS) + 12% all-reduce (estimate)
     attention_pair_s=1.12e-9,  # 655,360 FLOP per pair per GPU / (0.59 x 989 TFLOPS)
-    decode_seq_s=19.7e-6,  # 0.3 x prefill_token_s
+    decode_seq_s=70.0e-6,  # least-squares slope of the measured batch 1-52 run (17.3 ms at 2 to 20.50 ms at 52)
     kv_read_token_s=32.6e-9,  # 81,920 bytes per GPU / (0.75 x 3.35 TB/s)
     cold_start_s=90.0,  # estimate: 35 GB per rank in parallel, NCCL set-up, compile and graph capture
     sources=(
         f"{_URL_H100} — H100 SXM: 3.35 TB/s memory bandwidth, 989 TFLOPS dense BF16, 900 GB/s NVLink",
         f"{_URL_H100_DECODE} — H100 batch-1 TPOT 6.48 ms for Llama-3.1-8B (sets ETA_BW 0.75)",
         _SRC_MFU + " (sets MFU 0.59, carried to H100)",
+        f"{_URL_LAMBDA}/a4f9f4371a1ccac781293837fce2bce0cc6d25cc/results/prompt_80/4xH100-80GB-SXM/"
+        "Meta-Llama-3-70B-Instruct_tp4_len2048.json — 4x H100-80GB-SXM, "
+        "TP4, Meta-Llama-3-70B-Instruct BF16, vLLM run of 2024-09-07: decode steps of 17.3 ms with 2 requests to "
+        "20.50 ms with 52 (fits decode_seq_s)",
         f"{_URL_70B} — 80 layers, 64 heads, 8 KV heads, head_dim 128, hidden 8192, vocab 128256 (327,680 KV bytes "
         "per token, 81,920 per GPU at TP4)",
         _SRC_DEFAULTS,
