@@ -11,9 +11,10 @@ import numpy as np
 
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.loadscorers import TtftPredictor
 from inferlb.scorer.signals import Snapshot
 
-__all__ = ["MemoryFitFilter", "SaturationFilter", "StalenessFilter"]
+__all__ = ["MemoryFitFilter", "SaturationFilter", "StalenessFilter", "TtftSloFilter"]
 
 
 def _keep(candidates: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -84,3 +85,20 @@ class MemoryFitFilter:
         need = self.margin * self.bytes_per_token * (request.prompt_tokens + output)
         fits = np.isnan(free) | (free >= need)
         return _keep(candidates, fits) if not math.isnan(need) else candidates
+
+
+class TtftSloFilter:
+    """Drops endpoints predicted to miss the request's time-to-first-token objective (its class's
+    ``ttft_slo_s``; see `TtftPredictor` for the prediction). Requests without an objective pass untouched. If
+    every candidate would miss it, keeps them all: the scorers then choose the least bad."""
+
+    name = "ttft-slo"
+
+    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64) -> None:
+        self.predictor = TtftPredictor(prefix_match, block_tokens)
+
+    def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        slo = request.ttft_slo_s
+        if slo is None:
+            return candidates
+        return _keep(candidates, self.predictor.seconds(request, state, candidates) <= slo)

@@ -170,18 +170,15 @@ class LatencyScorer(_SnapshotScorer):
             return np.where(known, best / latency, NEUTRAL_SCORE)
 
 
-class PredictedTTFTScorer:
-    """The time this request would wait for its first token on each candidate, best / own.
+class TtftPredictor:
+    """Predicts, per candidate, how long the request would wait for its first token there, in seconds.
 
     Predicted work = prompt tokens already in flight there (the picker's own count, no scrape lag) + this
     request's prompt tokens not expected to hit that endpoint's prefix cache, over the endpoint's prefill rate
     (learned from spans; `DEFAULT_PREFILL_TOKENS_PER_S` until known). ``prefix_match`` (optional) gives, per
     endpoint of the pool, how many of the request's prefix blocks it likely holds, and ``block_tokens`` how many
-    tokens a block is.
+    tokens a block is. Keeps a per-snapshot cache: one per plugin, one event loop.
     """
-
-    name = "predicted-ttft"
-    bounded = True
 
     def __init__(self, prefix_match: object | None = None, block_tokens: int = 64) -> None:
         if block_tokens < 1:
@@ -191,7 +188,7 @@ class PredictedTTFTScorer:
         self._for: Snapshot | None = None
         self._seconds_per_token = np.zeros(0)
 
-    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+    def seconds(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         snapshot = state.signals.snapshot
         if snapshot is not self._for:  # the rates change with the snapshot only
             rate = snapshot.prefill_tokens_per_s
@@ -204,7 +201,21 @@ class PredictedTTFTScorer:
         if self._match is not None and hashes:
             cached = self._match(hashes)[candidates] * self.block_tokens
             work = np.maximum(work - np.minimum(cached, request.prompt_tokens - 1), 1.0)
-        cost = work * self._seconds_per_token[candidates]
+        return work * self._seconds_per_token[candidates]
+
+
+class PredictedTTFTScorer:
+    """The time this request would wait for its first token on each candidate (`TtftPredictor`), best / own."""
+
+    name = "predicted-ttft"
+    bounded = True
+
+    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64) -> None:
+        self.predictor = TtftPredictor(prefix_match, block_tokens)
+        self.block_tokens = block_tokens
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        cost = self.predictor.seconds(request, state, candidates)
         return cost.min() / np.maximum(cost, 1e-12)
 
 

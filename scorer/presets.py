@@ -7,8 +7,8 @@
 | kv-aware | model, staleness, saturation | kv-cache 1, queue 1, in-flight 1 | max-score |
 | prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
 | seed-formula | model, staleness | seed-formula | max-score |
-| default | model, staleness, saturation | in-flight 1, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
-|  |  | predicted-ttft 2, latency 0.5, lora-affinity 1 |  |
+| default | model, staleness, saturation, | in-flight 1, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
+|  | ttft-slo | predicted-ttft 2, latency 0.5, lora-affinity 1 |  |
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
         "seed-formula": _spec("seed-formula", ("model", "staleness"), (("seed-formula", 1.0),), "max-score"),
         "default": _spec(
             "default",
-            _GUARDED,
+            (*_GUARDED, "ttft-slo"),  # a no-op for requests whose class has no TTFT objective
             (
                 ("in-flight", 1.0),
                 ("queue", 1.0),

@@ -29,7 +29,7 @@ import numpy as np
 
 from inferlb.scorer.engine import Filter, Picker, Profile, Scorer, WeightedScorer
 from inferlb.scorer.errors import ConfigError
-from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter
+from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftSloFilter
 from inferlb.scorer.loadscorers import (
     GpuFreeMemoryScorer,
     GpuUtilScorer,
@@ -165,6 +165,10 @@ def _predicted_ttft(params: Mapping[str, Any], ctx: BuildContext) -> PredictedTT
     return PredictedTTFTScorer(ctx.prefix_index(), **params)
 
 
+def _ttft_slo(params: Mapping[str, Any], ctx: BuildContext) -> TtftSloFilter:
+    return TtftSloFilter(ctx.prefix_index(), **params)
+
+
 def _session_affinity(params: Mapping[str, Any], ctx: BuildContext) -> SessionAffinityScorer:
     params = dict(params)
     ring = ConsistentHashRing(ctx.size, params.pop("vnodes", 160))
@@ -221,6 +225,7 @@ def default_registry() -> Registry:
     filters: dict[str, Plugin] = {
         "model": Plugin(_plain(ModelFilter)),
         "staleness": Plugin(_plain(StalenessFilter)),
+        "ttft-slo": Plugin(_ttft_slo, _params(block_tokens=Param("integer", ge=1))),
         "saturation": Plugin(
             _plain(SaturationFilter),
             _params(max_waiting=Param("number", ge=0, infinite=True), max_kv_usage=Param("number", gt=0, le=1)),

@@ -19,6 +19,7 @@ from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
+from inferlb.scorer.registry import PluginSpec, ProfileSpec
 from inferlb.scorer.signals import Signals
 
 from .test_server import MODEL, destination, route_buffered
@@ -192,3 +193,23 @@ def test_class_config_parses() -> None:
     assert config.classes[0].header_values == frozenset({"batch", "offline"})
     assert config.default_class.name == "chat" and config.default_class.ttft_slo_s == 0.5
     assert config.admission.max_waiting == 4
+
+
+async def test_a_class_with_a_ttft_objective_avoids_endpoints_predicted_to_miss_it() -> None:
+    pool, signals = pool_and_signals([0, 0, 0], [0, 0, 0])
+    spec = ProfileSpec(
+        "p", (PluginSpec("model"), PluginSpec("ttft-slo")), (PluginSpec("in-flight"),), PluginSpec("max-score")
+    )
+    engine = Engine(pool, build_profile(spec, np.random.default_rng(1), size=3), signals=signals)
+    engine.inflight.tokens[:] = [40_000, 0, 40_000]  # two seconds of prefill queued at the default rate
+    engine.inflight.requests[:] = [1, 9, 1]  # the only endpoint that can meet it has the most requests
+    service = ExtProcService(engine, max_body_bytes=1 << 20, classifier=Classifier(RULES), admission=None)
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    try:
+        for _ in range(5):  # interactive (0.5 s objective): to the one endpoint predicted to meet it
+            assert destination(await send(server, {"model": MODEL, "prompt": "hi", "stream": True})) == ENDPOINTS[1][0]
+        chosen = {destination(await send(server, {"model": MODEL, "prompt": "hi"})) for _ in range(10)}
+        assert ENDPOINTS[1][0] not in chosen  # no objective: the in-flight count weighs as usual
+    finally:
+        await server.stop(0)

@@ -517,6 +517,7 @@ MUST_BE = [
     ("scorers", "in-flight-tokens", "unit", "a number > 0", {"0": "0", "-4096": "-4096", ".inf": "inf", "yes": "True"}),
     ("scorers", "latency", "signal", "one of 'ttft_s', 'e2e_s'", {"ttft": "'ttft'", "1": "1"}),
     ("scorers", "predicted-ttft", "block_tokens", "an integer >= 1", {"0": "0", "64.0": "64.0", "'64'": "'64'"}),
+    ("filters", "ttft-slo", "block_tokens", "an integer >= 1", {"-1": "-1", "2.5": "2.5", "no": "False"}),
     ("scorers", "seed-formula", "alpha", "a number >= 0", {"-1": "-1", ".inf": "inf"}),
     ("scorers", "seed-formula", "beta", "a number >= 0", {"true": "True", "-0.5": "-0.5"}),
     ("scorers", "seed-formula", "gamma", "a number >= 0", {".nan": "nan", "'1'": "'1'"}),
@@ -547,6 +548,7 @@ UNKNOWN = [
     ("filters", "saturation", "max_queue", "max_kv_usage, max_waiting"),
     ("scorers", "queue", "foo", "none"),
     ("scorers", "predicted-ttft", "prefix_match", "block_tokens"),
+    ("filters", "ttft-slo", "slo", "block_tokens"),
     ("scorers", "prefix-affinity", "index", "capacity_blocks, guard"),
     ("scorers", "session-affinity", "ring", "c, vnodes"),
     ("scorers", "seed-formula", "delta", "alpha, beta, floor, gamma, max_queue"),
@@ -614,6 +616,9 @@ def test_seed_formula_weights_must_not_all_be_zero() -> None:
         pytest.param("scorers", "{type: latency, signal: e2e_s}", ("signal",), ("e2e_s",), id="latency"),
         pytest.param(
             "scorers", "{type: predicted-ttft, block_tokens: 1}", ("block_tokens",), (1,), id="predicted-ttft"
+        ),
+        pytest.param(
+            "filters", "{type: ttft-slo, block_tokens: 1}", ("predictor.block_tokens",), (1,), id="ttft-slo"
         ),
         pytest.param(
             "scorers",

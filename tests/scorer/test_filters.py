@@ -15,7 +15,7 @@ import pytest
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter
+from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftSloFilter
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
@@ -204,3 +204,45 @@ def test_memory_fit_filter(
 def test_memory_fit_refuses_bad_parameters(params: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MemoryFitFilter(**params)
+
+
+# ---------------------------------------------------------------- ttft-slo
+
+
+class FixedMatch:
+    """Prefix matches per endpoint (blocks of the request each endpoint holds), as the prefix index gives them."""
+
+    def __init__(self, blocks: list[int]) -> None:
+        self.blocks = np.array(blocks, dtype=np.float64)
+
+    def match(self, hashes: tuple[int, ...]) -> np.ndarray:
+        return self.blocks
+
+
+# The default prefill rate is 20,000 tokens/s: 1,000 prompt tokens alone take 50 ms.
+@pytest.mark.parametrize(
+    ("slo", "inflight_tokens", "rates", "cached_blocks", "expected"),
+    [
+        pytest.param(None, [10**6] * 4, None, None, [0, 1, 2, 3], id="no-objective-passes-all"),
+        pytest.param(0.5, [0, 0, 0, 0], None, None, [0, 1, 2, 3], id="all-meet-it"),
+        pytest.param(0.5, [0, 20_000, 9_000, 0], None, None, [0, 2, 3], id="a-long-queue-misses-it"),
+        pytest.param(0.1, [0, 0, 0, 0], [NAN, 5_000, 20_000, 0], None, [0, 2, 3], id="a-slow-learned-rate-misses"),
+        pytest.param(0.06, [500, 500, 0, 0], None, [0, 30, 0, 0], [1, 2, 3], id="a-cached-prefix-helps"),
+        pytest.param(0.01, [0, 0, 0, 0], None, None, [0, 1, 2, 3], id="none-can-keeps-all"),
+    ],
+)
+def test_ttft_slo_filter(
+    slo: float | None,
+    inflight_tokens: list[int],
+    rates: list[float] | None,
+    cached_blocks: list[int] | None,
+    expected: list[int],
+) -> None:
+    st = state(prefill_tokens_per_s=rates) if rates is not None else state()
+    st.inflight.tokens[:] = inflight_tokens
+    request = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=(1, 2), ttft_slo_s=slo)
+    flt = TtftSloFilter(FixedMatch(cached_blocks) if cached_blocks is not None else None, block_tokens=64)
+    candidates = np.arange(4)
+    kept = flt.filter(request, st, candidates)
+    check_subset(kept, candidates)
+    assert kept.tolist() == expected
