@@ -5,7 +5,7 @@
 | ``GET /healthz`` | 200 while the process runs |
 | ``GET /readyz`` | 200 once the gRPC server serves and the first metrics round is in; else 503 |
 | ``GET /endpoints`` | each endpoint's latest signals, their age, staleness, last scrape error, in-flight counts |
-| ``GET /decisions?limit=N`` | recent decisions with each scorer's score, newest first |
+| ``GET /decisions?limit=N`` | recent decisions, newest first: reason, each scorer's score, the best candidates' |
 | ``GET /config`` | the configuration in force |
 | ``POST /config`` | a new configuration (YAML or JSON body), validated then applied without dropping a request; |
 |  | an invalid one is refused (400) and the old one stays |
@@ -20,10 +20,11 @@ Handlers only read in-process state; none waits on the network.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,19 @@ __all__ = ["config_document", "create_admin_app"]
 
 def _num(value: float) -> float | None:
     return None if math.isnan(value) else float(value)
+
+
+def _jsonable(value: Any) -> Any:
+    """A config value as JSON data: dataclasses as objects, sets as sorted lists, mappings as objects."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, frozenset | set):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def config_document(picker: Picker) -> dict[str, Any]:
@@ -65,13 +79,19 @@ def config_document(picker: Picker) -> dict[str, Any]:
         "profile": profile,
         "max_body_bytes": config.max_body_bytes,
         "session_header": config.session_header,
-        "signals": {
-            "scrape_metrics": config.signals.scrape_metrics,
-            "scrape_interval_s": config.signals.scrape_interval_s,
-            "scrape_timeout_s": config.signals.scrape_timeout_s,
-            "stale_after_s": config.signals.stale_after_s,
-            "gpu_interval_s": config.signals.gpu_interval_s,
-        },
+        "admin": config.admin,
+        "signals": _jsonable(config.signals),
+        "class_header": config.class_header,
+        "classes": [
+            {
+                **_jsonable(rule.request_class),
+                "match": {k: v for k, v in _jsonable(rule).items() if k != "request_class" and v is not None},
+            }
+            for rule in config.classes
+        ],
+        "default_class": _jsonable(config.default_class),
+        "admission": _jsonable(config.admission),
+        "otel": _jsonable(config.otel),
         "endpoints": [
             {
                 "address": e.address,
@@ -141,7 +161,14 @@ def create_admin_app(picker: Picker) -> FastAPI:
     async def decisions(limit: int = 100) -> Response:
         if not 1 <= limit <= 10_000:
             return _error(400, "limit must be in 1..10000")
-        return JSONResponse({"decisions": picker.service.decisions.recent(limit)})
+        entries = picker.service.decisions.recent(limit)
+        endpoints = picker.engine.pool.endpoints
+        for entry in entries:
+            for row in entry.get("ranking", ()):
+                index = row.pop("endpoint_index")
+                # A reload may have changed the pool since: then the index is all that is known.
+                row["endpoint"] = endpoints[index].address if index < len(endpoints) else f"#{index}"
+        return JSONResponse({"decisions": entries})
 
     @app.get("/config")
     async def get_config() -> dict[str, Any]:
@@ -219,7 +246,7 @@ def prometheus_text(picker: Picker) -> str:
     log = picker.service.decisions
     engine = picker.engine
     lines = [
-        "# HELP inferlb_decisions_total Requests routed, by endpoint and the picker that chose it.",
+        "# HELP inferlb_decisions_total Requests routed, by endpoint and why that one (see Decision.reason).",
         "# TYPE inferlb_decisions_total counter",
     ]
     for (endpoint, reason), count in sorted(log.by_endpoint.items()):

@@ -15,6 +15,11 @@ from inferlb.scorer.engine import Decision
 
 __all__ = ["PICK_BUCKETS_S", "DecisionLog"]
 
+# Decisions over at most this many candidates keep every candidate's scores, for the ``ranking`` of `recent`.
+RANKED_UP_TO_CANDIDATES = 64
+# How many of the best candidates a ranking shows.
+RANKING_LENGTH = 5
+
 # Upper bounds of the pick-latency histogram, seconds (10 µs .. 10 ms).
 PICK_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
 
@@ -32,6 +37,8 @@ class DecisionLog:
         self.picks = 0
 
     def record(self, request_id: str, model: str | None, decision: Decision, pick_s: float) -> None:
+        if len(decision.candidates) > RANKED_UP_TO_CANDIDATES and decision.per_scorer:
+            decision.per_scorer = ()  # bounded memory: large pools keep only the chosen endpoint's scores
         self._recent.append((time.time(), request_id, model, decision, 0, pick_s))
         self.by_endpoint[decision.endpoint.address, decision.reason] += 1
         self.pick_buckets[bisect.bisect_left(PICK_BUCKETS_S, pick_s)] += 1
@@ -43,7 +50,8 @@ class DecisionLog:
         self.refused[status] += 1
 
     def recent(self, limit: int = 100) -> list[dict[str, Any]]:
-        """The last ``limit`` decisions, newest first, with each scorer's score for the chosen endpoint."""
+        """The last ``limit`` decisions, newest first, with each scorer's score for the chosen endpoint and, for
+        pools of up to `RANKED_UP_TO_CANDIDATES` candidates, the best `RANKING_LENGTH` candidates with theirs."""
         out = []
         for at, request_id, model, decision, status, pick_s in list(self._recent)[-limit:][::-1]:
             entry: dict[str, Any] = {"time": at, "request_id": request_id, "model": model}
@@ -62,5 +70,21 @@ class DecisionLog:
                     candidates=len(decision.candidates),
                     pick_us=round(pick_s * 1e6, 1),
                 )
+                if decision.per_scorer:
+                    entry["ranking"] = _ranking(decision)
             out.append(entry)
         return out
+
+
+def _ranking(decision: Decision) -> list[dict[str, Any]]:
+    chosen = decision.endpoint.index
+    order = decision.totals.argsort(kind="stable")[::-1][:RANKING_LENGTH]
+    return [
+        {
+            "endpoint_index": int(decision.candidates[i]),
+            "chosen": int(decision.candidates[i]) == chosen,
+            "total": float(decision.totals[i]),
+            "scores": {name: float(scores[i]) for name, scores in decision.per_scorer},
+        }
+        for i in order
+    ]

@@ -83,9 +83,18 @@ async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, se
         assert decisions[0] == {**decisions[0], "outcome": "refused", "status": 404}
         assert set(decisions[1]["scores"]) == {"kv-cache", "queue", "in-flight"}
         assert decisions[1]["profile"] == "kv-aware" and decisions[1]["endpoint"] in {s.address for s in servers}
+        assert decisions[1]["reason"] == "best-score"
+        ranking = decisions[1]["ranking"]  # every candidate (3 here, up to 5), best first, with its scores
+        assert {row["endpoint"] for row in ranking} == {s.address for s in servers}
+        assert [row["total"] for row in ranking] == sorted((row["total"] for row in ranking), reverse=True)
+        assert [row["endpoint"] for row in ranking if row["chosen"]] == [decisions[1]["endpoint"]]
+        assert all(set(row["scores"]) == {"kv-cache", "queue", "in-flight"} for row in ranking)
         assert (await client.get("/decisions", params={"limit": 0})).status_code == 400
         config = (await client.get("/config")).json()
         assert config["policy"] == "kv-aware" and len(config["endpoints"]) == 3
+        assert config["signals"]["scrape_filter"] is True and config["admission"]["max_waiting"] == 16
+        assert config["otel"]["latency_source"] == "spans" and config["classes"] == []
+        assert config["default_class"]["name"] == "default"
         metrics = parse_exposition((await client.get("/metrics")).text)
         routed = sum(s.value for s in metrics.get("inferlb_decisions").samples)
         assert routed == 5
