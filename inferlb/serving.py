@@ -182,7 +182,9 @@ def _install_signal_handlers(loop: asyncio.AbstractEventLoop, servers: Sequence[
 
 def _bind(address: str, host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections whose socket says it is TCP. Without it a
+    # streamed token written soon after the response headers waited for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         # A restarted demo must not wait out TIME_WAIT from the previous run on the same port.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import socket
 import time
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from uvicorn.protocols.http import h11_impl
 
 from inferlb.procs import free_port
 from inferlb.scorer.gpustate import parse_gpu_report
@@ -380,6 +383,28 @@ async def test_streams_arrive_token_by_token_over_loopback(live):
     assert len(arrivals) == 100
     # 100 decode steps take ~0.65 s of engine time, 0.13 s here: the tokens came spread out, not in one burst.
     assert arrivals[-1] - arrivals[0] > 0.05
+
+
+async def test_connections_are_accepted_with_nagle_off(monkeypatch):
+    """A token written a few ms after the response headers must not wait for the client's delayed ACK (~40 ms, a
+    fixed wall-clock stall that the time scale multiplies): the server's connections have TCP_NODELAY set."""
+    seen: list[int] = []
+    protocols = [h11_impl.H11Protocol]
+    with contextlib.suppress(ImportError):  # uvicorn takes httptools over h11 where it is installed
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        protocols.append(HttpToolsProtocol)
+    for protocol_class in protocols:
+
+        def record(protocol, transport, made=protocol_class.connection_made):
+            seen.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            return made(protocol, transport)
+
+        monkeypatch.setattr(protocol_class, "connection_made", record)
+    server = EmulatedServer(f"127.0.0.1:{free_port()}", FAST)
+    async with serving([server]), httpx.AsyncClient(timeout=10) as client:
+        assert (await client.get(f"http://{server.address}/health")).status_code == 200
+    assert seen and all(seen)
 
 
 async def test_a_client_that_leaves_frees_its_request(live):
