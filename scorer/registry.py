@@ -82,10 +82,17 @@ class BuildContext:
     rng: np.random.Generator | None = None
     shared: dict[str, Any] = field(default_factory=dict)
 
-    def prefix_index(self, capacity_blocks: int = 65536) -> PrefixIndex:
+    def prefix_index(self, capacity_blocks: int | None = None) -> PrefixIndex:
+        """The profile's shared prefix index, created at the first call (``capacity_blocks``: default 65536);
+        ValueError if a later call asks for another size."""
         index = self.shared.get("prefix_index")
         if index is None:
-            index = self.shared["prefix_index"] = PrefixIndex(self.size, capacity_blocks)
+            index = self.shared["prefix_index"] = PrefixIndex(self.size, capacity_blocks or 65536)
+        elif capacity_blocks is not None and capacity_blocks != index.capacity_blocks:
+            raise ValueError(
+                f"capacity_blocks {capacity_blocks} differs from the {index.capacity_blocks} of the profile's other "
+                "prefix-affinity scorer: they share one prefix index"
+            )
         return index
 
 
@@ -157,7 +164,7 @@ def _seeded(cls: Callable[..., Any]) -> Factory:
 
 def _prefix_affinity(params: Mapping[str, Any], ctx: BuildContext) -> PrefixAffinityScorer:
     params = dict(params)
-    index = ctx.prefix_index(params.pop("capacity_blocks", 65536))
+    index = ctx.prefix_index(params.pop("capacity_blocks", None))
     return PrefixAffinityScorer(index, **params)
 
 
@@ -186,18 +193,22 @@ class Registry:
     def build(self, spec: ProfileSpec, ctx: BuildContext) -> Profile:
         """The plugins of ``spec``, constructed; ConfigError naming the plugin on a bad type or parameter."""
         where = spec.where or f"profile {spec.name!r}"
-        filters: list[Filter] = [
-            self._make(self.filters, s, ctx, f"{where}.filters[{i}]") for i, s in enumerate(spec.filters)
-        ]
-        scorers: list[WeightedScorer] = []
-        for i, s in enumerate(spec.scorers):
+        # Prefix-affinity scorers are built first: the prefix index they size is shared with the plugins that
+        # only read it (predicted-ttft, ttft-slo), which must not create it at the default size before them.
+        order = sorted(range(len(spec.scorers)), key=lambda i: spec.scorers[i].type != "prefix-affinity")
+        built: dict[int, WeightedScorer] = {}
+        for i in order:
+            s = spec.scorers[i]
             here = f"{where}.scorers[{i}]"
             if not (isinstance(s.weight, int | float) and 0 < s.weight <= MAX_WEIGHT):
                 raise ConfigError(f"{here}.weight must be > 0 and <= {MAX_WEIGHT:g}; got {s.weight!r}")
             scorer: Scorer = self._make(self.scorers, s, ctx, here)
-            scorers.append(WeightedScorer(scorer, float(s.weight)))
+            built[i] = WeightedScorer(scorer, float(s.weight))
+        filters: list[Filter] = [
+            self._make(self.filters, s, ctx, f"{where}.filters[{i}]") for i, s in enumerate(spec.filters)
+        ]
         picker: Picker = self._make(self.pickers, spec.picker, ctx, f"{where}.picker")
-        return Profile(spec.name, tuple(filters), tuple(scorers), picker)
+        return Profile(spec.name, tuple(filters), tuple(built[i] for i in range(len(spec.scorers))), picker)
 
     @staticmethod
     def _make(table: Mapping[str, Plugin], spec: PluginSpec, ctx: BuildContext, where: str) -> Any:
@@ -265,7 +276,7 @@ def default_registry() -> Registry:
             _params(guard=Param("number", gt=0, infinite=True), capacity_blocks=Param("integer", ge=1)),
         ),
         "session-affinity": Plugin(
-            _session_affinity, _params(c=Param("number", ge=1, infinite=True), vnodes=Param("integer", ge=1))
+            _session_affinity, _params(c=Param("number", ge=1, infinite=True), vnodes=Param("integer", ge=1, le=1000))
         ),
     }
     pickers: dict[str, Plugin] = {

@@ -526,7 +526,13 @@ MUST_BE = [
     ("scorers", "prefix-affinity", "guard", "a number > 0 or .inf", {"0": "0", "-.inf": "-inf", "'2'": "'2'"}),
     ("scorers", "prefix-affinity", "capacity_blocks", "an integer >= 1", {"0": "0", "1.5": "1.5", "true": "True"}),
     ("scorers", "session-affinity", "c", "a number >= 1 or .inf", {"0.5": "0.5", "'1.25'": "'1.25'", ".nan": "nan"}),
-    ("scorers", "session-affinity", "vnodes", "an integer >= 1", {"0": "0", "true": "True", "[160]": "[160]"}),
+    (
+        "scorers",
+        "session-affinity",
+        "vnodes",
+        "an integer in [1, 1000]",
+        {"0": "0", "true": "True", "[160]": "[160]", "100000": "100000"},
+    ),
 ]
 
 BAD_VALUES = [
@@ -617,9 +623,7 @@ def test_seed_formula_weights_must_not_all_be_zero() -> None:
         pytest.param(
             "scorers", "{type: predicted-ttft, block_tokens: 1}", ("block_tokens",), (1,), id="predicted-ttft"
         ),
-        pytest.param(
-            "filters", "{type: ttft-slo, block_tokens: 1}", ("predictor.block_tokens",), (1,), id="ttft-slo"
-        ),
+        pytest.param("filters", "{type: ttft-slo, block_tokens: 1}", ("predictor.block_tokens",), (1,), id="ttft-slo"),
         pytest.param(
             "scorers",
             "{type: seed-formula, alpha: 0, beta: 0, gamma: 2, max_queue: 0.5, floor: 0}",
@@ -645,3 +649,23 @@ def test_plugin_parameters_at_their_bounds_are_accepted(
     profile = build_profile(parse_config(yaml.safe_load(_plugin_yaml(kind, entry))).profile_spec(), size=2)
     plugin: Any = profile.filters[1] if kind == "filters" else profile.scorers[0].scorer
     assert tuple(operator.attrgetter(name)(plugin) for name in attributes) == expected
+
+
+def test_the_prefix_index_takes_prefix_affinitys_size_whatever_the_order_of_scorers() -> None:
+    doc = {
+        "policy": "mine",
+        "profiles": {
+            "mine": {
+                "filters": ["model", "ttft-slo"],
+                "scorers": ["predicted-ttft", {"type": "prefix-affinity", "capacity_blocks": 7}],
+            }
+        },
+        "pool": POOL,
+    }
+    profile = build_profile(parse_config(doc).profile_spec(), size=2)
+    assert [w.scorer.name for w in profile.scorers] == ["predicted-ttft", "prefix-affinity"]  # the file's order
+    assert profile.scorers[1].scorer.index.capacity_blocks == 7
+    two = {"type": "prefix-affinity", "capacity_blocks": 8}
+    doc["profiles"]["mine"]["scorers"].append(two)
+    with pytest.raises(ConfigError, match=r"^profiles\.mine\.scorers\[2\]: capacity_blocks 8 differs from the 7"):
+        parse_config(doc)
