@@ -7,8 +7,11 @@
    reports the wall time with the simulated results.
 2. The live emulator: ``inferlb sim`` with 8 servers (its own process) takes 50 requests/s of streamed
    completions for 20 s (the Azure conversation trace's first requests, rate-scaled to 50/s; round robin over the
-   servers; the client in this process). Reported: the emulator's CPU seconds per wall second (1.0 = one core),
-   client errors, and the engine-time TTFT/E2E the servers logged.
+   servers; the client in this process). Reported: the emulator's CPU seconds over the whole run (the arrivals,
+   then the drain of the requests still streaming after the last one), divided two ways: per offered second (by
+   the arrival window's length: what each second of this load costs) and per wall second (by the run's wall
+   time, drain included: the mean share of a core, 1.0 = one core); client errors; and the engine-time TTFT/E2E
+   the servers logged.
 """
 
 from __future__ import annotations
@@ -117,13 +120,16 @@ def live_cost(traces: Path, servers: int, rate: float, duration_s: float, workdi
         process.stop()
     ttft = [e["ttft_s"] for e in logged if e["ttft_s"] is not None]
     e2e = [e["e2e_s"] for e in logged if e["e2e_s"] is not None]
+    window = trace.duration_s  # the first arrival is at 0, the last at the end of the load window
     row = {
         "servers": servers,
         "requests": len(shots),
-        "offered_rps": round(len(shots) / trace.duration_s, 1),
+        "offered_rps": round(len(shots) / window, 1),
+        "load_window_s": round(window, 1),
         "wall_s": round(wall, 1),
         "sim_cpu_s": round(cpu, 2),
-        "sim_cores": round(cpu / wall, 3),
+        "sim_cpu_per_offered_s": round(cpu / window, 3),
+        "sim_cpu_per_wall_s": round(cpu / wall, 3),
         "sim_cpu_ms_per_request": round(1000 * cpu / len(shots), 2),
         "output_tokens": sum(c.tokens for c in client),
         "client_errors": sum(c.error is not None for c in client),
@@ -178,10 +184,16 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         f"## Live emulator: {live['servers']} servers in one `inferlb sim` process, streamed completions",
         "",
-        "| requests | offered req/s | wall s | emulator CPU s | cores used | CPU ms / request | output tokens "
-        "| client errors | server TTFT p50 ms | server E2E p50 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {live['requests']} | {live['offered_rps']} | {live['wall_s']} | {live['sim_cpu_s']} | {live['sim_cores']} "
+        "Emulator CPU s is the whole run's: the load window (arrivals), then the drain (requests still streaming "
+        "after the last arrival). Per offered second divides it by the load window, per wall second by the wall "
+        "time, drain included (the mean share of one core).",
+        "",
+        "| requests | offered req/s | load window s | wall s | emulator CPU s | CPU s per offered s "
+        "| CPU s per wall s | CPU ms / request | output tokens | client errors | server TTFT p50 ms "
+        "| server E2E p50 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {live['requests']} | {live['offered_rps']} | {live['load_window_s']} | {live['wall_s']} "
+        f"| {live['sim_cpu_s']} | {live['sim_cpu_per_offered_s']} | {live['sim_cpu_per_wall_s']} "
         f"| {live['sim_cpu_ms_per_request']} | {live['output_tokens']} | {live['client_errors']} "
         f"| {live['server_ttft_p50_ms']} | {live['server_e2e_p50_ms']} |",
         "",
