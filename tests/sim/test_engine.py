@@ -70,11 +70,12 @@ def test_blocks_never_exceed_total_and_every_request_completes_exactly(specs, fa
         assert request.arrival <= request.scheduled_at <= request.first_token_at <= request.finished_at
 
 
-# Two requests that arrive together, each short enough to be admitted in the first step (2 x 32 <= the 64-token
-# budget) and long enough to need 13..24 of TINY's 24 blocks by its end: they decode side by side, so before either
-# finishes they hold >= 26 blocks between them, which the cache does not have. Preemption is certain.
+# Two requests that arrive together, each short enough to be admitted at once (2 x 16 tokens of a 64-token
+# budget) and long enough to hold 14..24 of TINY's 24 blocks by its end. They decode side by side, at most a few
+# tokens apart beyond their prompts' difference, so the one that would finish first needs >= 14 blocks while the
+# other holds >= 13: 27 > 24, and one of them must be preempted first.
 crowding_pair = st.lists(
-    st.tuples(st.integers(1, 32), st.integers(13 * 16, 24 * 16)),  # (prompt tokens, prompt + output tokens)
+    st.tuples(st.integers(1, 16), st.integers(14 * 16, 24 * 16)),  # (prompt tokens, prompt + output tokens)
     min_size=2,
     max_size=2,
 )
