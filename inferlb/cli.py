@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="I:key=value",
-        help="start-up fault of server I: slowdown=F, error_rate=P, hang=true, cold_start_s=S (repeatable)",
+        help="start-up fault of server I: slowdown=F, error_rate=P, hang=true, crash=true, cold_start_s=S (repeatable)",
     )
     sim.set_defaults(run=_sim)
 
