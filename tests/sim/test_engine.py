@@ -51,9 +51,15 @@ def make(i: int, family: int, prompt: int, output: int, block_size: int) -> SimR
 @given(specs=st.lists(request_spec, min_size=1, max_size=25), fast=st.booleans())
 def test_blocks_never_exceed_total_and_every_request_completes_exactly(specs, fast):
     engine = Engine(TINY, EngineOptions(jitter=0.05, seed=1, fast_forward=fast))
-    requests = []
+    requests = arrive(engine, specs, [])
+    run_to_end(engine)
+    check_all_finished_exactly(engine, requests)
+
+
+def arrive(engine: Engine, specs, requests: list[SimRequest]) -> list[SimRequest]:
+    """Add a request per (family, prompt, output, gap) spec after ``requests``, checking blocks at every step."""
     t = 0.0
-    for i, (family, prompt, output, gap) in enumerate(specs):
+    for i, (family, prompt, output, gap) in enumerate(specs, start=len(requests)):
         t += gap
         engine.advance(t)
         check_blocks(engine)
@@ -61,7 +67,10 @@ def test_blocks_never_exceed_total_and_every_request_completes_exactly(specs, fa
         assert engine.add(request)
         requests.append(request)
         check_blocks(engine)
-    run_to_end(engine)
+    return requests
+
+
+def check_all_finished_exactly(engine: Engine, requests: list[SimRequest]) -> None:
     assert not engine.running and not engine.waiting
     assert engine.cache.used == 0
     for request in requests:
@@ -88,23 +97,11 @@ def test_requests_preempted_for_blocks_still_complete_exactly(pair, later, fast)
     requests = [make(i, 10 + i, prompt, total - prompt, TINY.block_size) for i, (prompt, total) in enumerate(pair)]
     for request in requests:
         assert engine.add(request)
-    t = 0.0
-    for i, (family, prompt, output, gap) in enumerate(later, start=len(requests)):
-        t += gap
-        engine.advance(t)
-        check_blocks(engine)
-        request = make(i, family, prompt, output, TINY.block_size)
-        assert engine.add(request)
-        requests.append(request)
+    arrive(engine, later, requests)
     run_to_end(engine)
     assert engine.preemptions > 0
     assert engine.preemptions == sum(r.preemptions for r in requests)
-    assert not engine.running and not engine.waiting
-    assert engine.cache.used == 0
-    for request in requests:
-        assert request.state is RequestState.FINISHED
-        assert request.output == request.max_tokens
-        assert request.arrival <= request.scheduled_at <= request.first_token_at <= request.finished_at
+    check_all_finished_exactly(engine, requests)
 
 
 def test_preempted_requests_resume_and_finish():
