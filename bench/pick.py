@@ -131,13 +131,8 @@ async def _scrape_runs(addresses: list[str], seconds: float) -> dict[str, Any]:
     engine = Engine(pool, build_profile("default", np.random.default_rng(3), size=n), signals=signals)
     request = _requests(1, np.random.default_rng(4))[0]
     idle = await _probe(engine, request, min(seconds, 3.0))
-    runs = {}
-    for name, only_read in (("filtered", True), ("full", False)):
-        options = CollectorOptions(interval_s=0.1, timeout_s=0.5, only_read=only_read)
-        collector = MetricsCollector(pool, signals, options)
-        runs[name] = await _scrape_run(collector, engine, request, seconds)
-        print(f"scrape {name} {runs[name]}", flush=True)
-    return {"idle": idle, **runs}
+    collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.1, timeout_s=0.5))
+    return {"idle": idle, **await _scrape_run(collector, engine, request, seconds)}
 
 
 async def _scrape_run(
@@ -238,27 +233,20 @@ def _markdown(report: dict[str, Any]) -> str:
             cells.append(f"{row['p50_us']} / {row['p99_us']}")
         lines.append(f"| {preset} | " + " | ".join(cells) + " |")
     s = report["scrape"]
-    idle = s["idle"]
+    idle, busy = s["idle"], s["scraping"]
     lines += [
         "",
         f"## Metrics scraper: {s['endpoints']} endpoints, each every {s['interval_s']} s",
         "",
         f"Every endpoint serves a real vLLM 0.32 exposition ({s['body_bytes'] // 1024} KB, tests/fixtures/vllm/) "
-        "from one static server process (`bench/metricsfarm.py`), which honours `name[]` as vLLM does; the "
-        "collector runs in this process, so the CPU figures are its own. *filtered* asks for only the families "
-        "the picker reads (the default, `signals.scrape_filter`); *full* fetches the whole exposition.",
+        "from one static server process (`bench/metricsfarm.py`); the collector runs in this process, so the CPU "
+        "figures are its own.",
         "",
-        "| scrape | bytes per scrape | scrapes/s | per endpoint, Hz | snapshots/s | errors | collector cores "
+        "| bytes per scrape | scrapes/s | per endpoint, Hz | snapshots/s | errors | collector cores "
         "| of which parsing | CPU µs per scrape |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name in ("filtered", "full"):
-        r = s[name]
-        lines.append(
-            f"| {name} | {r['bytes_per_scrape']} | {r['scrapes_per_s']} | {r['per_endpoint_hz']} "
-            f"| {r['snapshots_per_s']} | {r['errors']} | {r['cores']} | {r['parse_cores']} | {r['cpu_us_per_scrape']} |"
-        )
-    lines += [
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {s['bytes_per_scrape']} | {s['scrapes_per_s']} | {s['per_endpoint_hz']} | {s['snapshots_per_s']} "
+        f"| {s['errors']} | {s['cores']} | {s['parse_cores']} | {s['cpu_us_per_scrape']} |",
         "",
         f"The request path while it scrapes: a probe on the same event loop wakes every {PROBE_S * 1e3:g} ms, "
         "notes how late it woke (loop lag), makes one `default` pick and notes the oldest endpoint data the pick "
@@ -268,14 +256,10 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|",
         f"| no scraping | {idle['lag_p50_ms']} / {idle['lag_p99_ms']} / {idle['lag_max_ms']} "
         f"| {idle['pick_p50_us']} / {idle['pick_p99_us']} | - |",
+        f"| scraping | {busy['lag_p50_ms']} / {busy['lag_p99_ms']} / {busy['lag_max_ms']} "
+        f"| {busy['pick_p50_us']} / {busy['pick_p99_us']} | {busy['oldest_data_p99_ms']} |",
+        "",
     ]
-    for name in ("filtered", "full"):
-        b = s[name]["scraping"]
-        lines.append(
-            f"| scraping, {name} | {b['lag_p50_ms']} / {b['lag_p99_ms']} / {b['lag_max_ms']} "
-            f"| {b['pick_p50_us']} / {b['pick_p99_us']} | {b['oldest_data_p99_ms']} |"
-        )
-    lines.append("")
     return "\n".join(lines)
 
 

@@ -254,7 +254,6 @@ def _collectors(config: Config, pool: Pool, signals: Signals) -> tuple[MetricsCo
         options = CollectorOptions(
             interval_s=config.signals.scrape_interval_s,
             timeout_s=config.signals.scrape_timeout_s,
-            only_read=config.signals.scrape_filter,
         )
         collector = MetricsCollector(pool, signals, options)
     sources = [e.gpu for e in config.endpoints]

@@ -21,12 +21,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import quote
 
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.httpget import HttpGetError, HttpGetter
 from inferlb.scorer.pool import Pool
-from inferlb.scorer.promtext import SCRAPED_FAMILIES, VllmSnapshot, read_vllm_signals
+from inferlb.scorer.promtext import VllmSnapshot, read_vllm_signals
 from inferlb.scorer.signals import Signals
 
 __all__ = ["CollectorOptions", "MetricsCollector", "ScrapeStats"]
@@ -37,23 +36,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class CollectorOptions:
     """``interval_s``: time between one endpoint's scrape starts; ``timeout_s``: per scrape; ``path``: the metrics
-    path; ``only_read``: ask for only the families the collector reads (`SCRAPED_FAMILIES`, through the
-    ``name[]`` query that Prometheus client libraries, vLLM's among them, honour: a 57 KB exposition becomes
-    about 1 KB); ``publish_delay_s``: how long a reading may wait to be published with the readings after it."""
+    path; ``publish_delay_s``: how long a reading may wait to be published with the readings after it."""
 
     interval_s: float = 0.1
     timeout_s: float = 0.5
     path: str = "/metrics"
-    only_read: bool = True
     publish_delay_s: float = 0.005
-
-    @property
-    def target(self) -> str:
-        """The request target of a scrape."""
-        if not self.only_read:
-            return self.path
-        query = "&".join(f"name%5B%5D={quote(name, safe='')}" for name in SCRAPED_FAMILIES)
-        return f"{self.path}{'&' if '?' in self.path else '?'}{query}"
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "timeout_s", "publish_delay_s"):
@@ -94,7 +82,7 @@ class MetricsCollector:
         self.signals = signals
         self.options = options or CollectorOptions()
         self._clock = clock
-        self._getters = [HttpGetter(*parse_address(e.address), self.options.target) for e in pool]
+        self._getters = [HttpGetter(*parse_address(e.address), self.options.path) for e in pool]
         self.stats = ScrapeStats()
         self.last_error: list[str | None] = [None] * len(pool)
         self._tried = [False] * len(pool)

@@ -15,7 +15,6 @@ Example::
     signals:
       scrape_interval_s: 0.1        # every endpoint's vLLM /metrics, this often
       scrape_timeout_s: 0.5
-      scrape_filter: true           # ask for only the families the picker reads (/metrics?name[]=...)
       stale_after_s: 1.0            # older metrics count as stale: the endpoint is treated as saturated
     profiles:
       my-profile:
@@ -55,12 +54,9 @@ MAX_SCORERS = 32
 
 @dataclass(frozen=True, slots=True)
 class SignalsConfig:
-    """How the picker collects server signals. ``scrape_metrics=False`` turns the vLLM scraper off;
-    ``scrape_filter`` asks each server for only the metric families the picker reads (``/metrics?name[]=...``,
-    which vLLM's Prometheus endpoint honours; a server that ignores it sends everything, which still works)."""
+    """How the picker collects server signals. ``scrape_metrics=False`` turns the vLLM scraper off."""
 
     scrape_metrics: bool = True
-    scrape_filter: bool = True
     scrape_interval_s: float = 0.1
     scrape_timeout_s: float = 0.5
     stale_after_s: float = 1.0
@@ -383,7 +379,6 @@ def _classes(
 def _signals(value: Any) -> SignalsConfig:
     fields = {
         "scrape_metrics",
-        "scrape_filter",
         "scrape_interval_s",
         "scrape_timeout_s",
         "stale_after_s",
@@ -391,7 +386,7 @@ def _signals(value: Any) -> SignalsConfig:
     }
     raw = _mapping(value, "signals", allowed=fields)
     out: dict[str, Any] = {}
-    for name in ("scrape_metrics", "scrape_filter"):
+    for name in ("scrape_metrics",):
         if name in raw:
             if not isinstance(raw[name], bool):
                 raise ConfigError(f"signals.{name} must be true or false; got {raw[name]!r}")

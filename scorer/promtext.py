@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 __all__ = [
     "PICKER_METRICS",
-    "SCRAPED_FAMILIES",
     "Exposition",
     "Histogram",
     "LoraInfo",
@@ -572,10 +571,6 @@ _SIGNAL_NAMES = {
     "cache": b"vllm:cache_config_info",
     "lora": b"vllm:lora_requests_info",
 }
-# The families the metrics collector reads: what it asks a server for (``/metrics?name[]=...``).
-SCRAPED_FAMILIES: tuple[str, ...] = tuple(
-    _SIGNAL_NAMES[key].decode() for key in ("running", "waiting", "kv", "kv_old", "cache", "lora")
-)
 _BLOCK_SIZE = re.compile(rb'[{,]block_size="(\d+)"')
 _NUM_BLOCKS = re.compile(rb'[{,]num_gpu_blocks="(\d+)"')
 

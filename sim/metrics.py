@@ -21,7 +21,7 @@ from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
 
-__all__ = ["CONTENT_TYPE", "FINISHED_REASONS", "VllmMetrics", "restrict"]
+__all__ = ["CONTENT_TYPE", "FINISHED_REASONS", "VllmMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The ``Content-Type`` vLLM answers ``GET /metrics`` with."""
@@ -420,14 +420,8 @@ class VllmMetrics:
 
     # ---- output -------------------------------------------------------------------------------------------
 
-    def render(self, names: frozenset[str] | None = None) -> bytes:
-        """The ``GET /metrics`` body (UTF-8, served as `CONTENT_TYPE`). With ``names`` (the ``name[]`` query
-        parameters), only the samples of those names, each family with its HELP and TYPE, as prometheus_client
-        (and so vLLM) answers ``/metrics?name[]=...``."""
-        body = self._render()
-        return body if names is None else restrict(body, names)
-
-    def _render(self) -> bytes:
+    def render(self) -> bytes:
+        """The ``GET /metrics`` body (UTF-8, served as `CONTENT_TYPE`)."""
         if self._body is not None:
             return self._body
         parts = [
@@ -455,28 +449,6 @@ class VllmMetrics:
         parts.append(self._cache_config)
         self._body = "".join(parts).encode()
         return self._body
-
-
-def restrict(body: bytes, names: frozenset[str]) -> bytes:
-    """The exposition ``body`` cut down to the samples named in ``names``, each kept family with its comments."""
-    out: list[bytes] = []
-    comments: list[bytes] = []
-    for line in body.splitlines(keepends=True):
-        if line.startswith(b"#"):
-            if line.startswith(b"# HELP "):
-                comments = []
-            comments.append(line)
-            continue
-        end = len(line)
-        for stop in (b"{", b" "):
-            at = line.find(stop)
-            if 0 <= at < end:
-                end = at
-        if line[:end].decode("utf-8", "replace") in names:
-            out += comments
-            comments = []
-            out.append(line)
-    return b"".join(out)
 
 
 def _check_count(name: str, value: int) -> None:

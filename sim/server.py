@@ -29,7 +29,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl
 
 import orjson
 
@@ -405,8 +404,7 @@ class EmulatedServer:
         elif path == "/v1/models":
             await _send_json(send, 200, self._models_body(), headers)
         elif path == "/metrics":
-            body = self._render_metrics(_metric_names(scope.get("query_string", b"")))
-            await _send(send, 200, body, headers, b"text/plain; version=0.0.4; charset=utf-8")
+            await _send(send, 200, self._render_metrics(), headers, b"text/plain; version=0.0.4; charset=utf-8")
         elif path == "/gpu":
             await _send_json(send, 200, self.gpu_report().to_json(), headers)
         elif path == "/admin/requests":
@@ -441,14 +439,14 @@ class EmulatedServer:
             ],
         }
 
-    def _render_metrics(self, names: frozenset[str] | None = None) -> bytes:
+    def _render_metrics(self) -> bytes:
         engine = self.engine
         queries, hits, preemptions = self._counted
         self.metrics.add_prefix_cache(engine.prefix_queries - queries, engine.prefix_hits - hits)
         self.metrics.add_preemptions(engine.preemptions - preemptions)
         self._counted = (engine.prefix_queries, engine.prefix_hits, engine.preemptions)
         self.metrics.set_state(len(engine.running), len(engine.waiting), min(1.0, engine.cache.usage))
-        return self.metrics.render(names)
+        return self.metrics.render()
 
     async def _faults_route(
         self, method: str, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]]
@@ -619,12 +617,6 @@ async def _read_json(receive: Receive, send: Send, headers: list[tuple[bytes, by
     except orjson.JSONDecodeError as exc:
         await _send_error(send, 400, f"request body is not valid JSON: {exc}", headers)
         return None
-
-
-def _metric_names(query: bytes) -> frozenset[str] | None:
-    """The ``name[]`` parameters of a ``/metrics`` query (None: none given, so everything)."""
-    names = [value for key, value in parse_qsl(query.decode("latin-1")) if key == "name[]"]
-    return frozenset(names) if names else None
 
 
 async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]], content_type: bytes) -> None:

@@ -92,7 +92,7 @@ async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, se
         assert (await client.get("/decisions", params={"limit": 0})).status_code == 400
         config = (await client.get("/config")).json()
         assert config["policy"] == "kv-aware" and len(config["endpoints"]) == 3
-        assert config["signals"]["scrape_filter"] is True and config["admission"]["max_waiting"] == 16
+        assert config["signals"]["stale_after_s"] == 1.0 and config["admission"]["max_waiting"] == 16
         assert config["otel"]["latency_source"] == "spans" and config["classes"] == []
         assert config["default_class"]["name"] == "default"
         metrics = parse_exposition((await client.get("/metrics")).text)

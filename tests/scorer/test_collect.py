@@ -144,25 +144,12 @@ async def test_a_hung_endpoint_holds_back_only_its_own_readings(fleet):
     assert math.isnan(signals.snapshot.scraped_at[1]) and not collector.stats.errors
 
 
-async def test_the_scrape_asks_for_only_the_families_it_reads(fleet):
-    emulated, addresses = fleet
-    pool = Pool([EndpointConfig(addresses[0], None)])
-    readings = []
-    for only_read in (True, False):
-        signals = Signals(1)
-        collector = MetricsCollector(pool, signals, CollectorOptions(only_read=only_read))
-        await collector.scrape_once()
-        await collector.aclose()
-        readings.append((collector.stats.bytes, signals.snapshot))
-    (small, filtered), (large, full) = readings
-    assert small * 5 < large  # the emulator honours name[] as vLLM's prometheus_client does
-    for name in ("running", "waiting", "kv_usage", "kv_tokens"):
-        assert getattr(filtered, name)[0] == getattr(full, name)[0]
-    assert filtered.kv_tokens[0] == TINY.num_gpu_blocks * TINY.block_size
-    target = CollectorOptions().target
-    assert target.startswith("/metrics?name%5B%5D=vllm%3Anum_requests_running&")
-    assert CollectorOptions(path="/m?x=1").target.startswith("/m?x=1&name%5B%5D=")
-    assert CollectorOptions(only_read=False).target == "/metrics"
+async def test_the_collector_counts_what_it_fetched(fleet):
+    _, addresses = fleet
+    collector = MetricsCollector(Pool([EndpointConfig(addresses[0], None)]), Signals(1))
+    await collector.scrape_once()
+    await collector.aclose()
+    assert collector.stats.bytes > 10_000 and collector.stats.parse_s > 0  # a whole exposition, parsed
 
 
 @pytest.mark.parametrize(

@@ -410,11 +410,6 @@ def _profile_doc(**profile: Any) -> dict[str, Any]:
             id="signals-typo",
         ),
         pytest.param(
-            {"pool": POOL, "signals": {"scrape_filter": 1}},
-            r"^signals\.scrape_filter must be true or false; got 1$",
-            id="scrape-filter-flag",
-        ),
-        pytest.param(
             {"pool": POOL, "signals": {"scrape_interval_s": 2}},
             r"^signals\.stale_after_s must be greater than signals\.scrape_interval_s \(1 <= 2\): every endpoint",
             id="stale-before-the-next-scrape",
