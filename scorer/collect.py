@@ -2,10 +2,12 @@
 
 Every endpoint has its own scrape loop: a scrape every ``interval_s``, bounded by ``timeout_s``, the loops spread
 evenly over the interval so that a large pool is scraped as a steady trickle instead of a burst. A body is parsed
-as soon as it arrives, in its own loop turn (a few hundred microseconds for vLLM's exposition), so the event loop
-that answers Envoy never waits behind a whole pool's worth of parsing; and a hung endpoint delays only its own
-readings. Readings land in staging arrays; a new `Snapshot` is published at most ``publish_delay_s`` after a
-reading arrives, so many scrapes make one snapshot (scorers that compute once per snapshot stay cheap).
+as soon as it arrives, in its own loop turn, so the event loop that answers Envoy never waits behind a whole
+pool's worth of parsing; and a hung endpoint delays only its own readings. Each endpoint's `SignalReader`
+remembers where the families it reads stood in that server's last exposition, so a parse searches a few KB
+instead of the whole body (tens of microseconds for vLLM's 57 KB). Readings land in staging arrays; a new
+`Snapshot` is published at most ``publish_delay_s`` after a reading arrives, so many scrapes make one snapshot
+(scorers that compute once per snapshot stay cheap).
 
 A failed scrape (refused, timed out, an HTTP error, a body without the metrics) marks the endpoint down and keeps
 its last values with their old scrape time, so the staleness filter can tell; it never stops the collector.
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.httpget import HttpGetError, HttpGetter
 from inferlb.scorer.pool import Pool
-from inferlb.scorer.promtext import VllmSnapshot, read_vllm_signals
+from inferlb.scorer.promtext import SignalReader, VllmSnapshot
 from inferlb.scorer.signals import Signals
 
 __all__ = ["CollectorOptions", "MetricsCollector", "ScrapeStats"]
@@ -83,6 +85,7 @@ class MetricsCollector:
         self.options = options or CollectorOptions()
         self._clock = clock
         self._getters = [HttpGetter(*parse_address(e.address), self.options.path) for e in pool]
+        self._readers = [SignalReader() for _ in pool]
         self.stats = ScrapeStats()
         self.last_error: list[str | None] = [None] * len(pool)
         self._tried = [False] * len(pool)
@@ -154,7 +157,7 @@ class MetricsCollector:
     def _read(self, i: int, body: bytes) -> None:
         self.stats.bytes += len(body)
         started = time.perf_counter()
-        reading: VllmSnapshot = read_vllm_signals(body)
+        reading: VllmSnapshot = self._readers[i].read(body)
         self.stats.parse_s += time.perf_counter() - started
         if reading.running is None and reading.waiting is None and reading.kv_cache_usage is None:
             self._failed(i, "no vLLM metrics in the response")

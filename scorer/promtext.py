@@ -25,6 +25,7 @@ __all__ = [
     "LoraInfo",
     "MetricFamily",
     "Sample",
+    "SignalReader",
     "VllmSnapshot",
     "parse_exposition",
     "read_vllm",
@@ -579,41 +580,36 @@ def _sample_lines(body: bytes, name: bytes) -> list[bytes]:
     """The sample lines of metric ``name`` (exactly that name, labelled or not).
 
     The text format keeps a family's lines together, so this finds the first sample line and reads on while
-    lines carry the name; the search looks for the name without its ``vllm:`` prefix, which is rare in the
-    text, instead of a pattern that every line starts with.
+    lines carry the name.
     """
+    start = _sample_start(body, name, 0)
+    return [] if start < 0 else _lines_from(body, name, start)
+
+
+def _sample_start(body: bytes, name: bytes, pos: int) -> int:
+    """Where the first sample line of ``name`` at or after ``pos`` begins, or -1. The search looks for the name
+    without its ``vllm:`` prefix, which is rare in the text, instead of a pattern that every line starts with."""
     short = name[5:] if name.startswith(b"vllm:") else name
     skip = len(name) - len(short)
-    pos = 0
     while True:
-        i = body.find(short, pos)
+        i = body.find(short, pos + skip)
         if i < 0:
-            return []
+            return -1
         start = i - skip
-        after = body[i + len(short) : i + len(short) + 1]
-        if (
-            start >= 0
-            and body.startswith(name, start)
-            and (start == 0 or body[start - 1] == 10)
-            and after
-            in (
-                b"{",
-                b" ",
-            )
-        ):
-            break
-        pos = i + 1
+        if start >= 0 and (start == 0 or body[start - 1] == 10) and _is_sample(body, name, start):
+            return start
+        pos = i + 1 - skip
+
+
+def _is_sample(body: bytes, name: bytes, start: int) -> bool:
+    """Whether a sample line of ``name`` begins at ``start``."""
+    return body.startswith(name, start) and body[start + len(name) : start + len(name) + 1] in (b"{", b" ")
+
+
+def _lines_from(body: bytes, name: bytes, start: int) -> list[bytes]:
     lines = []
     size = len(body)
-    while (
-        start < size
-        and body.startswith(name, start)
-        and body[start + len(name) : start + len(name) + 1]
-        in (
-            b"{",
-            b" ",
-        )
-    ):
+    while start < size and _is_sample(body, name, start):
         end = body.find(b"\n", start)
         end = size if end < 0 else end
         lines.append(body[start:end])
@@ -689,3 +685,81 @@ def read_vllm_signals(body: bytes) -> VllmSnapshot:
         e2e_latency=None,
         queue_time=None,
     )
+
+
+class SignalReader:
+    """`read_vllm_signals` for one endpoint, scrape after scrape, reading only what the metrics collector uses:
+    running, waiting, KV-cache use and geometry, LoRA state (the prefix-cache and preemption counters stay None).
+
+    A server prints its families in the same order every time, so the reader remembers where each family began
+    in the last body and searches from a little before there: a few KB instead of the whole exposition (most of
+    a vLLM exposition is histogram buckets). LoRA state, printed only by servers with LoRA enabled, is looked
+    for again after an absence only on every `RECHECK_ABSENT`-th read (a server's configuration changes only with
+    a restart, and an absent family costs a scan of the whole body).
+    The results equal ``read_vllm_signals``'s on those fields (the tests compare them). One endpoint, one thread.
+    """
+
+    WINDOW = 2048
+    RECHECK_ABSENT = 10
+
+    def __init__(self) -> None:
+        self._at: dict[bytes, int] = {}  # where each family's first sample line began in the last body
+        self._absent: set[bytes] = set()
+        self._reads = 0
+
+    def read(self, body: bytes) -> VllmSnapshot:
+        if isinstance(body, str):
+            body = body.encode("utf-8", "replace")
+        self._reads += 1
+        names = _SIGNAL_NAMES
+        running = _sample_values(self._lines(body, names["running"]), names["running"])
+        waiting = _sample_values(self._lines(body, names["waiting"]), names["waiting"])
+        kv = _mean_fraction(_sample_values(self._lines(body, names["kv"]), names["kv"]))
+        if kv is None:  # servers older than vLLM 0.10 print the old name
+            kv = _mean_fraction(_sample_values(self._lines(body, names["kv_old"]), names["kv_old"]))
+        block_size = num_gpu_blocks = None
+        cache_lines = self._lines(body, names["cache"])
+        if cache_lines:
+            sizes = [int(m.group(1)) if (m := _BLOCK_SIZE.search(line)) else 0 for line in cache_lines]
+            if len(set(sizes)) == 1 and sizes[0] > 0:
+                block_size = sizes[0]
+            blocks = [int(m.group(1)) if (m := _NUM_BLOCKS.search(line)) else 0 for line in cache_lines]
+            if all(b > 0 for b in blocks):
+                num_gpu_blocks = sum(blocks)
+        return VllmSnapshot(
+            running=_count(running),
+            waiting=_count(waiting),
+            kv_cache_usage=kv,
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            prefix_cache_queries=None,
+            prefix_cache_hits=None,
+            num_preemptions=None,
+            lora=_lora_lines(self._lines(body, names["lora"], rarely_present=True)),
+            ttft=None,
+            e2e_latency=None,
+            queue_time=None,
+        )
+
+    def _lines(self, body: bytes, name: bytes, rarely_present: bool = False) -> list[bytes]:
+        if rarely_present and name in self._absent and self._reads % self.RECHECK_ABSENT:
+            return []
+        at = self._at.get(name)
+        start = -1
+        if at is not None:
+            start = _sample_start(body, name, max(0, at - self.WINDOW))
+            if start >= 0:  # found from the hint: step back to the family's first sample line, if need be
+                while start > 0:
+                    before = body.rfind(b"\n", 0, start - 1) + 1
+                    if not _is_sample(body, name, before):
+                        break
+                    start = before
+        if start < 0:
+            start = _sample_start(body, name, 0)
+        if start < 0:
+            self._absent.add(name)
+            self._at.pop(name, None)
+            return []
+        self._absent.discard(name)
+        self._at[name] = start
+        return _lines_from(body, name, start)

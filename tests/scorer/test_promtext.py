@@ -14,6 +14,7 @@ from inferlb.scorer.promtext import (
     Histogram,
     LoraInfo,
     Sample,
+    SignalReader,
     VllmSnapshot,
     parse_exposition,
     read_vllm,
@@ -538,3 +539,54 @@ def test_the_fast_signal_reader_agrees_with_the_parser(body: bytes) -> None:
     slow = read_vllm(body, histograms=False)
     fast = read_vllm_signals(body)
     assert dataclasses.replace(fast, malformed=slow.malformed) == slow
+    # The collector's reader, fresh and after reading the same body (its hints then point at each family).
+    reader = SignalReader()
+    for _ in range(2):
+        assert _collected(reader.read(body)) == _collected(fast)
+
+
+def _collected(snap: VllmSnapshot) -> dict[str, object]:
+    """The fields the metrics collector uses."""
+    return {
+        f: getattr(snap, f) for f in ("running", "waiting", "kv_cache_usage", "block_size", "num_gpu_blocks", "lora")
+    }
+
+
+def _moved(body: bytes, pad: int) -> bytes:
+    """``body`` with ``pad`` bytes of comments in front, so every family starts elsewhere."""
+    return b"# pad " + b"x" * pad + b"\n" + body
+
+
+def test_the_collectors_reader_follows_families_that_move_appear_and_vanish() -> None:
+    real = FULL.read_bytes()
+    lora = b'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters=""} 10.0\n'
+    bodies = [
+        real,
+        _moved(real, 100),  # within the search window of the last positions
+        _moved(real, 20_000),  # far beyond it
+        real,  # back before the remembered positions
+        QUEUED.read_bytes(),
+        real.replace(b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc"),  # the pre-0.10 name
+        _emulator_exposition(),
+        b'vllm:num_requests_running{engine="0"} 2\nvllm:num_requests_running{engine="1"} 5\n',
+        b"",
+        real,
+    ]
+    reader = SignalReader()
+    for body in bodies:
+        assert _collected(reader.read(body)) == _collected(read_vllm_signals(body))
+    # LoRA state, absent so far, is looked for again within RECHECK_ABSENT reads.
+    with_lora = real + lora
+    seen = [reader.read(with_lora).lora for _ in range(SignalReader.RECHECK_ABSENT)]
+    assert seen[-1] == read_vllm_signals(with_lora).lora is not None
+    assert all(s == seen[-1] for s in seen[seen.index(seen[-1]) :])
+
+
+def test_the_collectors_reader_finds_a_family_whose_first_lines_precede_the_window() -> None:
+    """A family that grew (more engines or models) may now begin before the search window: the reader steps
+    back to its first line."""
+    family = b"".join(b'vllm:num_requests_running{engine="%d"} %d\n' % (i, i) for i in range(400))
+    body = b"# x\n" + family + b"vllm:num_requests_waiting 1\n"
+    reader = SignalReader()
+    reader.read(b"# x\n" + b"y" * len(family) + b'\nvllm:num_requests_running{engine="399"} 399\n')
+    assert reader.read(body).running == sum(range(400))
