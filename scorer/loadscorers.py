@@ -196,7 +196,9 @@ class TtftPredictor:
                 known = np.isfinite(rate) & (rate > 0)
             self._seconds_per_token = 1.0 / np.where(known, rate, DEFAULT_PREFILL_TOKENS_PER_S)
             self._for = snapshot
-        work = state.inflight.tokens[candidates] + float(request.prompt_tokens)
+        # At least one token: a request whose prompt is unknown (a headers-only route) still ranks endpoints by
+        # the work queued there, instead of scoring every one 0 when some endpoint is idle.
+        work = state.inflight.tokens[candidates] + float(max(request.prompt_tokens, 1))
         hashes = request.prefix_hashes
         if self._match is not None and hashes:
             cached = self._match(hashes)[candidates] * self.block_tokens

@@ -176,6 +176,7 @@ class Match:
 
 PREFIXED = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=tuple(range(15)))
 D = 20_000.0  # DEFAULT_PREFILL_TOKENS_PER_S
+NO_PROMPT = RequestFeatures(model="m")  # a headers-only route: the prompt is unknown
 
 
 @pytest.mark.parametrize(
@@ -193,6 +194,7 @@ D = 20_000.0  # DEFAULT_PREFILL_TOKENS_PER_S
         pytest.param(PREFIXED, [0, 640, 0, 0], None, [0, 10, 0, 0], ALL, [1000, 1000, 1000, 1000], id="hit-vs-queue"),
         pytest.param(REQUEST, [0, 8192, 2000, 0], None, None, [1, 2], [9192, 3000], id="best-among-candidates"),
         pytest.param(REQUEST, [0, 8192, 2000, 0], None, None, [1], [1], id="single"),
+        pytest.param(NO_PROMPT, [0, 8192, 2000, 0], None, None, ALL, [1, 8193, 2001, 1], id="no-prompt-known"),
     ],
 )
 def test_predicted_ttft_is_best_cost_over_own(
