@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -572,6 +572,7 @@ _SIGNAL_NAMES = {
     "cache": b"vllm:cache_config_info",
     "lora": b"vllm:lora_requests_info",
 }
+_LORA = _SIGNAL_NAMES["lora"]
 _BLOCK_SIZE = re.compile(rb'[{,]block_size="(\d+)"')
 _NUM_BLOCKS = re.compile(rb'[{,]num_gpu_blocks="(\d+)"')
 
@@ -652,18 +653,24 @@ def read_vllm_signals(body: bytes) -> VllmSnapshot:
     A vLLM exposition is mostly histogram buckets the picker does not read; skipping them unparsed is most of
     the saving (the equivalence is checked by the tests on real vLLM expositions and the emulator's).
     """
+    return _read_signals(body, _sample_lines, counters=True)
+
+
+def _read_signals(body: bytes | str, lines: Callable[[bytes, bytes], list[bytes]], *, counters: bool) -> VllmSnapshot:
+    """The signals of ``body``, each family's sample lines found by ``lines(body, name)``; the prefix-cache and
+    preemption counters only with ``counters``."""
     if isinstance(body, str):
         body = body.encode("utf-8", "replace")
-    found = {
-        key: _sample_values(_sample_lines(body, name), name)
-        for key, name in _SIGNAL_NAMES.items()
-        if key not in ("cache", "kv_old", "lora")
-    }
-    kv = _mean_fraction(found["kv"])
+    names = _SIGNAL_NAMES
+
+    def values(key: str) -> list[float] | None:
+        return _sample_values(lines(body, names[key]), names[key])
+
+    kv = _mean_fraction(values("kv"))
     if kv is None:  # servers older than vLLM 0.10 print the old name
-        kv = _mean_fraction(_sample_values(_sample_lines(body, _SIGNAL_NAMES["kv_old"]), _SIGNAL_NAMES["kv_old"]))
+        kv = _mean_fraction(values("kv_old"))
     block_size = num_gpu_blocks = None
-    cache_lines = _sample_lines(body, _SIGNAL_NAMES["cache"])
+    cache_lines = lines(body, names["cache"])
     if cache_lines:
         sizes = [int(m.group(1)) if (m := _BLOCK_SIZE.search(line)) else 0 for line in cache_lines]
         if len(set(sizes)) == 1 and sizes[0] > 0:
@@ -672,15 +679,15 @@ def read_vllm_signals(body: bytes) -> VllmSnapshot:
         if all(b > 0 for b in blocks):
             num_gpu_blocks = sum(blocks)
     return VllmSnapshot(
-        running=_count(found["running"]),
-        waiting=_count(found["waiting"]),
+        running=_count(values("running")),
+        waiting=_count(values("waiting")),
         kv_cache_usage=kv,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
-        prefix_cache_queries=_count(found["queries"]),
-        prefix_cache_hits=_count(found["hits"]),
-        num_preemptions=_count(found["preemptions"]),
-        lora=_lora_lines(_sample_lines(body, _SIGNAL_NAMES["lora"])),
+        prefix_cache_queries=_count(values("queries")) if counters else None,
+        prefix_cache_hits=_count(values("hits")) if counters else None,
+        num_preemptions=_count(values("preemptions")) if counters else None,
+        lora=_lora_lines(lines(body, names["lora"])),
         ttft=None,
         e2e_latency=None,
         queue_time=None,
@@ -708,41 +715,11 @@ class SignalReader:
         self._reads = 0
 
     def read(self, body: bytes) -> VllmSnapshot:
-        if isinstance(body, str):
-            body = body.encode("utf-8", "replace")
         self._reads += 1
-        names = _SIGNAL_NAMES
-        running = _sample_values(self._lines(body, names["running"]), names["running"])
-        waiting = _sample_values(self._lines(body, names["waiting"]), names["waiting"])
-        kv = _mean_fraction(_sample_values(self._lines(body, names["kv"]), names["kv"]))
-        if kv is None:  # servers older than vLLM 0.10 print the old name
-            kv = _mean_fraction(_sample_values(self._lines(body, names["kv_old"]), names["kv_old"]))
-        block_size = num_gpu_blocks = None
-        cache_lines = self._lines(body, names["cache"])
-        if cache_lines:
-            sizes = [int(m.group(1)) if (m := _BLOCK_SIZE.search(line)) else 0 for line in cache_lines]
-            if len(set(sizes)) == 1 and sizes[0] > 0:
-                block_size = sizes[0]
-            blocks = [int(m.group(1)) if (m := _NUM_BLOCKS.search(line)) else 0 for line in cache_lines]
-            if all(b > 0 for b in blocks):
-                num_gpu_blocks = sum(blocks)
-        return VllmSnapshot(
-            running=_count(running),
-            waiting=_count(waiting),
-            kv_cache_usage=kv,
-            block_size=block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            prefix_cache_queries=None,
-            prefix_cache_hits=None,
-            num_preemptions=None,
-            lora=_lora_lines(self._lines(body, names["lora"], rarely_present=True)),
-            ttft=None,
-            e2e_latency=None,
-            queue_time=None,
-        )
+        return _read_signals(body, self._lines, counters=False)
 
-    def _lines(self, body: bytes, name: bytes, rarely_present: bool = False) -> list[bytes]:
-        if rarely_present and name in self._absent and self._reads % self.RECHECK_ABSENT:
+    def _lines(self, body: bytes, name: bytes) -> list[bytes]:
+        if name == _LORA and name in self._absent and self._reads % self.RECHECK_ABSENT:
             return []
         at = self._at.get(name)
         start = -1
