@@ -59,20 +59,13 @@ LIVE_CONTENDERS: tuple[str, ...] = (*ENVOY_CONTENDERS, *(f"inferlb:{p}" for p in
 
 
 def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    chosen = settings(
+    profile, servers, requests, loads, wanted = settings(
         args,
         "live",
         servers=4,
         requests=(60, 120),
         loads=(LIVE_LOADS_QUICK, LIVE_LOADS),
         contenders=LIVE_CONTENDERS,
-    )
-    profile, servers, requests, loads, wanted = (
-        chosen.profile,
-        chosen.servers,
-        chosen.requests,
-        chosen.loads,
-        chosen.policies,
     )
     notes: list[str] = []
     policies = []

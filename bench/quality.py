@@ -20,9 +20,8 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -95,9 +94,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 # ---- the simulator ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """A mode's run settings: the command line's, else the mode's defaults (quick or full)."""
+class Settings(NamedTuple):
+    """A mode's run settings: the command line's, else the mode's defaults (quick or full). Unpacks in order."""
 
     profile: Profile
     servers: int
@@ -130,20 +128,13 @@ def settings(
 
 
 def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    chosen = settings(
+    profile, servers, requests, loads, policies = settings(
         args,
         "DES",
         servers=16,
         requests=(300, 2000),
         loads=(DES_LOADS_QUICK, DES_LOADS),
         contenders=DES_CONTENDERS,
-    )
-    profile, servers, requests, loads, policies = (
-        chosen.profile,
-        chosen.servers,
-        chosen.requests,
-        chosen.loads,
-        chosen.policies,
     )
     summary: dict[str, Any] = {
         "fleet": {"servers": servers, "profile": profile.name},
