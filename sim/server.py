@@ -28,7 +28,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -49,6 +49,8 @@ from inferlb.sim.openai import (
 )
 from inferlb.sim.profiles import Profile
 from inferlb.sim.spans import RequestSpans
+
+_Parsed = TypeVar("_Parsed")
 
 __all__ = ["FAULT_KEYS", "SEEN_DEST_HEADER", "SERVER_HEADER", "EmulatedServer", "ServerOptions"]
 
@@ -466,30 +468,18 @@ class EmulatedServer:
         await _send_json(send, 200, self.faults(), headers)
 
     async def _tokenize(self, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        body = await _read_json(receive, send, headers)
-        if body is None:
-            return
-        try:
-            request = parse_tokenize(body, models=self.options.models)
-        except BadRequest as exc:
-            await _send_bad_request(send, exc, headers)
-            return
-        await _send_json(send, 200, tokenize_body(request, self.profile.max_model_len), headers)
+        read = await _read_parsed(receive, send, headers, lambda body: parse_tokenize(body, models=self.options.models))
+        if read is not None:
+            await _send_json(send, 200, tokenize_body(read[1], self.profile.max_model_len), headers)
 
     async def _render(self, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         if not self.options.enable_scale_out:
             message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
             await _send_error(send, 403, message, headers, kind="PermissionDeniedError")
             return
-        body = await _read_json(receive, send, headers)
-        if body is None:
-            return
-        try:
-            prompt = self._parse(body, chat=False)
-        except BadRequest as exc:
-            await _send_bad_request(send, exc, headers)
-            return
-        await _send_json(send, 200, render_body(body, prompt), headers)
+        read = await _read_parsed(receive, send, headers, lambda body: self._parse(body, chat=False))
+        if read is not None:
+            await _send_json(send, 200, render_body(*read), headers)
 
     def _parse(self, body: object, *, chat: bool) -> Prompt:
         profile, options = self.profile, self.options
@@ -508,14 +498,10 @@ class EmulatedServer:
         # (a tokenizer's work in vLLM) are part of the time to first token. That work is CPU time, not emulated
         # GPU time, so it counts at its wall duration whatever the time scale.
         received = self._clock()
-        body = await _read_json(receive, send, headers)
-        if body is None:
+        read = await _read_parsed(receive, send, headers, lambda body: self._parse(body, chat=chat))
+        if read is None:
             return
-        try:
-            prompt = self._parse(body, chat=chat)
-        except BadRequest as exc:
-            await _send_bad_request(send, exc, headers)
-            return
+        prompt = read[1]
         trace = _trace_headers(scope["headers"])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
         request = SimRequest(rid, prompt.prompt_tokens, prompt.max_tokens, prompt.hashes)
@@ -595,6 +581,21 @@ def _trace_headers(raw: Sequence[tuple[bytes, bytes]]) -> tuple[str | None, str 
         elif name == b"tracestate":
             state = value.decode("latin-1")
     return parent, state
+
+
+async def _read_parsed(
+    receive: Receive, send: Send, headers: list[tuple[bytes, bytes]], parse: Callable[[Any], _Parsed]
+) -> tuple[Any, _Parsed] | None:
+    """The JSON body and what ``parse`` made of it, or None after answering (400 for a `BadRequest`, 413) or when
+    the client left."""
+    body = await _read_json(receive, send, headers)
+    if body is None:
+        return None
+    try:
+        return body, parse(body)
+    except BadRequest as exc:
+        await _send_bad_request(send, exc, headers)
+        return None
 
 
 async def _read_json(receive: Receive, send: Send, headers: list[tuple[bytes, bytes]]) -> Any:
