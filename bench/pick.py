@@ -119,31 +119,23 @@ def scrape_cost(endpoints: int, seconds: float, workdir: Path, body: Path = FIXT
     try:
         for address in (addresses[0], addresses[-1]):  # bound in order: the last up means all are
             farm.wait_ready(http_ok(f"http://{address}/metrics"), 30.0, f"serving on {address}")
-        result = asyncio.run(_scrape_runs(addresses, seconds))
+        result = asyncio.run(_scrape_run(addresses, seconds))
     finally:
         farm.stop()
     return {"endpoints": endpoints, "interval_s": 0.1, "body_bytes": body.stat().st_size, **result}
 
 
-async def _scrape_runs(addresses: list[str], seconds: float) -> dict[str, Any]:
+async def _scrape_run(addresses: list[str], seconds: float) -> dict[str, Any]:
     n = len(addresses)
     pool = Pool([EndpointConfig(a, None) for a in addresses])
     signals = Signals(n, stale_after_s=1.0)
     engine = Engine(pool, build_profile("default", np.random.default_rng(3), size=n), signals=signals)
     request = _requests(1, np.random.default_rng(4))[0]
-    idle = await _probe(engine, request, min(seconds, 3.0))
+    idle = await _probe(engine, request, min(seconds, 3.0))  # the request path with no scraping
     collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.1, timeout_s=0.5))
-    return {"idle": idle, **await _scrape_run(collector, engine, request, seconds)}
-
-
-async def _scrape_run(
-    collector: MetricsCollector, engine: Engine, request: RequestFeatures, seconds: float
-) -> dict[str, Any]:
-    n = len(collector.pool)
     await collector.scrape_once()  # connect once before measuring
-    fetched = collector.stats.bytes
-    usage, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     before = dataclasses.replace(collector.stats, errors=collector.stats.errors.copy())
+    usage, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     task = asyncio.create_task(collector.run())
     await asyncio.sleep(seconds)  # the collector alone: its CPU
     after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - wall
@@ -159,7 +151,7 @@ async def _scrape_run(
     await asyncio.gather(task, return_exceptions=True)
     await collector.aclose()
     return {
-        "bytes_per_scrape": round((stats.bytes - fetched) / max(stats.scrapes - before.scrapes, 1)),
+        "bytes_per_scrape": round((stats.bytes - before.bytes) / max(scrapes, 1)),
         "wall_s": round(wall, 1),
         "scrapes_per_s": round(scrapes / wall, 1),
         "per_endpoint_hz": round(scrapes / wall / n, 2),
@@ -169,11 +161,12 @@ async def _scrape_run(
         "system_cores": round(system / wall, 3),
         "parse_cores": round(parse_s / wall, 3),
         "cpu_us_per_scrape": round(1e6 * cpu / max(scrapes, 1), 1),
+        "idle": idle,
         "scraping": busy,
     }
 
 
-async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> dict[str, float]:
+async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> dict[str, float | None]:
     """Every PROBE_S: how late the loop woke us (lag), one `Engine.decide`, and the oldest endpoint data it read."""
     loop = asyncio.get_running_loop()
     lags, picks, ages = [], [], []
@@ -196,7 +189,8 @@ async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> di
         "lag_max_ms": round(max(lags) * 1e3, 2),
         "pick_p50_us": pct(picks, 50, 1e6),
         "pick_p99_us": pct(picks, 99, 1e6),
-        "oldest_data_p99_ms": pct(ages, 99, 1e3),
+        # None before the first scrape (every age is infinite).
+        "oldest_data_p99_ms": pct(ages, 99, 1e3) if np.isfinite(ages).all() else None,
     }
 
 
