@@ -54,13 +54,11 @@ class CollectorOptions:
 
 @dataclass(slots=True)
 class ScrapeStats:
-    """Counters of the collector (event-loop owned). ``errors`` is keyed by endpoint address; ``attempted`` is how
-    many endpoints have had at least one scrape attempt (all of them: the first round is done)."""
+    """Counters of the collector (event-loop owned). ``errors`` is keyed by endpoint address."""
 
     scrapes: int = 0
     bytes: int = 0
     published: int = 0
-    attempted: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     parse_s: float = 0.0
 
@@ -88,7 +86,7 @@ class MetricsCollector:
         self._readers = [SignalReader() for _ in pool]
         self.stats = ScrapeStats()
         self.last_error: list[str | None] = [None] * len(pool)
-        self._tried = [False] * len(pool)
+        self._untried = set(range(len(pool)))  # endpoints not scraped yet, successfully or not
         # Staging: the latest reading of each endpoint, copied into a snapshot when published.
         old = signals.snapshot
         self._running, self._waiting = old.running.copy(), old.waiting.copy()
@@ -150,9 +148,7 @@ class MetricsCollector:
             else:
                 self._read(i, body)
         self.stats.scrapes += 1
-        if not self._tried[i]:
-            self._tried[i] = True
-            self.stats.attempted += 1
+        self._untried.discard(i)
 
     def _read(self, i: int, body: bytes) -> None:
         self.stats.bytes += len(body)
@@ -194,7 +190,7 @@ class MetricsCollector:
             )
         )
         self.stats.published += 1
-        self._round_published = self.stats.attempted == len(self._getters)
+        self._round_published = not self._untried
 
     def _failed(self, i: int, reason: str) -> None:
         self._up[i] = False
