@@ -114,7 +114,8 @@ class PresetPolicy:
         n = len(profiles)
         endpoints = [EndpointConfig(f"10.0.{i // 250}.{i % 250 + 1}:8000", frozenset({MODEL})) for i in range(n)]
         self.pool = Pool(endpoints)
-        self.inflight = InFlight(n)
+        self._now = 0.0  # the simulator's clock at the current decision
+        self.inflight = InFlight(n, clock=lambda: self._now)
         self.signals = Signals(n, stale_after_s=stale_after_s)
         profile = build_profile(preset, np.random.default_rng(seed), size=n)
         self.engine = Engine(self.pool, profile, self.inflight, self.signals)
@@ -128,6 +129,7 @@ class PresetPolicy:
         )
         self._block_step = [max(1, PREFIX_BLOCK_TOKENS // p.block_size) for p in profiles]
         self._scraped: list[float] = [-1.0] * n
+        self._sent_at_scrape = np.full(n, np.nan)
         self._latency_dirty = False
         self.decide_cpu_s = 0.0  # CPU time in Engine.decide alone: the picker's per-request work
         self.decisions = 0
@@ -151,6 +153,8 @@ class PresetPolicy:
         index = self.engine.decide(features).endpoint.index
         self.decide_cpu_s += time.process_time() - started
         self.decisions += 1
+        # As the filter does once the request goes (the counts are the simulator's, set again on the next call).
+        self.inflight.acquire(index, arrival.prompt_tokens)
         return index
 
     def finished(self, record: RequestRecord, now: float) -> None:
@@ -161,6 +165,7 @@ class PresetPolicy:
 
     def _sync(self, view: FleetView) -> None:
         """Publish a snapshot when a scrape or a latency changed, with ages mapped onto the monotonic clock."""
+        self._now = view.now
         self.inflight.requests[:] = view.inflight
         self.inflight.tokens[:] = view.inflight_tokens
         snaps = view.snapshots
@@ -168,6 +173,8 @@ class PresetPolicy:
         for i, snap in enumerate(snaps):
             if snap is not None and snap.scraped_at != self._scraped[i]:
                 self._scraped[i] = snap.scraped_at
+                # Exact here: nothing was sent between that scrape and this decision.
+                self._sent_at_scrape[i] = self.inflight.sent[i]
                 changed = True
         if not changed:
             return
@@ -192,5 +199,6 @@ class PresetPolicy:
                 ttft_s=arrays["ttft_ewma"],
                 e2e_s=arrays["e2e_ewma"],
                 scraped_at=scraped,
+                sent_at_scrape=self._sent_at_scrape,
             )
         )

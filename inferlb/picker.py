@@ -198,7 +198,7 @@ class Picker:
             or [e.gpu for e in config.endpoints] != [e.gpu for e in old.endpoints]
         )
         if restart:
-            collectors = _collectors(config, pool, signals)
+            collectors = _collectors(config, pool, signals, inflight)
             if self._started:
                 asyncio.get_running_loop().create_task(self._restart_collectors(*collectors))
             else:
@@ -248,14 +248,16 @@ def _admission(config: Config, pool: Pool, signals: Signals) -> Admission:
     )
 
 
-def _collectors(config: Config, pool: Pool, signals: Signals) -> tuple[MetricsCollector | None, GpuCollector | None]:
+def _collectors(
+    config: Config, pool: Pool, signals: Signals, inflight: InFlight
+) -> tuple[MetricsCollector | None, GpuCollector | None]:
     collector = None
     if config.signals.scrape_metrics:
         options = CollectorOptions(
             interval_s=config.signals.scrape_interval_s,
             timeout_s=config.signals.scrape_timeout_s,
         )
-        collector = MetricsCollector(pool, signals, options)
+        collector = MetricsCollector(pool, signals, options, inflight=inflight)
     sources = [e.gpu for e in config.endpoints]
     gpu = GpuCollector(sources, signals, interval_s=config.signals.gpu_interval_s) if any(sources) else None
     return collector, gpu
@@ -275,7 +277,7 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
         classifier=Classifier(config.classes, config.default_class),
         admission=_admission(config, pool, signals),
     )
-    collector, gpu = _collectors(config, pool, signals)
+    collector, gpu = _collectors(config, pool, signals, engine.inflight)
     spans = None
     if config.otel.receiver is not None or config.otel.latency_source == "stream":
         spans = SpanLoop(config.otel, pool, signals)

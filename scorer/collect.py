@@ -9,6 +9,9 @@ instead of the whole body (tens of microseconds for vLLM's 57 KB). Readings land
 `Snapshot` is published at most ``publish_delay_s`` after a reading arrives, so many scrapes make one snapshot
 (scorers that compute once per snapshot stay cheap).
 
+Each scrape also notes how many requests the picker had sent to the endpoint when it began (``inflight``, if
+given), so that filters can add what was sent since to the scraped queue (`Snapshot.sent_since_scrape`).
+
 A failed scrape (refused, timed out, an HTTP error, a body without the metrics) marks the endpoint down and keeps
 its last values with their old scrape time, so the staleness filter can tell; it never stops the collector.
 Picks never wait for a scrape: they read the latest snapshot.
@@ -24,8 +27,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.httpget import HttpGetError, HttpGetter
+from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.promtext import SignalReader, VllmSnapshot
 from inferlb.scorer.signals import Signals
@@ -76,9 +82,11 @@ class MetricsCollector:
         signals: Signals,
         options: CollectorOptions | None = None,
         *,
+        inflight: InFlight | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self.inflight = inflight
         self.signals = signals
         self.options = options or CollectorOptions()
         self._clock = clock
@@ -92,6 +100,9 @@ class MetricsCollector:
         self._running, self._waiting = old.running.copy(), old.waiting.copy()
         self._kv_usage, self._kv_tokens = old.kv_usage.copy(), old.kv_tokens.copy()
         self._scraped_at, self._up = old.scraped_at.copy(), old.up.copy()
+        nan = np.full(len(pool), np.nan)
+        self._sent_at_scrape = nan.copy() if old.sent_at_scrape is None else old.sent_at_scrape.copy()
+        self._sent_at_start = nan  # InFlight.sent when each endpoint's current scrape began
         self._lora = list(old.lora)
         self._publish_pending: asyncio.TimerHandle | None = None
         self._round_published = False
@@ -138,6 +149,8 @@ class MetricsCollector:
             await asyncio.sleep(max(0.0, interval - (self._clock() - started)))
 
     async def _scrape(self, i: int) -> None:
+        if self.inflight is not None:
+            self._sent_at_start[i] = self.inflight.sent[i]
         try:
             status, body = await self._getters[i].get(self.options.timeout_s)
         except HttpGetError as exc:
@@ -165,6 +178,7 @@ class MetricsCollector:
             self._kv_tokens[i] = reading.num_gpu_blocks * reading.block_size
         self._lora[i] = reading.lora
         self._scraped_at[i] = self._clock()
+        self._sent_at_scrape[i] = self._sent_at_start[i]
         self._up[i] = True
         self.last_error[i] = None
 
@@ -185,6 +199,7 @@ class MetricsCollector:
                 kv_usage=self._kv_usage,
                 kv_tokens=self._kv_tokens,
                 scraped_at=self._scraped_at,
+                sent_at_scrape=self._sent_at_scrape,
                 up=self._up,
                 lora=self._lora,
             )

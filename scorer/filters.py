@@ -37,7 +37,13 @@ class StalenessFilter:
 
 class SaturationFilter:
     """Drops endpoints over a threshold: more than ``max_waiting`` queued requests or KV-cache use above
-    ``max_kv_usage``. Unknown values pass. If every candidate is saturated, keeps them all."""
+    ``max_kv_usage``. Unknown values pass. If every candidate is saturated, keeps them all.
+
+    The queue counted is the scraped one plus the requests this picker sent the endpoint after that scrape began
+    (`Snapshot.sent_since_scrape`). On the scraped queue alone, the few endpoints under the threshold at the
+    last scrape would take every request until the next one: at full load that herding put 130 of 358 requests
+    in half a second onto one of 16 servers in the simulator, and tripled the time-to-first-token p99.
+    """
 
     name = "saturation"
 
@@ -49,17 +55,21 @@ class SaturationFilter:
         self.max_waiting = max_waiting
         self.max_kv_usage = max_kv_usage
         self._for: Snapshot | None = None
-        self._saturated = np.zeros(0, dtype=bool)
-        self._any = False
+        self._full = np.zeros(0, dtype=bool)  # KV cache over, or the scraped queue already over
+        self._room = np.zeros(0)  # requests an endpoint may still be sent before its queue is over
+        self._any_full = False
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         snapshot = state.signals.snapshot
         if snapshot is not self._for:  # once per scrape, not once per pick
-            saturated = snapshot.over(self.max_waiting, self.max_kv_usage)
-            self._saturated, self._any, self._for = saturated, bool(saturated.any()), snapshot
-        if not self._any:
-            return candidates
-        return _keep(candidates, ~self._saturated[candidates])
+            self._full = snapshot.over(self.max_waiting, self.max_kv_usage)
+            self._any_full = bool(self._full.any())
+            self._room = np.where(np.isnan(snapshot.waiting), math.inf, self.max_waiting - snapshot.waiting)
+            self._for = snapshot
+        since = snapshot.sent_since_scrape(state.inflight.sent, candidates)
+        if since is None:
+            return _keep(candidates, ~self._full[candidates]) if self._any_full else candidates
+        return _keep(candidates, ~(self._full[candidates] | (since > self._room[candidates])))
 
 
 class MemoryFitFilter:
@@ -102,3 +112,6 @@ class TtftSloFilter:
         if slo is None:
             return candidates
         return _keep(candidates, self.predictor.seconds(request, state, candidates) <= slo)
+
+    def on_pick(self, request: RequestFeatures, endpoint: int) -> None:
+        self.predictor.on_pick(request, endpoint)

@@ -1,30 +1,66 @@
-"""In-flight accounting: the requests and estimated tokens the picker has sent to each endpoint and not yet
-seen finish. It is the one signal with no scrape lag: it moves on every decision and every completion."""
+"""In-flight accounting: what the picker has sent to each endpoint, with no scrape lag.
+
+* ``requests`` and ``tokens``: requests (and their estimated prompt tokens) sent and not yet seen finish; they
+  move on every decision and every completion.
+* ``sent``: requests ever sent, so that a scraped signal can be brought up to date with what was sent after the
+  scrape began (see `Snapshot.sent_at_scrape`).
+* The prefill backlog: prompt tokens sent that the endpoint is estimated not to have prefilled yet. A prompt's
+  tokens count only until its endpoint has had time to prefill them, not until its request ends: a server busy
+  decoding long answers is not one with a long queue to prefill.
+"""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import numpy as np
 
 
 class InFlight:
-    """Per-endpoint counters, as int64 arrays aligned with the pool (read them, never write them directly).
+    """Per-endpoint counters, as arrays aligned with the pool (read them, never write them directly).
 
     Owned by the event loop that routes requests: not thread-safe, and it need not be, because the counters
-    change only on that loop.
+    change only on that loop. ``clock`` (seconds) dates the prefill backlog.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.requests = np.zeros(size, dtype=np.int64)
         self.tokens = np.zeros(size, dtype=np.int64)
+        self.sent = np.zeros(size, dtype=np.int64)
+        self.clock = clock
+        # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
+        self._prefill = np.zeros(size)
+        self._prefill_at = np.zeros(size)
+        self._prefill_for: object | None = None
 
     def acquire(self, index: int, tokens: int) -> Lease:
         """Count one request to endpoint ``index``; the returned lease must be released when it ends."""
         self.requests[index] += 1
         self.tokens[index] += tokens
+        self.sent[index] += 1
         return Lease(self, index, tokens)
 
     def total(self) -> int:
         return int(self.requests.sum())
+
+    def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
+        """Per candidate, the prompt tokens sent there that it has not had time to prefill, at ``tokens_per_s``
+        (aligned with ``candidates``)."""
+        elapsed = self.clock() - self._prefill_at[candidates]
+        return np.maximum(self._prefill[candidates] - tokens_per_s * elapsed, 0.0)
+
+    def add_prefill(self, index: int, tokens: float, tokens_per_s: float, request: object) -> None:
+        """Add a prompt's tokens still to prefill (its uncached part) to the backlog of endpoint ``index``, which
+        prefills ``tokens_per_s``. Counted once per ``request`` (an identity: several predictors may report the
+        same decision)."""
+        if request is self._prefill_for:
+            return
+        self._prefill_for = request
+        now = self.clock()
+        left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
+        self._prefill[index] = max(left, 0.0) + tokens
+        self._prefill_at[index] = now
 
 
 class Lease:

@@ -40,7 +40,10 @@ def _frozen(values: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Endpoint state at one moment. ``scraped_at`` is the ``time.monotonic()`` of each endpoint's last successful
-    metrics scrape (NaN: never); ``up`` says whether the last scrape attempt succeeded. Every array is read-only.
+    metrics scrape (NaN: never); ``up`` says whether the last scrape attempt succeeded. ``sent_at_scrape`` is how
+    many requests the picker had sent to the endpoint (`InFlight.sent`) when that scrape began (NaN: not known),
+    so that a scraped queue can be brought up to date with what was sent since (`sent_since_scrape`). Every array is
+    read-only.
     """
 
     running: np.ndarray
@@ -55,6 +58,7 @@ class Snapshot:
     prefill_tokens_per_s: np.ndarray
     scraped_at: np.ndarray
     up: np.ndarray
+    sent_at_scrape: np.ndarray | None = None  # None: as NaN everywhere
     built_at: float = field(default_factory=time.monotonic)
     # Per endpoint, the LoRA adapters its running and waiting requests use and its adapter slots, from
     # ``vllm:lora_requests_info`` (None: not reported). Not an array: sets of names.
@@ -85,6 +89,14 @@ class Snapshot:
         (unknown values are not over)."""
         with np.errstate(invalid="ignore"):
             return (self.waiting > max_waiting) | (self.kv_usage > max_kv_usage)
+
+    def sent_since_scrape(self, sent: np.ndarray, candidates: np.ndarray) -> np.ndarray | None:
+        """Per candidate, requests sent since its last scrape began (``sent`` is `InFlight.sent`); None when no
+        scrape recorded what had been sent."""
+        if self.sent_at_scrape is None:
+            return None
+        since = sent[candidates] - self.sent_at_scrape[candidates]
+        return np.where(np.isnan(since), 0.0, np.maximum(since, 0.0))
 
     def with_values(self, **changes: Any) -> Snapshot:
         """A new snapshot with some arrays replaced (each copied and frozen); the rest is shared."""

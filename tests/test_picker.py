@@ -75,6 +75,7 @@ async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, se
         assert all(r["up"] and not r["stale"] and r["running"] == 0 and r["kv_cache_usage"] == 0 for r in rows)
         assert all(r["kv_cache_tokens"] == H100.num_gpu_blocks * H100.block_size for r in rows)
         assert all(r["gpu_free_bytes"] > 0 for r in rows)
+        assert picker.collector.inflight is picker.engine.inflight
         for i in range(5):
             picker.service._route(RequestFeatures(model="m", request_id=f"r{i}", prompt_tokens=10), ((None,) * 3))
         picker.service._route(RequestFeatures(model="nope", request_id="bad"), ((None,) * 3))
@@ -140,8 +141,16 @@ async def test_the_config_file_is_watched(picker, servers):
     # A new pool: fresh counts and the collectors follow the new endpoints.
     path.write_text(yaml.safe_dump({**doc, "pool": {"endpoints": doc["pool"]["endpoints"][:2]}}))
     await until(lambda: len(picker.engine.pool) == 2)
-    await until(lambda: picker.collector is not None and picker.collector.first_round_done)
+    # The new collector (it notes what the new in-flight counts had sent when each scrape began).
+    await until(
+        lambda: (
+            picker.collector is not None
+            and picker.collector.inflight is picker.engine.inflight
+            and picker.collector.first_round_done
+        )
+    )
     assert len(picker.engine.signals.snapshot) == 2
+    assert picker.engine.signals.snapshot.sent_at_scrape.tolist() == [0, 0]
 
 
 async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(servers, tmp_path: Path):

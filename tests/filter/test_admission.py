@@ -17,6 +17,7 @@ from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.registry import PluginSpec, ProfileSpec
@@ -201,7 +202,9 @@ async def test_a_class_with_a_ttft_objective_avoids_endpoints_predicted_to_miss_
         "p", (PluginSpec("model"), PluginSpec("ttft-slo")), (PluginSpec("in-flight"),), PluginSpec("max-score")
     )
     engine = Engine(pool, build_profile(spec, np.random.default_rng(1), size=3), signals=signals)
-    engine.inflight.tokens[:] = [40_000, 0, 40_000]  # two seconds of prefill queued at the default rate
+    engine.inflight.clock = lambda: 0.0  # the backlog does not drain while the test runs
+    for endpoint in (0, 2):  # two seconds of prefill queued at the default rate
+        engine.inflight.add_prefill(endpoint, 40_000, DEFAULT_PREFILL_TOKENS_PER_S, object())
     engine.inflight.requests[:] = [1, 9, 1]  # the only endpoint that can meet it has the most requests
     service = ExtProcService(engine, max_body_bytes=1 << 20, classifier=Classifier(RULES), admission=None)
     server = PickerServer(service, "127.0.0.1:0")

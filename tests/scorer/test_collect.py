@@ -7,11 +7,13 @@ import dataclasses
 import math
 
 import httpx
+import numpy as np
 import pytest
 
 from inferlb.procs import free_port
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
 from inferlb.sim.fleet import serving
@@ -84,6 +86,25 @@ async def test_one_round_reads_live_servers_and_marks_the_rest_down(fleet):
     assert "timed out" in collector.last_error[3]
     assert "ConnectionRefusedError" in collector.last_error[4]
     assert collector.stats.published == 1 and collector.stats.scrapes == 5 and collector.first_round_done
+
+
+async def test_a_scrape_notes_how_many_requests_had_been_sent_when_it_began(fleet):
+    _, addresses = fleet
+    pool = Pool([EndpointConfig(a, None) for a in addresses[:3]])
+    signals = Signals(len(pool), stale_after_s=5)
+    inflight = InFlight(len(pool))
+    collector = MetricsCollector(pool, signals, CollectorOptions(timeout_s=0.3), inflight=inflight)
+    for index in (0, 0, 1):
+        inflight.acquire(index, 10)
+    await collector.scrape_once()
+    inflight.acquire(0, 10)
+    snap = signals.snapshot
+    assert snap.sent_at_scrape[:2].tolist() == [2, 1]
+    assert math.isnan(snap.sent_at_scrape[2])  # the garbage endpoint: no successful scrape
+    assert snap.sent_since_scrape(inflight.sent, np.arange(3)).tolist() == [1, 0, 0]
+    await collector.scrape_once()
+    await collector.aclose()
+    assert signals.snapshot.sent_since_scrape(inflight.sent, np.arange(3)).tolist() == [0, 0, 0]
 
 
 async def test_a_server_that_goes_down_keeps_its_values_but_turns_stale(fleet):

@@ -17,6 +17,7 @@ from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftSloFilter
 from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
 
@@ -127,6 +128,45 @@ def test_saturation_filter_follows_a_new_snapshot() -> None:
 
 
 @pytest.mark.parametrize(
+    ("waiting", "sent_at_scrape", "sent", "expected"),
+    [
+        pytest.param([0, 10, 10, 0], [5, 5, 5, 5], [5, 12, 11, 5], [0, 2, 3], id="sent-since-scrape-fills-a-queue"),
+        pytest.param([0, 10, 16, 0], [5, 5, 5, 5], [5, 11, 5, 5], [0, 1, 2, 3], id="at-threshold-passes"),
+        pytest.param([0, 0, 0, 0], [NAN, 0, 0, 0], [30, 0, 0, 0], [0, 1, 2, 3], id="unknown-count-adds-nothing"),
+        pytest.param([NAN, 0, 0, 0], [0, 0, 0, 0], [30, 0, 0, 0], [0, 1, 2, 3], id="unknown-queue-passes"),
+        pytest.param([0, 0, 0, 0], [9, 0, 0, 0], [3, 0, 0, 0], [0, 1, 2, 3], id="counter-behind-counts-zero"),
+        pytest.param([20, 0, 0, 0], [0, 0, 0, 0], [0, 17, 17, 17], [0, 1, 2, 3], id="all-over-keeps-all"),
+    ],
+)
+def test_saturation_counts_what_was_sent_after_the_scrape(
+    waiting: list[float], sent_at_scrape: list[float], sent: list[int], expected: list[int]
+) -> None:
+    s = state(waiting=waiting, sent_at_scrape=sent_at_scrape)
+    s.inflight.sent[:] = sent
+    kept = SaturationFilter().filter(REQUEST, s, np.arange(4))
+    assert list(kept) == expected
+
+
+def test_saturation_stops_herding_onto_the_endpoints_last_seen_idle() -> None:
+    """Between two scrapes the endpoints last seen under the threshold stop taking requests once what was sent
+    them fills their queues; the next scrape starts the count again."""
+    s = state(waiting=[17, 17, 14, 12], sent_at_scrape=[0, 0, 0, 0])
+    flt = SaturationFilter()
+    taken = []
+    for _ in range(10):
+        kept = flt.filter(REQUEST, s, np.arange(4))
+        chosen = int(kept[np.argmin(s.inflight.sent[kept])])  # least sent among those kept
+        s.inflight.acquire(chosen, 100)
+        taken.append(chosen)
+    # Over 16 waiting is saturated: 2 takes 3 more (up to 17), 3 takes 5.
+    assert taken[:8] == [2, 3, 2, 3, 2, 3, 3, 3]
+    assert sorted(taken[8:]) == [0, 1]  # then every endpoint is over: all are kept again
+    assert s.inflight.sent.tolist() == [1, 1, 3, 5]
+    s.signals.publish(s.signals.snapshot.with_values(waiting=[0, 16, 17, 16], sent_at_scrape=s.inflight.sent))
+    assert list(flt.filter(REQUEST, s, np.arange(4))) == [0, 1, 3]
+
+
+@pytest.mark.parametrize(
     ("params", "message"),
     [
         pytest.param({"max_waiting": -1}, r"^max_waiting must be >= 0; got -1$", id="negative-waiting"),
@@ -221,7 +261,7 @@ class FixedMatch:
 
 # The default prefill rate is 20,000 tokens/s: 1,000 prompt tokens alone take 50 ms.
 @pytest.mark.parametrize(
-    ("slo", "inflight_tokens", "rates", "cached_blocks", "expected"),
+    ("slo", "backlog", "rates", "cached_blocks", "expected"),
     [
         pytest.param(None, [10**6] * 4, None, None, [0, 1, 2, 3], id="no-objective-passes-all"),
         pytest.param(0.5, [0, 0, 0, 0], None, None, [0, 1, 2, 3], id="all-meet-it"),
@@ -233,13 +273,15 @@ class FixedMatch:
 )
 def test_ttft_slo_filter(
     slo: float | None,
-    inflight_tokens: list[int],
+    backlog: list[int],
     rates: list[float] | None,
     cached_blocks: list[int] | None,
     expected: list[int],
 ) -> None:
     st = state(prefill_tokens_per_s=rates) if rates is not None else state()
-    st.inflight.tokens[:] = inflight_tokens
+    st.inflight.clock = lambda: 0.0
+    for i, tokens in enumerate(backlog):  # prompt tokens sent there and not yet prefilled
+        st.inflight.add_prefill(i, tokens, DEFAULT_PREFILL_TOKENS_PER_S, object())
     request = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=(1, 2), ttft_slo_s=slo)
     flt = TtftSloFilter(FixedMatch(cached_blocks) if cached_blocks is not None else None, block_tokens=64)
     candidates = np.arange(4)

@@ -87,3 +87,27 @@ def test_two_counters_are_independent() -> None:
     first.acquire(1, 3)
     assert second.requests.tolist() == [0, 0]
     assert first.requests.tolist() == [0, 1]
+
+
+def test_sent_counts_every_request_ever_sent() -> None:
+    inflight = InFlight(2)
+    for index in (0, 1, 1):
+        inflight.acquire(index, 10).release()
+    assert inflight.sent.tolist() == [1, 2] and inflight.total() == 0
+
+
+def test_the_prefill_backlog_drains_at_the_given_rate_and_counts_a_request_once() -> None:
+    now = [100.0]
+    inflight = InFlight(3, clock=lambda: now[0])
+    rates = np.array([1000.0, 1000.0, 500.0])
+    request = object()
+    inflight.add_prefill(0, 2000, 1000, request)
+    inflight.add_prefill(0, 2000, 1000, request)  # the same decision, reported by a second predictor
+    inflight.add_prefill(2, 2000, 500, object())
+    assert inflight.pending_prefill(np.arange(3), rates).tolist() == [2000, 0, 2000]
+    now[0] = 101.0
+    assert inflight.pending_prefill(np.arange(3), rates).tolist() == [1000, 0, 1500]
+    inflight.add_prefill(0, 300, 1000, object())  # onto what is left: 1,000 + 300
+    assert inflight.pending_prefill(np.array([2, 0]), rates[[2, 0]]).tolist() == [1500, 1300]
+    now[0] = 200.0  # long drained: never below zero
+    assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 0]

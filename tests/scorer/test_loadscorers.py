@@ -39,18 +39,22 @@ INF = math.inf
 N = NEUTRAL_SCORE
 REQUEST = RequestFeatures(model="m", prompt_tokens=1000, max_tokens=100)
 ALL = [0, 1, 2, 3]
+D = 20_000.0  # DEFAULT_PREFILL_TOKENS_PER_S
 
 
-def state(n: int = 4, tokens: Sequence[int] = (), **values: Any) -> State:
-    """A pool of ``n`` with these snapshot values and ``tokens[i]`` prompt tokens in flight to endpoint i."""
+def state(n: int = 4, tokens: Sequence[int] = (), backlog: Sequence[float] = (), **values: Any) -> State:
+    """A pool of ``n`` with these snapshot values, ``tokens[i]`` prompt tokens in flight to endpoint i and
+    ``backlog[i]`` of them not yet prefilled there. Its clock stands still (at 0) until a test moves it."""
     pool = Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", None) for i in range(n)])
     signals = Signals(n)
     if values:
         signals.publish(signals.snapshot.with_values(**values))
-    inflight = InFlight(n)
+    inflight = InFlight(n, clock=lambda: 0.0)
     for i, count in enumerate(tokens):
         if count:
             inflight.acquire(i, count)
+    for i, count in enumerate(backlog):
+        inflight.add_prefill(i, count, D, object())
     return State(pool, inflight, signals)
 
 
@@ -175,15 +179,14 @@ class Match:
 
 
 PREFIXED = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=tuple(range(15)))
-D = 20_000.0  # DEFAULT_PREFILL_TOKENS_PER_S
 NO_PROMPT = RequestFeatures(model="m")  # a headers-only route: the prompt is unknown
 
 
 @pytest.mark.parametrize(
-    ("request_", "tokens", "rates", "held", "candidates", "costs"),
+    ("request_", "backlog", "rates", "held", "candidates", "costs"),
     [
         pytest.param(REQUEST, [], None, None, ALL, [1000 / D] * 4, id="idle-default-rate"),
-        pytest.param(REQUEST, [0, 8192, 2000, 0], None, None, ALL, [1000, 9192, 3000, 1000], id="in-flight"),
+        pytest.param(REQUEST, [0, 8192, 2000, 0], None, None, ALL, [1000, 9192, 3000, 1000], id="backlog"),
         pytest.param(
             REQUEST, [], [NAN, 0, -5, 80_000], None, ALL, [1 / D, 1 / D, 1 / D, 1 / 80_000], id="learned-rate"
         ),
@@ -199,7 +202,7 @@ NO_PROMPT = RequestFeatures(model="m")  # a headers-only route: the prompt is un
 )
 def test_predicted_ttft_is_best_cost_over_own(
     request_: RequestFeatures,
-    tokens: list[int],
+    backlog: list[int],
     rates: list[float] | None,
     held: list[int] | None,
     candidates: list[int],
@@ -208,10 +211,54 @@ def test_predicted_ttft_is_best_cost_over_own(
     values = {"prefill_tokens_per_s": rates} if rates is not None else {}
     scorer = PredictedTTFTScorer(Match(held) if held is not None else None, block_tokens=64)
     given = np.array(candidates)
-    got = scorer.score(request_, state(tokens=tokens, **values), given)
+    got = scorer.score(request_, state(backlog=backlog, **values), given)
     expected = min(costs) / np.array(costs)
     assert got == pytest.approx(expected)
     check_bounded(got, given)
+
+
+def test_a_picked_prompt_counts_until_it_is_prefilled_not_until_its_request_ends() -> None:
+    now = [0.0]
+    s = state()
+    s.inflight.clock = lambda: now[0]
+    scorer = PredictedTTFTScorer(Match([0, 10, 0, 0]), block_tokens=64)
+    first = RequestFeatures(model="m", prompt_tokens=10_000, prefix_hashes=tuple(range(15)))
+    scorer.score(first, s, np.arange(4))
+    scorer.on_pick(first, 1)  # 640 of its tokens are predicted cached there: 9,360 to prefill
+    s.inflight.acquire(1, 10_000)  # the request goes, and stays in flight throughout
+    seconds = scorer.predictor.seconds(REQUEST, s, np.arange(4))
+    assert seconds == pytest.approx(np.array([1000, 10_360, 1000, 1000]) / D)
+    scorer.on_pick(first, 2)  # a decision is counted once
+    assert scorer.predictor.seconds(REQUEST, s, np.arange(4)) == pytest.approx(seconds)
+    now[0] = 0.25  # a quarter of a second at 20,000 tokens/s: 5,000 prefilled
+    assert scorer.predictor.seconds(REQUEST, s, np.arange(4))[1] == pytest.approx((4360 + 1000) / D)
+    now[0] = 10.0  # long prefilled, though the request is still in flight
+    assert s.inflight.requests[1] == 1
+    assert scorer.score(REQUEST, s, np.arange(4)) == pytest.approx([1, 1, 1, 1])
+
+
+def test_a_backlog_drains_at_the_endpoints_learned_rate() -> None:
+    now = [0.0]
+    s = state(prefill_tokens_per_s=[D, 2 * D, D, D])
+    s.inflight.clock = lambda: now[0]
+    scorer = PredictedTTFTScorer()
+    for endpoint in (0, 1):
+        request = RequestFeatures(model="m", prompt_tokens=20_000)
+        scorer.score(request, s, np.arange(4))
+        scorer.on_pick(request, endpoint)
+    now[0] = 0.5
+    seconds = scorer.predictor.seconds(REQUEST, s, np.arange(4))
+    assert seconds == pytest.approx([(10_000 + 1000) / D, 1000 / (2 * D), 1000 / D, 1000 / D])
+
+
+def test_a_pick_the_predictor_did_not_see_adds_nothing() -> None:
+    s = state()
+    scorer = PredictedTTFTScorer()
+    scorer.score(REQUEST, s, np.arange(4))
+    other = RequestFeatures(model="m", prompt_tokens=5000)
+    scorer.on_pick(other, 0)  # e.g. the request went on a route that did not score it
+    scorer.on_pick(REQUEST, 3)
+    assert s.inflight.pending_prefill(np.arange(4), np.full(4, D)).tolist() == [0, 0, 0, 1000]
 
 
 def test_predicted_ttft_follows_a_new_snapshot() -> None:
