@@ -10,7 +10,7 @@ instead of the whole body (tens of microseconds for vLLM's 57 KB). Readings land
 (scorers that compute once per snapshot stay cheap).
 
 Each scrape also notes how many requests the picker had sent to the endpoint when it began (``inflight``, if
-given), so that filters can add what was sent since to the scraped queue (`Snapshot.sent_since_scrape`).
+given), so that filters can add what was sent since to the scraped queue (`Snapshot.sent_at_scrape`).
 
 A failed scrape (refused, timed out, an HTTP error, a body without the metrics) marks the endpoint down and keeps
 its last values with their old scrape time, so the staleness filter can tell; it never stops the collector.

@@ -42,8 +42,7 @@ class Snapshot:
     """Endpoint state at one moment. ``scraped_at`` is the ``time.monotonic()`` of each endpoint's last successful
     metrics scrape (NaN: never); ``up`` says whether the last scrape attempt succeeded. ``sent_at_scrape`` is how
     many requests the picker had sent to the endpoint (`InFlight.sent`) when that scrape began (NaN: not known),
-    so that a scraped queue can be brought up to date with what was sent since (`sent_since_scrape`). Every array is
-    read-only.
+    so that a scraped queue can be brought up to date with what was sent since. Every array is read-only.
     """
 
     running: np.ndarray
@@ -89,14 +88,6 @@ class Snapshot:
         (unknown values are not over)."""
         with np.errstate(invalid="ignore"):
             return (self.waiting > max_waiting) | (self.kv_usage > max_kv_usage)
-
-    def sent_since_scrape(self, sent: np.ndarray, candidates: np.ndarray) -> np.ndarray | None:
-        """Per candidate, requests sent since its last scrape began (``sent`` is `InFlight.sent`); None when no
-        scrape recorded what had been sent."""
-        if self.sent_at_scrape is None:
-            return None
-        since = sent[candidates] - self.sent_at_scrape[candidates]
-        return np.where(np.isnan(since), 0.0, np.maximum(since, 0.0))
 
     def with_values(self, **changes: Any) -> Snapshot:
         """A new snapshot with some arrays replaced (each copied and frozen); the rest is shared."""
