@@ -8,7 +8,8 @@
 | prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
 | seed-formula | model, staleness | seed-formula | max-score |
 | default | model, staleness, saturation, | in-flight 1, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
-|  | ttft-slo | predicted-ttft 2, latency 0.5, lora-affinity 1 |  |
+|  | ttft-slo | predicted-ttft 2, in-flight-tokens 1, latency 0.5, |  |
+|  |  | lora-affinity 1 |  |
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
                 ("prefix-affinity", 1.0),
                 # 2, not 1: tuned in the simulator on the Mooncake conversation trace (bench/results/quality/).
                 ("predicted-ttft", 2.0),
+                # Prompt tokens until their requests end: what predicted-ttft no longer counts once prefilled,
+                # but what a slow server shows first (its requests stay in flight longer).
+                ("in-flight-tokens", 1.0),
                 ("latency", 0.5),
                 ("lora-affinity", 1.0),
             ),
