@@ -22,9 +22,10 @@ for them (one short step). The probes are sent throughout the workload, not befo
 the same loaded event loops and CPUs as its requests do. Even so the client's view is at the noise floor at high
 time scales: at 4x, 10% of the median time to first token is 5 ms of wall time, and a 2-core machine with both
 cores busy put the corrected client median 5-21% above the simulator's (0.22-0.25 s against 0.21 s) while the
-servers' medians stayed within 3%. At 2x the same load left every median within 2.5%, so 2x is the scale tested. At real
-time the uncorrected client times must agree as well. `tests/sim/test_server.py` checks that a scaled server
-reports the same engine times.
+servers' medians stayed within 3%. At 2x the same load left every median within 5%, so 2x is the scale tested. The
+client's uncorrected times are not compared even at real time: the overhead alone is 4-6% of the median time to
+first token there, and with both cores busy it came out 10% above the simulator's. `tests/sim/test_server.py`
+checks that a scaled server reports the same engine times.
 """
 
 from __future__ import annotations
@@ -147,12 +148,11 @@ def test_live_server_and_des_agree_on_medians(fleet: tuple[list[str], float]) ->
         "client ttft less overhead": ((client_ttft - overhead) * scale, des_ttft),
         "client e2e less overhead": ((client_e2e - overhead) * scale, des_e2e),
     }
-    if scale == 1.0:
-        checks |= {"client ttft": (client_ttft, des_ttft), "client e2e": (client_e2e, des_e2e)}
     # Both clocks must see the prefix cache the same way, too.
     assert sum(e["cached_tokens"] for e in logged) == sum(r.cached_tokens for r in sim.records) > 0
-    for name, (live, des) in checks.items():
-        assert live == pytest.approx(des, rel=0.10), (
-            f"{name} at time scale {scale:g}: live {live:.3f} s vs DES {des:.3f} s"
-            f" (overhead outside the engine: {overhead * 1000:.1f} ms wall per request)"
-        )
+    report = "; ".join(f"{name}: live {live:.3f} s vs DES {des:.3f} s" for name, (live, des) in checks.items())
+    off = [name for name, (live, des) in checks.items() if live != pytest.approx(des, rel=0.10)]
+    assert not off, (
+        f"{', '.join(off)} more than 10% off at time scale {scale:g}. {report}"
+        f" (overhead outside the engine: {overhead * 1000:.1f} ms wall per request)"
+    )
