@@ -3,10 +3,11 @@
     python -m inferlb.bench.shift --out bench/results [--policy default]
 
 Four emulated H100 servers behind Envoy and the picker (with the span loop on), an open-loop stream of
-requests at a steady rate; after ``--before`` seconds server 0 is slowed 5x through its admin endpoint. Per
-1-second window of send time it reports the share of requests routed to server 0, and the time from the
-slow-down until the end of the first window whose share is below half the share before, and the mean share over
-the rest of the run. Each policy's result goes to ``shift-POLICY.json``; ``shift.md`` sums up the policies found.
+requests with unshared prompts at a steady rate; after ``--before`` seconds server 0 is slowed 5x through its
+admin endpoint. Per 1-second window of send time it reports the share of requests routed to server 0, and the
+time from the slow-down until the end of the first window whose share is below half the share before, and the
+mean share over the rest of the run. Each policy's result goes to ``shift-POLICY.json``; ``shift.md`` sums up
+the policies found.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ async def _run(stack: LocalStack, rate: float, before: float, after: float) -> t
     t = 0.0
     while t < before + after:
         t += rng.expovariate(rate)
-        shots.append(Shot(f"r{len(shots)}", t, stack.gateway_url, MODEL, "p" * rng.randrange(1_000, 6_000), 40))
+        # Each prompt starts differently, so that no server holds a prefix the others lack: this measures a shift of
+        # load, not prefix affinity (with one shared prefix, the default keeps it on the servers that cache it).
+        prompt = f"request {len(shots)}: " + "p" * rng.randrange(1_000, 6_000)
+        shots.append(Shot(f"r{len(shots)}", t, stack.gateway_url, MODEL, prompt, 40))
     slow = stack.endpoints[0]
 
     async def slow_down() -> float:

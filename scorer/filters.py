@@ -106,8 +106,8 @@ class TtftSloFilter:
 
     name = "ttft-slo"
 
-    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64) -> None:
-        self.predictor = TtftPredictor(prefix_match, block_tokens)
+    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
+        self.predictor = TtftPredictor(prefix_match, block_tokens, guard)
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         slo = request.ttft_slo_s

@@ -180,17 +180,23 @@ class TtftPredictor:
     that endpoint's prefix cache, over the endpoint's prefill rate (the snapshot's ``prefill_tokens_per_s`` where
     a collector provides it, which none does yet; `DEFAULT_PREFILL_TOKENS_PER_S` otherwise). ``prefix_match``
     (optional) gives, per endpoint of the pool, how many of the request's prefix blocks it likely holds, and
-    ``block_tokens`` how many tokens a block is.
+    ``block_tokens`` how many tokens a block is. The prefix-affinity scorer's imbalance guard applies here too: an
+    endpoint with more than ``guard x (mean in-flight requests over the candidates + 1)`` requests in flight gets
+    no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt is cheap to
+    prefill, but the requests still have to be decoded somewhere).
 
     ``on_pick`` adds the request's uncached tokens to the chosen endpoint's backlog (once per request, however
     many predictors saw it). Keeps a per-snapshot cache: one per plugin, one event loop.
     """
 
-    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64) -> None:
+    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1; got {block_tokens!r}")
+        if not guard > 0:
+            raise ValueError(f"guard must be > 0 (float('inf') turns the imbalance guard off); got {guard!r}")
         self._match = getattr(prefix_match, "match", None)
         self.block_tokens = block_tokens
+        self.guard = guard
         self._for: Snapshot | None = None
         self._tokens_per_s = np.zeros(0)
         # The last prediction, for on_pick: the request, its state, candidates and uncached tokens per candidate.
@@ -211,6 +217,8 @@ class TtftPredictor:
         hashes = request.prefix_hashes
         if self._match is not None and hashes:
             cached = self._match(hashes)[candidates] * self.block_tokens
+            load = state.inflight.requests[candidates]
+            cached[load > self.guard * (load.sum() / len(load) + 1.0)] = 0
             own = np.maximum(own - np.minimum(cached, request.prompt_tokens - 1), 1.0)
         self._last = (request, state, candidates, own)
         rates = self._tokens_per_s[candidates]
@@ -234,8 +242,8 @@ class PredictedTTFTScorer:
     name = "predicted-ttft"
     bounded = True
 
-    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64) -> None:
-        self.predictor = TtftPredictor(prefix_match, block_tokens)
+    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
+        self.predictor = TtftPredictor(prefix_match, block_tokens, guard)
         self.block_tokens = block_tokens
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:

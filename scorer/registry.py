@@ -236,7 +236,9 @@ def default_registry() -> Registry:
     filters: dict[str, Plugin] = {
         "model": Plugin(_plain(ModelFilter)),
         "staleness": Plugin(_plain(StalenessFilter)),
-        "ttft-slo": Plugin(_ttft_slo, _params(block_tokens=Param("integer", ge=1))),
+        "ttft-slo": Plugin(
+            _ttft_slo, _params(block_tokens=Param("integer", ge=1), guard=Param("number", gt=0, infinite=True))
+        ),
         "saturation": Plugin(
             _plain(SaturationFilter),
             _params(max_waiting=Param("number", ge=0, infinite=True), max_kv_usage=Param("number", gt=0, le=1)),
@@ -260,7 +262,9 @@ def default_registry() -> Registry:
         "gpu-free-memory": Plugin(_plain(GpuFreeMemoryScorer)),
         "latency": Plugin(_plain(LatencyScorer), _params(signal=Param("choice", choices=("ttft_s", "e2e_s")))),
         "lora-affinity": Plugin(_plain(LoraAffinityScorer)),
-        "predicted-ttft": Plugin(_predicted_ttft, _params(block_tokens=Param("integer", ge=1))),
+        "predicted-ttft": Plugin(
+            _predicted_ttft, _params(block_tokens=Param("integer", ge=1), guard=Param("number", gt=0, infinite=True))
+        ),
         "seed-formula": Plugin(
             _plain(SeedFormulaScorer),
             _params(

@@ -237,6 +237,27 @@ def test_a_picked_prompt_counts_until_it_is_prefilled_not_until_its_request_ends
     assert scorer.score(REQUEST, s, np.arange(4)) == pytest.approx([1, 1, 1, 1])
 
 
+@pytest.mark.parametrize(
+    ("requests", "guard", "costs"),
+    [
+        pytest.param([0, 0, 0, 0], 2.0, [1000, 360, 360, 1000], id="even-load-credits-both"),
+        pytest.param([0, 5, 0, 0], 2.0, [1000, 1000, 360, 1000], id="a-hot-endpoint-gets-no-credit"),
+        pytest.param([0, 4, 0, 0], 2.0, [1000, 360, 360, 1000], id="at-the-guard-still-credited"),
+        pytest.param([0, 50, 0, 0], INF, [1000, 360, 360, 1000], id="guard-off"),
+    ],
+)
+def test_the_imbalance_guard_stops_cache_credit_on_a_hot_endpoint(
+    requests: list[int], guard: float, costs: list[float]
+) -> None:
+    # The guard: more than guard x (mean in-flight requests + 1); with 5 of 4 endpoints' 5 requests on one,
+    # 5 > 2 x (1.25 + 1), with 4, 4 <= 2 x (1 + 1).
+    s = state()
+    s.inflight.requests[:] = requests
+    scorer = PredictedTTFTScorer(Match([0, 10, 10, 0]), block_tokens=64, guard=guard)
+    seconds = scorer.predictor.seconds(PREFIXED, s, np.arange(4))
+    assert seconds == pytest.approx(np.array(costs) / D)
+
+
 def test_a_backlog_drains_at_the_endpoints_learned_rate() -> None:
     now = [0.0]
     s = state(prefill_tokens_per_s=[D, 2 * D, D, D])
