@@ -143,6 +143,7 @@ async def _scrape_run(addresses: list[str], seconds: float) -> dict[str, Any]:
     cpu = user + system
     stats = collector.stats
     scrapes = stats.scrapes - before.scrapes
+    body_bytes = stats.bytes - before.bytes  # now: the collector goes on scraping during the probe below
     parse_s = stats.parse_s - before.parse_s
     published = stats.published - before.published
     errors = sum(stats.errors.values()) - sum(before.errors.values())
@@ -151,7 +152,7 @@ async def _scrape_run(addresses: list[str], seconds: float) -> dict[str, Any]:
     await asyncio.gather(task, return_exceptions=True)
     await collector.aclose()
     return {
-        "bytes_per_scrape": round((stats.bytes - before.bytes) / max(scrapes, 1)),
+        "bytes_per_scrape": round(body_bytes / max(scrapes, 1)),
         "wall_s": round(wall, 1),
         "scrapes_per_s": round(scrapes / wall, 1),
         "per_endpoint_hz": round(scrapes / wall / n, 2),

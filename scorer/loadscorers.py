@@ -125,7 +125,8 @@ class InFlightTokensScorer:
         self.unit = float(unit)
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        return fewer_is_better(state.inflight.tokens[candidates].astype(np.float64), self.unit)
+        tokens = state.inflight.tokens[candidates]  # integers, never unknown: `fewer_is_better` without the NaNs
+        return 1.0 / (1.0 + (tokens - tokens.min()) / self.unit)
 
 
 class GpuUtilScorer(_SnapshotScorer):
@@ -200,7 +201,7 @@ class TtftPredictor:
         self._for: Snapshot | None = None
         self._tokens_per_s = np.zeros(0)
         # The last prediction, for on_pick: the request, its state, candidates and uncached tokens per candidate.
-        self._last: tuple[RequestFeatures, State, np.ndarray, np.ndarray] | None = None
+        self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray] | None = None
 
     def seconds(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         snapshot = state.signals.snapshot
@@ -213,13 +214,14 @@ class TtftPredictor:
         # At least one token: a request whose prompt is unknown (a headers-only route) still ranks endpoints by
         # the work queued there, instead of scoring every one 0 when some endpoint is idle.
         prompt = float(max(request.prompt_tokens, 1))
-        own = np.full(len(candidates), prompt)
+        own: float | np.ndarray = prompt  # this request's tokens to prefill, per candidate where they differ
         hashes = request.prefix_hashes
         if self._match is not None and hashes:
             cached = self._match(hashes)[candidates] * self.block_tokens
-            load = state.inflight.requests[candidates]
-            cached[load > self.guard * (load.sum() / len(load) + 1.0)] = 0
-            own = np.maximum(own - np.minimum(cached, request.prompt_tokens - 1), 1.0)
+            if cached.any():
+                load = state.inflight.requests[candidates]
+                cached[load > self.guard * (load.sum() / len(load) + 1.0)] = 0
+                own = np.maximum(prompt - np.minimum(cached, request.prompt_tokens - 1), 1.0)
         self._last = (request, state, candidates, own)
         rates = self._tokens_per_s[candidates]
         return (state.inflight.pending_prefill(candidates, rates) + own) / rates
@@ -230,10 +232,12 @@ class TtftPredictor:
             return  # this predictor did not see the request (a filter that only predicts for SLO classes)
         _, state, candidates, own = last
         self._last = None
-        position = np.flatnonzero(candidates == endpoint)
-        if len(position):
-            i = int(position[0])
-            state.inflight.add_prefill(endpoint, float(own[i]), float(self._tokens_per_s[endpoint]), request)
+        if isinstance(own, np.ndarray):
+            position = np.flatnonzero(candidates == endpoint)
+            if not len(position):
+                return
+            own = float(own[position[0]])
+        state.inflight.add_prefill(endpoint, own, float(self._tokens_per_s[endpoint]), request)
 
 
 class PredictedTTFTScorer:
