@@ -100,9 +100,8 @@ class MetricsCollector:
         self._running, self._waiting = old.running.copy(), old.waiting.copy()
         self._kv_usage, self._kv_tokens = old.kv_usage.copy(), old.kv_tokens.copy()
         self._scraped_at, self._up = old.scraped_at.copy(), old.up.copy()
-        nan = np.full(len(pool), np.nan)
-        self._sent_at_scrape = nan.copy() if old.sent_at_scrape is None else old.sent_at_scrape.copy()
-        self._sent_at_start = nan  # InFlight.sent when each endpoint's current scrape began
+        self._sent_at_scrape = old.sent_at_scrape.copy()
+        self._sent_at_start = np.full(len(pool), np.nan)  # InFlight.sent when each endpoint's current scrape began
         self._lora = list(old.lora)
         self._publish_pending: asyncio.TimerHandle | None = None
         self._round_published = False

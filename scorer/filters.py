@@ -65,7 +65,7 @@ class SaturationFilter:
             room = np.where(np.isnan(snapshot.waiting), math.inf, self.max_waiting - snapshot.waiting)
             base = snapshot.sent_at_scrape
             with np.errstate(invalid="ignore"):  # -inf + inf where the queue is infinite: over anyway
-                limit = room + (math.inf if base is None else np.where(np.isnan(base), math.inf, base))
+                limit = room + np.where(np.isnan(base), math.inf, base)
             self._limit = np.where(snapshot.over(self.max_waiting, self.max_kv_usage), -math.inf, limit)
             self._for = snapshot
         over = state.inflight.sent > self._limit

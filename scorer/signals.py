@@ -57,7 +57,7 @@ class Snapshot:
     prefill_tokens_per_s: np.ndarray
     scraped_at: np.ndarray
     up: np.ndarray
-    sent_at_scrape: np.ndarray | None = None  # None: as NaN everywhere
+    sent_at_scrape: np.ndarray
     built_at: float = field(default_factory=time.monotonic)
     # Per endpoint, the LoRA adapters its running and waiting requests use and its adapter slots, from
     # ``vllm:lora_requests_info`` (None: not reported). Not an array: sets of names.
@@ -70,6 +70,7 @@ class Snapshot:
         return cls(
             **nan,
             scraped_at=_frozen(np.full(size, np.nan)),
+            sent_at_scrape=_frozen(np.full(size, np.nan)),
             up=_frozen(np.ones(size, dtype=bool)),
             lora=(None,) * size,
         )
