@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +40,11 @@ from typing import Any
 
 import yaml
 
-from inferlb.scorer.address import format_address, parse_address
+from inferlb.scorer.address import format_address, parse_address, parse_authority
 from inferlb.scorer.classes import ClassRule, RequestClass
+from inferlb.scorer.credentials import TokenSource, parse_token_source
 from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.networks import DEFAULT_NETWORKS, Networks, destination_problem, parse_networks, unicast_problem
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.registry import MAX_WEIGHT, BuildContext, PluginSpec, ProfileSpec, default_registry
 
@@ -50,6 +53,7 @@ DEFAULT_ADMIN = "127.0.0.1:9003"
 DEFAULT_POLICY = "default"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_SCORERS = 32
+DEFAULT_DRAIN_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +79,18 @@ class OtelConfig:
 
     ``latency_source`` says what feeds those statistics: ``spans`` (the servers' spans, at the receiver) or
     ``stream`` (the picker times each response as Envoy passes it through: TTFT to the first non-empty chunk of
-    a streamed response, E2E to the body of any other; for servers that send no spans)."""
+    a streamed response, E2E to the body of any other; for servers that send no spans).
+
+    Spans steer routing, so the receiver trusts only ``allowed_senders`` (CIDR strings; None: the pool's hosts
+    and loopback, following the pool) and, with ``receiver_auth``, only exports that carry ``authorization:
+    Bearer <token>``. It refuses messages over ``receiver_max_message_bytes``, takes at most
+    ``receiver_max_spans_per_request`` spans of one export and ``receiver_max_spans_per_s`` latency spans a second
+    (a burst of one second or one full export), and drops spans that end more than ``span_max_age_s`` before or
+    ``span_max_ahead_s`` after now or whose duration or latencies exceed ``span_max_latency_s``. A decision waits
+    ``join_max_age_s`` for its span (see otel/receiver.py for the join rule). ``join_by_name``: a span without a
+    decision's trace id may still join the endpoint it names when it comes from that endpoint's own host (for
+    servers that do not propagate trace context); off by default, because where several servers share a host
+    (or a client runs on one) anything there could then speak for all of them."""
 
     receiver: str | None = None
     latency_source: str = "spans"
@@ -86,6 +101,41 @@ class OtelConfig:
     half_life_s: float = 10.0
     publish_interval_s: float = 0.25
     heatmap_bucket_s: float = 10.0
+    allowed_senders: tuple[str, ...] | None = None
+    receiver_auth: TokenSource | None = None
+    receiver_max_message_bytes: int = 4 << 20  # the OTel Collector's default batch limit
+    receiver_max_spans_per_request: int = 16384
+    receiver_max_spans_per_s: float = 10000.0  # ~3x what one picker process can route
+    span_max_age_s: float = 600.0
+    span_max_ahead_s: float = 60.0
+    span_max_latency_s: float = 3600.0
+    join_max_age_s: float = 300.0
+    join_by_name: bool = False
+
+
+REQUEST_ENDS = ("access-log", "stream")
+
+
+@dataclass(frozen=True, slots=True)
+class InflightConfig:
+    """How the picker learns that a routed request ended (its in-flight count drops then).
+
+    ``end``: ``access-log`` (the routing stream ends at the decision, and Envoy's gRPC access log reports the end;
+    a picker restart cuts no routed request) or ``stream`` (the routing stream stays open for the whole request;
+    for gateways that cannot send the access log). ``max_age_s``: a request whose end has not been reported after
+    this long counts as ended (an access-log entry lost while the picker was unreachable)."""
+
+    end: str = "access-log"
+    max_age_s: float = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAuthConfig:
+    """Who may use the admin API. ``token``: where the bearer token is (None: state-changing routes are off);
+    ``allowed_hosts``: ``Host`` names accepted besides the admin's own address (e.g. a Service's DNS name)."""
+
+    token: TokenSource | None = None
+    allowed_hosts: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +150,8 @@ class AdmissionConfig:
 class GpuSource:
     """Where an endpoint's GPU state comes from: ``url`` of a GPU agent's (or the emulator's) ``/gpu`` (kind
     "agent") or of a DCGM exporter's ``/metrics`` (kind "dcgm"); ``indices`` are the GPUs of that node the endpoint
-    uses (None: all of them)."""
+    uses (None: all of them). A parsed ``url`` is canonical ``http://ip:port/path``: a literal IP inside
+    ``pool.allowed_networks``, no user, query or fragment."""
 
     url: str
     kind: str = "agent"
@@ -122,6 +173,7 @@ class Config:
     """The whole picker configuration, validated."""
 
     endpoints: tuple[EndpointConfig, ...]
+    allowed_networks: Networks = DEFAULT_NETWORKS  # where endpoints and GPU sources may be (pool.allowed_networks)
     listen: str = DEFAULT_LISTEN
     policy: str = DEFAULT_POLICY
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -134,6 +186,9 @@ class Config:
     default_class: RequestClass = field(default_factory=lambda: RequestClass("default"))
     admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
     otel: OtelConfig = field(default_factory=lambda: OtelConfig())
+    inflight: InflightConfig = field(default_factory=InflightConfig)
+    admin_auth: AdminAuthConfig = field(default_factory=AdminAuthConfig)
+    drain_s: float = DEFAULT_DRAIN_S
 
     def profile_spec(self) -> ProfileSpec | str:
         """The spec of the chosen policy: a profile of this file, else the preset's name."""
@@ -180,6 +235,9 @@ def parse_config(data: Any) -> Config:
             "default_class",
             "admission",
             "otel",
+            "inflight",
+            "admin_auth",
+            "drain_s",
         },
     )
     listen = DEFAULT_LISTEN
@@ -202,6 +260,14 @@ def parse_config(data: Any) -> Config:
     class_header = _header_name(top["class_header"], "class_header") if "class_header" in top else None
     admission = _admission(top["admission"]) if "admission" in top else AdmissionConfig()
     otel = _otel(top["otel"], listen, admin) if "otel" in top else OtelConfig()
+    inflight = _inflight(top["inflight"]) if "inflight" in top else InflightConfig()
+    admin_auth = _admin_auth(top["admin_auth"]) if "admin_auth" in top else AdminAuthConfig()
+    if admin is not None and admin_auth.token is None and not _is_loopback(admin):
+        raise ConfigError(
+            f"admin: {admin!r} is reachable beyond this host, and the admin API can reroute all traffic: set "
+            "admin_auth.token_file or admin_auth.token_env (a bearer token), or bind admin to 127.0.0.1"
+        )
+    drain_s = _number(top["drain_s"], "drain_s", 0, 3600) if "drain_s" in top else DEFAULT_DRAIN_S
     max_body = DEFAULT_MAX_BODY_BYTES
     if "max_body_bytes" in top:
         max_body = top["max_body_bytes"]
@@ -209,8 +275,11 @@ def parse_config(data: Any) -> Config:
             raise ConfigError(f"max_body_bytes must be an integer in 1024..{1 << 30}; got {max_body!r}")
     if "pool" not in top:
         raise ConfigError("pool is required: a mapping with a list 'endpoints'")
-    pool = _mapping(top["pool"], "pool", allowed={"endpoints"})
-    endpoints = _endpoints(pool.get("endpoints"), "pool.endpoints")
+    pool = _mapping(top["pool"], "pool", allowed={"endpoints", "allowed_networks"})
+    allowed_networks = DEFAULT_NETWORKS
+    if "allowed_networks" in pool:
+        allowed_networks = parse_networks(pool["allowed_networks"], "pool.allowed_networks")
+    endpoints = _endpoints(pool.get("endpoints"), "pool.endpoints", allowed_networks)
     classes, default_class = _classes(top.get("classes", []), top.get("default_class"), endpoints)
     if class_header is None and any(rule.header_values is not None for rule in classes):
         raise ConfigError("classes match a header value, so class_header must name the header")
@@ -220,6 +289,7 @@ def parse_config(data: Any) -> Config:
         registry.build(spec, BuildContext(size=len(endpoints)))
     return Config(
         endpoints=endpoints,
+        allowed_networks=allowed_networks,
         listen=listen,
         policy=policy,
         max_body_bytes=max_body,
@@ -232,7 +302,41 @@ def parse_config(data: Any) -> Config:
         default_class=default_class,
         admission=admission,
         otel=otel,
+        inflight=inflight,
+        admin_auth=admin_auth,
+        drain_s=drain_s,
     )
+
+
+def _is_loopback(address: str) -> bool:
+    host, _ = parse_address(address)
+    return ipaddress.ip_address(host).is_loopback
+
+
+def _inflight(value: Any) -> InflightConfig:
+    raw = _mapping(value, "inflight", allowed={"end", "max_age_s"})
+    out: dict[str, Any] = {}
+    if "end" in raw:
+        if raw["end"] not in REQUEST_ENDS:
+            raise ConfigError(f"inflight.end must be {' or '.join(REQUEST_ENDS)}; got {raw['end']!r}")
+        out["end"] = raw["end"]
+    if "max_age_s" in raw:
+        out["max_age_s"] = _number(raw["max_age_s"], "inflight.max_age_s", 1, 86400)
+    return InflightConfig(**out)
+
+
+def _admin_auth(value: Any) -> AdminAuthConfig:
+    raw = _mapping(value, "admin_auth", allowed={"token_file", "token_env", "allowed_hosts"})
+    token = None
+    if "token_file" in raw or "token_env" in raw:
+        token = parse_token_source({k: v for k, v in raw.items() if k != "allowed_hosts"}, "admin_auth")
+    hosts: set[str] = set()
+    for i, host in enumerate(_list(raw.get("allowed_hosts", []), "admin_auth.allowed_hosts")):
+        name = _string(host, f"admin_auth.allowed_hosts[{i}]").lower()
+        if not all(c.isalnum() or c in "-._" for c in name):
+            raise ConfigError(f"admin_auth.allowed_hosts[{i}] must be a host name without a port; got {host!r}")
+        hosts.add(name)
+    return AdminAuthConfig(token=token, allowed_hosts=frozenset(hosts))
 
 
 def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
@@ -249,18 +353,29 @@ def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
             "exporter",
             "export_endpoint",
             "latency_source",
+            "allowed_senders",
+            "receiver_auth",
+            "receiver_max_message_bytes",
+            "receiver_max_spans_per_request",
+            "receiver_max_spans_per_s",
+            "span_max_age_s",
+            "span_max_ahead_s",
+            "span_max_latency_s",
+            "join_max_age_s",
+            "join_by_name",
         },
     )
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = _otel_receiver(raw)
     if raw.get("receiver") is not None:
         receiver = _address(raw["receiver"], "otel.receiver")
         if receiver in (listen, admin):
             raise ConfigError(f"otel.receiver must differ from listen and admin; got {receiver!r}")
         out["receiver"] = receiver
-    if "inject_traceparent" in raw:
-        if not isinstance(raw["inject_traceparent"], bool):
-            raise ConfigError(f"otel.inject_traceparent must be true or false; got {raw['inject_traceparent']!r}")
-        out["inject_traceparent"] = raw["inject_traceparent"]
+    for name in ("inject_traceparent", "join_by_name"):
+        if name in raw:
+            if not isinstance(raw[name], bool):
+                raise ConfigError(f"otel.{name} must be true or false; got {raw[name]!r}")
+            out[name] = raw[name]
     if "exporter" in raw:
         exporter = raw["exporter"]
         if exporter not in ("none", "otlp-grpc", "otlp-http"):
@@ -285,7 +400,51 @@ def _otel(value: Any, listen: str, admin: str | None) -> OtelConfig:
     for name, low, high in bounds:
         if name in raw:
             out[name] = _number(raw[name], f"otel.{name}", low, high)
+    if "receiver" not in out:
+        for name in ("allowed_senders", "receiver_auth"):
+            if raw.get(name) is not None:
+                raise ConfigError(f"otel.{name} is set but otel.receiver is not: set otel.receiver or remove it")
     return OtelConfig(**out)
+
+
+def _otel_receiver(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The receiver's trust and bounds keys of ``otel`` (see `OtelConfig`)."""
+    out: dict[str, Any] = {}
+    if raw.get("receiver_auth") is not None:
+        out["receiver_auth"] = parse_token_source(raw["receiver_auth"], "otel.receiver_auth")
+    if raw.get("allowed_senders") is not None:
+        networks = parse_networks(raw["allowed_senders"], "otel.allowed_senders")
+        for i, network in enumerate(networks.networks):
+            where = f"otel.allowed_senders[{i}]"
+            if network.prefixlen == 0:
+                if "receiver_auth" not in out:
+                    raise ConfigError(
+                        f"{where}: {network} lets any host send spans, and spans steer routing: set "
+                        "otel.receiver_auth (a bearer token) too, or list the servers' networks"
+                    )
+                continue
+            problem = unicast_problem(network.network_address)
+            if problem is not None:
+                raise ConfigError(f"{where}: {network} {problem}; no span sender lives there")
+        out["allowed_senders"] = networks.cidrs()
+    integers = (("receiver_max_message_bytes", 64 << 10, 64 << 20), ("receiver_max_spans_per_request", 1, 1 << 20))
+    for key, least, most in integers:
+        if key in raw:
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+                raise ConfigError(f"otel.{key} must be an integer in {least}..{most}; got {value!r}")
+            out[key] = value
+    bounds = (
+        ("receiver_max_spans_per_s", 1, 1e7),
+        ("span_max_age_s", 1, 86400),
+        ("span_max_ahead_s", 0, 3600),
+        ("span_max_latency_s", 1, 86400),
+        ("join_max_age_s", 1, 3600),
+    )
+    for name, low, high in bounds:
+        if name in raw:
+            out[name] = _number(raw[name], f"otel.{name}", low, high)
+    return out
 
 
 def _header_name(value: Any, where: str) -> str:
@@ -456,7 +615,8 @@ def _plugin(item: Any, where: str, known: Mapping[str, Any], *, weighted: bool) 
     return PluginSpec(kind, params, float(weight))
 
 
-def _endpoints(value: Any, where: str) -> tuple[EndpointConfig, ...]:
+def _endpoints(value: Any, where: str, allowed: Networks) -> tuple[EndpointConfig, ...]:
+    """The pool's endpoints; each address (and GPU source) a unicast address inside ``allowed``."""
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{where} must be a non-empty list of endpoints")
     seen: dict[str, int] = {}
@@ -467,6 +627,10 @@ def _endpoints(value: Any, where: str) -> tuple[EndpointConfig, ...]:
         if "address" not in entry:
             raise ConfigError(f"{here}.address is required (a literal 'ip:port')")
         address = _address(entry["address"], f"{here}.address")
+        # The picker sends traffic here: never to a metadata service or this host, only where the operator allows.
+        problem = destination_problem(parse_address(address)[0], allowed, "pool.allowed_networks")
+        if problem is not None:
+            raise ConfigError(f"{here}.address: {entry['address']!r} {problem}")
         if address in seen:
             raise ConfigError(f"{here}.address {address!r} repeats {where}[{seen[address]}]")
         seen[address] = i
@@ -481,22 +645,55 @@ def _endpoints(value: Any, where: str) -> tuple[EndpointConfig, ...]:
             raw_labels = _mapping(entry["labels"], f"{here}.labels")
             for key, val in raw_labels.items():
                 labels[_string(key, f"{here}.labels key")] = _string(val, f"{here}.labels.{key}")
-        gpu = _gpu_source(entry["gpu"], f"{here}.gpu") if "gpu" in entry else None
+        gpu = _gpu_source(entry["gpu"], f"{here}.gpu", allowed) if "gpu" in entry else None
         out.append(EndpointConfig(address=address, models=models, labels=labels, gpu=gpu))
     return tuple(out)
 
 
-def _gpu_source(value: Any, where: str) -> GpuSource:
-    """``{url: http://10.0.0.7:9400/gpu, kind: agent, indices: [0, 1]}``; ``kind`` defaults to agent."""
+def _gpu_source(value: Any, where: str, allowed: Networks) -> GpuSource:
+    """``{url: http://10.0.0.7:9400/gpu, kind: agent, indices: [0, 1]}``; ``kind`` defaults to agent.
+
+    The picker fetches ``url`` every ``signals.gpu_interval_s``, so it is held to what a pool address is: plain
+    ``http://`` (no TLS client is configured for it) to a literal IP (a hostname could resolve anywhere later)
+    that is unicast and inside ``allowed``; no user, query or fragment. The path defaults to the kind's
+    (``/gpu``, ``/metrics``); the stored URL is canonical, so two spellings of one source share a read."""
     entry = _mapping(value, where, allowed={"url", "kind", "indices"})
-    url = _string(entry.get("url"), f"{where}.url")
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"{where}.url must be an http:// or https:// URL; got {url!r}")
     kind = "agent"
     if "kind" in entry:
         kind = _string(entry["kind"], f"{where}.kind")
         if kind not in ("agent", "dcgm"):
             raise ConfigError(f"{where}.kind must be 'agent' or 'dcgm'; got {kind!r}")
+    url = _string(entry.get("url"), f"{where}.url")
+    if url[:8].lower() == "https://":
+        raise ConfigError(
+            f"{where}.url: {url!r}: https:// is not supported (the picker has no TLS client for GPU sources); "
+            "use http:// to the node's agent or exporter"
+        )
+    if url[:7].lower() != "http://":
+        raise ConfigError(f"{where}.url must be an http:// URL such as 'http://10.0.0.7:9400/gpu'; got {url!r}")
+    rest = url[7:]
+    cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    authority, path = rest[:cut], rest[cut:]
+    if "@" in authority:
+        raise ConfigError(f"{where}.url: {url!r}: a user name or password ('user@') is not allowed")
+    if "?" in path:
+        raise ConfigError(f"{where}.url: {url!r}: a query ('?...') is not allowed (agents and exporters take none)")
+    if "#" in path:
+        raise ConfigError(f"{where}.url: {url!r}: a fragment ('#...') is not allowed")
+    try:
+        host, port = parse_authority(authority, default_port=80)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.url: {url!r}: {exc}") from None
+    problem = destination_problem(host, allowed, "pool.allowed_networks")
+    if problem is not None:
+        shown = authority[: authority.find("]") + 1] if authority.startswith("[") else authority.split(":")[0]
+        raise ConfigError(f"{where}.url: {url!r}: {shown} {problem}")
+    if not path:
+        path = "/gpu" if kind == "agent" else "/metrics"
+    if not all(c.isascii() and (c.isalnum() or c in "-._~!$&'()*+,;=:@%/") for c in path):
+        raise ConfigError(
+            f"{where}.url: {url!r}: the path {path!r} may hold only letters, digits and -._~!$&'()*+,;=:@%/"
+        )
     indices = None
     if "indices" in entry:
         raw = entry["indices"]
@@ -507,7 +704,7 @@ def _gpu_source(value: Any, where: str) -> GpuSource:
         ):
             raise ConfigError(f"{where}.indices must be a non-empty list of GPU indices (integers >= 0); got {raw!r}")
         indices = tuple(raw)
-    return GpuSource(url, kind, indices)
+    return GpuSource(f"http://{format_address(host, port)}{path}", kind, indices)
 
 
 def _mapping(value: Any, where: str, allowed: set[str] | None = None) -> Mapping[str, Any]:

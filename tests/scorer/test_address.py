@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from inferlb.scorer.address import format_address, parse_address
+from inferlb.scorer.address import format_address, parse_address, parse_authority
 
 
 @pytest.mark.parametrize(
@@ -85,3 +85,35 @@ def test_format_address(host: str, port: int, expected: str) -> None:
 def test_format_of_parse_is_canonical_and_stable(text: str) -> None:
     canonical = format_address(*parse_address(text))
     assert format_address(*parse_address(canonical)) == canonical
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("10.0.0.7:9400", ("10.0.0.7", 9400), id="ipv4-port"),
+        pytest.param("10.0.0.7", ("10.0.0.7", 80), id="ipv4-default-port"),
+        pytest.param("[FD00::7]:9400", ("fd00::7", 9400), id="ipv6-port"),
+        pytest.param("[fd00::7]", ("fd00::7", 80), id="ipv6-default-port"),
+    ],
+)
+def test_parse_authority_takes_an_optional_port(text: str, expected: tuple[str, int]) -> None:
+    assert parse_authority(text, default_port=80) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        pytest.param("", "names no host", id="empty"),
+        pytest.param("node-7:9400", "'node-7' is not a literal IP address", id="hostname"),
+        pytest.param("node-7", "'node-7' is not a literal IP address", id="hostname-no-port"),
+        pytest.param("fd00::7", "IPv6 addresses in brackets", id="ipv6-unbracketed"),
+        pytest.param("fd00::7:9400", "IPv6 addresses in brackets", id="ipv6-unbracketed-port"),
+        pytest.param("10.0.0.7:", "port must be an integer in 1..65535", id="port-empty"),
+        pytest.param("[fd00::7]:x", "port must be an integer in 1..65535", id="port-name"),
+    ],
+)
+def test_parse_authority_refuses_what_is_not_a_literal_ip(text: str, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_authority(text, default_port=80)
+    assert fragment in str(info.value)
+    assert "ORIGINAL_DST" not in str(info.value)  # that reason belongs to pool addresses, not to URLs

@@ -22,6 +22,7 @@ from inferlb.scorer.config import (
     parse_config,
 )
 from inferlb.scorer.errors import ConfigError, ScorerError
+from inferlb.scorer.networks import DEFAULT_NETWORKS, Networks
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
 from inferlb.scorer.registry import ProfileSpec, default_registry
 
@@ -116,15 +117,17 @@ ERRORS = [
     pytest.param("pool", r"^config must be a mapping; got str$", id="top-level-string"),
     pytest.param(
         _doc(polcy="round-robin"),
-        r"^config: unknown key 'polcy' \(allowed: admin, admission, class_header, classes, default_class, listen, "
-        r"max_body_bytes, otel, policy, pool, profiles, session_header, signals\)$",
+        r"^config: unknown key 'polcy' \(allowed: admin, admin_auth, admission, class_header, classes, default_class, "
+        r"drain_s, inflight, listen, max_body_bytes, otel, policy, pool, profiles, session_header, signals\)$",
         id="unknown-top-key",
     ),
     pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
     pytest.param({"pool": None}, r"^pool must be a mapping; got NoneType", id="pool-null"),
     pytest.param({"pool": ["10.0.0.1:80"]}, r"^pool must be a mapping; got list", id="pool-list"),
     pytest.param(
-        {"pool": {"endpoint": []}}, r"^pool: unknown key 'endpoint' \(allowed: endpoints\)", id="unknown-pool-key"
+        {"pool": {"endpoint": []}},
+        r"^pool: unknown key 'endpoint' \(allowed: allowed_networks, endpoints\)",
+        id="unknown-pool-key",
     ),
     pytest.param({"pool": {}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-missing"),
     pytest.param({"pool": {"endpoints": []}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-empty"),
@@ -511,6 +514,7 @@ MUST_BE = [
     ),
     ("scorers", "in-flight-tokens", "unit", "a number > 0", {"0": "0", "-4096": "-4096", ".inf": "inf", "yes": "True"}),
     ("scorers", "latency", "signal", "one of 'ttft_s', 'e2e_s'", {"ttft": "'ttft'", "1": "1"}),
+    ("scorers", "latency", "tolerance", "a number in [0, 10]", {"-0.1": "-0.1", "11": "11", "'x'": "'x'"}),
     ("scorers", "predicted-ttft", "block_tokens", "an integer >= 1", {"0": "0", "64.0": "64.0", "'64'": "'64'"}),
     ("scorers", "predicted-ttft", "guard", "a number > 0 or .inf", {"0": "0", "-.inf": "-inf", "'2'": "'2'"}),
     ("filters", "ttft-slo", "guard", "a number > 0 or .inf", {"-1": "-1", ".nan": "nan"}),
@@ -666,3 +670,260 @@ def test_the_prefix_index_takes_prefix_affinitys_size_whatever_the_order_of_scor
     doc["profiles"]["mine"]["scorers"].append(two)
     with pytest.raises(ConfigError, match=r"^profiles\.mine\.scorers\[2\]: capacity_blocks 8 differs from the 7"):
         parse_config(doc)
+
+
+# ---- pool.allowed_networks: where endpoints and GPU sources may be ---------------------------------------------
+
+DEFAULT_LIST = (
+    r"127\.0\.0\.0/8, ::1/128, 10\.0\.0\.0/8, 172\.16\.0\.0/12, 192\.168\.0\.0/16, 100\.64\.0\.0/10, fc00::/7"
+)
+EVERYWHERE = ["0.0.0.0/0", "::/0"]
+
+
+def _pool(*endpoints: Any, allowed: list[str] | None = None) -> dict[str, Any]:
+    """A config document whose pool has ``endpoints`` and, unless None, ``allowed_networks``."""
+    pool: dict[str, Any] = {"endpoints": list(endpoints)}
+    if allowed is not None:
+        pool["allowed_networks"] = allowed
+    return {"pool": pool}
+
+
+NOT_UNICAST = [
+    pytest.param("169.254.169.254:80", "is link-local", id="cloud-metadata"),
+    pytest.param("[fe80::1]:80", "is link-local", id="ipv6-link-local"),
+    pytest.param("[::ffff:169.254.169.254]:80", "is link-local", id="ipv4-mapped-metadata"),
+    pytest.param("0.0.0.0:22", "is the unspecified address", id="unspecified"),
+    pytest.param("[::]:80", "is the unspecified address", id="ipv6-unspecified"),
+    pytest.param("224.0.0.1:80", "is a multicast address", id="multicast"),
+    pytest.param("255.255.255.255:80", "is the broadcast address", id="broadcast"),
+]
+
+
+@pytest.mark.parametrize(
+    "allowed", [pytest.param(None, id="default-allowlist"), pytest.param(EVERYWHERE, id="allow-everything")]
+)
+@pytest.mark.parametrize(("address", "words"), NOT_UNICAST)
+def test_an_endpoint_must_be_a_unicast_address_whatever_the_allowlist(
+    address: str, words: str, allowed: list[str] | None
+) -> None:
+    document = _pool({"address": "10.0.0.1:8000"}, {"address": address}, allowed=allowed)
+    with pytest.raises(ConfigError) as info:
+        parse_config(document)
+    assert str(info.value).startswith(f"pool.endpoints[1].address: {address!r} {words}"), str(info.value)
+
+
+def test_a_public_endpoint_is_refused_until_its_network_is_allowed() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(_pool({"address": "10.0.0.1:8000"}, {"address": "8.8.8.8:8000"}))
+    assert re.fullmatch(
+        rf"pool\.endpoints\[1\]\.address: '8\.8\.8\.8:8000' is outside pool\.allowed_networks \({DEFAULT_LIST}\): "
+        r"add its network there if this server is yours",
+        str(info.value),
+    ), str(info.value)
+
+    config = parse_config(_pool({"address": "8.8.8.8:8000"}, allowed=["8.8.8.0/24", "10.0.0.0/8"]))
+    assert config.endpoints[0].address == "8.8.8.8:8000"
+    assert config.allowed_networks == Networks.of(["8.8.8.0/24", "10.0.0.0/8"])
+    assert parse_config(_doc()).allowed_networks == DEFAULT_NETWORKS
+
+
+def test_allowed_networks_replace_the_default() -> None:
+    with pytest.raises(ConfigError, match=r"^pool\.endpoints\[0\]\.address: '10\.0\.0\.1:8000' is outside pool\."):
+        parse_config(_pool({"address": "10.0.0.1:8000"}, allowed=["192.168.7.0/24"]))
+
+
+@pytest.mark.parametrize(
+    ("allowed", "pattern"),
+    [
+        pytest.param([], r"^pool\.allowed_networks must be a non-empty list of networks", id="empty"),
+        pytest.param("10.0.0.0/8", r"^pool\.allowed_networks must be a non-empty list of networks", id="string"),
+        pytest.param(None, r"^pool\.allowed_networks must be a non-empty list of networks", id="null"),
+        pytest.param(["10.0.0.0/8", 7], r"^pool\.allowed_networks\[1\] must be a network", id="int"),
+        pytest.param(["10.0.0.1/8"], r"^pool\.allowed_networks\[0\]: '10\.0\.0\.1/8' is not a network", id="host-bits"),
+        pytest.param(["10.0.0.0/33"], r"^pool\.allowed_networks\[0\]: '10\.0\.0\.0/33' is not a network", id="prefix"),
+    ],
+)
+def test_allowed_networks_errors_name_the_entry(allowed: Any, pattern: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:8000"}], "allowed_networks": allowed}})
+    assert re.search(pattern, str(info.value)), str(info.value)
+
+
+def _gpu(url: str, kind: str | None = None, allowed: list[str] | None = None) -> dict[str, Any]:
+    gpu = {"url": url} if kind is None else {"url": url, "kind": kind}
+    return _pool({"address": "10.0.0.1:8000"}, {"address": "10.0.0.2:8000", "gpu": gpu}, allowed=allowed)
+
+
+@pytest.mark.parametrize(
+    ("url", "kind", "expected"),
+    [
+        pytest.param("http://10.0.0.2:9400", None, "http://10.0.0.2:9400/gpu", id="agent-default-path"),
+        pytest.param("http://10.0.0.2:9400", "dcgm", "http://10.0.0.2:9400/metrics", id="dcgm-default-path"),
+        pytest.param("http://10.0.0.2/gpu", None, "http://10.0.0.2:80/gpu", id="default-port"),
+        pytest.param("HTTP://[FD00::2]:9400/v1/gpu", None, "http://[fd00::2]:9400/v1/gpu", id="ipv6-canonical"),
+    ],
+)
+def test_a_gpu_url_is_stored_canonical(url: str, kind: str | None, expected: str) -> None:
+    gpu = parse_config(_gpu(url, kind)).endpoints[1].gpu
+    assert gpu is not None and gpu.url == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed", "pattern"),
+    [
+        pytest.param(
+            "https://10.0.0.2:9400/gpu",
+            None,
+            r"^pool\.endpoints\[1\]\.gpu\.url: 'https://10\.0\.0\.2:9400/gpu': https:// is not supported \(the picker "
+            r"has no TLS client for GPU sources\); use http:// to the node's agent or exporter",
+            id="https",
+        ),
+        pytest.param(
+            "ftp://10.0.0.2/gpu",
+            None,
+            r"^pool\.endpoints\[1\]\.gpu\.url must be an http:// URL such as 'http://10\.0\.0\.7:9400/gpu'; "
+            r"got 'ftp://10\.0\.0\.2/gpu'$",
+            id="other-scheme",
+        ),
+        pytest.param(
+            "http://gpu-node-2:9400/gpu",
+            None,
+            r"^pool\.endpoints\[1\]\.gpu\.url: 'http://gpu-node-2:9400/gpu': 'gpu-node-2:9400': 'gpu-node-2' is not a "
+            r"literal IP address \(hostnames are not allowed: a name could resolve to any address later\)",
+            id="hostname",
+        ),
+        pytest.param(
+            "http://169.254.169.254/latest/meta-data/",
+            EVERYWHERE,
+            r"^pool\.endpoints\[1\]\.gpu\.url: 'http://169\.254\.169\.254/latest/meta-data/': 169\.254\.169\.254 "
+            r"is link-local",
+            id="link-local",
+        ),
+        pytest.param(
+            "http://[::ffff:169.254.169.254]/gpu",
+            EVERYWHERE,
+            r"^pool\.endpoints\[1\]\.gpu\.url: .* is link-local",
+            id="ipv4-mapped-metadata",
+        ),
+        pytest.param("http://0.0.0.0:9400/gpu", EVERYWHERE, r"is the unspecified address", id="unspecified"),
+        pytest.param(
+            "http://8.8.8.8:9400/gpu",
+            None,
+            rf"^pool\.endpoints\[1\]\.gpu\.url: 'http://8\.8\.8\.8:9400/gpu': 8\.8\.8\.8 is outside "
+            rf"pool\.allowed_networks \({DEFAULT_LIST}\): add its network there if this server is yours$",
+            id="outside-allowlist",
+        ),
+        pytest.param(
+            "http://admin:secret@10.0.0.2:9400/gpu",
+            None,
+            r"^pool\.endpoints\[1\]\.gpu\.url: .*: a user name or password \('user@'\) is not allowed",
+            id="userinfo",
+        ),
+        pytest.param(
+            "http://10.0.0.2:9400/gpu?target=http://169.254.169.254/",
+            None,
+            r"^pool\.endpoints\[1\]\.gpu\.url: .*: a query \('\?\.\.\.'\) is not allowed",
+            id="query",
+        ),
+        pytest.param("http://10.0.0.2:9400?x=1", None, r"a query \('\?\.\.\.'\) is not allowed", id="query-no-path"),
+        pytest.param("http://10.0.0.2:9400/gpu#x", None, r"a fragment \('#\.\.\.'\) is not allowed", id="fragment"),
+        pytest.param("http://10.0.0.2:9400/g pu", None, r"the path '/g pu' may hold only", id="path-space"),
+        pytest.param("http://10.0.0.2:9400/g\\pu", None, r"the path '/g\\\\pu' may hold only", id="path-backslash"),
+        pytest.param(
+            "http:///gpu", None, r"^pool\.endpoints\[1\]\.gpu\.url: 'http:///gpu': names no host", id="no-host"
+        ),
+        pytest.param("http://fd00::2:9400/gpu", None, r"IPv6 addresses in brackets", id="ipv6-unbracketed"),
+    ],
+)
+def test_a_gpu_url_must_be_http_to_an_allowed_literal_ip(url: str, allowed: list[str] | None, pattern: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(_gpu(url, allowed=allowed))
+    assert re.search(pattern, str(info.value)), str(info.value)
+
+
+def test_a_public_gpu_source_is_accepted_once_its_network_is_allowed() -> None:
+    gpu = parse_config(_gpu("http://8.8.8.8:9400/gpu", allowed=["10.0.0.0/8", "8.8.8.8/32"])).endpoints[1].gpu
+    assert gpu is not None and gpu.url == "http://8.8.8.8:9400/gpu"
+
+
+# --- otel: the span receiver's trust and bounds (otel/receiverproc.py checks them) -----------------------------
+
+OTEL_POOL = {"endpoints": [{"address": "10.0.0.1:80"}]}
+
+
+def _otel_config(**otel: Any) -> Config:
+    return parse_config({"otel": {"receiver": "127.0.0.1:4317", **otel}, "pool": OTEL_POOL})
+
+
+def test_the_receiver_trusts_the_pool_and_loopback_and_takes_sane_bounds_by_default() -> None:
+    otel = _otel_config().otel
+    assert otel.allowed_senders is None and otel.receiver_auth is None
+    assert (otel.receiver_max_message_bytes, otel.receiver_max_spans_per_request) == (4 << 20, 16384)
+    assert (otel.span_max_age_s, otel.span_max_ahead_s, otel.span_max_latency_s) == (600.0, 60.0, 3600.0)
+
+
+def test_the_receivers_allowlist_token_and_limits_are_read() -> None:
+    otel = _otel_config(
+        allowed_senders=["10.0.0.0/8", "fd00::/8", "192.168.1.7"],
+        receiver_auth={"token_file": "/run/secrets/otlp"},
+        receiver_max_message_bytes=1 << 20,
+        receiver_max_spans_per_request=4096,
+        receiver_max_spans_per_s=5000,
+        span_max_age_s=300,
+        span_max_ahead_s=5,
+        span_max_latency_s=600,
+        join_max_age_s=120,
+    ).otel
+    assert otel.allowed_senders == ("10.0.0.0/8", "fd00::/8", "192.168.1.7/32")
+    assert otel.receiver_auth is not None and otel.receiver_auth.file == "/run/secrets/otlp"
+    assert (otel.receiver_max_message_bytes, otel.receiver_max_spans_per_request) == (1 << 20, 4096)
+    assert (otel.receiver_max_spans_per_s, otel.span_max_age_s, otel.span_max_ahead_s) == (5000.0, 300.0, 5.0)
+    assert (otel.span_max_latency_s, otel.join_max_age_s) == (600.0, 120.0)
+
+
+def test_every_address_may_send_only_with_a_token() -> None:
+    with pytest.raises(ConfigError, match=r"^otel\.allowed_senders\[0\]: 0\.0\.0\.0/0 lets any host send spans"):
+        _otel_config(allowed_senders=["0.0.0.0/0"])
+    otel = _otel_config(allowed_senders=["0.0.0.0/0", "::/0"], receiver_auth={"token_env": "OTLP_TOKEN"}).otel
+    assert otel.allowed_senders == ("0.0.0.0/0", "::/0")
+
+
+@pytest.mark.parametrize(
+    ("otel", "pattern"),
+    [
+        pytest.param({"allowed_senders": []}, r"^otel\.allowed_senders must be a non-empty list", id="empty"),
+        pytest.param({"allowed_senders": ["10.0.0.1/8"]}, r"^otel\.allowed_senders\[0\]: .*CIDR", id="host-bits"),
+        pytest.param({"allowed_senders": ["lab"]}, r"^otel\.allowed_senders\[0\]: 'lab' is not a network", id="name"),
+        pytest.param(
+            {"allowed_senders": ["169.254.0.0/16"]}, r"^otel\.allowed_senders\[0\]: .* is link-local", id="link-local"
+        ),
+        pytest.param({"allowed_senders": ["224.0.0.0/4"]}, r"is a multicast address", id="multicast"),
+        pytest.param(
+            {"receiver_auth": {"token": "x"}}, r"^otel\.receiver_auth needs exactly one of", id="inline-token"
+        ),
+        pytest.param({"receiver_auth": "secret"}, r"^otel\.receiver_auth must be a mapping", id="not-a-mapping"),
+        pytest.param(
+            {"receiver_max_message_bytes": 1 << 30}, r"^otel\.receiver_max_message_bytes must be an integer", id="big"
+        ),
+        pytest.param(
+            {"receiver_max_spans_per_request": 0}, r"^otel\.receiver_max_spans_per_request must be", id="no-spans"
+        ),
+        pytest.param({"receiver_max_spans_per_s": 0}, r"^otel\.receiver_max_spans_per_s must be a number", id="rate"),
+        pytest.param({"span_max_age_s": "10m"}, r"^otel\.span_max_age_s must be a number", id="age"),
+        pytest.param({"span_max_ahead_s": -1}, r"^otel\.span_max_ahead_s must be a number", id="ahead"),
+        pytest.param({"join_max_age_s": 0}, r"^otel\.join_max_age_s must be a number", id="join-age"),
+    ],
+)
+def test_a_bad_receiver_setting_names_its_place(otel: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _otel_config(**otel)
+    assert re.search(pattern, str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "key", [pytest.param("allowed_senders", id="allowlist"), pytest.param("receiver_auth", id="auth")]
+)
+def test_receiver_trust_settings_without_a_receiver_are_refused(key: str) -> None:
+    value = ["10.0.0.0/8"] if key == "allowed_senders" else {"token_env": "OTLP_TOKEN"}
+    with pytest.raises(ConfigError, match=rf"^otel\.{key} is set but otel\.receiver is not"):
+        parse_config({"otel": {key: value}, "pool": OTEL_POOL})
