@@ -4,6 +4,9 @@ background and publishes utilisation and free/total memory into the signals snap
 Endpoints that name the same URL share one read per round. An endpoint's utilisation is the mean over its GPUs
 (``indices``, or all of the node's), its memory the sum. A failed read leaves the endpoint's GPU values NaN
 (unknown: neutral in every scorer) rather than keeping numbers that may no longer be true.
+
+Each read goes to the configured URL only (no redirect, no proxy from the environment), takes at most
+``timeout_s`` in all and reads at most ``max_body_bytes``, so no source can hold up a round for long or fill memory.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import httpx
 import numpy as np
 
 from inferlb.scorer.config import GpuSource
-from inferlb.scorer.gpuclient import GpuReadError, fetch_gpu_report
+from inferlb.scorer.gpuclient import MAX_GPU_REPORT_BYTES, GpuReadError, fetch_gpu_report
 from inferlb.scorer.gpustate import GpuReport
 from inferlb.scorer.signals import Signals
 
@@ -28,15 +31,26 @@ logger = logging.getLogger(__name__)
 
 
 class GpuCollector:
-    """Reads ``sources[i]`` (None: endpoint i has no GPU source) into ``signals`` every ``interval_s``."""
+    """Reads ``sources[i]`` (None: endpoint i has no GPU source) into ``signals`` every ``interval_s``; each read
+    within ``timeout_s`` and ``max_body_bytes``. One event loop; call ``aclose`` when done."""
 
     def __init__(
-        self, sources: Sequence[GpuSource | None], signals: Signals, *, interval_s: float = 0.5, timeout_s: float = 1.0
+        self,
+        sources: Sequence[GpuSource | None],
+        signals: Signals,
+        *,
+        interval_s: float = 0.5,
+        timeout_s: float = 1.0,
+        max_body_bytes: int = MAX_GPU_REPORT_BYTES,
     ) -> None:
         self.sources = list(sources)
         self.signals = signals
         self.interval_s = interval_s
-        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
+        # The URL was checked against pool.allowed_networks: a redirect or an HTTP_PROXY from the environment would
+        # send the request somewhere else (fetch_gpu_report refuses redirects on its own as well).
+        self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False)
         self._urls = sorted({(s.url, s.kind) for s in self.sources if s is not None})
         self.errors: Counter[str] = Counter()
         self.rounds = 0
@@ -72,7 +86,9 @@ class GpuCollector:
 
     async def _read(self, url: str, kind: str) -> GpuReport | None:
         try:
-            return await fetch_gpu_report(self._client, url, kind=kind, host=url)
+            return await fetch_gpu_report(
+                self._client, url, kind=kind, host=url, max_bytes=self.max_body_bytes, timeout_s=self.timeout_s
+            )
         except GpuReadError as exc:
             if not self.errors[url]:
                 logger.warning("GPU source %s: %s", url, exc)

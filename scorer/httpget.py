@@ -1,9 +1,9 @@
 """A small keep-alive HTTP/1.1 GET client for the metrics scrape: one connection per endpoint, reused.
 
 The scraper fetches one path from every endpoint ten times a second; a general-purpose client spends far more
-CPU per request than parsing the answer does. This one writes a fixed request and reads a ``Content-Length`` or
-chunked body, nothing else (no redirects, no TLS, no compression). Any failure closes the connection; the next
-call opens a new one.
+CPU per request than parsing the answer does. This one writes a fixed request and reads a ``Content-Length``,
+chunked or close-delimited (HTTP/1.0) body, at most ``max_body`` bytes, nothing else (no redirects, no TLS, no
+compression). Any failure closes the connection; the next call opens a new one.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 __all__ = ["HttpGetError", "HttpGetter"]
 
 _MAX_HEADER = 64 * 1024
+_READ_SIZE = 64 * 1024
 
 
 class HttpGetError(Exception):
@@ -72,20 +73,32 @@ class HttpGetter:
                 chunked = "chunked" in value.lower()
             elif name == "connection":
                 keep = value.strip().lower() == "keep-alive" or (keep and value.strip().lower() != "close")
-        if chunked:
+        if status in (204, 304) or 100 <= status < 200:
+            body = b""  # these never have a body (RFC 9112 6.3): reading to the close would wait out the timeout
+        elif chunked:
             body = await self._chunked(reader)
         elif length is not None:
             if length > self.max_body:
                 raise ValueError(f"body of {length} bytes exceeds {self.max_body}")
             body = await reader.readexactly(length)
         else:
-            body = await reader.read(self.max_body + 1)
+            body = await self._to_close(reader)
             keep = False
-            if len(body) > self.max_body:
-                raise ValueError(f"body exceeds {self.max_body} bytes")
         if not keep:
             self.close()
         return status, body
+
+    async def _to_close(self, reader: asyncio.StreamReader) -> bytes:
+        """A body without a length ends when the server closes: read to EOF (one ``read`` returns only what has
+        arrived so far), at most ``max_body`` bytes; the caller's timeout bounds the wait."""
+        parts: list[bytes] = []
+        total = 0
+        while chunk := await reader.read(_READ_SIZE):
+            total += len(chunk)
+            if total > self.max_body:
+                raise ValueError(f"body exceeds {self.max_body} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def _chunked(self, reader: asyncio.StreamReader) -> bytes:
         parts: list[bytes] = []

@@ -6,14 +6,15 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
 from inferlb.scorer.gpuagent import NvmlReader, create_agent_app
-from inferlb.scorer.gpuclient import GpuReadError, fetch_gpu_report
+from inferlb.scorer.gpuclient import MAX_GPU_REPORT_BYTES, GpuReadError, fetch_gpu_report
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
@@ -158,3 +159,134 @@ async def test_unknown_kind_is_a_value_error() -> None:
     async with mock_client(respond(200, GOOD)) as client:
         with pytest.raises(ValueError, match="kind must be one of agent, dcgm; got 'nvidia-smi'"):
             await fetch_gpu_report(client, URL, kind="nvidia-smi", host="n")
+
+
+class LoopbackHttp:
+    """A tiny HTTP/1.1 server on 127.0.0.1, port 0: answers each path with its scripted response (404 for any
+    other) and counts the requests per path in ``hits``, before it answers."""
+
+    def __init__(self, routes: dict[str, bytes]) -> None:
+        self.routes = routes
+        self.hits: Counter[str] = Counter()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def __aenter__(self) -> LoopbackHttp:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ", 2)[1].decode("ascii")
+            self.hits[path] += 1
+            writer.write(self.routes.get(path, b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def http_response(status: str, body: bytes = b"", **headers: str) -> bytes:
+    lines = [f"HTTP/1.1 {status}", f"Content-Length: {len(body)}", "Connection: close"]
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+async def test_a_redirect_is_an_error_that_names_it_and_is_not_followed() -> None:
+    canary = LoopbackHttp({"/canary": http_response("200 OK", json.dumps(GOOD).encode())})
+    async with canary, LoopbackHttp({}) as source:
+        source.routes["/gpu"] = http_response("302 Found", Location=canary.url("/canary"))
+        # a client that would follow: fetch_gpu_report must not, whatever client it is given
+        async with httpx.AsyncClient(follow_redirects=True, timeout=5) as client:
+            with pytest.raises(GpuReadError) as info:
+                await fetch_gpu_report(client, source.url("/gpu"), kind="agent", host="n")
+    assert info.value.reason == (
+        f"HTTP 302 redirect to {canary.url('/canary')!r} (redirects are not followed: set gpu.url to where the "
+        "report is)"
+    )
+    assert source.hits == {"/gpu": 1}
+    assert canary.hits == {}
+
+
+async def test_a_redirect_without_a_location_is_an_error_too() -> None:
+    async with mock_client(respond(301, b"moved")) as client:
+        with pytest.raises(GpuReadError, match=r": HTTP 301 redirect \(redirects are not followed"):
+            await fetch_gpu_report(client, URL, kind="dcgm", host="n")
+
+
+CHUNK = 64 * 1024
+
+
+def endless(
+    total: int, pulled: list[int], headers: dict[str, str] | None = None
+) -> Callable[[httpx.Request], httpx.Response]:
+    """A response of ``total`` bytes made as it is read, 64 KiB at a time; ``pulled`` counts what was made."""
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(total // CHUNK):
+            pulled.append(CHUNK)
+            yield b" " * CHUNK
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers=headers)
+
+    return handler
+
+
+async def test_a_huge_body_is_refused_without_being_read_whole() -> None:
+    pulled: list[int] = []
+    async with mock_client(endless(50 << 20, pulled)) as client:
+        with pytest.raises(GpuReadError) as info:
+            await fetch_gpu_report(client, URL, kind="dcgm", host="n")
+    assert info.value.reason == f"the body exceeds {MAX_GPU_REPORT_BYTES} bytes"
+    assert sum(pulled) <= MAX_GPU_REPORT_BYTES + CHUNK < 50 << 20
+
+
+async def test_a_smaller_cap_applies_and_a_declared_length_over_it_is_refused_before_reading() -> None:
+    pulled: list[int] = []
+    async with mock_client(endless(1 << 20, pulled)) as client:
+        with pytest.raises(GpuReadError, match=r"the body exceeds 65536 bytes$"):
+            await fetch_gpu_report(client, URL, kind="agent", host="n", max_bytes=CHUNK)
+    assert sum(pulled) == 2 * CHUNK
+
+    pulled.clear()
+    async with mock_client(endless(1 << 20, pulled, {"content-length": "1048576"})) as client:
+        with pytest.raises(GpuReadError, match=r"the body of 1048576 bytes exceeds 65536$"):
+            await fetch_gpu_report(client, URL, kind="agent", host="n", max_bytes=CHUNK)
+    assert pulled == []
+
+
+async def test_an_encoded_body_is_refused_and_identity_is_asked_for() -> None:
+    seen: list[httpx.Request] = []
+
+    def gzipped(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=b"\x1f\x8b", headers={"content-encoding": "gzip"})
+
+    async with mock_client(gzipped) as client:
+        with pytest.raises(GpuReadError, match=r"the body is encoded \(gzip\)"):
+            await fetch_gpu_report(client, URL, kind="dcgm", host="n")
+    assert seen[0].headers["accept-encoding"] == "identity"
+
+
+async def test_the_whole_read_is_bounded_by_timeout_s() -> None:
+    async def dribble() -> AsyncIterator[bytes]:
+        yield b"{"
+        await asyncio.Event().wait()  # a server that never finishes its body (and never trips a read timeout)
+        yield b"}"
+
+    async with mock_client(lambda request: httpx.Response(200, content=dribble())) as client:
+        with pytest.raises(GpuReadError) as info:
+            await fetch_gpu_report(client, URL, kind="agent", host="n", timeout_s=0.05)
+    assert info.value.reason == "timed out after 0.05 s in all"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import httpx
@@ -10,11 +11,14 @@ import pytest
 
 from inferlb.procs import free_port
 from inferlb.scorer.config import GpuSource
+from inferlb.scorer.gpuclient import MAX_GPU_REPORT_BYTES
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.signals import Signals
 from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
+
+from .test_gpuclient import LoopbackHttp, http_response
 
 TP4 = get_profile("h100x4-llama3.1-70b")
 
@@ -57,3 +61,54 @@ async def test_gpu_state_reaches_the_snapshot(servers):
     assert snap.gpu_free_bytes[0] == 4 * free_per_gpu
     assert all(math.isnan(snap.gpu_util[i]) for i in (2, 3))
     assert list(collector.errors) == [sources[3].url]
+
+
+async def test_a_source_that_redirects_is_an_error_and_the_target_is_never_asked(caplog):
+    canary = LoopbackHttp({"/gpu": http_response("200 OK", b'{"source": "nvml", "host": "n", "gpus": []}')})
+    async with canary, LoopbackHttp({}) as source:
+        source.routes["/gpu"] = http_response("302 Found", Location=canary.url("/gpu"))
+        signals = Signals(1)
+        collector = GpuCollector([GpuSource(source.url("/gpu"))], signals, timeout_s=5.0)
+        try:
+            with caplog.at_level(logging.WARNING, logger="inferlb.scorer.gpucollect"):
+                await collector.read_once()
+        finally:
+            await collector.aclose()
+    assert source.hits == {"/gpu": 1}
+    assert canary.hits == {}
+    assert collector.errors == {source.url("/gpu"): 1}
+    assert f"HTTP 302 redirect to {canary.url('/gpu')!r}" in caplog.text
+    assert math.isnan(signals.snapshot.gpu_util[0])
+
+
+async def test_a_huge_body_is_refused_without_being_read_whole():
+    """A source that answers 200 MiB (close-delimited, so no length to refuse up front): the collector stops at its
+    cap and closes; the server gets to write no more than the cap and what the sockets' buffers hold (Linux lets
+    them grow to tens of MiB; about 5 MiB here)."""
+    huge, piece = 200 << 20, b"#" * (64 << 10)
+    written: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+            while sum(written) < huge:
+                writer.write(piece)
+                await writer.drain()
+                written.append(len(piece))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics"
+    collector = GpuCollector([GpuSource(url, kind="dcgm")], Signals(1), timeout_s=5.0)
+    try:
+        await collector.read_once()
+    finally:
+        await collector.aclose()
+        server.close()
+        await server.wait_closed()
+    assert collector.errors == {url: 1}
+    assert MAX_GPU_REPORT_BYTES <= sum(written) < 64 << 20

@@ -10,7 +10,9 @@ from inferlb.scorer.httpget import HttpGetError, HttpGetter
 
 
 class Scripted:
-    """Answers each request on a connection with the next scripted response; counts connections and requests."""
+    """Answers each request on a connection with the next scripted response; counts connections and requests.
+
+    After an HTTP/1.0 response it closes the connection, as a real server does (the close ends its body)."""
 
     def __init__(self, responses: list[bytes]) -> None:
         self.responses = responses
@@ -22,8 +24,11 @@ class Scripted:
         try:
             while self.responses:
                 self.requests.append(await reader.readuntil(b"\r\n\r\n"))
-                writer.write(self.responses.pop(0))
+                response = self.responses.pop(0)
+                writer.write(response)
                 await writer.drain()
+                if response.startswith(b"HTTP/1.0 "):
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -114,3 +119,78 @@ async def test_timeout_and_refused():
     await server.wait_closed()
     with pytest.raises(HttpGetError, match="ConnectionRefusedError"):
         await closed.get(1.0)
+
+
+EXPOSITION = b"".join(
+    b'vllm:request_success_total{model_name="meta-llama/Llama-3.1-8B-Instruct",finished_reason="stop",n="%05d"} 7\n' % i
+    for i in range(200)
+)  # ~22 KB, about what a vLLM /metrics answers
+
+
+async def close_delimited(body: bytes, pieces: int) -> tuple[asyncio.Server, int]:
+    """A server answering every connection with HTTP/1.0, no Content-Length: ``body`` in ``pieces`` writes with a
+    drain after each, then the close that ends the body."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n")
+            await writer.drain()
+            step = -(-len(body) // pieces)
+            for start in range(0, len(body), step):
+                writer.write(body[start : start + step])
+                await writer.drain()
+                # Let the client's side of this loop take the piece before the next one comes, as a network's
+                # pieces arrive apart (these are turns of the loop, not waits on a clock).
+                for _ in range(4):
+                    await asyncio.sleep(0)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_a_close_delimited_body_is_read_to_its_end():
+    assert 20_000 < len(EXPOSITION) < 24_000
+    server, port = await close_delimited(EXPOSITION, pieces=6)
+    getter = HttpGetter("127.0.0.1", port, "/metrics")
+    try:
+        assert await getter.get(2.0) == (200, EXPOSITION)
+        assert await getter.get(2.0) == (200, EXPOSITION)  # the close ended the connection: a new one, same answer
+    finally:
+        getter.close()
+        server.close()
+
+
+async def test_a_close_delimited_body_over_max_body_is_refused():
+    server, port = await close_delimited(EXPOSITION, pieces=6)
+    getter = HttpGetter("127.0.0.1", port, "/metrics", max_body=10_000)
+    try:
+        with pytest.raises(HttpGetError, match="body exceeds 10000 bytes"):
+            await getter.get(2.0)
+    finally:
+        getter.close()
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        pytest.param(b"HTTP/1.1 204 No Content\r\n\r\n", id="204"),
+        pytest.param(b"HTTP/1.1 304 Not Modified\r\n\r\n", id="304"),
+    ],
+)
+async def test_a_status_without_a_body_does_not_wait_for_one(head):
+    script = Scripted([head, OK])
+    server, port = await serve(script)
+    getter = HttpGetter("127.0.0.1", port, "/m")
+    try:
+        assert await getter.get(2.0) == (int(head.split()[1]), b"")
+        assert await getter.get(2.0) == (200, b"hello")
+    finally:
+        getter.close()
+        server.close()
+    assert script.connections == 1
