@@ -11,7 +11,9 @@ The building blocks:
 - `WindowedQuantiles`: a ring of histograms, one per slice of the window; old slices are cleared as time
   moves on, so memory does not grow with traffic.
 - `Ewma`: an exponentially weighted mean whose weights decay with elapsed time, not with the sample count.
-- `EndpointLatency`: all of the above for every endpoint of a pool (about 24 KB each), with vectorised reads.
+- `EndpointLatency`: all of the above for every endpoint of a pool (about 24 KB each), with vectorised reads;
+  the EWMA it publishes is shrunk toward the fleet's as an endpoint's own evidence ages, so that an endpoint
+  nobody sends requests to is not judged forever on its last samples.
 
 Values that are not positive finite numbers (NaN, infinities, zero, negatives) are ignored and counted in
 ``rejected``. Nothing here is thread-safe: each object belongs to the one event loop that feeds and reads it.
@@ -280,49 +282,79 @@ class WindowedQuantiles:
         return sum(h.count for h in self._histograms)
 
 
+class _DecayedSums:
+    """``n`` series of samples whose weights decay with time: per series, the weighted sum of its samples
+    (``sums``) and the sum of their weights (``weights``), both as of the series' latest sample (``last``). A
+    sample weighs 1 when it arrives and half as much every ``half_life_s`` after; a sample earlier than the
+    series' latest counts at the latest's time. The one definition of the decay, shared by `Ewma` and
+    `EndpointLatency`. Values are not checked here. Not thread-safe."""
+
+    __slots__ = ("decay_per_s", "last", "sums", "weights")
+
+    def __init__(self, n: int, half_life_s: float) -> None:
+        self.decay_per_s = math.log(2.0) / half_life_s
+        self.sums = np.zeros(n)
+        self.weights = np.zeros(n)
+        self.last = np.zeros(n)
+
+    def add(self, i: int, value: float, now: float) -> None:
+        weight = float(self.weights[i])
+        last = float(self.last[i])
+        if weight == 0.0:  # the first sample (or every earlier one has decayed to nothing)
+            self.sums[i], self.weights[i], self.last[i] = value, 1.0, now
+        elif now > last:
+            decay = math.exp((last - now) * self.decay_per_s)
+            self.sums[i] = float(self.sums[i]) * decay + value
+            self.weights[i] = weight * decay + 1.0
+            self.last[i] = now
+        else:
+            self.sums[i] += value
+            self.weights[i] = weight + 1.0
+
+
+def _check_half_life(half_life_s: float) -> float:
+    if not isinstance(half_life_s, int | float) or not 0 < half_life_s < _INF:
+        raise ValueError(f"half_life_s must be a positive finite number of seconds, got {half_life_s!r}")
+    return float(half_life_s)
+
+
 class Ewma:
     """An exponentially weighted moving average whose weights decay with time: after samples ``x_i`` at times
     ``t_i``, ``value = sum(w_i * x_i) / sum(w_i)`` with ``w_i = 2 ** (-(t - t_i) / half_life_s)`` and ``t`` the
     latest sample's time. A sample's weight halves every ``half_life_s`` seconds however many samples follow,
     and samples at the same instant weigh the same. ``value`` is NaN until the first sample; it does not change
-    between samples. A ``now`` earlier than the latest sample counts as that sample's time. Values that are not
-    positive finite numbers are ignored and counted in ``rejected``. Not thread-safe.
+    between samples (decaying every weight alike leaves the mean as it is). What does change is the evidence
+    behind it: ``weight(now)`` is ``sum(w_i)`` decayed to ``now``, which halves every half-life without samples
+    (`EndpointLatency` uses it to shrink a stale mean toward the fleet's). A ``now`` earlier than the latest
+    sample counts as that sample's time. Values that are not positive finite numbers are ignored and counted in
+    ``rejected``. Not thread-safe.
     """
 
-    __slots__ = ("_decay_per_s", "_last", "_sum", "_weight", "clock", "half_life_s", "rejected")
+    __slots__ = ("_sums", "clock", "half_life_s", "rejected")
 
     def __init__(self, half_life_s: float = 10.0, *, clock: Callable[[], float] = time.monotonic) -> None:
-        if not isinstance(half_life_s, int | float) or not 0 < half_life_s < _INF:
-            raise ValueError(f"half_life_s must be a positive finite number of seconds, got {half_life_s!r}")
-        self.half_life_s = float(half_life_s)
+        self.half_life_s = _check_half_life(half_life_s)
         self.clock = clock
-        self._decay_per_s = math.log(2.0) / self.half_life_s
-        self._sum = 0.0
-        self._weight = 0.0
-        self._last: float | None = None
+        self._sums = _DecayedSums(1, self.half_life_s)
         self.rejected = 0
 
     @property
     def value(self) -> float:
-        return self._sum / self._weight if self._weight > 0.0 else math.nan
+        weight = float(self._sums.weights[0])
+        return float(self._sums.sums[0]) / weight if weight > 0.0 else math.nan
+
+    def weight(self, now: float | None = None) -> float:
+        """The samples' total weight decayed to ``now`` (default ``clock()``): 0.0 before the first sample, 1.0
+        just after it, halving every ``half_life_s`` without samples."""
+        sums = self._sums
+        age = max((self.clock() if now is None else now) - float(sums.last[0]), 0.0)
+        return float(sums.weights[0]) * math.exp(-age * sums.decay_per_s)
 
     def add(self, value: float, now: float | None = None) -> None:
         if not 0.0 < value < _INF:
             self.rejected += 1
             return
-        self._update(value, self.clock() if now is None else now)
-
-    def _update(self, value: float, now: float) -> None:
-        last = self._last
-        if last is None:
-            self._last = now
-        elif now > last:
-            decay = math.exp((last - now) * self._decay_per_s)
-            self._sum *= decay
-            self._weight *= decay
-            self._last = now
-        self._sum += value
-        self._weight += 1.0
+        self._sums.add(0, value, self.clock() if now is None else now)
 
 
 _METRICS = ("ttft", "e2e")
@@ -334,16 +366,34 @@ class EndpointLatency:
 
     ``observe(endpoint, ttft_s, e2e_s)`` records one span (either value may be None; values that are not
     positive finite seconds are counted in ``rejected``). ``arrays()`` returns fresh float64 arrays of length
-    ``size``: ``{ttft,e2e}_ewma`` (an `Ewma` with ``half_life_s``), ``{ttft,e2e}_p50/_p95/_p99`` (over a
-    ``window_s`` window of ``slices`` slices, within ``buckets.max_relative_error`` of the exact quantile), and
-    ``count`` (the spans in the window that carried an accepted value). A metric with no value in the window is
-    NaN, its EWMA included, so a scorer never acts on stale latency; ``count`` is 0.0 there.
+    ``size``: ``{ttft,e2e}_ewma`` (the estimate to score on, below), ``{ttft,e2e}_p50/_p95/_p99`` (over a
+    ``window_s`` window of ``slices`` slices, within ``buckets.max_relative_error`` of the exact quantile, NaN
+    where the endpoint has no value in the window), and ``count`` (the spans in the window that carried an
+    accepted value; 0.0 where none).
+
+    The estimate ``{ttft,e2e}_ewma`` is each endpoint's own time-decayed mean (as `Ewma` with ``half_life_s``)
+    shrunk toward the fleet's: ``(w * own + w0 * fleet) / (w + w0)``. ``w`` is the endpoint's evidence, its
+    samples' weights decayed to the read's ``now`` (1 per fresh sample, halving every half-life without one);
+    ``w0`` is ``prior_weight`` (default 1.0: one sample's worth); ``fleet`` is the evidence-weighted mean of the
+    endpoints' own means, i.e. the time-decayed mean of every sample in the pool. Samples of an endpoint with no
+    value in the window count as no evidence (``w = 0``), so such an endpoint, or one never observed, reads
+    ``fleet`` exactly; with one endpoint, or all alike, the estimate is the own mean. An endpoint that keeps
+    sending samples keeps ``w`` in the tens or hundreds and its estimate stays its own; one that stopped drifts
+    toward ``fleet`` as its evidence ages: after ``k`` half-lives without samples its distance from ``fleet`` is
+    ``w_k / (w_k + w0)`` of its own mean's, with ``w_k = w * 2 ** -k`` (from one sample: 1/3 after one
+    half-life, under 1/30 after five). Why: the picker is max-score, so an endpoint that once looked slow gets
+    almost no requests, hence no samples; a mean that kept its value (or a NaN, which scores neutral, below the
+    fleet's healthy endpoints) kept it starved indefinitely. An estimate that only approaches the fleet's would
+    still lose every tied pick by its residue: the latency scorer's tolerance (`LatencyScorer`) is the other half
+    of the fix. The quantiles are observations only and are not shrunk. The estimate is NaN only while no
+    endpoint has a value in the window.
 
     Memory is fixed at construction, per endpoint: ``2 * slices * buckets.size`` int32 slice counters and
     ``2 * buckets.size`` int64 window sums (24 KB with the defaults: 6 slices of 378 buckets; ``nbytes`` says
-    exactly) plus two `Ewma` objects; nothing grows with traffic. A pool that changes gets a new object. A read
-    recomputes only the endpoints observed since the last read (all of them when a slice expires). Not
-    thread-safe: owned by the event loop that receives the spans.
+    exactly) plus six floats of EWMA state; nothing grows with traffic. A pool that changes gets a new object. A
+    read recomputes the quantiles of only the endpoints observed since the last read (all of them when a slice
+    expires) and the estimates of all of them (they change with time alone), vectorised. Not thread-safe: owned
+    by the event loop that receives the spans.
     """
 
     def __init__(
@@ -355,12 +405,17 @@ class EndpointLatency:
         slices: int = 6,
         clock: Callable[[], float] = time.monotonic,
         buckets: LogBuckets | None = None,
+        prior_weight: float = 1.0,
     ) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"EndpointLatency size must be an integer >= 0, got {size!r}")
+        if not isinstance(prior_weight, int | float) or isinstance(prior_weight, bool) or not 0 < prior_weight < _INF:
+            raise ValueError(f"prior_weight must be a positive finite number of samples, got {prior_weight!r}")
         self.size = size
         self.clock = clock
         self.buckets = _DEFAULT_BUCKETS if buckets is None else buckets
+        self.half_life_s = _check_half_life(half_life_s)
+        self.prior_weight = float(prior_weight)
         self._ring = _Ring(window_s, slices)
         self._qs = np.asarray(QUANTILES)
         shape = (len(_METRICS), size, self.buckets.size)
@@ -369,7 +424,7 @@ class EndpointLatency:
         self._slices = np.zeros((slices, *shape), dtype=np.int32)
         self._window = np.zeros(shape, dtype=np.int64)
         self._spans = np.zeros((slices, size), dtype=np.int64)
-        self._ewmas = [[Ewma(half_life_s, clock=clock) for _ in range(size)] for _ in _METRICS]
+        self._ewmas = tuple(_DecayedSums(size, self.half_life_s) for _ in _METRICS)
         self._dirty: set[int] = set()
         self._all_dirty = False
         self._cache: dict[str, np.ndarray] = {}
@@ -385,8 +440,10 @@ class EndpointLatency:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in arrays (the counters dominate; the per-endpoint `Ewma` objects add ~0.2 KB each)."""
+        """Bytes held in arrays (the counters dominate)."""
         arrays: list[np.ndarray] = [self._slices, self._window, self._spans, *self._cache.values()]
+        for ewma in self._ewmas:
+            arrays += [ewma.sums, ewma.weights, ewma.last]
         return sum(int(a.nbytes) for a in arrays)
 
     def _advance(self, now: float) -> int:
@@ -415,7 +472,7 @@ class EndpointLatency:
             bucket = self.buckets.index(value)
             self._slices[slot, metric, endpoint, bucket] += 1
             self._window[metric, endpoint, bucket] += 1
-            self._ewmas[metric][endpoint]._update(value, now)
+            self._ewmas[metric].add(endpoint, value, now)
             accepted = True
         if accepted:
             self._spans[slot, endpoint] += 1
@@ -423,25 +480,46 @@ class EndpointLatency:
 
     def arrays(self, now: float | None = None) -> dict[str, np.ndarray]:
         """The statistics as fresh float64 arrays of length ``size`` (keys: ``{ttft,e2e}_{ewma,p50,p95,p99}``
-        and ``count``); NaN where a metric has no value in the window."""
-        self._advance(self.clock() if now is None else now)
+        and ``count``), as of ``now`` (default ``clock()``; earlier than a time already seen counts as that)."""
+        if now is None:
+            now = self.clock()
+        self._advance(now)
+        if self._all_dirty or self._dirty:
+            self._refresh_quantiles()
+        cache = self._cache
+        for m, metric in enumerate(_METRICS):
+            # The quantiles are NaN exactly where the window holds no value of the metric.
+            cache[f"{metric}_ewma"] = self._estimates(m, ~np.isnan(cache[f"{metric}_p50"]), now)
+        return {key: array.copy() for key, array in cache.items()}
+
+    def _refresh_quantiles(self) -> None:
+        """Recompute the cached quantiles and counts of the endpoints observed since the last read (of all of them
+        when a slice has expired)."""
         rows: slice | np.ndarray
-        if self._all_dirty:
-            rows = slice(None)
-        elif self._dirty:
-            rows = np.fromiter(self._dirty, dtype=np.intp, count=len(self._dirty))
-        else:
-            return {key: array.copy() for key, array in self._cache.items()}
-        ids = range(self.size) if isinstance(rows, slice) else rows.tolist()
-        estimates, totals = _quantiles(self._window[:, rows], self._qs, self.buckets.midpoints)
+        rows = slice(None) if self._all_dirty else np.fromiter(self._dirty, dtype=np.intp, count=len(self._dirty))
+        estimates, _ = _quantiles(self._window[:, rows], self._qs, self.buckets.midpoints)
         cache = self._cache
         cache["count"][rows] = self._spans[:, rows].sum(axis=0)
         for m, metric in enumerate(_METRICS):
-            ewmas = self._ewmas[m]
-            values = np.fromiter((ewmas[i].value for i in ids), dtype=np.float64, count=len(ids))
-            cache[f"{metric}_ewma"][rows] = np.where(totals[m] > 0, values, np.nan)
             for j, key in enumerate(_QUANTILE_KEYS):
                 cache[f"{metric}_{key}"][rows] = estimates[m, :, j]
         self._dirty.clear()
         self._all_dirty = False
-        return {key: array.copy() for key, array in cache.items()}
+
+    def _estimates(self, metric: int, known: np.ndarray, now: float) -> np.ndarray:
+        """The shrunk estimates of one metric (see the class docstring); ``known``: the endpoints with a value in
+        the window."""
+        if not known.any():
+            return np.full(self.size, np.nan)
+        ewma = self._ewmas[metric]
+        last = np.where(known, ewma.last, -_INF)
+        newest = float(last.max())
+        # Decayed to the newest sample first and to `now` after, so that the fleet's mean stays defined (no 0 / 0)
+        # however many half-lives ago that sample was. exp(-inf) = 0 drops the endpoints without evidence.
+        relative = np.exp((last - newest) * ewma.decay_per_s)
+        sums = ewma.sums * relative
+        weights = ewma.weights * relative
+        fleet = float(sums.sum() / weights.sum())
+        to_now = math.exp(-max(now - newest, 0.0) * ewma.decay_per_s)
+        prior = self.prior_weight
+        return np.asarray((sums * to_now + prior * fleet) / (weights * to_now + prior))

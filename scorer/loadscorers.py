@@ -7,6 +7,8 @@ attracts nor repels traffic; the staleness filter is what keeps traffic off endp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
@@ -151,26 +153,36 @@ class GpuFreeMemoryScorer(_SnapshotScorer):
 
 
 class LatencyScorer(_SnapshotScorer):
-    """Lower recent time to first token (from server spans) scores higher: best / own. Neutral until spans arrive.
+    """Lower recent latency (from server spans) scores higher: ``(1 + tolerance) * best / own``, at most 1, so
+    every candidate within ``tolerance`` of the best scores 1 and a slower one less (5x the best: 0.24 with the
+    default 0.2). Neutral until spans arrive; a candidate whose latency is unknown or not positive is neutral.
 
-    ``signal`` is "ttft_s" or "e2e_s"."""
+    ``signal`` is "ttft_s" or "e2e_s". ``tolerance`` (>= 0; 0: plain best / own) is there because the picker is
+    max-score: without it the candidate with the lowest estimate by any margin wins every pick the load scorers
+    tie on, so sampling noise herds traffic onto one endpoint, and an endpoint whose estimate is a hair above the
+    others' (a decayed but never forgotten slow spell) gets almost none. Differences this small are within the
+    noise of a time-decayed mean at a few requests per second; a server that is really slow still scores low.
+    """
 
     name = "latency"
 
-    def __init__(self, signal: str = "ttft_s") -> None:
+    def __init__(self, signal: str = "ttft_s", tolerance: float = 0.2) -> None:
         super().__init__()
         if signal not in ("ttft_s", "e2e_s"):
             raise ValueError(f"signal must be 'ttft_s' or 'e2e_s'; got {signal!r}")
+        if not 0 <= tolerance < math.inf:
+            raise ValueError(f"tolerance must be a finite number >= 0; got {tolerance!r}")
         self.signal = signal
+        self.tolerance = float(tolerance)
 
     def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
         latency = getattr(snapshot, self.signal)[candidates]
         known = np.isfinite(latency) & (latency > 0)
         if not known.any():
             return np.full(len(candidates), NEUTRAL_SCORE)
-        best = latency[known].min()
+        bar = latency[known].min() * (1.0 + self.tolerance)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(known, best / latency, NEUTRAL_SCORE)
+            return np.where(known, np.minimum(bar / latency, 1.0), NEUTRAL_SCORE)
 
 
 class TtftPredictor:
@@ -321,7 +333,7 @@ class SeedFormulaScorer(_SnapshotScorer):
             raise ValueError(f"floor must be in [0, 1); got {floor!r}")
         self.alpha, self.beta, self.gamma = alpha, beta, gamma
         self.max_queue, self.floor = max_queue, floor
-        self._latency = LatencyScorer("e2e_s")
+        self._latency = LatencyScorer("e2e_s", tolerance=0.0)  # the formula as written: best / own
 
     def _compute(self, snapshot: Snapshot, candidates: np.ndarray) -> np.ndarray:
         util = snapshot.gpu_util[candidates]

@@ -260,7 +260,10 @@ def default_registry() -> Registry:
         "kv-cache": Plugin(_plain(KVCacheScorer)),
         "gpu-util": Plugin(_plain(GpuUtilScorer)),
         "gpu-free-memory": Plugin(_plain(GpuFreeMemoryScorer)),
-        "latency": Plugin(_plain(LatencyScorer), _params(signal=Param("choice", choices=("ttft_s", "e2e_s")))),
+        "latency": Plugin(
+            _plain(LatencyScorer),
+            _params(signal=Param("choice", choices=("ttft_s", "e2e_s")), tolerance=Param("number", ge=0, le=10)),
+        ),
         "lora-affinity": Plugin(_plain(LoraAffinityScorer)),
         "predicted-ttft": Plugin(
             _predicted_ttft, _params(block_tokens=Param("integer", ge=1), guard=Param("number", gt=0, infinite=True))

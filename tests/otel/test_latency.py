@@ -1,5 +1,6 @@
 """Tests for otel/latency.py: the bucket layout and its error bound against numpy, window expiry and EWMA decay on
-a fake clock, rejected values, fixed memory, and the per-endpoint arrays."""
+a fake clock, rejected values, fixed memory, the per-endpoint arrays, and the published estimate's drift toward
+the fleet's as an endpoint's evidence ages (tests/otel/test_latency_drift.py closes the loop through the engine)."""
 
 from __future__ import annotations
 
@@ -326,6 +327,21 @@ def test_ewma_rejects_bad_values() -> None:
     assert (ewma.value, ewma.rejected) == (2.0, len(BAD_VALUES))
 
 
+def test_ewma_weight_is_the_evidence_decayed_to_now() -> None:
+    clock = FakeClock(0.0)
+    ewma = Ewma(half_life_s=10, clock=clock)
+    assert ewma.weight() == 0.0
+    ewma.add(2.0, now=0.0)
+    ewma.add(4.0, now=0.0)
+    assert ewma.weight() == 2.0
+    clock.now = 30.0
+    assert ewma.weight() == pytest.approx(2.0 / 8)  # three half-lives without samples
+    assert ewma.value == 3.0  # the mean does not move with time; only the evidence behind it fades
+    assert ewma.weight(now=-5.0) == 2.0  # a time before the latest sample counts as that sample's
+    ewma.add(1.0)
+    assert ewma.weight() == pytest.approx(2.0 / 8 + 1.0)
+
+
 @pytest.mark.parametrize("half_life_s", [0.0, -1.0, math.nan, math.inf])
 def test_invalid_half_life(half_life_s: float) -> None:
     with pytest.raises(ValueError, match="half_life_s must be"):
@@ -349,17 +365,29 @@ def test_arrays_start_empty() -> None:
             assert np.isnan(array).all(), key
 
 
-def test_a_metric_without_data_is_nan() -> None:
+def test_a_metric_without_data_has_nan_quantiles_and_the_fleets_estimate() -> None:
+    # The estimate used to be NaN here too; but a NaN scores neutral (0.5), below every healthy endpoint's score,
+    # so an endpoint without recent spans got no requests and so no spans. Its best estimate is the fleet's.
     latency = EndpointLatency(3, clock=FakeClock())
     latency.observe(1, 0.25, None)
     latency.observe(2, None, 4.0)
     arrays = latency.arrays()
     assert arrays["count"].tolist() == [0.0, 1.0, 1.0]
-    for key in ("ewma", "p50", "p95", "p99"):
+    for key in ("p50", "p95", "p99"):
         ttft, e2e = arrays[f"ttft_{key}"], arrays[f"e2e_{key}"]
         assert np.isnan(ttft[[0, 2]]).all() and np.isnan(e2e[[0, 1]]).all()
         assert ttft[1] == pytest.approx(0.25, rel=latency.buckets.max_relative_error)
         assert e2e[2] == pytest.approx(4.0, rel=latency.buckets.max_relative_error)
+    assert arrays["ttft_ewma"].tolist() == [0.25] * 3
+    assert arrays["e2e_ewma"].tolist() == [4.0] * 3
+
+
+def shrunk(ewmas: list[Ewma], now: float, prior_weight: float = 1.0) -> np.ndarray:
+    """The estimates `EndpointLatency` publishes, from one `Ewma` per endpoint (each with a value in the window)."""
+    values = np.array([e.value for e in ewmas])
+    weights = np.array([e.weight(now) for e in ewmas])
+    fleet = (weights * values).sum() / weights.sum()
+    return np.asarray((weights * values + prior_weight * fleet) / (weights + prior_weight))
 
 
 def test_statistics_match_the_building_blocks() -> None:
@@ -378,14 +406,115 @@ def test_statistics_match_the_building_blocks() -> None:
             ewmas[m][endpoint].add(value)
         if step % 700 == 0:
             latency.arrays()  # reads in between must not change the result
+    clock.now += 7.0  # the estimates change without samples too: the evidence fades
     arrays = latency.arrays()
     for m, metric in enumerate(("ttft", "e2e")):
         for endpoint in range(5):
             expected = windows[m][endpoint].quantiles(QUANTILES)
             got = tuple(arrays[f"{metric}_{key}"][endpoint] for key in ("p50", "p95", "p99"))
             assert got == expected
-            assert arrays[f"{metric}_ewma"][endpoint] == pytest.approx(ewmas[m][endpoint].value, rel=1e-12)
+        assert arrays[f"{metric}_ewma"] == pytest.approx(shrunk(ewmas[m], clock.now), rel=1e-9)
+        # With ~90 samples of evidence each, the shrinkage moves an estimate by about 1% of its distance to the fleet.
+        own = np.array([e.value for e in ewmas[m]])
+        assert arrays[f"{metric}_ewma"] == pytest.approx(own, rel=0.02)
     assert arrays["count"].tolist() == [windows[0][e].count() for e in range(5)]
+
+
+def healthy_fleet(latency: EndpointLatency, start: float, end: float) -> None:
+    """Endpoints 1..3 each send a 0.2 s TTFT every 0.1 s in [start, end)."""
+    for step in range(round(start * 10), round(end * 10)):
+        for endpoint in (1, 2, 3):
+            latency.observe(endpoint, 0.2, None, now=step / 10)
+
+
+@pytest.mark.parametrize(
+    ("spell", "half_lives"),
+    [
+        # After k half-lives without samples, w = spell * 2**-k and the distance to the fleet is 4 * w / (w + 1) of
+        # it: under 10% once w < 1/39, i.e. k > log2(39 * spell).
+        pytest.param(1, 6, id="one-sample-6-half-lives"),
+        pytest.param(10, 9, id="ten-samples-9-half-lives"),
+        pytest.param(100, 12, id="hundred-samples-12-half-lives"),
+    ],
+)
+def test_an_endpoint_without_samples_drifts_to_the_fleets_latency(spell: int, half_lives: int) -> None:
+    """Endpoint 0 sends ``spell`` slow TTFTs (1.0 s, 5x the others' 0.2 s) at t=0 and nothing after; within the
+    stated number of half-lives its estimate is within 10% of the fleet's."""
+    latency = EndpointLatency(4, window_s=1000, half_life_s=10, clock=FakeClock(0.0))  # the window outlasts the test
+    for _ in range(spell):
+        latency.observe(0, 1.0, None, now=0.0)
+    healthy_fleet(latency, 0.0, 0.1)
+    first = latency.arrays(now=0.0)["ttft_ewma"]
+    assert first[0] >= 0.6  # at first its own evidence rules: it looks 3x slower than the others or more
+    previous = first[0]
+    for k in range(1, half_lives + 1):
+        healthy_fleet(latency, 10.0 * (k - 1) + 0.1, 10.0 * k + 0.1)
+        estimates = latency.arrays(now=10.0 * k)["ttft_ewma"]
+        assert estimates[0] < previous  # it moves toward the fleet with every half-life
+        previous = estimates[0]
+        assert estimates[1:] == pytest.approx([0.2] * 3, rel=0.05)  # with ~140 samples of evidence each
+    assert estimates[0] / 0.2 - 1 < 0.1
+    w = spell * 2.0**-half_lives
+    assert estimates[0] == pytest.approx((w * 1.0 + 0.2) / (w + 1), rel=1e-3)
+
+
+def test_an_endpoint_that_stays_slow_keeps_its_own_estimate() -> None:
+    """The other side: endpoint 0 sends a fresh 1.0 s TTFT every second (about 15 samples of evidence at a 10 s
+    half-life) and its estimate stays within 10% of that, 4x the others'."""
+    latency = EndpointLatency(4, window_s=60, half_life_s=10, clock=FakeClock(0.0))
+    for second in range(100):
+        latency.observe(0, 1.0, None, now=float(second))
+        healthy_fleet(latency, float(second), second + 1.0)
+    estimates = latency.arrays(now=100.0)["ttft_ewma"]
+    assert estimates[0] > 0.9
+    assert estimates[1:] == pytest.approx([0.2] * 3, rel=1e-3)
+
+
+def test_an_endpoint_whose_samples_left_the_window_reads_the_fleets_estimate() -> None:
+    latency = EndpointLatency(2, window_s=60, half_life_s=10, clock=FakeClock(0.0))
+    latency.observe(0, 1.0, 5.0, now=0.0)
+    for t in range(0, 60, 5):
+        latency.observe(1, 0.2, 1.0, now=float(t))
+    before = latency.arrays(now=59.0)
+    assert 0.2 < before["ttft_ewma"][0] < 0.22  # about 6 half-lives on: near the fleet's, not at it
+    for t in range(60, 125, 5):
+        latency.observe(1, 0.2, 1.0, now=float(t))
+    after = latency.arrays(now=120.0)  # out of the window: no evidence at all, so exactly the fleet's, not NaN
+    assert np.isnan(after["ttft_p50"][0])
+    assert after["ttft_ewma"].tolist() == [0.2, 0.2]
+    assert after["e2e_ewma"].tolist() == [1.0, 1.0]
+
+
+def test_one_endpoint_reads_its_own_ewma() -> None:
+    latency = EndpointLatency(1, half_life_s=10, clock=FakeClock())
+    ewma = Ewma(10)
+    for t, value in ((0.0, 1.0), (5.0, 3.0), (40.0, 2.0)):
+        latency.observe(0, value, None, now=t)
+        ewma.add(value, now=t)
+    assert latency.arrays(now=55.0)["ttft_ewma"][0] == pytest.approx(ewma.value, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "prior_weight",
+    [
+        pytest.param(0.0, id="zero"),
+        pytest.param(-1.0, id="negative"),
+        pytest.param(math.nan, id="nan"),
+        pytest.param(math.inf, id="infinite"),
+        pytest.param(True, id="bool"),
+    ],
+)
+def test_invalid_prior_weight(prior_weight: float) -> None:
+    with pytest.raises(ValueError, match="prior_weight must be a positive finite number"):
+        EndpointLatency(2, prior_weight=prior_weight)
+
+
+def test_prior_weight_is_the_fleets_weight_in_samples() -> None:
+    latency = EndpointLatency(2, prior_weight=3.0, clock=FakeClock())
+    latency.observe(0, 1.0, None)
+    latency.observe(1, 3.0, None)
+    # fleet = 2.0; endpoint 0: (1 * 1.0 + 3 * 2.0) / 4; endpoint 1: (1 * 3.0 + 3 * 2.0) / 4.
+    assert latency.arrays()["ttft_ewma"].tolist() == [1.75, 2.25]
 
 
 def test_reads_follow_new_observations() -> None:
@@ -456,8 +585,9 @@ def test_endpoint_memory_is_fixed() -> None:
     clock = FakeClock(0.0)
     latency = EndpointLatency(8, clock=clock)
     buckets = latency.buckets.size
-    # 6 int32 slices and one int64 window sum per metric, 6 span counts, 9 cached floats per endpoint.
-    per_endpoint = 2 * 6 * buckets * 4 + 2 * buckets * 8 + 6 * 8 + 9 * 8
+    # 6 int32 slices and one int64 window sum per metric, 6 span counts, 9 cached floats, and per metric the EWMA's
+    # decayed sum, weight and time of its latest sample, per endpoint.
+    per_endpoint = 2 * 6 * buckets * 4 + 2 * buckets * 8 + 6 * 8 + 9 * 8 + 2 * 3 * 8
     assert latency.nbytes == 8 * per_endpoint
     rng = np.random.default_rng(2)
     for t in range(0, 600, 3):

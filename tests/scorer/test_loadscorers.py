@@ -40,6 +40,7 @@ N = NEUTRAL_SCORE
 REQUEST = RequestFeatures(model="m", prompt_tokens=1000, max_tokens=100)
 ALL = [0, 1, 2, 3]
 D = 20_000.0  # DEFAULT_PREFILL_TOKENS_PER_S
+EXACT = LatencyScorer(tolerance=0)  # plain best / own
 
 
 def state(n: int = 4, tokens: Sequence[int] = (), backlog: Sequence[float] = (), **values: Any) -> State:
@@ -127,11 +128,19 @@ def test_fewer_is_better(values: list[float], unit: float, expected: list[float]
             [N, 0, 1, 0],
             id="gpu-memory-garbage",
         ),
-        pytest.param(LatencyScorer(), {"ttft_s": [0.1, 0.2, NAN, 0.0]}, ALL, [1, 0.5, N, N], id="latency"),
-        pytest.param(LatencyScorer(), {"ttft_s": [INF, -1, 0.5, 1]}, ALL, [N, N, 1, 0.5], id="latency-garbage"),
-        pytest.param(LatencyScorer("e2e_s"), {"e2e_s": [2, 4, 8, 1]}, [0, 1, 2], [1, 0.5, 0.25], id="e2e-subset"),
+        pytest.param(EXACT, {"ttft_s": [0.1, 0.2, NAN, 0.0]}, ALL, [1, 0.5, N, N], id="latency"),
+        pytest.param(EXACT, {"ttft_s": [INF, -1, 0.5, 1]}, ALL, [N, N, 1, 0.5], id="latency-garbage"),
+        pytest.param(
+            LatencyScorer("e2e_s", tolerance=0), {"e2e_s": [2, 4, 8, 1]}, [0, 1, 2], [1, 0.5, 0.25], id="e2e-subset"
+        ),
         pytest.param(LatencyScorer(), {"ttft_s": [0.3] * 4}, ALL, [1] * 4, id="latency-all-equal"),
         pytest.param(LatencyScorer(), {}, ALL, [N] * 4, id="latency-no-spans-yet"),
+        # The default tolerance, 0.2: within 20% of the best scores 1; beyond, 1.2 x best / own.
+        pytest.param(LatencyScorer(), {"ttft_s": [0.1, 0.2, NAN, 0.5]}, ALL, [1, 0.6, N, 0.24], id="tolerance"),
+        pytest.param(
+            LatencyScorer(), {"ttft_s": [0.100, 0.105, 0.119, 0.121]}, ALL, [1, 1, 1, 1.2 / 1.21], id="noise-ties"
+        ),
+        pytest.param(LatencyScorer(tolerance=1), {"ttft_s": [1, 2, 4, 8]}, ALL, [1, 1, 0.5, 0.25], id="tolerance-1"),
     ],
 )
 def test_signal_scorers(
@@ -141,6 +150,31 @@ def test_signal_scorers(
     got = scorer.score(REQUEST, state(**values), given)
     assert got == pytest.approx(expected)
     check_bounded(got, given)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"signal": "ttft"}, r"^signal must be 'ttft_s' or 'e2e_s'; got 'ttft'$", id="bad-signal"),
+        pytest.param({"tolerance": -0.1}, r"^tolerance must be a finite number >= 0; got -0.1$", id="negative"),
+        pytest.param({"tolerance": NAN}, r"^tolerance must be a finite number >= 0; got nan$", id="nan"),
+        pytest.param({"tolerance": INF}, r"^tolerance must be a finite number >= 0; got inf$", id="infinite"),
+    ],
+)
+def test_latency_scorer_refuses_bad_parameters(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LatencyScorer(**kwargs)
+
+
+def test_latency_tolerance_keeps_noise_from_deciding_max_score_picks() -> None:
+    """Identical servers whose estimates differ by sampling noise tie, so the max-score picker spreads them at
+    random instead of sending every tied pick to the one that happens to look fastest; a 5x slower one still loses."""
+    s = state(ttft_s=[0.200, 0.203, 0.197, 1.0])
+    exact = EXACT.score(REQUEST, s, np.arange(4))
+    assert exact.argmax() == 2 and exact[:3].min() < 1  # without it, the one that looks fastest wins every tie
+    scores = LatencyScorer().score(REQUEST, s, np.arange(4))
+    assert scores[:3].tolist() == [1.0, 1.0, 1.0]
+    assert scores[3] == pytest.approx(1.2 * 0.197 / 1.0)
 
 
 # ---------------------------------------------------------------- in-flight tokens
