@@ -2,20 +2,30 @@
 
 ``RequestError`` carries the HTTP status, an OpenAI-style error ``type`` and a message that says what was
 wrong. Routing errors from the scorer are translated here, at the boundary, by ``from_routing_error``.
+A message echoes a client's value only through ``inferlb.scorer.errors.shown``, and ``RequestError`` cuts any
+message to ``MAX_MESSAGE_CHARS`` whatever it holds.
 """
 
 from __future__ import annotations
 
 from inferlb.scorer.errors import NoEndpointError, RoutingError, UnknownModelError
 
+# The last bound on an error body, for a message that echoes a value without ``shown``: the longest message the
+# picker composes (a 404 that lists twenty long model names) stays under it.
+MAX_MESSAGE_CHARS = 2000
+
 
 class RequestError(Exception):
-    """A request the picker refuses; ``status`` is the HTTP status sent back to the client."""
+    """A request the picker refuses; ``status`` is the HTTP status sent back to the client.
+
+    ``message`` is the one given, cut to ``MAX_MESSAGE_CHARS`` characters (then ``…``)."""
 
     status = 400
     type = "invalid_request_error"
 
     def __init__(self, message: str) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "…"
         super().__init__(message)
         self.message = message
 

@@ -9,19 +9,39 @@ see first: a completions ``prompt`` (a string, token ids, or a one-element list 
 prompts gets none), or chat ``messages`` rendered in order as role and text parts (images and other parts are
 skipped). The rendering is not the server's chat template; it only has to be the same for equal conversations
 and differ for different ones. The chain is seeded with the model name, as servers cache prefixes per model.
+
+A body's cost is linear in its size, up to ``max_body_bytes`` (figures: bench/results/bodycost.md). A prompt of
+token ids, where the parse would dominate (a 4 MiB body is a million Python ints), is found, checked and counted
+in the raw bytes (``filter/tokenscan.py``); the rest of the body, the ids replaced by a placeholder, is parsed, and any
+doubt leaves the body to the full parse, so that what is accepted and refused never changes. While a big body's
+document exists the garbage collector is paused: it would rescan the document's many small objects as they are
+made. Elements of a prompt, and messages of the common shape, are read by C passes (map, set, join), not by a
+Python loop per element; the loop runs only for multi-part messages and for the message an error names.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
+from itertools import chain, repeat
 from typing import Any
 
-import orjson
-
-from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError
-from inferlb.scorer.features import RequestFeatures, estimate_tokens, text_block_hashes, token_block_hashes
+from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError, RequestError
+from inferlb.filter.tokenscan import parse_body
+from inferlb.scorer.errors import shown
+from inferlb.scorer.features import (
+    MAX_PREFIX_BLOCKS,
+    PREFIX_BLOCK_CHARS,
+    RequestFeatures,
+    estimate_tokens,
+    text_block_hashes,
+    token_block_hashes,
+)
 
 _BOM = b"\xef\xbb\xbf"
+# From this size the document of a body may be many thousand objects: the collector is paused while it exists.
+_GC_PAUSE_MIN_BYTES = 64 * 1024
+_NONE = type(None)
 
 
 def features_from_headers(
@@ -61,7 +81,8 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
     """Read the JSON body into ``features``.
 
     ``complete`` is False when Envoy sent a partial buffer because the body outgrew its buffer limit.
-    Raises ``PayloadTooLargeError`` or ``MalformedRequestError``.
+    Raises ``PayloadTooLargeError`` or ``MalformedRequestError``. For a body of 64 KiB or more it pauses the
+    process's garbage collector while it runs, and then restores it as it was.
     """
     if not complete or len(body) > max_bytes:
         size = f"{len(body)} bytes" if complete else f"more than {len(body)} bytes"
@@ -70,11 +91,30 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
         raise MalformedRequestError("request body is empty; expected a JSON object")
     if body.startswith(_BOM):
         body = body[len(_BOM) :]  # RFC 8259 lets a parser ignore a byte order mark; orjson refuses it
+    if len(body) < _GC_PAUSE_MIN_BYTES:
+        _read(features, body)
+        return
+    # orjson runs no Python code and _read makes no reference cycles, so nothing collectable appears meanwhile;
+    # the collector, triggered by the allocations, would only scan the growing document again and again (most of
+    # the cost of a body of many small lists). The document must be gone before it runs again: an error's
+    # traceback holds the frames that hold the document, so it is dropped here.
+    enabled = gc.isenabled()
+    gc.disable()
+    refused = None
     try:
-        # orjson: several times faster than the json module on prompts, strict UTF-8, nesting capped at 1024.
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise MalformedRequestError(f"request body is not valid JSON: {exc}") from None
+        _read(features, body)
+    except RequestError as exc:
+        refused = exc.with_traceback(None)
+    finally:
+        if enabled:
+            gc.enable()
+    if refused is not None:
+        raise refused
+
+
+def _read(features: RequestFeatures, body: bytes) -> None:
+    """``apply_body`` on a body within its size limit."""
+    doc, tokens = parse_body(body)
     if not isinstance(doc, dict):
         raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(doc)}")
 
@@ -95,7 +135,7 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise MalformedRequestError(f"field {name!r} must be a non-negative integer, not {value!r}")
+            raise MalformedRequestError(f"field {name!r} must be a non-negative integer, not {shown(value)}")
         features.max_tokens = value
         break
 
@@ -104,6 +144,9 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
         features.prompt_chars = chars
         features.prompt_tokens = estimate_tokens(chars)
         features.prefix_hashes = text_block_hashes(rendered, seed=hash(model))
+    elif tokens is not None:  # doc["prompt"] is the placeholder of the ids _parse counted
+        features.prompt_tokens = tokens.count
+        features.prefix_hashes = () if tokens.head is None else token_block_hashes(tokens.head, seed=hash(model))
     elif "prompt" in doc:
         prompt = doc["prompt"]
         chars, token_ids = _prompt_size(prompt)
@@ -120,19 +163,18 @@ def _prompt_size(prompt: Any) -> tuple[int, int | None]:
     if isinstance(prompt, str):
         return len(prompt), None
     if isinstance(prompt, list):
-        if all(isinstance(p, str) for p in prompt):
-            return sum(len(p) for p in prompt), None
-        if all(_is_token_id(p) for p in prompt):
+        # Element types are gathered by map and set, in C: a prompt may hold a million elements. ``type(p) is int``
+        # leaves booleans out, as orjson makes nothing else that is an int.
+        kinds = set(map(type, prompt))
+        if kinds <= {str}:
+            return sum(map(len, prompt)), None
+        if kinds == {int}:
             return 0, len(prompt)
-        if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
-            return 0, sum(len(p) for p in prompt)
+        if kinds == {list} and set(map(type, chain.from_iterable(prompt))) <= {int}:
+            return 0, sum(map(len, prompt))
     raise MalformedRequestError(
         "field 'prompt' must be a string, a list of strings, or a list of token ids (or of lists of them)"
     )
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prompt_hashes(prompt: Any, *, seed: int) -> tuple[int, ...]:
@@ -141,7 +183,7 @@ def _prompt_hashes(prompt: Any, *, seed: int) -> tuple[int, ...]:
         return text_block_hashes(prompt, seed=seed)
     if not prompt:
         return ()
-    if _is_token_id(prompt[0]):  # validated: then all are token ids
+    if type(prompt[0]) is int:  # validated: then all are token ids
         return token_block_hashes(prompt, seed=seed)
     if len(prompt) == 1:
         only = prompt[0]
@@ -154,6 +196,22 @@ def _messages_text(messages: Any) -> tuple[int, str]:
     """(characters of content text, the conversation rendered for prefix hashing) of chat ``messages``."""
     if not isinstance(messages, list):
         raise MalformedRequestError(f"field 'messages' must be a list, not {_json_type(messages)}")
+    # The common shape, every message an object with a string (or no) content, is read by map, set and join, in C;
+    # a conversation may be 100k messages. Anything else (parts, errors) takes the loop below, message by message.
+    try:
+        contents = list(map(dict.get, messages, repeat("content"), repeat("")))
+    except TypeError:  # a message that is not an object: the loop tells which
+        contents = None
+    if contents is not None:
+        kinds = set(map(type, contents))
+        if kinds <= {str, _NONE}:
+            chars = sum(map(len, filter(None, contents) if _NONE in kinds else contents))
+            return chars, _rendered_head(messages, contents, _NONE in kinds)
+    return _messages_loop(messages)
+
+
+def _messages_loop(messages: list[Any]) -> tuple[int, str]:
+    """``_messages_text`` message by message, for any shape: what it renders defines the rendering."""
     chars = 0
     pieces: list[str] = []
     for i, message in enumerate(messages):
@@ -169,17 +227,54 @@ def _messages_text(messages: Any) -> tuple[int, str]:
             pieces.append(content)
         elif isinstance(content, list):
             # Multi-part content: count the text parts; images and audio are not text tokens we can estimate.
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    text = part["text"]
-                    chars += len(text)
-                    pieces.append(text)
+            if len(content) > 8:
+                texts = _many_part_texts(content)
+                chars += sum(map(len, texts))
+                pieces += texts
+            else:
+                for part in content:
+                    if type(part) is dict and type(text := part.get("text")) is str:
+                        chars += len(text)
+                        pieces.append(text)
         elif content is not None:
             raise MalformedRequestError(
                 f"messages[{i}].content must be a string or a list of parts, not {_json_type(content)}"
             )
         pieces.append("\n")
     return chars, "".join(pieces)
+
+
+def _rendered_head(messages: list[dict[str, Any]], contents: list[Any], nulls: bool) -> str:
+    """What ``_messages_loop`` renders ("role\\ncontent\\n" per message) of messages whose ``contents`` are strings
+    (or None, if ``nulls``), as far as it is hashed: rendering stops once it covers MAX_PREFIX_BLOCKS blocks."""
+    head = MAX_PREFIX_BLOCKS * PREFIX_BLOCK_CHARS
+    pieces: list[str] = []
+    size, start, step = 0, 0, 64
+    while start < len(messages) and size < head:
+        texts = contents[start : start + step]
+        if nulls:
+            texts = ["" if text is None else text for text in texts]
+        roles = list(map(dict.get, messages[start : start + step], repeat("role"), repeat("")))
+        if set(map(type, roles)) - {str}:
+            roles = [role if type(role) is str else "" for role in roles]
+        lines = [""] * (2 * len(roles))
+        lines[0::2], lines[1::2] = roles, texts  # each role before its text, by slice assignment in C
+        pieces.append("\n".join(lines) + "\n")
+        size += len(pieces[-1])
+        start += step
+        step *= 2  # few rounds for a long conversation, little rendered past the head for a short one
+    return "".join(pieces)
+
+
+def _many_part_texts(parts: list[Any]) -> list[str]:
+    """The texts of the text parts (objects with a string ``text``) of a long multi-part content, gathered in C
+    when every part is an object."""
+    texts: list[Any]
+    try:
+        texts = list(map(dict.get, parts, repeat("text")))
+    except TypeError:  # a part that is not an object
+        texts = [part.get("text") for part in parts if type(part) is dict]
+    return texts if set(map(type, texts)) <= {str} else [text for text in texts if type(text) is str]
 
 
 def _json_type(value: Any) -> str:

@@ -76,7 +76,7 @@ class RouteSpans:
             parent = _PROPAGATOR.extract({"traceparent": features.traceparent}, context=Context())
         attributes: dict[str, Any] = {"inferlb.prompt_tokens": features.prompt_tokens, "http.route": features.path}
         if features.model is not None:
-            attributes["gen_ai.request.model"] = features.model
+            attributes["gen_ai.request.model"] = features.model[:256]  # a refused client's name: bounded
         if features.request_class is not None:
             attributes["inferlb.request_class"] = features.request_class
         if features.request_id:

@@ -24,6 +24,10 @@ RANKING_LENGTH = 5
 PICK_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
 
 
+MAX_KEPT_CHARS = 256
+"""How much of a client's request id and model name a decision entry keeps."""
+
+
 class DecisionLog:
     """Recent decisions (at most ``capacity``) and totals since start. One event loop; not thread-safe."""
 
@@ -39,14 +43,17 @@ class DecisionLog:
     def record(self, request_id: str, model: str | None, decision: Decision, pick_s: float) -> None:
         if len(decision.candidates) > RANKED_UP_TO_CANDIDATES and decision.per_scorer:
             decision.per_scorer = ()  # bounded memory: large pools keep only the chosen endpoint's scores
-        self._recent.append((time.time(), request_id, model, decision, 0, pick_s))
+        self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], model, decision, 0, pick_s))
         self.by_endpoint[decision.endpoint.address, decision.reason] += 1
         self.pick_buckets[bisect.bisect_left(PICK_BUCKETS_S, pick_s)] += 1
         self.pick_sum_s += pick_s
         self.picks += 1
 
     def record_refusal(self, request_id: str, model: str | None, status: int) -> None:
-        self._recent.append((time.time(), request_id, model, None, status, 0.0))
+        # A refused request's model and id are the client's: keep a bounded head of each, or a flood of 4 MiB
+        # model names would hold capacity * 4 MiB here.
+        cut = None if model is None else model[:MAX_KEPT_CHARS]
+        self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], cut, None, status, 0.0))
         self.refused[status] += 1
 
     def recent(self, limit: int = 100) -> list[dict[str, Any]]:

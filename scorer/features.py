@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # A rough English-text rule (OpenAI's own rule of thumb): one token per four characters. It only has to rank
 # requests by size and estimate load; no tokenizer is loaded on the request path.
 CHARS_PER_TOKEN = 4
@@ -52,23 +54,50 @@ def text_block_hashes(
 
 
 def token_block_hashes(
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | np.ndarray,
     *,
     block_tokens: int = PREFIX_BLOCK_TOKENS,
     max_blocks: int = MAX_PREFIX_BLOCKS,
     seed: int = 0,
 ) -> tuple[int, ...]:
     """``text_block_hashes`` for a prompt given as token ids: chained hashes of full blocks of ``block_tokens``
-    ids. The same contract (per-process hashes, only full blocks, at most ``max_blocks``)."""
+    ids. The same contract (per-process hashes, only full blocks, at most ``max_blocks``).
+
+    A block is hashed as the bytes of its ids as int64, so the hashes depend on the values only: a Python list
+    from a parsed body and an int64 array read from the raw one (``filter/request.py``) give the same chain. An
+    id beyond int64 (JSON allows up to 2**64 - 1; no tokenizer has one) makes its block hashed as a tuple. Only
+    the hashed head is converted, so the cost is bounded by ``max_blocks`` whatever the prompt's length.
+    """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, not {block_tokens}")
     end = min(len(token_ids) // block_tokens, max_blocks) * block_tokens
+    if end == 0:
+        return ()
+    try:
+        keys: list[bytes | tuple[int, ...]] = _int64_blocks(token_ids[:end], block_tokens)
+    except OverflowError:
+        keys = [_block_key(token_ids[start : start + block_tokens]) for start in range(0, end, block_tokens)]
     hashes = []
     prev = seed
-    for start in range(0, end, block_tokens):
-        prev = hash((prev, tuple(token_ids[start : start + block_tokens])))
+    for key in keys:
+        prev = hash((prev, key))
         hashes.append(prev)
     return tuple(hashes)
+
+
+def _int64_blocks(token_ids: Sequence[int] | np.ndarray, block_tokens: int) -> list[bytes | tuple[int, ...]]:
+    """The int64 bytes of each ``block_tokens`` ids (``len(token_ids)`` is a multiple of it); raises
+    ``OverflowError`` for an id beyond int64."""
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()
+    step = block_tokens * 8
+    return [data[start : start + step] for start in range(0, len(data), step)]
+
+
+def _block_key(block: Sequence[int] | np.ndarray) -> bytes | tuple[int, ...]:
+    try:
+        return np.asarray(block, dtype=np.int64).tobytes()
+    except OverflowError:
+        return tuple(int(i) for i in block)
 
 
 @dataclass(slots=True)

@@ -10,9 +10,11 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import CommonResponse, Pro
 from google.protobuf.json_format import MessageToDict
 
 from inferlb.filter.errors import (
+    MAX_MESSAGE_CHARS,
     MalformedRequestError,
     ModelNotFoundError,
     NoEndpointAvailableError,
+    OverloadedError,
     PayloadTooLargeError,
     RequestError,
     from_routing_error,
@@ -46,6 +48,14 @@ def test_names_envoy_and_the_gateway_api_read() -> None:
             "model_not_found",
             "model 'gpt-4' is not served by this pool (served: a, b)",
             id="unknown-model",
+        ),
+        pytest.param(
+            UnknownModelError("x" * 3_000_000, frozenset({"a"})),
+            ModelNotFoundError,
+            404,
+            "model_not_found",
+            f"model {'x' * 200!r}… (3000000 characters) is not served by this pool (served: a)",
+            id="unknown-model-name-is-not-echoed-whole",
         ),
         pytest.param(
             NoEndpointError("no endpoint left after filter 'model'"),
@@ -185,3 +195,18 @@ def test_continue_covers_exactly_the_six_phases() -> None:
         "response_body",
         "response_trailers",
     }
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(MalformedRequestError("x" * 5_000_000), id="400"),
+        pytest.param(ModelNotFoundError("model " + "x" * 5_000_000), id="404"),
+        pytest.param(OverloadedError(f"every endpoint that serves {'x' * 5_000_000!r} is saturated", 3), id="429"),
+    ],
+)
+def test_request_error_messages_are_bounded(error: RequestError) -> None:
+    assert len(error.message) == MAX_MESSAGE_CHARS + 1
+    assert error.message.endswith("…")
+    assert str(error) == error.message
+    assert len(error_reply(error).immediate_response.body) < MAX_MESSAGE_CHARS + 200

@@ -121,6 +121,41 @@ def test_token_block_hashes(a: list[int], b: list[int], blocks_a: int, shared: i
     assert _common(ha, hb) == shared
 
 
+IDS = [(i * 7919) % 150_000 - 3 for i in range(3 * T + 5)]
+
+
+def test_token_block_hashes_hash_each_block_as_int64_bytes() -> None:
+    # The contract both body paths meet: the raw-body scan hashes int64 arrays, the parsed body Python lists.
+    prev, expected = 42, []
+    for start in range(0, 3 * T, T):
+        prev = hash((prev, np.asarray(IDS[start : start + T], dtype=np.int64).tobytes()))
+        expected.append(prev)
+    assert token_block_hashes(IDS, seed=42) == tuple(expected)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        pytest.param(np.asarray(IDS, dtype=np.int64), id="int64-array"),
+        pytest.param(np.asarray(IDS, dtype=np.int32), id="int32-array"),
+        pytest.param(tuple(IDS), id="tuple"),
+    ],
+)
+def test_token_block_hashes_depend_on_the_values_only(ids: Any) -> None:
+    assert token_block_hashes(ids, seed=7) == token_block_hashes(IDS, seed=7)
+    assert token_block_hashes(ids[: 2 * T], seed=7, max_blocks=1) == token_block_hashes(IDS, seed=7)[:1]
+
+
+def test_token_block_hashes_of_ids_beyond_int64() -> None:
+    # JSON allows integers up to 2**64 - 1 and no tokenizer has such ids; they still hash, per block, consistently.
+    ids = [*range(T), 2**63, *range(T - 1), -(2**63) - 1, *range(T)]
+    hashes = token_block_hashes(ids, seed=1)
+    assert len(hashes) == 3
+    assert hashes[0] == token_block_hashes(list(range(T)), seed=1)[0]  # a block that fits keeps its int64 hash
+    assert hashes == token_block_hashes(list(ids), seed=1)
+    assert len(set(hashes)) == 3
+
+
 # ---------------------------------------------------------------- from the request body
 
 MODEL = "m"

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import re
 from typing import Any
+from unittest.mock import patch
 
+import orjson
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderValue
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from inferlb.filter import request, tokenscan
 from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError, RequestError
 from inferlb.filter.request import apply_body, features_from_headers
-from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.features import RequestFeatures, text_block_hashes, token_block_hashes
 
 MAX = 1 << 20
 
@@ -274,6 +282,16 @@ def test_apply_body_accepts_utf8_bom_and_whitespace() -> None:
             id="max-tokens-string",
         ),
         pytest.param(
+            _json({"model": "m", "max_tokens": "9" * 100_000}),
+            r"^field 'max_tokens' must be a non-negative integer, not '9{200}'… \(100000 characters\)$",
+            id="max-tokens-huge-string-is-not-echoed-whole",
+        ),
+        pytest.param(
+            _json({"model": "m", "max_completion_tokens": [1] * 100_000}),
+            r"^field 'max_completion_tokens' must be a non-negative integer, not \[1, 1, .{0,200}$",
+            id="max-tokens-huge-list-is-not-echoed-whole",
+        ),
+        pytest.param(
             b'{"model": "m", "max_tokens": 1e400}',
             r"^request body is not valid JSON: number is infinity",
             id="max-tokens-infinity",
@@ -405,3 +423,291 @@ def test_apply_body_huge_integer_is_malformed_not_a_crash() -> None:
 def test_apply_body_nested_bool_token_ids_are_malformed() -> None:
     with pytest.raises(MalformedRequestError, match="field 'prompt'"):
         _apply(_json({"model": "m", "prompt": [[True, False]]}))
+
+
+# ---------------------------------------------------------------- big bodies: what a prompt of token ids costs
+
+
+class ParseSpy:
+    """Wraps ``orjson.loads`` and records every document it is given."""
+
+    def __init__(self) -> None:
+        self.documents: list[bytes] = []
+
+    def __call__(self, data: bytes) -> Any:
+        self.documents.append(data)
+        return _ORJSON_LOADS(data)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(document) for document in self.documents]
+
+
+_ORJSON_LOADS = orjson.loads
+BIG = 8 << 20
+
+
+def _expected_tokens(prompt: list[Any]) -> tuple[int, tuple[int, ...]]:
+    """(exact count, prefix hashes) of a token-id prompt, computed from the ids themselves."""
+    if not prompt or not isinstance(prompt[0], list):
+        return len(prompt), token_block_hashes(prompt, seed=hash("m"))
+    hashes = token_block_hashes(prompt[0], seed=hash("m")) if len(prompt) == 1 else ()
+    return sum(map(len, prompt)), hashes
+
+
+@pytest.mark.parametrize(
+    ("prompt", "dump"),
+    [
+        pytest.param([i % 50_000 for i in range(700_000)], orjson.dumps, id="flat-4-mib"),
+        pytest.param([i % 50_000 for i in range(100_000)], json.dumps, id="flat-spaced"),
+        pytest.param([i % 50_000 for i in range(20_000)], lambda d: json.dumps(d, indent=2), id="flat-indented"),
+        pytest.param(
+            [-1, 0, -0, 7, 10**17, -(10**18 - 1), *range(20_000)], orjson.dumps, id="flat-negative-zero-18-digits"
+        ),
+        pytest.param([[i % 50_000 for i in range(200_000)]], orjson.dumps, id="one-list"),
+        pytest.param([[7]] * 300_000, orjson.dumps, id="many-small-lists"),
+        pytest.param([[]] * 300_000, orjson.dumps, id="many-empty-lists"),
+        pytest.param([list(range(50_000)), [], [1, 2, 3]], json.dumps, id="batch-of-lists"),
+    ],
+)
+def test_apply_body_counts_a_big_token_prompt_without_parsing_it(
+    prompt: list[Any], dump: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = dump({"model": "m", "prompt": prompt, "max_tokens": 5, "stream": True})
+    body = body if isinstance(body, bytes) else body.encode()
+    spy = ParseSpy()
+    monkeypatch.setattr(orjson, "loads", spy)
+    features = _apply(body, max_bytes=BIG)
+    assert max(spy.sizes) < 200  # the ids never became Python objects
+    count, hashes = _expected_tokens(prompt)
+    assert (features.prompt_tokens, features.prompt_chars, features.prefix_hashes) == (count, 0, hashes)
+    assert (features.model, features.max_tokens, features.stream) == ("m", 5, True)
+
+
+def _outcome(body: bytes) -> RequestFeatures | tuple[type[RequestError], str]:
+    features = RequestFeatures()
+    try:
+        apply_body(features, body, complete=True, max_bytes=BIG)
+    except RequestError as exc:
+        return type(exc), exc.message
+    return features
+
+
+def _both_paths(body: bytes) -> tuple[Any, Any, list[bytes]]:
+    """(outcome with the token-id scan tried at any size, outcome with the scan off, what orjson parsed when on)."""
+    spy = ParseSpy()
+    with (
+        patch.object(tokenscan, "SCAN_MIN_BYTES", 1),
+        patch.object(orjson, "loads", spy),
+    ):
+        fast = _outcome(body)
+    with patch.object(tokenscan, "SCAN_MIN_BYTES", len(body) + 1):
+        slow = _outcome(body)
+    return fast, slow, spy.documents
+
+
+# Element texts: JSON integers, and near misses the scan must leave to the full parse.
+VALID_ID = st.one_of(
+    st.integers(0, 200_000), st.integers(-(2**63), 2**64 - 1), st.sampled_from([0, -1, 10**17, -(10**17)])
+).map(str)
+INVALID_ID = st.sampled_from(
+    [
+        *("true", "false", "null", "1.5", "1e3", "1E3", "01", "-01", "00", "-", "--1", "+1", '"7"', "", "1 2"),
+        *("- 1", "1-2", "9" * 30, "-" + "9" * 30, "0x10", "[]", "[1]", "{}", "\u0661", "1,", ",1"),
+    ]
+)
+SEPARATOR = st.sampled_from([",", ", ", " ,", " , ", ",\n  ", "\t,\r\n", ",\x0b", ",\x0c"])
+SPACE = st.sampled_from(["", " ", "\n", "\t", "\r\n  ", "\x0b"])
+
+
+@st.composite
+def token_array(draw: st.DrawFn, element: st.SearchStrategy[str]) -> str:
+    items = draw(st.lists(element, max_size=12))
+    sep = draw(SEPARATOR)
+    return "[" + draw(SPACE) + sep.join(items) + draw(SPACE) + "]"
+
+
+@st.composite
+def token_prompt_body(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """A body with a prompt of token ids (flat, or a list of lists) in varied layout, and whether it may hold a near
+    miss (an invalid element)."""
+    broken = draw(st.booleans())
+    element = st.one_of(VALID_ID, INVALID_ID) if broken else VALID_ID
+    if draw(st.booleans()):
+        prompt = draw(token_array(element))
+    else:
+        inner = draw(st.lists(token_array(element), min_size=1, max_size=4))
+        prompt = "[" + draw(SPACE) + draw(SEPARATOR).join(inner) + draw(SPACE) + "]"
+    key = draw(st.sampled_from(['"prompt":', '"prompt" : ', '"prompt"\n:\t']))
+    before = draw(st.sampled_from(['{"model":"m",', '{"model": "m", "stream": true, ', "{", '{"prompt":[1],']))
+    after = draw(st.sampled_from(["}", ', "model": "m"}', ' ,"max_tokens":3}', ',"prompt":[2]}', "]}", "}}", ",}"]))
+    return (before + key + prompt + after).encode(), broken
+
+
+@given(token_prompt_body())
+@settings(max_examples=400, deadline=None)
+def test_token_id_scan_agrees_with_the_full_parse(case: tuple[bytes, bool]) -> None:
+    body, broken = case
+    fast, slow, parsed = _both_paths(body)
+    assert fast == slow
+    canonical = body.count(b'"prompt"') == 1 and not re.search(rb"[0-9]{19}", body)  # ids of up to 18 digits
+    if isinstance(slow, RequestFeatures) and not broken and canonical:
+        assert parsed == [parsed[0]] and b"inferlb" in parsed[0]  # valid ids: counted in the raw body, not parsed
+
+
+def _big_ids(bad: str, at: int) -> bytes:
+    ids = [str(i % 1000) for i in range(10_000)]
+    ids[at] = bad
+    return ('{"model": "m", "prompt": [' + ",".join(ids) + "]}").encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "pattern"),
+    [
+        pytest.param(_big_ids("true", 0), r"^field 'prompt' must be", id="bool-first"),
+        pytest.param(_big_ids("false", 9_999), r"^field 'prompt' must be", id="bool-last"),
+        pytest.param(_big_ids("1.5", 5_000), r"^field 'prompt' must be", id="float"),
+        pytest.param(_big_ids("1e3", 5_000), r"^field 'prompt' must be", id="exponent"),
+        pytest.param(_big_ids("null", 5_000), r"^field 'prompt' must be", id="null"),
+        pytest.param(_big_ids('"7"', 5_000), r"^field 'prompt' must be", id="string"),
+        pytest.param(_big_ids("[7]", 5_000), r"^field 'prompt' must be", id="nested-mixed"),
+        pytest.param(_big_ids("9" * 30, 5_000), r"^field 'prompt' must be", id="beyond-u64-is-a-float"),
+        pytest.param(_big_ids("01", 5_000), r"^request body is not valid JSON: number with leading zero", id="zero"),
+        pytest.param(_big_ids("-", 5_000), r"^request body is not valid JSON: ", id="lone-minus"),
+        pytest.param(_big_ids("1 2", 5_000), r"^request body is not valid JSON: ", id="missing-comma"),
+        pytest.param(_big_ids("", 5_000), r"^request body is not valid JSON: ", id="empty-element"),
+        pytest.param(_big_ids("", 9_999), r"^request body is not valid JSON: ", id="trailing-comma"),
+        pytest.param(_big_ids("1\x0b", 5_000), r"^request body is not valid JSON: ", id="vertical-tab"),
+        pytest.param(
+            b'{"model": "m", "prompt": "[' + b",".join([b"1"] * 10_000) + b']"}',
+            None,
+            id="ids-inside-a-string-are-text",
+        ),
+        pytest.param(
+            b'{"model": "m", "x": {"prompt": [' + b",".join([b"1"] * 10_000) + b']}, "prompt": {"inferlb-0": 0}}',
+            r"^field 'prompt' must be",
+            id="a-forged-placeholder",
+        ),
+        pytest.param(
+            b'{"model": "m", "prompt": [' + b",".join([b"1"] * 10_000) + b'], "prompt": "last wins"}',
+            None,
+            id="duplicate-key-last-wins",
+        ),
+        pytest.param(
+            b'{"model": "m", "messages": [{"content": "hi"}], "prompt": [' + b",".join([b"1"] * 10_000) + b"]}",
+            None,
+            id="messages-win",
+        ),
+        pytest.param(
+            b'{"model": "m", "prompt": [' + b",".join([b"1"] * 10_000) + b"]",
+            r"^request body is not valid JSON: unexpected end of data",
+            id="truncated",
+        ),
+        pytest.param(
+            b'{"model": 7, "prompt": [' + b",".join([b"1"] * 10_000) + b"]}",
+            r"^field 'model' must be a non-empty string, not a number$",
+            id="other-field-still-checked",
+        ),
+    ],
+)
+def test_token_id_scan_refuses_what_the_full_parse_refuses(body: bytes, pattern: str | None) -> None:
+    fast, slow, _ = _both_paths(body)
+    assert fast == slow
+    assert _outcome(body) == slow  # and at the default size threshold
+    if pattern is None:
+        assert isinstance(slow, RequestFeatures)
+    else:
+        assert not isinstance(slow, RequestFeatures)
+        assert re.search(pattern, slow[1])
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        pytest.param({"model": "m", "x": [[]] * 300_000}, id="unread-field-of-empty-lists"),
+        pytest.param({"model": "m", "prompt": [["a"]] * 100_000}, id="refused-prompt-of-lists"),
+        pytest.param({"model": "m", "x": [[]] * 300_000, "messages": [{"content": 5}]}, id="refused-content"),
+    ],
+)
+def test_apply_body_does_not_run_the_garbage_collector_over_a_big_document(doc: dict[str, Any]) -> None:
+    body = orjson.dumps(doc)
+    collections: list[str] = []
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(phase)
+
+    gc.collect()
+    gc.callbacks.append(record)
+    try:
+        with contextlib.suppress(RequestError):
+            _apply(body, max_bytes=BIG)
+        during = len(collections)
+        gc.collect()
+    finally:
+        gc.callbacks.remove(record)
+    assert during == 0
+    assert gc.isenabled()
+
+
+def test_apply_body_leaves_a_disabled_collector_disabled() -> None:
+    gc.disable()
+    try:
+        _apply(orjson.dumps({"model": "m", "x": [[]] * 100_000}), max_bytes=BIG)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+# ---------------------------------------------------------------- chat messages: read in C where they allow it
+
+ROLE = st.one_of(st.sampled_from(["system", "user", "assistant", ""]), st.none(), st.integers(), st.text(max_size=5))
+PART = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.just({"url": "x"})}),
+    st.fixed_dictionaries({"text": st.one_of(st.integers(), st.none())}),
+    st.text(max_size=3),
+)
+CONTENT = st.one_of(st.text(max_size=40), st.none(), st.lists(PART, max_size=12), st.integers(), st.just({"a": 1}))
+
+
+@st.composite
+def chat_messages(draw: st.DrawFn) -> list[Any]:
+    messages = []
+    for _ in range(draw(st.integers(0, 8))):
+        message: dict[str, Any] = {}
+        if draw(st.booleans()):
+            message["role"] = draw(ROLE)
+        if draw(st.integers(0, 5)):
+            message["content"] = draw(CONTENT)
+        messages.append(message)
+    if draw(st.integers(0, 9)) == 0:
+        messages.insert(draw(st.integers(0, len(messages))), draw(st.one_of(st.text(max_size=3), st.integers())))
+    return messages
+
+
+def _read_messages(read: Any, messages: list[Any]) -> tuple[int, tuple[int, ...]] | str:
+    try:
+        chars, rendered = read(messages)
+    except MalformedRequestError as exc:
+        return exc.message
+    return chars, text_block_hashes(rendered, seed=1)
+
+
+@given(chat_messages())
+@settings(max_examples=300, deadline=None)
+def test_messages_read_in_c_as_message_by_message(messages: list[Any]) -> None:
+    assert _read_messages(request._messages_text, messages) == _read_messages(request._messages_loop, messages)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        pytest.param([{"role": "user", "content": "x" * 300}] * 3_000, id="rendering-past-the-head"),
+        pytest.param([{"role": "user", "content": "x" * 10_000_000}], id="one-huge-message"),
+        pytest.param([{}] * 400_000, id="many-empty-messages"),
+        pytest.param([{"role": None, "content": None}, {"role": 7, "content": "a" * 600_000}], id="odd-roles-nulls"),
+    ],
+)
+def test_messages_read_in_c_hash_the_same_head(messages: list[Any]) -> None:
+    assert _read_messages(request._messages_text, messages) == _read_messages(request._messages_loop, messages)
