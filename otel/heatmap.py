@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,15 +101,18 @@ class HeatmapAggregator:
 
     Memory is bounded: only the newest ``max_buckets`` time buckets are kept (the window follows the newest end
     time added, not the wall clock, so a replayed file keeps its own last hour); a record older than the window is
-    counted in `late`. At most ``max_endpoints`` endpoints have data in the window; a record for another endpoint
-    is counted in `dropped` (an endpoint whose buckets have all left the window frees its place). Worst case that is
-    ``max_buckets * max_endpoints`` cells of ``len(latency_bounds) + 1`` counters each.
+    counted in `late`. With ``clock`` (Unix seconds, e.g. ``time.time``) and ``max_ahead_s``, a record that ends
+    more than ``max_ahead_s`` after ``clock()`` is counted in `ahead` and dropped: one record dated in the far
+    future would otherwise move the window there and make every real record after it late. At most
+    ``max_endpoints`` endpoints have data in the window; a record for another endpoint is counted in `dropped` (an
+    endpoint whose buckets have all left the window frees its place). Worst case that is ``max_buckets *
+    max_endpoints`` cells of ``len(latency_bounds) + 1`` counters each.
 
     `add` is O(1) (amortised: a new newest bucket evicts the old ones) and never raises; it and `grid` may be
     called from any thread (one lock). E2E latencies are accepted with each record, for spans' sake, but the grids
     are TTFT grids; a record with no TTFT still counts as a request. Counters only grow: `dropped`, `late`,
     `invalid` (a non-finite or negative time or latency, or an endpoint that is not a string; the bad latency is
-    ignored, a bad time or endpoint drops the record) and `unattributed` (records with no endpoint).
+    ignored, a bad time or endpoint drops the record), `unattributed` (records with no endpoint) and `ahead`.
 
     Raises ``ValueError`` from the constructor for a bad parameter, saying what is expected.
     """
@@ -120,6 +123,9 @@ class HeatmapAggregator:
         latency_bounds: Sequence[float] = DEFAULT_LATENCY_BOUNDS,
         max_buckets: int = 360,
         max_endpoints: int = 1024,
+        *,
+        clock: Callable[[], float] | None = None,
+        max_ahead_s: float | None = None,
     ) -> None:
         if isinstance(bucket_s, bool) or not isinstance(bucket_s, int | float) or not math.isfinite(bucket_s):
             raise ValueError(f"bucket_s must be a number of seconds > 0, e.g. 10; got {bucket_s!r}")
@@ -133,6 +139,9 @@ class HeatmapAggregator:
         for name, value in (("max_buckets", max_buckets), ("max_endpoints", max_endpoints)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if (clock is None) != (max_ahead_s is None) or (max_ahead_s is not None and not 0 <= max_ahead_s < math.inf):
+            raise ValueError(f"clock and max_ahead_s (seconds >= 0) go together; got {clock!r}, {max_ahead_s!r}")
+        self.clock, self.max_ahead_s = clock, max_ahead_s
         self.bucket_s = float(bucket_s)
         self.latency_bounds = bounds
         self.max_buckets = max_buckets
@@ -150,6 +159,8 @@ class HeatmapAggregator:
         """Records or latencies ignored because a value was malformed (see the class docstring)."""
         self.unattributed = 0
         """Records dropped because no endpoint was known for them."""
+        self.ahead = 0
+        """Records dropped because they ended more than ``max_ahead_s`` after the clock."""
 
     def add(self, end_time_s: float, endpoint: str | None, ttft_s: float | None, e2e_s: float | None) -> None:
         """Count one request that ended at ``end_time_s`` (Unix seconds) on ``endpoint``; never raises.
@@ -167,6 +178,9 @@ class HeatmapAggregator:
             if not isinstance(endpoint, str) or not endpoint or latency_seconds(end_time_s) is None:
                 if not bad:
                     self.invalid += 1
+                return
+            if self.clock is not None and self.max_ahead_s is not None and end_time_s > self.clock() + self.max_ahead_s:
+                self.ahead += 1
                 return
             index = math.floor(end_time_s / self.bucket_s)
             if self._newest is None or index > self._newest:
@@ -212,7 +226,7 @@ class HeatmapAggregator:
           ``count[e][t]``: its requests;
         - ``latency_bounds_s``: the latency buckets' upper edges; ``latency_counts[b][t]``: TTFTs in latency bucket
           ``b`` (all endpoints), with one more row than there are bounds: the overflow bucket;
-        - ``dropped``, ``late``, ``invalid``, ``unattributed``: the counters.
+        - ``ahead``, ``dropped``, ``late``, ``invalid``, ``unattributed``: the counters.
         """
         with self._lock:
             if self._buckets:
@@ -243,6 +257,7 @@ class HeatmapAggregator:
                 [column.latency[b] if column is not None else 0 for column in columns] for b in range(self._bins)
             ]
             counters = {
+                "ahead": self.ahead,
                 "dropped": self.dropped,
                 "late": self.late,
                 "invalid": self.invalid,

@@ -2,7 +2,12 @@
 (``otel.latency_source: spans``) or by the filter timing responses (``stream``), and the task that publishes
 them into the signals snapshot (``ttft_s`` and ``e2e_s``: the EWMAs) for the latency scorers. The statistics,
 the Prometheus histograms and the heatmap take one source only, so nothing is counted twice; with ``stream``
-a configured receiver still takes spans (Envoy's, say) and counts them."""
+a configured receiver still takes spans (Envoy's, say) and counts them.
+
+Where the spans are handled: the receiver runs in a process of its own (otel/receiverproc.py: the gRPC server,
+the sender allowlist and token, size, count and rate limits, decoding and the span bounds); this process only
+joins the compact records it sends (otel/spanfeed.py, otel/receiver.py), in bounded slices on the event loop.
+"""
 
 from __future__ import annotations
 
@@ -10,72 +15,108 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
-import grpc
 import numpy as np
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from inferlb.otel.heatmap import HeatmapAggregator
 from inferlb.otel.latency import EndpointLatency
 from inferlb.otel.promhist import LatencyHistograms
-from inferlb.otel.receiver import SpanReceiver, TraceJoin
+from inferlb.otel.receiver import ReceiverStats, SpanJoiner, TraceJoin
+from inferlb.otel.spanfeed import SpanFeed
+from inferlb.otel.spanwire import ReceiverSettings, SpanBounds
 from inferlb.scorer.config import OtelConfig
+from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.networks import LOOPBACK_NETWORKS, Networks, networks_of_hosts
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
 
-__all__ = ["SpanLoop"]
+__all__ = ["SpanLoop", "receiver_settings"]
 
 logger = logging.getLogger(__name__)
 
 
+def receiver_settings(config: OtelConfig, pool: Pool) -> ReceiverSettings:
+    """What the receiver process runs with under ``config`` for ``pool``; reads the token now (``ConfigError``
+    naming ``otel.receiver_auth`` if it cannot be read). The default allowlist is the pool's hosts and loopback.
+    Raises ValueError if ``config.receiver`` is None."""
+    if config.receiver is None:
+        raise ValueError("no otel.receiver: there are no receiver settings")
+    if config.allowed_senders is not None:
+        allowed = Networks.of(config.allowed_senders)
+    else:
+        allowed = networks_of_hosts([e.host for e in pool]).union(LOOPBACK_NETWORKS)
+    token = None
+    if config.receiver_auth is not None:
+        token = config.receiver_auth.read("otel.receiver_auth").reveal().decode()
+    return ReceiverSettings(
+        bind=config.receiver,
+        allowed=allowed.cidrs(),
+        token=token,
+        max_message_bytes=config.receiver_max_message_bytes,
+        max_spans_per_request=config.receiver_max_spans_per_request,
+        max_spans_per_s=config.receiver_max_spans_per_s,
+        bounds=SpanBounds(
+            max_age_s=config.span_max_age_s,
+            max_ahead_s=config.span_max_ahead_s,
+            max_latency_s=config.span_max_latency_s,
+        ),
+    )
+
+
 class SpanLoop:
     """Receiver (if configured) + statistics + publisher for one picker. `start`/`stop` run it; `rebind` follows
-    a new pool; `observe_response` is the filter's way in (``latency_source: stream``)."""
+    a new pool or config; `observe_response` is the filter's way in (``latency_source: stream``).
+
+    ``receiver`` is the `SpanFeed` (its ``stats``: `ReceiverStats`), or None without ``otel.receiver``; ``join``
+    the `TraceJoin` the filter records decisions in (a new one after a pool change)."""
 
     def __init__(self, config: OtelConfig, pool: Pool, signals: Signals) -> None:
         self.config = config
         self.from_spans = config.latency_source == "spans"
-        self.join = TraceJoin()
+        self.join = TraceJoin(max_age_s=config.join_max_age_s)
         self.pool, self.signals = pool, signals
         self.latency = EndpointLatency(len(pool), window_s=config.window_s, half_life_s=config.half_life_s)
         self.histograms = LatencyHistograms(len(pool))
-        self.heatmap = HeatmapAggregator(bucket_s=config.heatmap_bucket_s)
-        self._addresses = [e.address for e in pool]
-        self.receiver = (
-            SpanReceiver(
-                self._observe if self.from_spans else _ignore,
-                {e.address: e.index for e in pool},
-                self.join,
-                heatmap=self.heatmap if self.from_spans else None,
-            )
-            if config.receiver is not None
-            else None
+        # The heatmap's window follows the newest end time it is given: it takes none from the future.
+        self.heatmap = HeatmapAggregator(
+            bucket_s=config.heatmap_bucket_s, clock=time.time, max_ahead_s=config.span_max_ahead_s
         )
+        self._addresses = [e.address for e in pool]
+        self.receiver: SpanFeed | None = None
+        if config.receiver is not None:
+            joiner = SpanJoiner(
+                self._observe if self.from_spans else _ignore,
+                self._addresses,
+                self.join,
+                ReceiverStats(),
+                heatmap=self.heatmap if self.from_spans else None,
+                by_name=config.join_by_name,
+            )
+            # The token is read at start; until then the settings hold none and nothing runs.
+            self.receiver = SpanFeed(_untokened(config, pool), joiner)
         self.port: int | None = None
-        self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        """Start publishing and the receiver process (reads the receiver's token: ``ConfigError`` if it cannot;
+        ``OSError`` if the receiver cannot listen)."""
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._publish(), name="latency publisher")]
         if self.receiver is None:
             return
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 8 << 20)])
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self.receiver, server)
-        assert self.config.receiver is not None
-        self.port = server.add_insecure_port(self.config.receiver)
-        if not self.port:
-            raise OSError(f"the OTLP receiver cannot bind {self.config.receiver}")
-        await server.start()
-        self._server = server
-        self._tasks.append(loop.create_task(self.receiver.run(), name="otlp receiver"))
-        logger.info("OTLP receiver listening on %s", self.config.receiver)
+        try:
+            self.receiver.settings = receiver_settings(self.config, self.pool)
+            self.port = await self.receiver.start()
+        except BaseException:
+            await self.stop()
+            raise
+        logger.info("OTLP receiver listening on %s (its own process)", self.config.receiver)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            await self._server.stop(0.5)
-            self._server = None
+        if self.receiver is not None:
+            await self.receiver.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -83,19 +124,37 @@ class SpanLoop:
                 await task
         self._tasks.clear()
 
-    def rebind(self, pool: Pool, signals: Signals, *, keep: bool) -> None:
-        """After a reload: the same pool keeps its statistics and trace ids; a new pool starts fresh."""
+    def rebind(self, pool: Pool, signals: Signals, *, keep: bool, config: OtelConfig | None = None) -> None:
+        """After a reload: the same pool keeps its statistics and trace ids; a new pool starts fresh. Never raises.
+
+        The receiver process gets the new allowlist (the default one follows the pool) and, with ``config`` (the
+        reloaded ``otel`` section), the new limits and the token read again; a token that cannot be read now is
+        logged and the one in force stays (the receiver never opens up). To refuse such a reload instead, call
+        `receiver_settings` first: it raises ``ConfigError``."""
         self.signals = signals
-        if keep:
+        if config is not None:
+            self.config = config
+            if self.receiver is not None:
+                self.receiver.joiner.by_name = config.join_by_name
+        if not keep:
+            self.pool = pool
+            self._addresses = [e.address for e in pool]
+            self.join = TraceJoin(max_age_s=self.config.join_max_age_s)
+            self.latency = EndpointLatency(
+                len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s
+            )
+            self.histograms = LatencyHistograms(len(pool))
+            if self.receiver is not None:
+                observe = self._observe if self.from_spans else _ignore
+                self.receiver.joiner.rebind(observe, self._addresses, self.join)
+        if self.receiver is None or (keep and config is None):
             return
-        self.pool = pool
-        self._addresses = [e.address for e in pool]
-        self.join = TraceJoin()
-        self.latency = EndpointLatency(len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s)
-        self.histograms = LatencyHistograms(len(pool))
-        if self.receiver is not None:
-            self.receiver.join = self.join
-            self.receiver.rebind(self._observe if self.from_spans else _ignore, {e.address: e.index for e in pool})
+        try:
+            settings = receiver_settings(self.config, self.pool)
+        except ConfigError as exc:
+            logger.error("the OTLP receiver keeps the token it had: %s", exc)
+            settings = replace(_untokened(self.config, self.pool), token=self.receiver.settings.token)
+        self.receiver.update(settings)
 
     def _observe(self, endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:
         self.latency.observe(endpoint, ttft_s, e2e_s)
@@ -115,11 +174,17 @@ class SpanLoop:
     async def _publish(self) -> None:
         while True:
             await asyncio.sleep(self.config.publish_interval_s)
+            self.join.expire()  # decisions whose span never came, even while no new decision is recorded
             arrays = self.latency.arrays()
             signals = self.signals
             if len(arrays["ttft_ewma"]) != len(signals.snapshot):
                 continue  # a reload is switching pools
             signals.publish(signals.snapshot.with_values(ttft_s=arrays["ttft_ewma"], e2e_s=arrays["e2e_ewma"]))
+
+
+def _untokened(config: OtelConfig, pool: Pool) -> ReceiverSettings:
+    """`receiver_settings` without reading the token (it is None here)."""
+    return receiver_settings(replace(config, receiver_auth=None), pool)
 
 
 def _ignore(endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:

@@ -1,166 +1,259 @@
-"""The OTLP trace receiver: takes the servers' spans over gRPC and turns them into per-endpoint latency.
+"""Joining the servers' latency spans to endpoints, on the picker's event loop: the join rule and its counters.
 
-Each `llm_request` span (vLLM's; any span with ``gen_ai.latency.time_to_first_token`` or ``gen_ai.latency.e2e``
-counts) is joined to the endpoint that served it: first by trace id, through the `TraceJoin` the picker fills at
-decision time (it injects the trace id into the upstream request), else by the span's resource naming the
-server (``server.address`` + ``server.port``). Envoy's own spans are accepted and counted. Nothing a client
-sends can hurt the picker: the Export handler only queues the request (a bounded queue; a full queue drops and
-counts), a consumer task processes it in the background, and every malformed field is skipped and counted.
+The spans arrive as validated `SpanRecord`s from the receiver process (otel/receiverproc.py decodes, checks the
+sender and the span's bounds; otel/spanfeed.py brings the records here in bounded slices). A record moves an
+endpoint's latency only when
+
+(a) its trace id joins a decision this picker made (`TraceJoin`, filled by the filter at each decision), and the
+    join is consumed: one span per decision. A client may choose its own trace id (``traceparent``), so this
+    bounds what a forger can do to one sample per request it really sent; a second span with that trace id is a
+    ``duplicate`` and changes nothing; or
+(b) name joins are on (``otel.join_by_name``, off by default) and it names a pool endpoint (``server.address`` +
+    ``server.port`` of the span or its resource, or ``inferlb.endpoint``) and was sent from that endpoint's own
+    host: a server may speak for itself, not for its neighbours (``unverified`` otherwise). Where several servers
+    share a host, or a client runs on one, anything there could speak for all of them: hence off by default, for
+    servers that propagate the trace context (vLLM and the emulator do).
+
+Anything else is ``unjoined``. A trace id wins over the name: the decision is what the picker knows.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from inferlb.otel.heatmap import LLM_SPAN, HeatmapAggregator
+from inferlb.otel.spanwire import SpanRecord
+from inferlb.scorer.networks import IPAddress, unmapped
 
-from inferlb.otel.heatmap import (
-    E2E_ATTRIBUTE,
-    LLM_SPAN,
-    TTFT_ATTRIBUTE,
-    HeatmapAggregator,
-    latency_seconds,
-    otlp_attributes,
-    span_endpoint,
-)
+__all__ = ["CHILD_COUNTERS", "LLM_SPAN", "ReceiverStats", "SpanJoiner", "TraceJoin"]
 
-__all__ = ["LLM_SPAN", "ReceiverStats", "SpanReceiver", "TraceJoin"]
+Observe = Callable[[int, float | None, float | None], None]
 
-logger = logging.getLogger(__name__)
+
+class _Decision:
+    __slots__ = ("at", "endpoint", "partner")
+
+    def __init__(self, endpoint: int, at: float, partner: bytes | None) -> None:
+        self.endpoint, self.at, self.partner = endpoint, at, partner
 
 
 class TraceJoin:
-    """Trace id (16 bytes) -> endpoint index of the decision that started it; the newest ``capacity`` kept."""
+    """Trace id (16 bytes) -> the endpoint of the decision that started it, consumed by the first span that joins.
 
-    def __init__(self, capacity: int = 65536) -> None:
-        self.capacity = capacity
-        self._map: OrderedDict[bytes, int] = OrderedDict()
+    Bounded by size and by age: at most ``capacity`` decisions wait for their span (a new one evicts the oldest,
+    counted in `evicted`), and a decision older than ``max_age_s`` (its span is not coming: the request died, the
+    server sends none) is forgotten (`expired`). Joined trace ids are remembered as long, and at most
+    ``capacity // 4`` of them, to tell a `duplicate` from an unknown id (an older repeat counts as unjoined: it is
+    ignored either way). So memory does not grow with traffic: when spans join, only the decisions of requests
+    still running (plus the exporters' delay) and ``max_age_s`` of joined ids are held; when they do not,
+    ``capacity`` decisions at most, about 250 B each. Recording a trace id again (a client reusing its
+    traceparent) replaces the decision: still one span.
 
-    def record(self, trace_id: bytes, endpoint: int) -> None:
-        self._map[trace_id] = endpoint
-        if len(self._map) > self.capacity:
+    Event-loop owned (not thread-safe); ``clock`` is monotonic seconds.
+    """
+
+    def __init__(
+        self, capacity: int = 65536, max_age_s: float = 300.0, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if capacity < 1 or not max_age_s > 0:
+            raise ValueError(f"TraceJoin needs capacity >= 1 and max_age_s > 0; got {capacity!r}, {max_age_s!r}")
+        self.capacity, self.max_age_s, self.clock = capacity, max_age_s, clock
+        self._remember = max(1, capacity // 4)
+        self._map: OrderedDict[bytes, _Decision] = OrderedDict()
+        self._joined: OrderedDict[bytes, float] = OrderedDict()  # trace id -> when it joined
+        self.evicted = 0
+        """Decisions forgotten because ``capacity`` newer ones were waiting (only grows)."""
+        self.expired = 0
+        """Decisions forgotten because no span came within ``max_age_s`` (only grows)."""
+
+    def record(self, trace_id: bytes, endpoint: int, also: bytes | None = None) -> None:
+        """A decision for ``endpoint`` whose server span will carry ``trace_id``, or ``also`` if given (Envoy's
+        trace id, when Envoy's tracer may replace ours): the first span with either consumes both."""
+        now = self.clock()
+        self._expire(now)
+        keys = (trace_id,) if also is None or also == trace_id else (trace_id, also)
+        for key in keys:
+            self._forget(key)
+            self._joined.pop(key, None)
+            self._map[key] = _Decision(endpoint, now, next((k for k in keys if k != key), None))
+        while len(self._map) > self.capacity:
             self._map.popitem(last=False)
+            self.evicted += 1
+
+    def consume(self, trace_id: bytes) -> int | None:
+        """The endpoint of ``trace_id``'s decision, which is then forgotten; None if there is none (any more)."""
+        decision = self._map.pop(trace_id, None)
+        if decision is None:
+            return None
+        now = self.clock()
+        if now - decision.at > self.max_age_s:
+            self.expired += 1
+            return None
+        if decision.partner is not None:
+            self._map.pop(decision.partner, None)
+        self._joined[trace_id] = now
+        self._joined.move_to_end(trace_id)
+        while len(self._joined) > self._remember:
+            self._joined.popitem(last=False)
+        return decision.endpoint
+
+    def joined(self, trace_id: bytes) -> bool:
+        """Whether a span with ``trace_id`` joined within the last ``max_age_s`` (a second one is a duplicate)."""
+        at = self._joined.get(trace_id)
+        return at is not None and self.clock() - at <= self.max_age_s
 
     def get(self, trace_id: bytes) -> int | None:
-        return self._map.get(trace_id)
+        """The endpoint of ``trace_id``'s waiting decision, without consuming it (for tests and tools)."""
+        decision = self._map.get(trace_id)
+        return decision.endpoint if decision is not None else None
+
+    def expire(self) -> None:
+        """Forget what is older than ``max_age_s`` now (`record` does this as it goes; call it when idle)."""
+        self._expire(self.clock())
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.max_age_s
+        while self._map:
+            key, decision = next(iter(self._map.items()))
+            if decision.at >= horizon:
+                break
+            del self._map[key]
+            self.expired += 1
+        while self._joined:
+            key, at = next(iter(self._joined.items()))
+            if at >= horizon:
+                break
+            del self._joined[key]
+
+    def _forget(self, key: bytes) -> None:
+        old = self._map.pop(key, None)
+        if old is not None and old.partner is not None:
+            self._map.pop(old.partner, None)
 
     def __len__(self) -> int:
         return len(self._map)
 
+    @property
+    def remembered(self) -> int:
+        """Joined trace ids remembered for duplicate detection."""
+        return len(self._joined)
+
+
+CHILD_COUNTERS = (
+    "requests",
+    "untrusted_sender",
+    "unauthenticated",
+    "invalid_requests",
+    "dropped_requests",
+    "dropped_spans",
+    "spans",
+    "envoy_spans",
+    "llm_spans",
+    "malformed",
+    "out_of_bounds",
+    "over_limit",
+    "rate_limited",
+)
+"""The counters the receiver process keeps and sends as increments (see `ReceiverStats`)."""
+
 
 @dataclass(slots=True)
 class ReceiverStats:
-    """Counters (event-loop owned)."""
+    """The receiver's counters, all only growing (event-loop owned).
+
+    Export requests: ``requests`` received; refused whole: ``untrusted_sender`` (peer outside the allowlist),
+    ``unauthenticated`` (token missing or wrong), ``invalid_requests`` (not protobuf), ``dropped_requests`` (the
+    picker was behind; their ``dropped_spans`` are not counted below). Messages over the size limit are refused by
+    gRPC before any code of ours runs, and are not counted.
+
+    Spans of the other requests: ``over_limit`` (past ``max_spans_per_request``, not looked at), and ``spans``
+    looked at: ``envoy_spans`` (Envoy's own), ``llm_spans`` (latency spans), the rest other spans. Each latency
+    span has one outcome: ``malformed``, ``out_of_bounds``, ``rate_limited`` (over the span budget) in the
+    receiver process; ``joined_by_trace``, ``joined_by_resource``, ``duplicate``, ``unverified``, ``unjoined`` here
+    (see the module docstring). ``restarts``: receiver processes started again after one died.
+    """
 
     requests: int = 0
+    untrusted_sender: int = 0
+    unauthenticated: int = 0
+    invalid_requests: int = 0
     dropped_requests: int = 0
+    dropped_spans: int = 0
     spans: int = 0
+    envoy_spans: int = 0
     llm_spans: int = 0
+    malformed: int = 0
+    out_of_bounds: int = 0
+    over_limit: int = 0
+    rate_limited: int = 0
     joined_by_trace: int = 0
     joined_by_resource: int = 0
+    duplicate: int = 0
+    unverified: int = 0
     unjoined: int = 0
-    envoy_spans: int = 0
-    malformed: int = 0
+    restarts: int = 0
+
+    def add(self, increments: Mapping[str, object]) -> None:
+        """Add the receiver process's increments; names it does not keep and values that are not counts are
+        ignored (a broken child cannot set the picker's other counters)."""
+        for name in CHILD_COUNTERS:
+            value = increments.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                setattr(self, name, getattr(self, name) + value)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class SpanReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """OTLP TraceService. ``observe(endpoint_index, ttft_s, e2e_s)`` gets every joined latency;
-    ``endpoints`` maps "ip:port" to the endpoint index (for the resource fallback); ``join`` the trace ids.
-
-    `run` must run as a task to process what `Export` queues; queue at most ``max_queue`` requests.
-    """
+class SpanJoiner:
+    """Applies the join rule (module docstring) to records: ``observe(endpoint_index, ttft_s, e2e_s)`` gets every
+    joined latency and ``heatmap`` (if any) the record at its end time. ``endpoints``: the pool's ``ip:port``
+    addresses in index order. `add` is O(1), never raises for any record, and runs on the event loop."""
 
     def __init__(
         self,
-        observe: Callable[[int, float | None, float | None], None],
-        endpoints: Mapping[str, int],
+        observe: Observe,
+        endpoints: Sequence[str],
         join: TraceJoin,
+        stats: ReceiverStats,
         *,
-        max_queue: int = 1024,
         heatmap: HeatmapAggregator | None = None,
+        by_name: bool = False,
     ) -> None:
-        self.observe = observe
-        self.endpoints = dict(endpoints)
-        self._addresses = {index: address for address, index in self.endpoints.items()}
-        self.join = join
-        self.heatmap = heatmap
-        self.stats = ReceiverStats()
-        self._queue: deque[trace_service_pb2.ExportTraceServiceRequest] = deque()
-        self._max_queue = max_queue
-        self._ready = asyncio.Event()
+        self.stats, self.heatmap = stats, heatmap
+        self.by_name = by_name  # rule (b); a reload may change it
+        self.rebind(observe, endpoints, join)
 
-    def rebind(self, observe: Callable[[int, float | None, float | None], None], endpoints: Mapping[str, int]) -> None:
+    def rebind(self, observe: Observe, endpoints: Sequence[str], join: TraceJoin) -> None:
         """Feed another pool from now on (after a config reload)."""
-        self.observe, self.endpoints = observe, dict(endpoints)
-        self._addresses = {index: address for address, index in self.endpoints.items()}
+        self.observe, self.join = observe, join
+        self.addresses = list(endpoints)
+        self._index = {address: i for i, address in enumerate(self.addresses)}
+        self._hosts = [unmapped(address.rpartition(":")[0].strip("[]")) for address in self.addresses]
 
-    async def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        self.stats.requests += 1
-        if len(self._queue) >= self._max_queue:
-            self.stats.dropped_requests += 1
-            response = trace_service_pb2.ExportTraceServiceResponse()
-            spans = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-            response.partial_success.rejected_spans = spans
-            response.partial_success.error_message = "receiver queue full; spans dropped"
-            return response
-        self._queue.append(request)
-        self._ready.set()
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    async def run(self) -> None:
-        """Process queued requests forever (cancel to stop); yields to the loop between requests."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            while self._queue:
-                self.process(self._queue.popleft())
-                await asyncio.sleep(0)
-
-    def process(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+    def add(self, sender: IPAddress | None, record: SpanRecord) -> None:
+        """One record sent from ``sender`` (None: unknown, so no endpoint's own host)."""
         stats = self.stats
-        for resource_spans in request.resource_spans:
-            resource = otlp_attributes(resource_spans.resource.attributes)
-            is_envoy = str(resource.get("service.name", "")).lower().startswith("envoy")
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    stats.spans += 1
-                    if is_envoy:
-                        stats.envoy_spans += 1
-                        continue
-                    try:
-                        self._span(span, resource)
-                    except Exception:  # a span of a shape we never imagined: skip it, count it
-                        stats.malformed += 1
-
-    def _span(self, span: Any, resource: Mapping[str, Any]) -> None:
-        stats = self.stats
-        attributes = otlp_attributes(span.attributes)
-        if span.name != LLM_SPAN and TTFT_ATTRIBUTE not in attributes and E2E_ATTRIBUTE not in attributes:
-            return
-        stats.llm_spans += 1
-        ttft = latency_seconds(attributes.get(TTFT_ATTRIBUTE))
-        e2e = latency_seconds(attributes.get(E2E_ATTRIBUTE))
-        if ttft is None and e2e is None:
-            stats.malformed += 1
-            return
-        endpoint = self.join.get(bytes(span.trace_id)) if len(span.trace_id) == 16 else None
-        if endpoint is not None:
+        endpoint = self.join.consume(record.trace_id) if record.trace_id is not None else None
+        if endpoint is not None and endpoint < len(self.addresses):
             stats.joined_by_trace += 1
         else:
-            server = span_endpoint(attributes, resource)
-            endpoint = self.endpoints.get(server) if server is not None else None
-            if endpoint is None:
+            named = self._index.get(record.server) if record.server is not None else None
+            if named is not None and self.by_name and sender is not None and self._hosts[named] == sender:
+                stats.joined_by_resource += 1
+                endpoint = named
+            elif record.trace_id is not None and self.join.joined(record.trace_id):
+                stats.duplicate += 1
+                return
+            elif named is not None:
+                stats.unverified += 1
+                return
+            else:
                 stats.unjoined += 1
                 return
-            stats.joined_by_resource += 1
-        self.observe(endpoint, ttft, e2e)
+        self.observe(endpoint, record.ttft_s, record.e2e_s)
         if self.heatmap is not None:
-            self.heatmap.add(span.end_time_unix_nano / 1e9, self._addresses.get(endpoint), ttft, e2e)
+            self.heatmap.add(record.end_s, self.addresses[endpoint], record.ttft_s, record.e2e_s)

@@ -43,7 +43,9 @@ def test_server_spans_are_joined_and_their_p99_matches_the_servers_logs(tmp_path
         assert expected == len(shots)
         deadline = time.monotonic() + 20  # the servers export spans in batches every 0.5 s
         while True:
-            rows = httpx.get(f"{stack.picker_admin_url}/endpoints", timeout=5).json()["endpoints"]
+            rows = httpx.get(f"{stack.picker_admin_url}/endpoints", timeout=5, headers=stack.admin_headers).json()[
+                "endpoints"
+            ]
             counted = sum((row.get("latency") or {}).get("count") or 0 for row in rows)
             if counted >= expected:
                 break
@@ -144,7 +146,9 @@ def test_without_spans_the_filter_times_responses_from_the_stream(tmp_path: Path
         logs = {a: httpx.get(f"http://{a}/admin/requests", timeout=5).json()["requests"] for a in stack.endpoints}
         deadline = time.monotonic() + 10
         while True:
-            rows = httpx.get(f"{stack.picker_admin_url}/endpoints", timeout=5).json()["endpoints"]
+            rows = httpx.get(f"{stack.picker_admin_url}/endpoints", timeout=5, headers=stack.admin_headers).json()[
+                "endpoints"
+            ]
             if sum((row.get("latency") or {}).get("count") or 0 for row in rows) >= len(shots):
                 break
             assert time.monotonic() < deadline, rows

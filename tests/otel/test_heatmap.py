@@ -525,3 +525,30 @@ def test_cli_bad_input_exits_2(
     err = capsys.readouterr().err
     assert err.startswith("inferlb: error: ") and words in err
     assert not (tmp_path / "h.png").exists()
+
+
+def test_a_record_from_the_far_future_does_not_move_the_window() -> None:
+    now = 1_700_000_000.0
+    aggregator = HeatmapAggregator(bucket_s=10, clock=lambda: now, max_ahead_s=60)
+    aggregator.add(now - 5, "10.0.0.1:8000", 0.2, 1.0)
+    aggregator.add((2**63 - 1) / 1e9, "10.0.0.1:8000", 20.0, 30.0)  # an end time of year 2262
+    aggregator.add(now + 61, "10.0.0.1:8000", 20.0, 30.0)
+    aggregator.add(now + 59, "10.0.0.1:8000", 0.3, 1.0)  # clock skew within bounds is fine
+    aggregator.add(now, "10.0.0.1:8000", 0.2, 1.0)
+    grid = aggregator.grid()
+    assert (grid["ahead"], grid["late"]) == (2, 0)
+    assert grid["times"][0] == 1_699_999_990.0 and grid["times"][-1] == 1_700_000_050.0
+    assert sum(grid["count"][0]) == 3
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"clock": lambda: 0.0}, id="clock-alone"),
+        pytest.param({"max_ahead_s": 60.0}, id="bound-alone"),
+        pytest.param({"clock": lambda: 0.0, "max_ahead_s": -1.0}, id="negative"),
+    ],
+)
+def test_the_future_bound_needs_a_clock(options) -> None:
+    with pytest.raises(ValueError, match="max_ahead_s"):
+        HeatmapAggregator(**options)

@@ -1,149 +1,210 @@
-"""Tests for otel/receiver.py: joining spans to endpoints, and bad input that must never hurt the picker."""
+"""Tests for otel/receiver.py: the join rule (one span per decision, a server speaks only for itself), the
+TraceJoin's bounds, and that memory levels off however many spans join."""
 
 from __future__ import annotations
 
-import asyncio
+import gc
+import ipaddress
+import os
+import tracemalloc
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1 import common_pb2
-from opentelemetry.proto.resource.v1 import resource_pb2
-from opentelemetry.proto.trace.v1 import trace_pb2
 
-from inferlb.otel.receiver import SpanReceiver, TraceJoin
+from inferlb.otel.heatmap import HeatmapAggregator
+from inferlb.otel.latency import EndpointLatency
+from inferlb.otel.receiver import CHILD_COUNTERS, ReceiverStats, SpanJoiner, TraceJoin
+from inferlb.otel.spanwire import SpanRecord
 
-ENDPOINTS = {"127.0.0.1:8001": 0, "127.0.0.1:8002": 1, "[::1]:8003": 2}
-
-
-def kv(key: str, value) -> common_pb2.KeyValue:
-    if isinstance(value, bool):
-        return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(bool_value=value))
-    if isinstance(value, int):
-        return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(int_value=value))
-    if isinstance(value, float):
-        return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(double_value=value))
-    return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(string_value=value))
+ENDPOINTS = ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000"]
+TRACE = b"\x07" * 16
 
 
-def span(name="llm_request", trace_id=b"\x01" * 16, **attributes) -> trace_pb2.Span:
-    attrs = {"gen_ai.latency.time_to_first_token": 0.2, "gen_ai.latency.e2e": 1.5, **attributes}
-    return trace_pb2.Span(
-        name=name,
-        trace_id=trace_id,
-        span_id=b"\x02" * 8,
-        attributes=[kv(k, v) for k, v in attrs.items() if v is not None],
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(
+    join: TraceJoin | None = None, *, by_name: bool = True
+) -> tuple[SpanJoiner, list[tuple[int, float | None, float | None]]]:
+    seen: list[tuple[int, float | None, float | None]] = []
+    joiner = SpanJoiner(
+        lambda e, t, x: seen.append((e, t, x)), ENDPOINTS, join or TraceJoin(), ReceiverStats(), by_name=by_name
     )
+    return joiner, seen
 
 
-def request(spans, **resource) -> trace_service_pb2.ExportTraceServiceRequest:
-    return trace_service_pb2.ExportTraceServiceRequest(
-        resource_spans=[
-            trace_pb2.ResourceSpans(
-                resource=resource_pb2.Resource(attributes=[kv(k, v) for k, v in resource.items()]),
-                scope_spans=[trace_pb2.ScopeSpans(spans=spans)],
-            )
-        ]
-    )
+def record(trace_id: bytes | None = None, server: str | None = None, ttft: float = 0.2) -> SpanRecord:
+    return SpanRecord(trace_id, server, ttft, 1.5, 1_700_000_000.0)
 
 
-def make() -> tuple[SpanReceiver, list, TraceJoin]:
-    seen: list = []
-    join = TraceJoin(capacity=4)
-    return SpanReceiver(lambda e, t, x: seen.append((e, t, x)), ENDPOINTS, join), seen, join
+def ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address(text)
 
 
-def test_joins_by_trace_id_first_then_by_the_resource():
-    receiver, seen, join = make()
-    join.record(b"\x07" * 16, 1)
-    receiver.process(request([span(trace_id=b"\x07" * 16)], **{"server.address": "127.0.0.1", "server.port": 8001}))
-    receiver.process(request([span(trace_id=b"\x08" * 16)], **{"server.address": "127.0.0.1", "server.port": 8001}))
-    receiver.process(request([span()], **{"server.address": "::1", "server.port": 8003}))
-    receiver.process(request([span(**{"server.address": "127.0.0.1", "server.port": "8002"})]))
-    assert seen == [(1, 0.2, 1.5), (0, 0.2, 1.5), (2, 0.2, 1.5), (1, 0.2, 1.5)]
-    stats = receiver.stats
-    assert (stats.joined_by_trace, stats.joined_by_resource, stats.unjoined) == (1, 3, 0)
+def test_a_trace_id_joins_one_span_and_later_ones_are_duplicates() -> None:
+    joiner, seen = make()
+    joiner.join.record(TRACE, 1)
+    for _ in range(2000):  # a forger who knows the trace id of a request it sent
+        joiner.add(ip("192.0.2.9"), record(TRACE, ttft=20.0))
+    assert seen == [(1, 20.0, 1.5)]
+    assert (joiner.stats.joined_by_trace, joiner.stats.duplicate) == (1, 1999)
+    assert len(joiner.join) == 0
 
 
 @pytest.mark.parametrize(
-    ("spans", "resource", "counter"),
+    ("sender", "outcome"),
     [
-        pytest.param([span()], {}, "unjoined", id="no-endpoint"),
-        pytest.param(
-            [span(trace_id=b"\x09" * 16)],
-            {"server.address": "10.9.9.9", "server.port": 1},
-            "unjoined",
-            id="unknown-server",
-        ),
-        pytest.param([span(trace_id=b"short")], {}, "unjoined", id="bad-trace-id"),
-        pytest.param(
-            [span(**{"gen_ai.latency.time_to_first_token": "fast", "gen_ai.latency.e2e": -1.0})],
-            {"server.address": "127.0.0.1", "server.port": 8001},
-            "malformed",
-            id="garbage-latency",
-        ),
-        pytest.param([span()], {"service.name": "envoy-gateway"}, "envoy_spans", id="envoy-span"),
+        pytest.param("10.0.0.1", "joined_by_resource", id="its-own-host"),
+        pytest.param("10.0.0.2", "unverified", id="a-neighbour"),
+        pytest.param("127.0.0.1", "unverified", id="loopback"),
+        pytest.param(None, "unverified", id="unknown-sender"),
     ],
 )
-def test_bad_or_foreign_spans_are_counted_not_observed(spans, resource, counter):
-    receiver, seen, _ = make()
-    receiver.process(request(spans, **resource))
-    assert seen == []
-    assert getattr(receiver.stats, counter) == 1
+def test_a_span_naming_an_endpoint_counts_only_from_that_endpoints_host(sender: str | None, outcome: str) -> None:
+    joiner, seen = make()
+    joiner.add(ipaddress.ip_address(sender) if sender else None, record(os.urandom(16), "10.0.0.1:8000"))
+    assert seen == ([(0, 0.2, 1.5)] if outcome == "joined_by_resource" else [])
+    counts = {k: getattr(joiner.stats, k) for k in ("joined_by_resource", "unverified", "unjoined", "duplicate")}
+    assert counts == {k: int(k == outcome) for k in counts}
 
 
-def test_spans_that_are_not_requests_are_ignored():
-    receiver, seen, _ = make()
-    other = trace_pb2.Span(name="http.request", trace_id=b"\x01" * 16, span_id=b"\x02" * 8)
-    receiver.process(request([other], **{"server.address": "127.0.0.1", "server.port": 8001}))
-    assert seen == [] and receiver.stats.spans == 1 and receiver.stats.llm_spans == 0
+def test_by_default_a_name_joins_nothing_even_from_the_endpoints_own_host() -> None:
+    # Where servers share a host (or a client runs on one, as on loopback), the host proves nothing.
+    joiner, seen = make(by_name=False)
+    for _ in range(2000):
+        joiner.add(ip("10.0.0.1"), record(os.urandom(16), "10.0.0.1:8000", ttft=20.0))
+    assert seen == [] and joiner.stats.unverified == 2000 and joiner.stats.joined_by_resource == 0
+    joiner.join.record(TRACE, 0)
+    joiner.add(ip("10.0.0.1"), record(TRACE, "10.0.0.1:8000"))
+    assert seen == [(0, 0.2, 1.5)]  # a decision's trace id still joins
 
 
-def test_the_trace_join_is_bounded():
+def test_ipv6_endpoints_are_verified_by_their_host() -> None:
+    joiner, seen = make()
+    joiner.add(ip("fd00::3"), record(None, "[fd00::3]:8000"))
+    assert seen == [(2, 0.2, 1.5)]
+
+
+def test_the_trace_id_wins_over_the_name_and_a_span_naming_nothing_is_unjoined() -> None:
+    joiner, seen = make()
+    joiner.join.record(TRACE, 2)
+    joiner.add(ip("10.0.0.1"), record(TRACE, "10.0.0.1:8000"))
+    joiner.add(ip("10.0.0.1"), record(os.urandom(16), None))
+    joiner.add(ip("10.0.0.1"), record(None, "10.9.9.9:1"))
+    assert seen == [(2, 0.2, 1.5)]
+    assert (joiner.stats.joined_by_trace, joiner.stats.unjoined) == (1, 2)
+
+
+def test_the_heatmap_gets_joined_spans_at_their_end_time() -> None:
+    heatmap = HeatmapAggregator(bucket_s=10)
+    joiner = SpanJoiner(lambda e, t, x: None, ENDPOINTS, TraceJoin(), ReceiverStats(), heatmap=heatmap, by_name=True)
+    joiner.add(ip("10.0.0.2"), record(None, "10.0.0.2:8000"))
+    joiner.add(ip("10.0.0.1"), record(None, "10.0.0.2:8000"))  # unverified: not in the heatmap either
+    grid = heatmap.grid()
+    assert grid["endpoints"] == ["10.0.0.2:8000"] and grid["count"] == [[1]]
+    assert grid["times"] == [1_700_000_000.0]
+
+
+def test_an_envoy_trace_id_recorded_beside_ours_is_consumed_with_it() -> None:
+    joiner, seen = make()
+    envoy = b"\x08" * 16
+    joiner.join.record(TRACE, 1, also=envoy)
+    joiner.add(None, record(envoy))
+    joiner.add(None, record(TRACE))
+    assert seen == [(1, 0.2, 1.5)] and joiner.stats.unjoined == 1
+    assert len(joiner.join) == 0
+
+
+def test_recording_a_trace_id_again_makes_it_joinable_once_more() -> None:
+    join = TraceJoin()
+    join.record(TRACE, 0)
+    assert join.consume(TRACE) == 0 and join.joined(TRACE)
+    join.record(TRACE, 2)  # the client reused its traceparent for a new request
+    assert not join.joined(TRACE) and join.consume(TRACE) == 2 and join.consume(TRACE) is None
+
+
+def test_the_trace_join_is_bounded_by_size() -> None:
     join = TraceJoin(capacity=4)
-    for i in range(10):
-        join.record(bytes([i]) * 16, i)
-    assert len(join) == 4 and join.get(bytes([0]) * 16) is None and join.get(bytes([9]) * 16) == 9
+    for i in range(1000):
+        join.record(i.to_bytes(16, "big"), i % 3)
+    assert len(join) == 4 and join.evicted == 996
+    assert join.get((0).to_bytes(16, "big")) is None and join.get((999).to_bytes(16, "big")) == 999 % 3
+    for i in range(1000):
+        join.consume(i.to_bytes(16, "big"))
+    assert len(join) == 0 and join.remembered == 1  # capacity // 4
 
 
-@pytest.fixture
-async def served():
-    receiver, seen, _ = make()
-    receiver._max_queue = 3
-    server = grpc.aio.server()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield receiver, seen, channel
-    await channel.close()
-    await server.stop(0)
+def test_the_trace_join_forgets_decisions_whose_span_never_came() -> None:
+    clock = Clock()
+    join = TraceJoin(max_age_s=300, clock=clock)
+    join.record(TRACE, 1)
+    clock.now += 301
+    assert join.consume(TRACE) is None and join.expired == 1
+    join.record(b"\x01" * 16, 0)
+    join.record(b"\x02" * 16, 0)
+    clock.now += 200
+    join.record(b"\x03" * 16, 0)
+    clock.now += 200
+    join.expire()
+    assert len(join) == 1 and join.get(b"\x03" * 16) == 0 and join.expired == 3
 
 
-async def test_over_grpc_malformed_protobuf_is_refused_and_the_receiver_goes_on(served):
-    receiver, seen, channel = served
-    raw = channel.unary_unary(
-        "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
-        request_serializer=lambda b: b,
-        response_deserializer=lambda b: b,
-    )
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await raw(b"\xff\xff\xff\xff garbage")
-    assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
-    stub = trace_service_pb2_grpc.TraceServiceStub(channel)
-    await stub.Export(request([span()], **{"server.address": "127.0.0.1", "server.port": 8002}))
-    task = asyncio.create_task(receiver.run())
-    deadline = asyncio.get_running_loop().time() + 5
-    while not seen:
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
-    task.cancel()
-    assert seen == [(1, 0.2, 1.5)]
+def test_joined_trace_ids_are_remembered_for_as_long_as_decisions() -> None:
+    clock = Clock()
+    join = TraceJoin(capacity=32, max_age_s=60, clock=clock)
+    for i in range(100):
+        join.record(i.to_bytes(16, "big"), 0)
+        join.consume(i.to_bytes(16, "big"))
+    assert join.remembered == 8 and join.joined((99).to_bytes(16, "big")) and not join.joined((91).to_bytes(16, "big"))
+    clock.now += 61
+    join.expire()
+    assert join.remembered == 0 and not join.joined((99).to_bytes(16, "big"))
 
 
-async def test_a_flood_beyond_the_queue_is_dropped_and_counted(served):
-    receiver, _, channel = served
-    stub = trace_service_pb2_grpc.TraceServiceStub(channel)
-    replies = [await stub.Export(request([span(), span()])) for _ in range(5)]  # nobody consumes: the queue fills
-    assert [r.partial_success.rejected_spans for r in replies] == [0, 0, 0, 2, 2]
-    assert receiver.stats.dropped_requests == 2 and len(receiver._queue) == 3
+def test_counters_from_the_receiver_process_cannot_set_the_pickers_own() -> None:
+    stats = ReceiverStats()
+    stats.add({"spans": 5, "joined_by_trace": 10**9, "malformed": True, "out_of_bounds": -3, "requests": "7"})
+    assert stats.spans == 5 and stats.joined_by_trace == stats.malformed == stats.out_of_bounds == 0
+    assert stats.requests == 0 and set(CHILD_COUNTERS) <= set(stats.as_dict())
+
+
+def test_memory_levels_off_when_spans_join() -> None:
+    # 10 requests a second for 30 simulated minutes: each decision's span comes back 5 s later, except every
+    # tenth, whose span never comes. What the join, the statistics and the heatmap hold must stop growing once
+    # their windows are full (the join's 300 s; the heatmap's, shortened here to 5 min) instead of growing with
+    # every span.
+    clock = Clock(1_700_000_000.0)
+    join = TraceJoin(capacity=65536, max_age_s=300, clock=clock)
+    latency = EndpointLatency(len(ENDPOINTS), window_s=60, half_life_s=10, clock=clock)
+    heatmap = HeatmapAggregator(bucket_s=10, max_buckets=30)
+    joiner = SpanJoiner(latency.observe, ENDPOINTS, join, ReceiverStats(), heatmap=heatmap)
+    rate, lag = 10, 50  # decisions per second; spans come back 5 s (50 decisions) later
+    waiting: list[bytes | None] = []
+    sizes: dict[int, int] = {}
+    tracemalloc.start()
+    try:
+        for n in range(1, rate * 1800 + 1):
+            clock.now += 1 / rate
+            trace_id = n.to_bytes(16, "big")
+            join.record(trace_id, n % 3)
+            waiting.append(trace_id if n % 10 else None)
+            if len(waiting) > lag:
+                back = waiting.pop(0)
+                if back is not None:
+                    joiner.add(None, SpanRecord(back, None, 0.2, 1.5, clock.now))
+            if n % (rate * 120) == 0:
+                gc.collect()
+                sizes[n // (rate * 60)] = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert joiner.stats.joined_by_trace == (rate * 1800 - lag) * 9 // 10
+    # Decisions still waiting: the ones in flight, plus 300 s of those whose span never came.
+    assert len(join) <= lag + rate * 300 // 10 + rate
+    assert join.remembered <= min(rate * 300 + rate, join.capacity // 4)
+    assert len(heatmap.grid()["times"]) <= heatmap.max_buckets
+    settled = [size for minute, size in sizes.items() if minute > 10]
+    assert max(settled) - min(settled) < 64 * 1024, sizes
