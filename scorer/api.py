@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from inferlb.otel.render import render_html, render_json, render_png
+from inferlb.scorer.adminguard import AdminGuard
 from inferlb.scorer.decisions import PICK_BUCKETS_S
 from inferlb.scorer.errors import ConfigError
 
@@ -91,7 +92,17 @@ def config_document(picker: Picker) -> dict[str, Any]:
         ],
         "default_class": _jsonable(config.default_class),
         "admission": _jsonable(config.admission),
-        "otel": _jsonable(config.otel),
+        "otel": {
+            **_jsonable(config.otel),
+            "receiver_auth": None if config.otel.receiver_auth is None else config.otel.receiver_auth.describe(),
+        },
+        "inflight": _jsonable(config.inflight),
+        "drain_s": config.drain_s,
+        # Where the token is, never the token.
+        "admin_auth": {
+            "token": None if config.admin_auth.token is None else config.admin_auth.token.describe(),
+            "allowed_hosts": sorted(config.admin_auth.allowed_hosts),
+        },
         "endpoints": [
             {
                 "address": e.address,
@@ -101,6 +112,7 @@ def config_document(picker: Picker) -> dict[str, Any]:
             }
             for e in config.endpoints
         ],
+        "allowed_networks": list(config.allowed_networks.cidrs()),
         "config_file": str(picker.config_path) if picker.config_path else None,
         "reloads": picker.reloads,
     }
@@ -109,6 +121,12 @@ def config_document(picker: Picker) -> dict[str, Any]:
 def create_admin_app(picker: Picker) -> FastAPI:
     """The admin app for one picker; everything it reads is reached through ``picker`` (swapped on reload)."""
     app = FastAPI(title="inferlb picker", docs_url=None, redoc_url=None, openapi_url=None)
+    if picker.config.admin is not None:
+        app.add_middleware(
+            AdminGuard,
+            admin=picker.config.admin,
+            auth=lambda: (picker.admin_credential, picker.config.admin_auth.allowed_hosts),
+        )
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -321,9 +339,25 @@ def prometheus_text(picker: Picker) -> str:
             f'inferlb_spans_received_total{{outcome="envoy"}} {stats.envoy_spans}',
             f'inferlb_spans_received_total{{outcome="malformed"}} {stats.malformed}',
             f'inferlb_spans_received_total{{outcome="other"}} {stats.spans - stats.llm_spans - stats.envoy_spans}',
-            "# HELP inferlb_span_requests_dropped_total OTLP export requests dropped because the queue was full.",
+            f'inferlb_spans_received_total{{outcome="duplicate"}} {stats.duplicate}',
+            f'inferlb_spans_received_total{{outcome="unverified"}} {stats.unverified}',
+            f'inferlb_spans_received_total{{outcome="out_of_bounds"}} {stats.out_of_bounds}',
+            f'inferlb_spans_received_total{{outcome="rate_limited"}} {stats.rate_limited}',
+            f'inferlb_spans_received_total{{outcome="over_limit"}} {stats.over_limit}',
+            f'inferlb_spans_received_total{{outcome="dropped"}} {stats.dropped_spans}',
+            "# HELP inferlb_span_requests_dropped_total OTLP export requests refused whole because the picker was "
+            "behind.",
             "# TYPE inferlb_span_requests_dropped_total counter",
             f"inferlb_span_requests_dropped_total {stats.dropped_requests}",
+            "# HELP inferlb_span_requests_refused_total OTLP export requests the receiver refused whole, by reason.",
+            "# TYPE inferlb_span_requests_refused_total counter",
+            f'inferlb_span_requests_refused_total{{reason="untrusted_sender"}} {stats.untrusted_sender}',
+            f'inferlb_span_requests_refused_total{{reason="unauthenticated"}} {stats.unauthenticated}',
+            f'inferlb_span_requests_refused_total{{reason="invalid"}} {stats.invalid_requests}',
+            "# HELP inferlb_span_receiver_restarts_total Times the OTLP receiver process was started again after it "
+            "died.",
+            "# TYPE inferlb_span_receiver_restarts_total counter",
+            f"inferlb_span_receiver_restarts_total {stats.restarts}",
         ]
     if picker.spans is not None:
         lines += picker.spans.histograms.render([e.address for e in picker.spans.pool])

@@ -21,6 +21,14 @@ from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
 H100 = get_profile("h100-llama3.1-8b")
+TOKEN = "test-admin-token-0123456789"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+YAML = {**AUTH, "content-type": "application/yaml"}
+
+
+@pytest.fixture(autouse=True)
+def admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERLB_TEST_ADMIN_TOKEN", TOKEN)
 
 
 async def until(check, timeout: float = 10.0) -> None:
@@ -44,6 +52,7 @@ def document(servers, **extra) -> dict:
         "listen": f"127.0.0.1:{free_port()}",
         "admin": f"127.0.0.1:{free_port()}",
         "policy": "kv-aware",
+        "admin_auth": {"token_env": "INFERLB_TEST_ADMIN_TOKEN"},
         "signals": {"scrape_interval_s": 0.05, "gpu_interval_s": 0.1},
         "pool": {
             "endpoints": [
@@ -66,7 +75,7 @@ async def picker(servers, tmp_path: Path):
 
 async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, servers):
     admin = f"http://{picker.config.admin}"
-    async with httpx.AsyncClient(base_url=admin, timeout=5) as client:
+    async with httpx.AsyncClient(base_url=admin, timeout=5, headers=AUTH) as client:
         assert (await client.get("/healthz")).json() == {"status": "ok"}
         await until(lambda: picker.collector.first_round_done and picker.gpu_collector.rounds > 0)
         assert (await client.get("/readyz")).status_code == 200
@@ -111,17 +120,17 @@ async def test_a_posted_config_applies_and_a_bad_one_is_refused(picker, servers)
     async with httpx.AsyncClient(base_url=admin, timeout=5) as client:
         bad = document(servers, policy="mine", profiles={"mine": {"scorers": [{"type": "queue", "weight": -1}]}})
         bad["listen"], bad["admin"] = picker.config.listen, picker.config.admin
-        refused = await client.post("/config", content=yaml.safe_dump(bad))
+        refused = await client.post("/config", content=yaml.safe_dump(bad), headers=YAML)
         assert refused.status_code == 400
         assert "profiles.mine.scorers[0].weight must be > 0" in refused.json()["error"]["message"]
         assert picker.config.policy == "kv-aware" and picker.reloads == 0
 
         good = {**bad, "policy": "prefix-aware", "profiles": {}}
         moved = {**good, "listen": f"127.0.0.1:{free_port()}"}
-        refused = await client.post("/config", content=yaml.safe_dump(moved))
+        refused = await client.post("/config", content=yaml.safe_dump(moved), headers=YAML)
         assert refused.status_code == 400 and "listen cannot change" in refused.json()["error"]["message"]
 
-        applied = await client.post("/config", content=yaml.safe_dump(good))
+        applied = await client.post("/config", content=yaml.safe_dump(good), headers=YAML)
         assert applied.status_code == 200, applied.text
     assert picker.config.policy == "prefix-aware" and picker.reloads == 1
     assert picker.engine.inflight is inflight and inflight.requests[1] == 1  # same pool: counts carry over
@@ -168,7 +177,7 @@ async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(
             timer(1, None, 1.5)  # an unstreamed response: E2E only
         await until(lambda: picker.engine.signals.snapshot.ttft_s[2] > 0.5)
         admin = f"http://{picker.config.admin}"
-        async with httpx.AsyncClient(base_url=admin, timeout=5) as client:
+        async with httpx.AsyncClient(base_url=admin, timeout=5, headers=AUTH) as client:
             rows = (await client.get("/endpoints")).json()["endpoints"]
             assert [r["latency"]["count"] for r in rows] == [20, 20, 20]
             assert rows[2]["latency"]["ttft_p99"] == pytest.approx(0.8, rel=0.03)
@@ -181,7 +190,7 @@ async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(
             assert metrics.get("inferlb_spans_received") is None  # no receiver, no span counters
 
             changed = {**doc, "otel": {"latency_source": "spans"}}
-            refused = await client.post("/config", content=yaml.safe_dump(changed))
+            refused = await client.post("/config", content=yaml.safe_dump(changed), headers=YAML)
             assert refused.status_code == 400 and "latency_source cannot change" in refused.json()["error"]["message"]
     finally:
         await picker.stop(0.5)

@@ -24,7 +24,9 @@ def test_reload_keeps_streams_and_changes_the_policy(tmp_path: Path) -> None:
                 assert next(lines).startswith("data: ")  # routed and streaming
                 document = yaml.safe_load(stack.config_path.read_text())
                 applied = httpx.post(
-                    f"{stack.picker_admin_url}/config", content=yaml.safe_dump({**document, "policy": "default"})
+                    f"{stack.picker_admin_url}/config",
+                    content=yaml.safe_dump({**document, "policy": "default"}),
+                    headers={**stack.admin_headers, "content-type": "application/yaml"},
                 )
                 assert applied.status_code == 200, applied.text
                 rest = [line for line in lines if line.startswith("data: ")]
@@ -32,6 +34,8 @@ def test_reload_keeps_streams_and_changes_the_policy(tmp_path: Path) -> None:
             assert len(rest) == 300 - 1 + 1  # the other 299 tokens and [DONE]: nothing was cut
             response = client.post("/v1/completions", json={"model": MODEL, "prompt": "after", "max_tokens": 3})
             assert response.status_code == 200
-        recent = httpx.get(f"{stack.picker_admin_url}/decisions", params={"limit": 1}).json()["decisions"][0]
+        recent = httpx.get(
+            f"{stack.picker_admin_url}/decisions", params={"limit": 1}, headers=stack.admin_headers
+        ).json()["decisions"][0]
         assert recent["profile"] == "default" and recent["endpoint"] in stack.endpoints
-        assert httpx.get(f"{stack.picker_admin_url}/config").json()["reloads"] == 1
+        assert httpx.get(f"{stack.picker_admin_url}/config", headers=stack.admin_headers).json()["reloads"] == 1
