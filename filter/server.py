@@ -4,7 +4,8 @@ Stream state machine, per request:
 
 1. ``request_headers``: read path, method, request id and the session header, if one is configured. If the
    route asked for the body (``protocol_config`` says BUFFERED or BUFFERED_PARTIAL) and one is coming, reply
-   "continue" and wait for it; otherwise decide now.
+   "continue" and wait for it; if the route asked for one and none is coming, refuse (400); otherwise decide
+   now.
 2. ``request_body`` (buffered, whole or a partial buffer that hit the limit): parse it, decide, reply with
    the destination header, or refuse with an ImmediateResponse (400/404/413/503, JSON body).
 3. Anything else Envoy sends (response phases, if a route turns them on) is let through unchanged.
@@ -12,10 +13,14 @@ Stream state machine, per request:
 A stream whose first message is in observability mode comes from the ``inferlb.observe`` filter instead: it is
 timed (``filter/observe.py``) when the service has a ``response_timer`` and closed at once otherwise.
 
-The decision counts the request as in flight on its endpoint; the count drops when the stream ends, which
-Envoy does when the HTTP request finishes, fails, or the client goes away. Release sits in a ``finally``, so
-no exit path leaks a count. Unexpected exceptions are logged and end the stream with a gRPC error, and Envoy's
-failure mode decides (fail-open sends the request to the fallback cluster).
+The decision counts the request as in flight on its endpoint until the request ends. With ``leases`` (the
+default in ``inferlb serve``) the stream ends right after the decision or the refusal, and the lease waits in
+`OpenLeases` for Envoy's access-log entry of that request (``filter/requestend.py``): a picker that exits or
+restarts then cuts no request it has routed, whatever Envoy's failure mode. Without ``leases`` (or for a
+request without an ``x-request-id``) the stream stays open until Envoy closes it, which it does when the HTTP
+request finishes, fails, or the client goes away, and the lease is released then; release sits in a
+``finally``, so no exit path leaks a count. Unexpected exceptions are logged and end the stream with a gRPC
+error, and Envoy's failure mode decides (fail-open sends the request to the fallback cluster).
 """
 
 from __future__ import annotations
@@ -29,27 +34,32 @@ from dataclasses import dataclass, field
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from inferlb.filter.errors import OverloadedError, RequestError, from_routing_error
+from inferlb.filter.errors import MalformedRequestError, OverloadedError, RequestError, from_routing_error
 from inferlb.filter.observe import ObserveStats, time_response
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_header
 from inferlb.filter.request import apply_body, features_from_headers
+from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.classes import Admission, Classifier, WaitQueue
 from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
-from inferlb.scorer.errors import RoutingError
+from inferlb.scorer.errors import RoutingError, shown
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
 
 logger = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE, ACCESS_LOG_SERVICE)
+# What a gRPC message to the picker may hold beyond the request body: the ext_proc envelope and the few headers
+# Envoy forwards (Envoy's own limit on request headers is 60 KiB by default).
+GRPC_ENVELOPE_BYTES = 256 * 1024
 _BUFFERED = frozenset({ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL})
 # How often a request waiting for capacity looks again (the snapshot changes once per scrape, ~100 ms).
 ADMISSION_POLL_S = 0.02
@@ -85,6 +95,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         admission: Admission | None = None,
         trace_join: TraceJoin | None = None,
         route_spans: RouteSpans | None = None,
+        leases: OpenLeases | None = None,
     ) -> None:
         for name, value in (("session_header", session_header), ("class_header", class_header)):
             if value is not None and (not value or value != value.strip()):
@@ -108,6 +119,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.replies = RouteReplies(engine.pool)
         self.stats = FilterStats()
         self.decisions = DecisionLog()
+        # With leases, routing streams end at the decision and Envoy's access log ends each request's count.
+        self.leases = leases
 
     def swap_engine(self, engine: Engine) -> None:
         """Route with ``engine`` from now on (a config reload). Streams that already hold a lease release it into
@@ -142,9 +155,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 if kind == "request_headers":
                     headers = message.request_headers
                     features = features_from_headers(headers.headers.headers, self.session_header, self.class_header)
-                    if not headers.end_of_stream and message.protocol_config.request_body_mode in _BUFFERED:
+                    wants_body = message.protocol_config.request_body_mode in _BUFFERED
+                    if wants_body and not headers.end_of_stream:
                         yield CONTINUE["request_headers"]
                         continue
+                    if wants_body and features.method == "POST":
+                        yield self._refuse(MalformedRequestError("request body is empty; expected a JSON object"))
+                        return
                     replies = self.replies.headers
                 else:
                     if features is None:
@@ -153,9 +170,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     try:
                         apply_body(features, body.body, complete=body.end_of_stream, max_bytes=self.max_body_bytes)
                     except RequestError as exc:
-                        decided = True
                         yield self._refuse(exc)
-                        continue
+                        return
                     replies = self.replies.body
                 decided = True
                 refusal = await self._admit(features)
@@ -163,9 +179,18 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     if self.route_spans is not None:
                         self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
                     yield self._refuse(refusal)
-                    continue
+                    return  # an ImmediateResponse ends the request: nothing more will come
                 reply, lease = self._route(features, replies, envoy_trace)
                 yield reply
+                leases = self.leases
+                if lease is None:
+                    return  # refused by the engine
+                if leases is not None and features.request_id:
+                    # Nothing more to say on this stream. Ending it here means a picker that exits later cannot cut
+                    # this request; its end comes through Envoy's access log.
+                    leases.hold(features.request_id, lease)
+                    lease = None
+                    return
         except Exception:
             self.stats.failed += 1
             logger.exception("ext_proc stream failed; Envoy's failure mode decides what happens to the request")
@@ -196,7 +221,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if request_class.on_saturation == "shed":
             self.decisions.shed[request_class.name] += 1
             return OverloadedError(
-                f"every endpoint that serves {features.model!r} is saturated and requests of class "
+                f"every endpoint that serves {shown(features.model)} is saturated and requests of class "
                 f"{request_class.name!r} are shed under load; retry after {request_class.retry_after_s} s",
                 request_class.retry_after_s,
             )
@@ -244,9 +269,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         else:
             trace_id, traceparent = traced
         if join is not None:
-            join.record(trace_id, index)
-            if envoy_trace is not None:
-                join.record(envoy_trace, index)
+            # One decision, one span: Envoy's trace id (with Envoy's tracing on) is an alias of the same decision.
+            join.record(trace_id, index, also=envoy_trace)
         return with_header(replies[index], "traceparent", traceparent), lease
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:
@@ -281,19 +305,37 @@ def _trace_id(traceparent: str | None) -> bytes | None:
 
 
 class PickerServer:
-    """The picker's gRPC server: the ext_proc service plus gRPC health (``liveness``, ``readiness`` and the
-    ExternalProcessor service name). ``start`` binds and serves; ``stop`` reports NOT_SERVING, then lets open
-    streams finish for ``grace`` seconds."""
+    """The picker's gRPC server: the ext_proc service, Envoy's access-log service (which ends held leases) and
+    gRPC health (``liveness``, ``readiness`` and the service names). ``start`` binds and serves; ``stop`` reports
+    NOT_SERVING, then lets open streams finish for ``grace`` seconds.
 
-    def __init__(self, service: ExtProcService, listen: str) -> None:
+    ``max_message_bytes`` bounds one gRPC message; it must exceed the largest body Envoy forwards (the config's
+    ``max_body_bytes``) by the envelope, or a body under the limit fails the stream and, with fail-open, goes
+    upstream without a decision. It is fixed for the server's life."""
+
+    def __init__(self, service: ExtProcService, listen: str, *, max_message_bytes: int = 4 << 20) -> None:
         self.service = service
         self.listen = listen
+        self.max_message_bytes = max_message_bytes
         self.health = health.aio.HealthServicer()
-        # SO_REUSEPORT is on by default in gRPC: a second picker on the same port would then share it silently.
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._no_leases = OpenLeases()
+        self._server = grpc.aio.server(
+            options=[
+                # SO_REUSEPORT is on by default in gRPC: a second picker on the same port would share it silently.
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ]
+        )
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(service, self._server)
+        self._access_logs = AccessLogReceiver(self._leases)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_logs, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port: int | None = None
+
+    def _leases(self) -> OpenLeases:
+        # Entries that come while the service holds no leases (stream mode) end nothing; an empty book counts them.
+        return self.service.leases if self.service.leases is not None else self._no_leases
 
     async def start(self) -> None:
         try:
@@ -304,9 +346,15 @@ class PickerServer:
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    async def stop(self, grace: float | None = 5.0) -> None:
-        for name in ("readiness", EXT_PROC_SERVICE):
+    async def drain(self) -> None:
+        """Report NOT_SERVING (readiness and the services), and go on serving: a load balancer in front stops
+        sending new requests, and those it still sends are answered."""
+        for name in ("readiness", EXT_PROC_SERVICE, ACCESS_LOG_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self.drain()
+        self._access_logs.close()  # Envoy's access-log streams never end on their own
         await self._server.stop(grace)
 
     async def wait_for_termination(self) -> None:

@@ -66,6 +66,21 @@ def _parser() -> argparse.ArgumentParser:
         "--fail-closed", dest="fail_open", action="store_false", help="picker down: fail requests with a 5xx"
     )
     envoy.add_argument("--message-timeout-ms", type=int, default=1000, help="how long Envoy waits for a pick")
+    envoy.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long a request may take to arrive, body included (408 after); the response is not bounded",
+    )
+    envoy.add_argument(
+        "--request-headers-timeout-s", type=float, default=10.0, help="how long the request headers may take (408)"
+    )
+    envoy.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=300.0,
+        help="end a stream on which nothing moved either way for this long (a streamed answer keeps it alive)",
+    )
     envoy.add_argument("--fallback-lb-policy", default="LEAST_REQUEST", choices=FALLBACK_POLICIES)
     envoy.add_argument("--access-log", default="/dev/stdout", help="access log path, or 'none'")
     envoy.add_argument(
@@ -185,6 +200,9 @@ def _envoy_config(args: argparse.Namespace) -> int:
         admin=args.admin,
         fail_open=args.fail_open,
         message_timeout_ms=args.message_timeout_ms,
+        request_timeout_ms=round(args.request_timeout_s * 1000),
+        request_headers_timeout_ms=round(args.request_headers_timeout_s * 1000),
+        stream_idle_timeout_ms=round(args.stream_idle_timeout_s * 1000),
         fallback_lb_policy=args.fallback_lb_policy,
         access_log_path=None if args.access_log == "none" else args.access_log,
         forward_headers=tuple(args.forward_header),

@@ -22,6 +22,9 @@ FORWARD_HEADERS = (":path", ":method", "x-request-id", "traceparent")
 # Below the inference servers' keep-alive (vLLM's uvicorn: 5 s), so that Envoy, not the server, closes an idle
 # upstream connection and never sends a request on one that is being closed.
 UPSTREAM_IDLE_TIMEOUT_MS = 4000
+# How often Envoy sends the picker the ends of the requests it routed (inflight.end: access-log): a request's
+# in-flight count outlives the request by up to this long.
+REQUEST_END_FLUSH_MS = 10
 
 
 class EnvoyConfigError(ValueError):
@@ -47,6 +50,11 @@ class EnvoyOptions:
     picker: bool = True
     forward_headers: tuple[str, ...] = FORWARD_HEADERS
     tracing: bool = False  # send Envoy's own spans to the picker's OTLP receiver (config otel.receiver)
+    # How long a request may take to arrive (headers, then the whole request) and how long a stream may sit with
+    # nothing moving either way; a streamed response is bounded only by the last.
+    request_headers_timeout_ms: int = 10_000
+    request_timeout_ms: int = 30_000
+    stream_idle_timeout_ms: int = 300_000
 
 
 def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
@@ -61,9 +69,22 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         raise EnvoyConfigError(
             f"fallback LB policy must be one of {', '.join(FALLBACK_POLICIES)}; got {options.fallback_lb_policy!r}"
         )
-    for name in ("message_timeout_ms", "connect_timeout_ms", "max_requests"):
+    for name in (
+        "message_timeout_ms",
+        "connect_timeout_ms",
+        "max_requests",
+        "request_headers_timeout_ms",
+        "request_timeout_ms",
+        "stream_idle_timeout_ms",
+    ):
         if getattr(options, name) <= 0:
             raise EnvoyConfigError(f"{name} must be > 0; got {getattr(options, name)}")
+    if options.request_timeout_ms <= options.message_timeout_ms:
+        # The request is not sent upstream while the picker decides: a shorter bound would cut slow picks.
+        raise EnvoyConfigError(
+            f"the request timeout ({options.request_timeout_ms} ms) must exceed the picker's message timeout "
+            f"({options.message_timeout_ms} ms)"
+        )
     tracer_host, tracer_port = "", 0
     if options.tracing:
         if config.otel.receiver is None:
@@ -91,6 +112,11 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         message_timeout=_duration(options.message_timeout_ms),
         connect_timeout=_duration(options.connect_timeout_ms),
         upstream_idle_timeout=_duration(UPSTREAM_IDLE_TIMEOUT_MS),
+        request_headers_timeout=_duration(options.request_headers_timeout_ms),
+        request_timeout=_duration(options.request_timeout_ms),
+        stream_idle_timeout=_duration(options.stream_idle_timeout_ms),
+        request_end_log=options.picker and config.inflight.end == "access-log",
+        request_end_flush=_duration(REQUEST_END_FLUSH_MS),
         buffer_limit_bytes=config.max_body_bytes,
         fallback_lb_policy=options.fallback_lb_policy,
         max_requests=options.max_requests,

@@ -21,14 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from inferlb.filter.server import ExtProcService, PickerServer
-from inferlb.otel.loop import SpanLoop
+from inferlb.filter.requestend import OpenLeases
+from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer
+from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.api import create_admin_app
 from inferlb.scorer.classes import Admission, Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config, load_config, parse_config
+from inferlb.scorer.credentials import Credential
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.gpucollect import GpuCollector
@@ -41,8 +43,11 @@ from inferlb.sim.spans import create_tracer_provider
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 5.0
+# After the drain, how long streams still open get to finish. Routing streams end at their decision, so what is
+# left is a request waiting for its body or for capacity (at most a class's max_wait_s).
+SHUTDOWN_GRACE_S = 2.0
 WATCH_INTERVAL_S = 1.0
+LEASE_EXPIRY_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -65,6 +70,8 @@ class Picker:
     _collector_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _started: bool = False
     spans: SpanLoop | None = None
+    admin_credential: Credential | None = None
+    draining: bool = False
 
     async def start(self) -> None:
         await self.server.start()
@@ -92,7 +99,16 @@ class Picker:
                 admin.result()  # raises the bind error
         if self.config_path is not None:
             self._tasks.append(loop.create_task(self._watch(self.config_path), name="config watch"))
+        if self.service.leases is not None:
+            self._tasks.append(loop.create_task(self._expire_leases(), name="lease expiry"))
         self._started = True
+
+    async def drain(self, seconds: float) -> None:
+        """Report NOT_SERVING (gRPC health and /readyz) and keep answering for ``seconds``, so that whoever sends
+        requests here (a Service, another Envoy) moves to other pickers first and nothing is refused."""
+        self.draining = True
+        await self.server.drain()
+        await asyncio.sleep(seconds)
 
     async def stop(self, grace: float | None = SHUTDOWN_GRACE_S) -> None:
         try:
@@ -107,12 +123,23 @@ class Picker:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._tasks.clear()
+            if self.service.leases is not None:
+                self.service.leases.release_all()
+
+    async def _expire_leases(self) -> None:
+        # Holding a lease expires old ones too; this covers a picker that gets no requests.
+        while True:
+            await asyncio.sleep(LEASE_EXPIRY_INTERVAL_S)
+            if self.service.leases is not None:
+                self.service.leases.expire()
 
     def not_ready(self) -> list[str]:
         """Why the picker should not get traffic yet (empty: ready)."""
         reasons = []
         if not self._started:
             reasons.append("starting")
+        if self.draining:
+            reasons.append("draining: the picker is shutting down")
         if self.collector is not None and not self.collector.first_round_done:
             reasons.append("no metrics scrape finished yet")
         return reasons
@@ -163,6 +190,17 @@ class Picker:
                 "otel.latency_source cannot change while the picker runs: Envoy's bootstrap changes with it "
                 "(inferlb envoy-config); restart both"
             )
+        if config.inflight.end != old.inflight.end:
+            raise ConfigError(
+                "inflight.end cannot change while the picker runs: Envoy's bootstrap changes with it "
+                "(inferlb envoy-config); restart both"
+            )
+        if config.max_body_bytes + GRPC_ENVELOPE_BYTES > self.server.max_message_bytes:
+            raise ConfigError(
+                f"max_body_bytes cannot rise above {self.server.max_message_bytes - GRPC_ENVELOPE_BYTES} while the "
+                "picker runs (its gRPC message limit is set at start-up); restart it, and re-render Envoy's bootstrap"
+            )
+        credential = _admin_credential(config)
         for name in ("listen", "admin"):
             if getattr(config, name) != getattr(old, name):
                 raise ConfigError(
@@ -171,6 +209,8 @@ class Picker:
                 )
         same_pool = [e.address for e in config.endpoints] == [e.address for e in old.endpoints]
         pool = Pool(config.endpoints)
+        if config.otel.receiver is not None:
+            receiver_settings(config.otel, pool)  # an unreadable receiver token refuses the reload here
         if same_pool:
             inflight, signals = self.engine.inflight, self.engine.signals
             if signals.stale_after_s != config.signals.stale_after_s:
@@ -181,6 +221,9 @@ class Picker:
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool))
         engine = Engine(pool, profile, inflight, signals)
         # From here on nothing can fail: swap everything between two requests.
+        self.admin_credential = credential
+        if self.service.leases is not None:
+            self.service.leases.max_age_s = config.inflight.max_age_s
         self.service.swap_engine(engine)
         self.service.max_body_bytes = config.max_body_bytes
         self.service.session_header = config.session_header
@@ -188,7 +231,7 @@ class Picker:
         self.service.classifier = Classifier(config.classes, config.default_class)
         self.service.admission = _admission(config, pool, signals)
         if self.spans is not None:
-            self.spans.rebind(pool, signals, keep=same_pool)
+            self.spans.rebind(pool, signals, keep=same_pool, config=config.otel)
             self.service.trace_join = _trace_join(config, self.spans)
         self.engine, self.config = engine, config
         self.reloads += 1
@@ -278,6 +321,8 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
         admission=_admission(config, pool, signals),
     )
     collector, gpu = _collectors(config, pool, signals, engine.inflight)
+    if config.inflight.end == "access-log":
+        service.leases = OpenLeases(max_age_s=config.inflight.max_age_s)
     spans = None
     if config.otel.receiver is not None or config.otel.latency_source == "stream":
         spans = SpanLoop(config.otel, pool, signals)
@@ -292,14 +337,21 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
         config,
         engine,
         service,
-        PickerServer(service, config.listen),
+        PickerServer(service, config.listen, max_message_bytes=config.max_body_bytes + GRPC_ENVELOPE_BYTES),
         rng=rng,
         config_path=config_path,
         collector=collector,
         gpu_collector=gpu,
+        admin_credential=_admin_credential(config),
     )
     picker.spans = spans
     return picker
+
+
+def _admin_credential(config: Config) -> Credential | None:
+    """The admin API's token, read now (a rotated Secret file takes effect on the next reload); ConfigError."""
+    source = config.admin_auth.token
+    return source.read("admin_auth") if source is not None and config.admin is not None else None
 
 
 def _trace_join(config: Config, spans: SpanLoop) -> TraceJoin | None:
@@ -308,7 +360,8 @@ def _trace_join(config: Config, spans: SpanLoop) -> TraceJoin | None:
 
 
 async def serve(config: Config, config_path: Path | None = None, *, listen_override: str | None = None) -> None:
-    """Run a picker until SIGTERM or SIGINT, then drain: readiness goes NOT_SERVING and open streams get
+    """Run a picker until SIGTERM or SIGINT, then drain: readiness goes NOT_SERVING while the picker goes on
+    answering for ``config.drain_s`` seconds (a second signal cuts that short), then streams still open get
     ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the file is watched and reloaded on change."""
     picker = create_picker(config, config_path=config_path)
     picker.listen_override = listen_override
@@ -325,14 +378,22 @@ async def serve(config: Config, config_path: Path | None = None, *, listen_overr
         f"every {config.signals.scrape_interval_s:g} s" if config.signals.scrape_metrics else "off",
         config.admin or "off",
     )
-    stop = asyncio.Event()
+    signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled.set)
     try:
-        await stop.wait()
+        await signalled.wait()
+        signalled.clear()
+        drain_s = picker.config.drain_s
+        logger.info("inferlb picker draining: NOT_SERVING, still answering for %.1f s", drain_s)
+        draining = asyncio.create_task(picker.drain(drain_s))
+        again = asyncio.create_task(signalled.wait())
+        await asyncio.wait([draining, again], return_when=asyncio.FIRST_COMPLETED)
+        for task in (draining, again):
+            task.cancel()
     finally:
-        logger.info("inferlb picker stopping: draining open streams for up to %.0f s", SHUTDOWN_GRACE_S)
+        logger.info("inferlb picker stopping: open streams get up to %.0f s", SHUTDOWN_GRACE_S)
         await picker.stop(SHUTDOWN_GRACE_S)
 
 

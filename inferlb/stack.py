@@ -7,7 +7,8 @@ deployment has: the rendered bootstrap, the console scripts, real sockets.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ class StackOptions:
     envoy_concurrency: int = 2
     envoy: EnvoyOptions = field(default_factory=EnvoyOptions)
     picker_log_level: str = "info"
+    # On SIGTERM the picker keeps answering this long; 0 here, so that stopping a local stack takes no time.
+    picker_drain_s: float = 0.0
+    picker_config: Mapping[str, Any] = field(default_factory=dict)  # more keys of the picker's YAML
 
 
 def start_sim(addresses: Sequence[str], log_path: Path, *args: str) -> ManagedProcess:
@@ -77,6 +81,10 @@ class LocalStack:
         self.admin_address = f"127.0.0.1:{free_port()}"
         self.access_log_path = workdir / "access.log"
         self.config_path = workdir / "picker.yaml"
+        # The admin API's bearer token (a file, as a Kubernetes Secret would be mounted): reads of the config,
+        # decisions and endpoints and every write need it; send `admin_headers`.
+        self.admin_token = secrets.token_hex(24)
+        self.admin_token_path = workdir / "admin-token"
         self.envoy_path = workdir / "envoy.yaml"
         self.config: Config = parse_config(self._config_document())
         self.backends: ManagedProcess | None = None
@@ -92,6 +100,11 @@ class LocalStack:
         return f"http://{self.admin_address}"
 
     @property
+    def admin_headers(self) -> dict[str, str]:
+        """The header the picker's admin API wants on its protected routes."""
+        return {"authorization": f"Bearer {self.admin_token}"}
+
+    @property
     def picker_admin_url(self) -> str:
         """The picker's admin API (``/endpoints``, ``/decisions``, ``/config``, ``/metrics``)."""
         return f"http://{self.picker_admin_address}"
@@ -102,7 +115,10 @@ class LocalStack:
             "admin": self.picker_admin_address,
             **({"otel": self._otel()} if self._otel() else {}),
             "policy": self.options.policy,
+            "drain_s": self.options.picker_drain_s,
+            "admin_auth": {"token_file": str(self.admin_token_path)},
             "pool": {"endpoints": [self._endpoint(a) for a in self.endpoints]},
+            **self.options.picker_config,
         }
 
     def _otel(self) -> dict[str, Any]:
@@ -131,6 +147,8 @@ class LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         # Envoy appends to its access log; a log left by an earlier run in the same folder would be read as ours.
         self.access_log_path.unlink(missing_ok=True)
+        self.admin_token_path.write_text(self.admin_token + "\n", encoding="utf-8")
+        self.admin_token_path.chmod(0o600)
         self.config_path.write_text(yaml.safe_dump(self._config_document(), sort_keys=False), encoding="utf-8")
         envoy_options = replace(
             self.options.envoy,

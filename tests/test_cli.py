@@ -32,6 +32,11 @@ def write(tmp_path: Path, text: str) -> Path:
             "policy: fastest\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n", "policy must be a preset", id="policy"
         ),
         pytest.param("pool: [\n", "not valid YAML", id="yaml"),
+        pytest.param(
+            "admin: 0.0.0.0:9003\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n",
+            "admin: '0.0.0.0:9003' is reachable beyond this host",
+            id="admin-beyond-loopback-without-token",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["serve", "envoy-config"])
@@ -41,6 +46,12 @@ def test_bad_config_exits_2_with_a_message(
     assert main([command, "--config", str(write(tmp_path, text))]) == 2
     err = capsys.readouterr().err
     assert err.startswith("inferlb: error: ") and words in err
+
+
+def test_serve_refuses_an_admin_token_it_cannot_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = f"admin_auth: {{token_file: {tmp_path / 'absent'}}}\npool: {{endpoints: [{{address: '10.0.0.1:80'}}]}}\n"
+    assert main(["serve", "--config", str(write(tmp_path, text))]) == 2
+    assert "admin_auth.token_file: cannot read" in capsys.readouterr().err
 
 
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferlb.filter.replies import DESTINATION_HEADER
-from inferlb.filter.server import HEALTH_SERVICES, ExtProcService, PickerServer
+from inferlb.filter.server import GRPC_ENVELOPE_BYTES, HEALTH_SERVICES, ExtProcService, PickerServer
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine, Profile
 from inferlb.scorer.plugins import MaxScorePicker, ModelFilter
@@ -266,3 +266,34 @@ async def test_second_picker_on_a_taken_port_fails_loudly(picker: PickerServer) 
     clash = PickerServer(ExtProcService(make_engine(), max_body_bytes=4096), f"127.0.0.1:{picker.port}")
     with pytest.raises(OSError, match="cannot listen"):
         await clash.start()
+
+
+async def test_a_post_without_a_body_on_a_body_route_is_refused(picker: PickerServer) -> None:
+    envoy = FakeEnvoy(picker)
+    code, payload = immediate(await envoy.send(headers_message(body_mode=ProcessingMode.BUFFERED, eos=True)))
+    assert code == 400 and "request body is empty" in payload["error"]["message"]
+    assert picker.service.engine.inflight.total() == 0
+
+
+@pytest.mark.parametrize(
+    "max_body", [pytest.param(4 << 20, id="default-4MiB"), pytest.param(6 << 20, id="raised-6MiB")]
+)
+async def test_a_body_at_max_body_bytes_reaches_the_picker(max_body: int) -> None:
+    # gRPC's own receive limit (4 MiB unless set) must not be what refuses a body the config allows: a failed
+    # stream sends the request upstream undecided when Envoy fails open.
+    service = ExtProcService(make_engine(), max_body_bytes=max_body)
+    server = PickerServer(service, "127.0.0.1:0", max_message_bytes=max_body + GRPC_ENVELOPE_BYTES)
+    await server.start()
+    try:
+        prefix = json.dumps({"model": MODEL, "prompt": ""}).encode()[:-2]
+        body = prefix + b"x" * (max_body - len(prefix) - 2) + b'"}'
+        assert len(body) == max_body
+        envoy = FakeEnvoy(server)
+        await envoy.send(headers_message(body_mode=ProcessingMode.BUFFERED))
+        assert destination(await envoy.send(body_message(body))) in ENDPOINTS
+        over = FakeEnvoy(server)
+        await over.send(headers_message(body_mode=ProcessingMode.BUFFERED))
+        code, _ = immediate(await over.send(body_message(body + b" ")))
+        assert code == 413
+    finally:
+        await server.stop(0)

@@ -1,0 +1,191 @@
+"""Tests for filter/requestend.py and the routing stream's end: with leases, the picker ends the stream at its
+decision and the request stays counted until Envoy's access log reports its end (or the lease ages out)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry, HTTPRequestProperties
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, ProcessingRequest
+
+from inferlb.filter.requestend import OpenLeases
+from inferlb.filter.server import ExtProcService, PickerServer
+from inferlb.scorer.inflight import InFlight
+
+from .test_server import ENDPOINTS, FakeEnvoy, destination, make_engine, until
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lease_ends_when_its_request_id_is_reported() -> None:
+    inflight = InFlight(2)
+    leases = OpenLeases()
+    leases.hold("a", inflight.acquire(0, 10))
+    leases.hold("b", inflight.acquire(1, 20))
+    assert inflight.requests.tolist() == [1, 1] and len(leases) == 2
+    assert leases.finish("a") and inflight.requests.tolist() == [0, 1]
+    assert not leases.finish("a")  # reported twice: the second changes nothing
+    assert not leases.finish("never-routed")
+    assert (leases.stats.ended, leases.stats.unknown_entries) == (1, 2)
+    assert leases.finish("b") and inflight.tokens.tolist() == [0, 0] and len(leases) == 0
+
+
+def test_a_repeated_request_id_ends_one_lease_per_report() -> None:
+    inflight = InFlight(1)
+    leases = OpenLeases()
+    for _ in range(3):
+        leases.hold("same", inflight.acquire(0, 1))
+    assert leases.finish("same") and leases.finish("same")
+    assert inflight.requests[0] == 1
+    assert leases.finish("same") and inflight.requests[0] == 0
+
+
+def test_an_unreported_lease_ages_out_and_is_counted() -> None:
+    clock = Clock()
+    inflight = InFlight(1)
+    leases = OpenLeases(max_age_s=60, clock=clock)
+    leases.hold("lost", inflight.acquire(0, 5))
+    clock.now += 30
+    leases.hold("kept", inflight.acquire(0, 5))
+    clock.now += 31
+    assert leases.expire() == 1 and inflight.requests[0] == 1 and leases.stats.expired == 1
+    assert not leases.finish("lost")  # its report comes too late to count twice
+    assert leases.finish("kept") and inflight.requests[0] == 0
+
+
+def test_leases_are_bounded() -> None:
+    inflight = InFlight(1)
+    leases = OpenLeases(capacity=100)
+    for i in range(250):
+        leases.hold(f"r{i}", inflight.acquire(0, 1))
+    assert len(leases) == 100 and inflight.requests[0] == 100 and leases.stats.evicted == 150
+    assert not leases.finish("r0") and leases.finish("r249")
+    leases.release_all()
+    assert inflight.requests[0] == 0 and len(leases) == 0
+
+
+@pytest.fixture
+async def picker() -> AsyncIterator[PickerServer]:
+    service = ExtProcService(make_engine(), max_body_bytes=4096, leases=OpenLeases())
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    yield server
+    await server.stop(0)
+
+
+def _headers(request_id: str | None) -> ProcessingRequest:
+    pairs = [(":path", "/v1/embeddings"), (":method", "POST")]
+    if request_id is not None:
+        pairs.append(("x-request-id", request_id))
+    return ProcessingRequest(
+        request_headers=HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]), end_of_stream=True
+        )
+    )
+
+
+async def _report_ends(server: PickerServer, *request_ids: str) -> None:
+    """What Envoy's gRPC access logger sends: one stream, entries in a batch."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = als_pb2_grpc.AccessLogServiceStub(channel)
+        message = als_pb2.StreamAccessLogsMessage()
+        message.identifier.log_name = "inferlb.request_end"
+        for request_id in request_ids:
+            message.http_logs.log_entry.append(HTTPAccessLogEntry(request=HTTPRequestProperties(request_id=request_id)))
+
+        async def messages() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+            yield message
+
+        await stub.StreamAccessLogs(messages(), timeout=5)
+
+
+async def test_the_routing_stream_ends_at_the_decision_and_the_access_log_ends_the_count(
+    picker: PickerServer,
+) -> None:
+    envoy = FakeEnvoy(picker)
+    address = destination(await envoy.send(_headers("req-1")))
+    # The picker ends the stream itself: nothing ties this request to the picker's life any more.
+    assert await asyncio.wait_for(envoy.call.read(), 5) is grpc.aio.EOF
+    assert await asyncio.wait_for(envoy.call.code(), 5) == grpc.StatusCode.OK
+    inflight = picker.service.engine.inflight
+    index = ENDPOINTS.index(address)
+    assert inflight.requests[index] == 1  # still in flight: Envoy has not reported the end
+    await _report_ends(picker, "someone-else", "req-1")
+    await until(lambda: inflight.total() == 0)
+    assert picker.service.leases is not None and picker.service.leases.stats.unknown_entries == 1
+    await envoy.channel.close()
+
+
+async def test_a_request_without_an_id_keeps_its_stream_and_ends_with_it(picker: PickerServer) -> None:
+    envoy = FakeEnvoy(picker)
+    destination(await envoy.send(_headers(None)))
+    inflight = picker.service.engine.inflight
+    assert inflight.total() == 1
+    await envoy.close()
+    await until(lambda: inflight.total() == 0)
+
+
+async def test_without_leases_the_stream_stays_open_until_envoy_closes_it() -> None:
+    server = PickerServer(ExtProcService(make_engine(), max_body_bytes=4096), "127.0.0.1:0")
+    await server.start()
+    try:
+        envoy = FakeEnvoy(server)
+        destination(await envoy.send(_headers("req-2")))
+        read = asyncio.ensure_future(envoy.call.read())
+        done, _ = await asyncio.wait([read], timeout=0.2)
+        assert not done  # open: the request's end is the stream's end
+        await _report_ends(server, "req-2")  # an access log without leases ends nothing
+        assert server.service.engine.inflight.total() == 1
+        await envoy.call.done_writing()
+        await asyncio.wait_for(read, 5)
+        await until(lambda: server.service.engine.inflight.total() == 0)
+        await envoy.channel.close()
+    finally:
+        await server.stop(0)
+
+
+async def test_leases_carry_many_requests_without_holding_streams(picker: PickerServer) -> None:
+    ids = [f"r{i}" for i in range(30)]
+    for request_id in ids:
+        envoy = FakeEnvoy(picker)
+        destination(await envoy.send(_headers(request_id)))
+        assert await asyncio.wait_for(envoy.call.read(), 5) is grpc.aio.EOF
+        await envoy.channel.close()
+    inflight = picker.service.engine.inflight
+    assert inflight.total() == 30 and np.all(inflight.requests == 10)  # least-request spread them evenly
+    await _report_ends(picker, *ids)
+    await until(lambda: inflight.total() == 0)
+
+
+async def test_stopping_ends_envoys_open_access_log_streams() -> None:
+    service = ExtProcService(make_engine(), max_body_bytes=4096, leases=OpenLeases())
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = als_pb2_grpc.AccessLogServiceStub(channel)
+    sent = asyncio.Event()
+
+    async def messages() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+        yield als_pb2.StreamAccessLogsMessage()
+        sent.set()
+        await asyncio.Event().wait()  # Envoy keeps its stream open for as long as it runs
+
+    call = stub.StreamAccessLogs(messages())
+    await sent.wait()
+    await until(lambda: service.leases is not None and service.leases.stats.log_streams == 1)
+    # A grace far longer than the test's own timeout: the stop must not wait for the open stream.
+    await asyncio.wait_for(server.stop(grace=600), 30)
+    await asyncio.wait_for(call, 30)
+    await channel.close()

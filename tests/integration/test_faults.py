@@ -1,0 +1,229 @@
+"""Trust boundaries and faults through a real Envoy: the admin API cannot be used to reroute traffic, a body at
+the size limit is decided by the picker (never bypasses it), a stalled request gets a 408, and a picker that is
+killed or stopped cuts no request it has routed, with fail-open or fail-closed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from inferlb.envoyconf import EnvoyOptions
+from inferlb.procs import grpc_serving
+from inferlb.sim.server import SERVER_HEADER
+from inferlb.stack import LocalStack, StackOptions
+
+from .conftest import Canary, log_entry, poll
+
+pytestmark = pytest.mark.envoy
+
+MODEL = "m"
+COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4}
+# Emulated H100s in real time: 400 streamed tokens take ~2.5 s.
+LONG = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 400, "stream": True}
+OPTIONS = StackOptions(
+    backends=2,
+    models=(MODEL,),
+    envoy=EnvoyOptions(request_timeout_ms=1500, request_headers_timeout_ms=1200),
+)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    with LocalStack(OPTIONS, tmp_path_factory.mktemp("faults")) as running:
+        yield running
+
+
+def test_the_admin_api_refuses_to_reroute_traffic(stack: LocalStack, canary: Canary) -> None:
+    document = yaml.safe_load(stack.config_path.read_text())
+    hijack = yaml.safe_dump({**document, "pool": {"endpoints": [{"address": canary.address, "models": [MODEL]}]}})
+    url = f"{stack.picker_admin_url}/config"
+    attempts = [
+        # What a web page can make a browser send to 127.0.0.1 (DNS rebinding, or a simple cross-site post).
+        ({"host": "attacker.example", "content-type": "text/plain"}, 421),
+        ({"content-type": "text/plain", "origin": "http://attacker.example"}, 403),
+        ({"content-type": "text/plain"}, 401),
+        ({"content-type": "application/yaml", "authorization": "Bearer not-the-token-at-all"}, 401),
+        ({**stack.admin_headers, "content-type": "text/plain"}, 415),
+        ({**stack.admin_headers, "content-type": "application/x-www-form-urlencoded"}, 415),
+    ]
+    for headers, status in attempts:
+        response = httpx.post(url, content=hijack, headers=headers, timeout=5)
+        assert response.status_code == status, (headers, response.text)
+        assert not [h for h in response.headers if h.startswith("access-control-")]
+    assert httpx.get(url, timeout=5).status_code == 401  # the config is not shown without the token
+    before = canary.connections
+    with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+        for _ in range(20):
+            response = client.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 200 and response.headers[SERVER_HEADER] in stack.endpoints
+    assert canary.connections == before
+    shown = httpx.get(url, headers=stack.admin_headers, timeout=5).json()
+    assert shown["reloads"] == 0 and shown["admin_auth"]["token"].startswith("file ")
+    assert stack.admin_token not in str(shown)
+
+
+def _body(size: int) -> bytes:
+    head = b'{"model": "m", "max_tokens": 1, "prompt": "'
+    return head + b"x" * (size - len(head) - 2) + b'"}'
+
+
+def _decided_by_picker(stack: LocalStack, response: httpx.Response) -> None:
+    entry = log_entry(stack, response.headers["x-request-id"])
+    assert entry["cluster"] == "inferlb_picked" and entry["picked"] in stack.endpoints, entry
+
+
+def test_a_body_at_the_limit_is_decided_by_the_picker_and_one_byte_more_is_413(stack: LocalStack) -> None:
+    limit = stack.config.max_body_bytes
+    with httpx.Client(base_url=stack.gateway_url, timeout=30) as client:
+        at_limit = client.post("/v1/completions", content=_body(limit), headers={"content-type": "application/json"})
+        _decided_by_picker(stack, at_limit)  # the server may refuse so long a prompt; the picker routed it
+        over = client.post("/v1/completions", content=_body(limit + 1), headers={"content-type": "application/json"})
+        assert over.status_code == 413 and over.json()["error"]["type"] == "payload_too_large"
+
+
+def test_a_raised_limit_is_honoured_by_the_picker(tmp_path: Path) -> None:
+    limit = 6 << 20
+    options = replace(OPTIONS, picker_config={"max_body_bytes": limit})
+    with LocalStack(options, tmp_path) as stack, httpx.Client(base_url=stack.gateway_url, timeout=30) as client:
+        for size in (5_000_000, limit):
+            response = client.post("/v1/completions", content=_body(size), headers={"content-type": "application/json"})
+            _decided_by_picker(stack, response)
+        over = client.post("/v1/completions", content=_body(limit + 1), headers={"content-type": "application/json"})
+        assert over.status_code == 413
+
+
+def _raw_request(address: str, data: bytes, timeout: float = 10.0) -> bytes:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(data)
+        chunks = []
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            if b"\r\n\r\n" in b"".join(chunks) and b'"code"' in b"".join(chunks):
+                return b"".join(chunks)
+
+
+def test_a_stalled_body_is_answered_408_and_a_long_stream_still_works(stack: LocalStack) -> None:
+    body = b'{"model": "m", "prompt": "hi", "max_tokens": 3}'
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body) + 20}\r\n\r\n"
+    ).encode()
+    answer = _raw_request(stack.gateway_address, head + body[:20])  # then nothing more: the client stalled
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert b" 408 " in status_line, answer[:300]
+    assert b'"type":"request_timeout"' in rest.replace(b" ", b"")
+    stalled_headers = _raw_request(stack.gateway_address, b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\n")
+    assert stalled_headers == b"" or b" 408 " in stalled_headers.partition(b"\r\n")[0]
+    # The bound is on the request's arrival, not on the answer: a stream longer than it runs to the end.
+    with (
+        httpx.Client(base_url=stack.gateway_url, timeout=30) as client,
+        client.stream("POST", "/v1/completions", json=LONG) as streaming,
+    ):
+        events = [line for line in streaming.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == LONG["max_tokens"] + 1
+
+
+class Streams:
+    """Long streamed requests, each read to its end on a thread of its own; `wait` says how each ended."""
+
+    def __init__(self, stack: LocalStack, count: int) -> None:
+        self.results: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._started = threading.Semaphore(0)
+        self._threads = [threading.Thread(target=self._one, args=(stack.gateway_url,)) for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
+        for _ in self._threads:
+            assert self._started.acquire(timeout=15), "a stream did not start"
+
+    def _one(self, url: str) -> None:
+        result: dict[str, Any] = {"events": 0, "done": False, "status": None, "error": None}
+        started = False
+        try:
+            with (
+                httpx.Client(base_url=url, timeout=30) as client,
+                client.stream("POST", "/v1/completions", json=LONG) as response,
+            ):
+                result["status"] = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        result["events"] += 1
+                        result["done"] = line == "data: [DONE]"
+                        if not started:
+                            started = True
+                            self._started.release()  # routed and streaming
+        except httpx.HTTPError as exc:
+            result["error"] = repr(exc)
+        finally:
+            if not started:
+                self._started.release()
+            with self._lock:
+                self.results.append(result)
+
+    def wait(self) -> list[dict[str, Any]]:
+        for thread in self._threads:
+            thread.join(60)
+        return self.results
+
+
+@pytest.mark.parametrize("fail_open", [pytest.param(True, id="fail-open"), pytest.param(False, id="fail-closed")])
+def test_a_killed_picker_cuts_no_routed_request(tmp_path: Path, fail_open: bool) -> None:
+    options = replace(OPTIONS, envoy=replace(OPTIONS.envoy, fail_open=fail_open))
+    with LocalStack(options, tmp_path) as stack:
+        streams = Streams(stack, 6)
+        assert stack.picker is not None
+        stack.picker.kill()
+        with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+            during = client.post("/v1/completions", json=COMPLETION)
+            assert during.status_code == (200 if fail_open else 500)
+        results = streams.wait()
+        assert all(r["done"] and r["events"] == LONG["max_tokens"] + 1 for r in results), results
+        stack.start_picker()
+        with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+            response = client.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 200
+            _decided_by_picker(stack, response)
+
+
+def test_sigterm_drains_answering_new_requests_while_not_serving(tmp_path: Path) -> None:
+    options = replace(OPTIONS, envoy=replace(OPTIONS.envoy, fail_open=False), picker_drain_s=3.0)
+    with LocalStack(options, tmp_path) as stack:
+        streams = Streams(stack, 4)
+        assert stack.picker is not None
+        os.kill(stack.picker.pid, signal.SIGTERM)
+        poll(lambda: not grpc_serving(stack.picker_address)(), what="readiness NOT_SERVING")
+        with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+            for _ in range(5):  # still answered, by the draining picker
+                response = client.post("/v1/completions", json=COMPLETION)
+                assert response.status_code == 200
+                _decided_by_picker(stack, response)
+        poll(lambda: not stack.picker.running(), timeout=15, what="the picker's exit after its drain")
+        results = streams.wait()
+        assert all(r["done"] and r["events"] == LONG["max_tokens"] + 1 for r in results), results
+
+
+def test_the_access_log_ends_each_routed_requests_count(stack: LocalStack) -> None:
+    with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+        for _ in range(10):
+            assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+    url = f"{stack.picker_admin_url}/endpoints"
+
+    def counts() -> list[int]:
+        rows = httpx.get(url, headers=stack.admin_headers, timeout=5).json()["endpoints"]
+        return [row["inflight_requests"] for row in rows]
+
+    poll(lambda: counts() == [0, 0], what="in-flight counts back to zero")
