@@ -245,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s otlp-receiver[{os.getpid()}] %(name)s: %(message)s",
     )
+    # A Ctrl-C or a SIGTERM to the whole process group (systemd, a test's stop) is the picker's to handle: it
+    # drains and then closes the socket pair, which ends this process. Dying first would only be restarted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(NICE)
     sock = socket.socket(fileno=args.fd)
