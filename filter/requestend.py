@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -51,10 +50,11 @@ class LeaseStats:
 class OpenLeases:
     """Leases of routed requests, keyed by request id, until the request's end is reported or they age out.
 
-    A request id is Envoy's ``x-request-id``; a client may repeat one, so an id holds a queue of leases and each
+    A request id is Envoy's ``x-request-id``; a client may repeat one, so an id may hold several leases and each
     reported end releases the oldest. At most ``capacity`` leases are held (the oldest is released to make room,
-    counted in ``evicted``); one older than ``max_age_s`` is released when the next lease is held or `expire`
-    runs. Every operation is O(1) amortised. One event loop; not thread-safe.
+    counted in ``evicted``); `expire` (the picker runs it every second) releases those older than ``max_age_s``.
+    Memory is one small entry per lease held, whatever order requests end in (a request that streams for an hour
+    holds back nothing behind it); `hold` and `finish` are O(1). One event loop; not thread-safe.
     """
 
     def __init__(
@@ -70,78 +70,78 @@ class OpenLeases:
         self.capacity = capacity
         self.clock = clock
         self.stats = LeaseStats()
-        self._by_id: dict[str, deque[Lease]] = {}
-        # Acquire order, for ageing out; entries of leases already released are skipped when reached.
-        self._order: deque[tuple[float, str, Lease]] = deque()
-        self._open = 0
+        # serial -> (held at, request id, lease), in the order held: the first entry is the oldest lease.
+        self._held: dict[int, tuple[float, str, Lease]] = {}
+        # request id -> the serial of its lease, or a list of serials, oldest first, when the id repeats.
+        self._by_id: dict[str, int | list[int]] = {}
+        self._serial = 0
 
     def __len__(self) -> int:
         """Leases held and not yet released."""
-        return self._open
+        return len(self._held)
 
     def hold(self, request_id: str, lease: Lease) -> None:
         """Keep ``lease`` until `finish(request_id)`, or until it is ``max_age_s`` old."""
         now = self.clock()
-        self.expire(now)
-        while self._open >= self.capacity and self._order:
-            self._drop_oldest(evicted=True)
-        self._by_id.setdefault(request_id, deque()).append(lease)
-        self._order.append((now, request_id, lease))
-        self._open += 1
+        while len(self._held) >= self.capacity:
+            self._release_oldest()
+            self.stats.evicted += 1
+        self._serial += 1
+        serial = self._serial
+        self._held[serial] = (now, request_id, lease)
+        known = self._by_id.get(request_id)
+        if known is None:
+            self._by_id[request_id] = serial
+        elif isinstance(known, list):
+            known.append(serial)
+        else:
+            self._by_id[request_id] = [known, serial]
         self.stats.held += 1
 
     def finish(self, request_id: str) -> bool:
         """The request ``request_id`` ended: release its oldest held lease. False if none was held."""
-        queue = self._by_id.get(request_id)
-        while queue:
-            lease = queue.popleft()
-            if not queue:
-                del self._by_id[request_id]
-            if lease.released:
-                continue
-            lease.release()
-            self._open -= 1
-            self.stats.ended += 1
-            return True
-        self.stats.unknown_entries += 1
-        return False
+        known = self._by_id.get(request_id)
+        if known is None:
+            self.stats.unknown_entries += 1
+            return False
+        if isinstance(known, list):
+            serial = known.pop(0)
+            if len(known) == 1:
+                self._by_id[request_id] = known[0]
+        else:
+            serial = known
+            del self._by_id[request_id]
+        _, _, lease = self._held.pop(serial)
+        lease.release()
+        self.stats.ended += 1
+        return True
 
     def expire(self, now: float | None = None) -> int:
         """Release every lease older than ``max_age_s``; how many were released."""
         limit = (self.clock() if now is None else now) - self.max_age_s
         released = 0
-        order = self._order
-        while order and (order[0][2].released or order[0][0] <= limit):
-            if self._drop_oldest(evicted=False):
-                released += 1
+        while self._held and next(iter(self._held.values()))[0] <= limit:
+            self._release_oldest()
+            released += 1
+        self.stats.expired += released
         return released
 
     def release_all(self) -> None:
         """Release every held lease (the picker is stopping)."""
-        while self._order:
-            self._drop_oldest(evicted=False, count=False)
+        while self._held:
+            self._release_oldest()
 
-    def _drop_oldest(self, *, evicted: bool, count: bool = True) -> bool:
-        _, request_id, lease = self._order.popleft()
-        if lease.released:
-            return False
-        queue = self._by_id.get(request_id)
-        if queue is not None:
-            # Both queues are in acquire order, so the oldest lease of an id is at the front of its own queue.
-            if queue[0] is lease:
-                queue.popleft()
-            else:
-                queue.remove(lease)
-            if not queue:
-                del self._by_id[request_id]
+    def _release_oldest(self) -> None:
+        serial, (_, request_id, lease) = next(iter(self._held.items()))
+        del self._held[serial]
+        known = self._by_id[request_id]
+        if isinstance(known, list):
+            known.remove(serial)  # the oldest of its id: the front
+            if len(known) == 1:
+                self._by_id[request_id] = known[0]
+        else:
+            del self._by_id[request_id]
         lease.release()
-        self._open -= 1
-        if count:
-            if evicted:
-                self.stats.evicted += 1
-            else:
-                self.stats.expired += 1
-        return True
 
 
 class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):

@@ -127,7 +127,7 @@ class Picker:
                 self.service.leases.release_all()
 
     async def _expire_leases(self) -> None:
-        # Holding a lease expires old ones too; this covers a picker that gets no requests.
+        # Off the request path: a request's lease is held and released in O(1); ageing out runs here.
         while True:
             await asyncio.sleep(LEASE_EXPIRY_INTERVAL_S)
             if self.service.leases is not None:

@@ -372,6 +372,23 @@ def prometheus_text(picker: Picker) -> str:
             f'inferlb_responses_timed_total{{outcome="unknown_endpoint"}} {observed.unknown_endpoint}',
             f'inferlb_responses_timed_total{{outcome="unfinished"}} {observed.unfinished}',
         ]
+    leases = picker.service.leases
+    if leases is not None:
+        stats = leases.stats
+        lines += [
+            "# HELP inferlb_request_ends_total Routed requests whose end came, by how (access_log: Envoy's entry; "
+            "expired: none came within inflight.max_age_s; evicted: the oldest, to make room).",
+            "# TYPE inferlb_request_ends_total counter",
+            f'inferlb_request_ends_total{{how="access_log"}} {stats.ended}',
+            f'inferlb_request_ends_total{{how="expired"}} {stats.expired}',
+            f'inferlb_request_ends_total{{how="evicted"}} {stats.evicted}',
+            "# HELP inferlb_access_log_unmatched_total Access-log entries for no request this picker holds.",
+            "# TYPE inferlb_access_log_unmatched_total counter",
+            f"inferlb_access_log_unmatched_total {stats.unknown_entries}",
+            "# HELP inferlb_requests_awaiting_end Routed requests whose end has not been reported yet.",
+            "# TYPE inferlb_requests_awaiting_end gauge",
+            f"inferlb_requests_awaiting_end {len(leases)}",
+        ]
     lines += [
         "# HELP inferlb_config_reloads_total Configurations applied since start (file or API).",
         "# TYPE inferlb_config_reloads_total counter",

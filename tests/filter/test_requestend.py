@@ -65,6 +65,18 @@ def test_an_unreported_lease_ages_out_and_is_counted() -> None:
     assert leases.finish("kept") and inflight.requests[0] == 0
 
 
+def test_a_long_request_holds_back_nothing_that_ended_after_it() -> None:
+    # One request streaming for an hour must not keep the entries of the thousands that started and ended since.
+    inflight = InFlight(1)
+    leases = OpenLeases()
+    leases.hold("streams-for-an-hour", inflight.acquire(0, 1))
+    for i in range(10_000):
+        leases.hold(f"r{i}", inflight.acquire(0, 1))
+        assert leases.finish(f"r{i}")
+    assert len(leases) == 1 and len(leases._held) == 1 and len(leases._by_id) == 1
+    assert inflight.requests[0] == 1
+
+
 def test_leases_are_bounded() -> None:
     inflight = InFlight(1)
     leases = OpenLeases(capacity=100)
