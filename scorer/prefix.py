@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
-from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.features import PREFIX_BLOCK_TOKENS, RequestFeatures
 
 __all__ = ["PrefixAffinityScorer", "PrefixIndex"]
 
@@ -38,8 +38,10 @@ class PrefixIndex:
 
     Costs: ``match`` is O(len(hashes) + endpoints that matched), independent of how many blocks are held;
     ``record`` is O(len(hashes)) amortised. Memory is bounded by ``size x capacity_blocks`` entries of about
-    250 bytes (an LRU entry per endpoint, a shared hash → endpoint-bitmask entry, the hash itself): size the
-    capacity from the servers' KV cache (tokens / 64 per block), not larger, e.g. 8192 blocks for 0.5M tokens.
+    250 bytes (an LRU entry per endpoint, a shared hash → endpoint-bitmask entry, the hash itself). `fit` lowers
+    an endpoint's capacity to what its server's KV cache can hold (its tokens over ``PREFIX_BLOCK_TOKENS``): an
+    index that remembers more than the server holds claims blocks the server has evicted, and grows with
+    traffic for no gain (65536 blocks of 64 tokens is 4M tokens; an H100 serving an 8B model holds 0.45M).
 
     Not thread-safe: use it from the one event loop that routes requests.
     """
@@ -55,17 +57,33 @@ class PrefixIndex:
         # fast bitset here: one AND per block narrows every endpoint at once during a match.
         self._holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
+        self._capacity = [capacity_blocks] * size  # per endpoint: capacity_blocks, or less once `fit` knows
+        self._fitted_to: np.ndarray | None = None
         self._mask_bytes = (size + 7) // 8
         # The last match, for the next caller asking about the same request (the prefix-affinity and the
         # predicted-TTFT scorers both do, once per pick); any record invalidates it.
         self._memo: tuple[Sequence[int], tuple[np.ndarray, int]] | None = None
+
+    def fit(self, kv_tokens: np.ndarray) -> None:
+        """Cap each endpoint's capacity at its server's KV cache, ``kv_tokens`` (aligned with the endpoints; NaN or
+        not positive: unknown, capacity_blocks stays), in blocks of ``PREFIX_BLOCK_TOKENS``. Blocks over a lowered
+        capacity are forgotten at the endpoint's next record. Cheap when the capacities did not change."""
+        if self._fitted_to is not None and np.array_equal(self._fitted_to, kv_tokens, equal_nan=True):
+            return
+        self._fitted_to = np.array(kv_tokens, dtype=np.float64, copy=True)
+        blocks = np.where(np.isfinite(kv_tokens) & (kv_tokens > 0), np.ceil(kv_tokens / PREFIX_BLOCK_TOKENS), np.inf)
+        self._capacity = [int(min(self.capacity_blocks, b)) for b in blocks.tolist()]
+
+    def capacity(self, endpoint: int) -> int:
+        """How many blocks ``endpoint`` may hold now."""
+        return self._capacity[endpoint]
 
     def record(self, endpoint: int, hashes: Sequence[int]) -> None:
         """Remember that the prompt with these block hashes was sent to ``endpoint`` (0 <= endpoint < size)."""
         if not 0 <= endpoint < self.size:
             raise ValueError(f"endpoint {endpoint} is outside the index (size {self.size})")
         self._memo = None
-        capacity = self.capacity_blocks
+        capacity = self._capacity[endpoint]
         lru = self._lru[endpoint]
         holders = self._holders
         bit = 1 << endpoint
@@ -136,7 +154,7 @@ class PrefixIndex:
         counts[np.unpackbits(bits, count=self.size, bitorder="little").view(bool)] = depth
 
     def held(self, endpoint: int) -> int:
-        """The number of blocks recorded for ``endpoint`` (at most ``capacity_blocks``)."""
+        """The number of blocks recorded for ``endpoint`` (at most its `capacity`)."""
         return len(self._lru[endpoint])
 
     def __len__(self) -> int:
@@ -154,8 +172,9 @@ class PrefixAffinityScorer:
     then choose among the rest, and the prefix follows it there.
 
     The index must have one entry per pool endpoint (a mismatch raises in ``score``, which the engine counts
-    and scores neutral). ``on_pick`` records the request's blocks for the chosen endpoint; it never raises (a
-    failure is counted in ``record_errors`` and logged once). Not thread-safe, like the index.
+    and scores neutral); it is fitted to the servers' KV-cache sizes as the snapshot reports them. ``on_pick``
+    records the request's blocks for the chosen endpoint; it never raises (a failure is counted in
+    ``record_errors`` and logged once). Not thread-safe, like the index.
     """
 
     name = "prefix-affinity"
@@ -167,6 +186,7 @@ class PrefixAffinityScorer:
         self.index = index
         self.guard = guard
         self.record_errors = 0
+        self._fitted_for: object | None = None
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         hashes = request.prefix_hashes
@@ -175,6 +195,10 @@ class PrefixAffinityScorer:
         index = self.index
         if index.size != len(state.pool):
             raise ValueError(f"the prefix index has {index.size} endpoints, the pool {len(state.pool)}")
+        snapshot = state.signals.snapshot
+        if snapshot is not self._fitted_for and len(snapshot.kv_tokens) == index.size:
+            index.fit(snapshot.kv_tokens)  # once per snapshot; work only when a server's cache size changed
+            self._fitted_for = snapshot
         counts, deepest = index.match_depth(hashes)
         if not deepest:
             return np.zeros(len(candidates))

@@ -315,3 +315,31 @@ def test_engine_guard_moves_a_hot_prompt_elsewhere() -> None:
     for lease in leases:
         lease.release()
     assert engine.decide(_prompt(7)).scores["prefix-affinity"] == 1.0
+
+
+def test_the_index_holds_no_more_than_each_servers_kv_cache() -> None:
+    # 64 blocks of 64 tokens fit a cache of 4096 tokens; a server of unknown size keeps capacity_blocks.
+    index = PrefixIndex(3, capacity_blocks=1000)
+    index.fit(np.array([4096.0, np.nan, 10**9]))
+    assert [index.capacity(e) for e in range(3)] == [64, 1000, 1000]
+    for start in range(0, 5000, 100):
+        for endpoint in range(3):
+            index.record(endpoint, list(range(start, start + 100)))
+    assert [index.held(e) for e in range(3)] == [64, 1000, 1000]
+    assert index.match(list(range(4900, 5000))).tolist() == [64, 100, 100]  # endpoint 0 keeps the heads
+    index.fit(np.array([np.nan, np.nan, 6400.0]))  # a server reporting its cache later shrinks its share
+    index.record(2, [10**6])
+    assert index.held(2) == 100 and index.capacity(0) == 1000
+
+
+def test_the_scorer_fits_the_index_to_the_servers_caches_from_the_snapshot() -> None:
+    state = _state([0, 0])
+    index = PrefixIndex(2)
+    scorer = PrefixAffinityScorer(index)
+    request = RequestFeatures(prefix_hashes=(1, 2, 3))
+    scorer.score(request, state, np.arange(2))
+    assert [index.capacity(e) for e in range(2)] == [65536, 65536]  # no cache sizes scraped yet
+    snapshot = state.signals.snapshot
+    state.signals.publish(snapshot.with_values(kv_tokens=np.array([448_304.0, np.nan])))
+    scorer.score(request, state, np.arange(2))
+    assert [index.capacity(e) for e in range(2)] == [7005, 65536]
