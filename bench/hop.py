@@ -47,7 +47,7 @@ COMPLETION = json.dumps(
 @dataclass(frozen=True, slots=True)
 class Variant:
     name: str
-    gateway: str  # which stack serves it: "envoy" (no picker), "noop", "inferlb", "inferlb-timed"
+    gateway: str  # which stack serves it: "envoy" (no picker), "noop", "inferlb", "inferlb-timed", "inferlb-held"
     path: str
     body: bool
 
@@ -61,6 +61,9 @@ VARIANTS = (
     Variant("inferlb body", "inferlb", "/v1/completions", True),
     # otel.latency_source: stream: a second, observing ext_proc stream per request times the response.
     Variant("inferlb body timed", "inferlb-timed", "/v1/completions", True),
+    # inflight.end: stream: the routing stream stays open for the whole request (no access log), the behaviour
+    # before the access log ended the count.
+    Variant("inferlb body held", "inferlb-held", "/v1/completions", True),
 )
 
 
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         stacks["inferlb"] = LocalStack(replace(common, envoy=no_log, picker_log_level="warning"), workdir / "inferlb")
         timed = replace(common, envoy=no_log, picker_log_level="warning", latency_source="stream")
         stacks["inferlb-timed"] = LocalStack(timed, workdir / "inferlb-timed")
+        held = replace(common, envoy=no_log, picker_log_level="warning", picker_config={"inflight": {"end": "stream"}})
+        stacks["inferlb-held"] = LocalStack(held, workdir / "inferlb-held")
         for stack in stacks.values():
             stack.start()
         rows = []

@@ -5,8 +5,8 @@ middleware in front of every route; it refuses, in this order:
 
 1. a ``Host`` that is not the admin API's own address (421): a web page can make a browser send requests to
    127.0.0.1 through a name it controls (DNS rebinding), and that name shows in ``Host``. Accepted: the address
-   the admin API is bound to, ``localhost`` and loopback addresses when it is bound to loopback, any IP literal
-   when it is bound to every interface, and the names in ``admin_auth.allowed_hosts``;
+   the admin API is bound to, ``localhost`` and loopback addresses when it is bound to loopback or to every
+   interface, any IP literal when it is bound to every interface, and the names in ``admin_auth.allowed_hosts``;
 2. a cross-site request (403): an ``Origin`` or ``Sec-Fetch-Site: cross-site`` header that is not this host;
 3. a state-changing request (any method but GET and HEAD) without the bearer token (401), or any when no token
    is configured (403: writes are off);
@@ -59,7 +59,9 @@ class AdminGuard:
         host, _ = parse_address(admin)
         ip = ipaddress.ip_address(host)
         self._any_ip = ip.is_unspecified
-        self._names = frozenset({host, "localhost", "127.0.0.1", "::1"} if ip.is_loopback else {host})
+        # localhost cannot be a rebound name; a wildcard bind is reachable on loopback too (kubectl port-forward).
+        local = ip.is_loopback or ip.is_unspecified
+        self._names = frozenset({host, "localhost", "127.0.0.1", "::1"} if local else {host})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -127,6 +127,7 @@ async def test_no_cors_a_preflight_gets_no_allow_origin() -> None:
         pytest.param("10.0.0.5:9003", "localhost:9003", False, id="localhost-on-pod-ip-bind"),
         pytest.param("0.0.0.0:9003", "10.1.2.3:9003", True, id="wildcard-any-ip"),
         pytest.param("0.0.0.0:9003", "[fd00::9]:9003", True, id="wildcard-any-ipv6"),
+        pytest.param("0.0.0.0:9003", "localhost:19003", True, id="wildcard-port-forward"),
         pytest.param("0.0.0.0:9003", "inferlb-admin.inference.svc:9003", True, id="allowed-name"),
         pytest.param("0.0.0.0:9003", "evil.example:9003", False, id="wildcard-name"),
         pytest.param("0.0.0.0:9003", "", False, id="no-host"),

@@ -78,7 +78,8 @@ def test_signals_are_read_from_the_servers_metrics(vllm_servers: list[VllmServer
     assert snapshot.kv_tokens.tolist() == capacity
     assert not np.isnan(snapshot.kv_usage).any() and not np.isnan(snapshot.running).any()
     # ... and so does the running picker: its admin API shows every endpoint up and fresh.
-    rows = httpx.get(f"http://{stack.picker_admin_address}/endpoints", timeout=10).json()["endpoints"]
+    url = f"http://{stack.picker_admin_address}/endpoints"
+    rows = httpx.get(url, timeout=10, headers=stack.admin_headers).json()["endpoints"]
     assert [r["address"] for r in rows] == [s.address for s in vllm_servers]
     assert all(r["up"] and not r["stale"] and r["kv_cache_tokens"] in capacity for r in rows), rows
     picker_log = stack.workdir.joinpath("picker.log").read_text(encoding="utf-8")
