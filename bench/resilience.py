@@ -62,6 +62,10 @@ class Plan:
     spans: bool = False
     policy: str = "default"
     drain_s: float = 5.0
+    # What the load asks for: most answers short, a tenth long (the streams a fault could cut). At 150 req/s on
+    # two cores, longer answers make the client and the emulator fall behind the schedule.
+    short_tokens: int = 8
+    long_tokens: int = 100
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -130,6 +134,10 @@ def _load(stack: LocalStack, plan: Plan, out: Path) -> subprocess.Popen[bytes]:
         str(plan.rate),
         "--duration-s",
         str(plan.duration_s),
+        "--short-tokens",
+        str(plan.short_tokens),
+        "--long-tokens",
+        str(plan.long_tokens),
         "--out",
         str(out),
     ]
@@ -156,6 +164,10 @@ def _quantile(values: Sequence[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
 
 
 def _summary(
@@ -191,10 +203,14 @@ def _summary(
         extra["gap_s"] = None if again is None else round(again["sent"] - down_at, 3)
     else:
         recovery = failed_after[-1]["sent"] - fault_at if failed_after else 0.0
+    short = sorted(r["e2e_s"] for r in records if r["status"] == 200 and r["max_tokens"] == plan.short_tokens)
     return {
         "scenario": plan.scenario,
         "failure_mode": plan.failure_mode,
         "sent": len(records),
+        # Whether the machine kept up: the client's time for the short answers (a few decode steps each).
+        "short_e2e_ms_p50": _ms(_quantile(short, 0.5)),
+        "short_e2e_ms_p99": _ms(_quantile(short, 0.99)),
         "ok": sum(1 for r in records if r["status"] == 200 and not r["cut"]),
         "errors": sum(errors.values()),
         "errors_by_status": dict(sorted(errors.items())),
@@ -205,6 +221,7 @@ def _summary(
         "rss_end_mb": round(rss[-1][1], 1) if rss else None,
         "rate": plan.rate,
         "duration_s": plan.duration_s,
+        "tokens_short_long": [plan.short_tokens, plan.long_tokens],
         "fault_at_s": plan.fault_at_s,
         "policy": plan.policy,
         "spans": plan.spans,
@@ -376,8 +393,22 @@ def _plans(quick: bool) -> list[Plan]:
     # the receiver must decode (25,000 spans, 3.6 MB).
     for spans in (8000,) if quick else (80_000, 25_000):
         flood = {"requests": 10 if quick else 100, "spans_per_request": spans, "concurrency": 4}
-        plans.append(Plan("span-flood", "closed", 30.0, short + 20, short / 2, spans=True, extra={"flood": flood}))
-    plans.append(Plan("soak", "open", 50.0, 120.0 if quick else 1800.0, 0.0, spans=True))
+        plans.append(
+            Plan(
+                "span-flood",
+                "closed",
+                30.0,
+                short + 20,
+                short / 2,
+                spans=True,
+                short_tokens=16,
+                long_tokens=300,
+                extra={"flood": flood},
+            )
+        )
+    plans.append(
+        Plan("soak", "open", 50.0, 120.0 if quick else 1800.0, 0.0, spans=True, short_tokens=16, long_tokens=300)
+    )
     return plans
 
 
@@ -393,15 +424,15 @@ def _markdown(results: list[dict[str, Any]], command: str) -> str:
         "response); cut streams are 200s whose stream broke off (in brackets, those the picker had routed).",
         "",
         "| scenario | failure mode | sent | errors (by status) | cut streams (routed) | recovery s | gap s | "
-        "picker RSS MB start / end |",
-        "|---|---|---:|---|---:|---:|---:|---|",
+        "short answers p50 / p99 ms | picker RSS MB start / end |",
+        "|---|---|---:|---|---:|---:|---:|---|---|",
     ]
     for r in results:
         by_status = ", ".join(f"{k}: {v}" for k, v in r["errors_by_status"].items()) or "none"
         lines.append(
             f"| {r['scenario']} | {r['failure_mode']} | {r['sent']} | {r['errors']} ({by_status}) | "
             f"{r['cut_streams']} ({r['cut_routed_streams']}) | {r['recovery_s']} | {r.get('gap_s', '')} | "
-            f"{r['rss_start_mb']} / {r['rss_end_mb']} |"
+            f"{r.get('short_e2e_ms_p50')} / {r.get('short_e2e_ms_p99')} | {r['rss_start_mb']} / {r['rss_end_mb']} |"
         )
     lines += [
         "",
