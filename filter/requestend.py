@@ -148,12 +148,13 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     """Envoy's gRPC access-log service: each HTTP entry ends the held lease of its request id.
 
     Envoy keeps one stream open per worker and sends entries in batches; the handler does O(1) work per entry
-    on the routing event loop. ``leases`` is read on every message, so a reload may replace it. `close` ends
+    on the routing event loop. ``leases`` is read on every message, so a reload may replace it; while it gives
+    None (the service counts requests by their streams instead), entries change nothing. `close` ends
     every open stream (the picker is stopping: Envoy then reconnects to whichever picker listens next), so that
     these long-lived streams do not hold the server's shutdown for its whole grace period.
     """
 
-    def __init__(self, leases: Callable[[], OpenLeases]) -> None:
+    def __init__(self, leases: Callable[[], OpenLeases | None]) -> None:
         self._leases = leases
         self._closing: asyncio.Event | None = None
 
@@ -168,7 +169,9 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
     ) -> als_pb2.StreamAccessLogsResponse:
-        self._leases().stats.log_streams += 1
+        leases = self._leases()
+        if leases is not None:
+            leases.stats.log_streams += 1
         messages = aiter(request_iterator)
         closing = asyncio.ensure_future(self._closed_event().wait())
         try:
@@ -183,6 +186,8 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                 except StopAsyncIteration:
                     break
                 leases = self._leases()
+                if leases is None:
+                    continue
                 for entry in message.http_logs.log_entry:
                     leases.finish(entry.request.request_id)
         finally:

@@ -182,9 +182,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     return  # an ImmediateResponse ends the request: nothing more will come
                 reply, lease = self._route(features, replies, envoy_trace)
                 yield reply
-                leases = self.leases
                 if lease is None:
                     return  # refused by the engine
+                leases = self.leases
                 if leases is not None and features.request_id:
                     # Nothing more to say on this stream. Ending it here means a picker that exits later cannot cut
                     # this request; its end comes through Envoy's access log.
@@ -318,7 +318,6 @@ class PickerServer:
         self.listen = listen
         self.max_message_bytes = max_message_bytes
         self.health = health.aio.HealthServicer()
-        self._no_leases = OpenLeases()
         self._server = grpc.aio.server(
             options=[
                 # SO_REUSEPORT is on by default in gRPC: a second picker on the same port would share it silently.
@@ -328,14 +327,10 @@ class PickerServer:
             ]
         )
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(service, self._server)
-        self._access_logs = AccessLogReceiver(self._leases)
+        self._access_logs = AccessLogReceiver(lambda: service.leases)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_logs, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port: int | None = None
-
-    def _leases(self) -> OpenLeases:
-        # Entries that come while the service holds no leases (stream mode) end nothing; an empty book counts them.
-        return self.service.leases if self.service.leases is not None else self._no_leases
 
     async def start(self) -> None:
         try:

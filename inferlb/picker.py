@@ -100,7 +100,7 @@ class Picker:
         if self.config_path is not None:
             self._tasks.append(loop.create_task(self._watch(self.config_path), name="config watch"))
         if self.service.leases is not None:
-            self._tasks.append(loop.create_task(self._expire_leases(), name="lease expiry"))
+            self._tasks.append(loop.create_task(_expire_leases(self.service.leases), name="lease expiry"))
         self._started = True
 
     async def drain(self, seconds: float) -> None:
@@ -125,13 +125,6 @@ class Picker:
             self._tasks.clear()
             if self.service.leases is not None:
                 self.service.leases.release_all()
-
-    async def _expire_leases(self) -> None:
-        # Off the request path: a request's lease is held and released in O(1); ageing out runs here.
-        while True:
-            await asyncio.sleep(LEASE_EXPIRY_INTERVAL_S)
-            if self.service.leases is not None:
-                self.service.leases.expire()
 
     def not_ready(self) -> list[str]:
         """Why the picker should not get traffic yet (empty: ready)."""
@@ -319,10 +312,9 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
         class_header=config.class_header,
         classifier=Classifier(config.classes, config.default_class),
         admission=_admission(config, pool, signals),
+        leases=OpenLeases(max_age_s=config.inflight.max_age_s) if config.inflight.end == "access-log" else None,
     )
     collector, gpu = _collectors(config, pool, signals, engine.inflight)
-    if config.inflight.end == "access-log":
-        service.leases = OpenLeases(max_age_s=config.inflight.max_age_s)
     spans = None
     if config.otel.receiver is not None or config.otel.latency_source == "stream":
         spans = SpanLoop(config.otel, pool, signals)
@@ -346,6 +338,14 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
     )
     picker.spans = spans
     return picker
+
+
+async def _expire_leases(leases: OpenLeases) -> None:
+    # Off the request path: a request's lease is held and released in O(1); ageing out runs here. The book lives
+    # as long as the picker (a reload cannot change inflight.end).
+    while True:
+        await asyncio.sleep(LEASE_EXPIRY_INTERVAL_S)
+        leases.expire()
 
 
 def _admin_credential(config: Config) -> Credential | None:

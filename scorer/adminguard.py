@@ -44,6 +44,11 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/heatmap", "/heatmap
 BODY_TYPES = frozenset({"application/json", "application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"})
 """The content types a state-changing request may carry."""
 _READ_METHODS = frozenset({"GET", "HEAD"})
+_NEEDS_TOKEN = (
+    401,
+    "this route needs the admin token: send 'Authorization: Bearer <token>'",
+    [(b"www-authenticate", b'Bearer realm="inferlb admin"')],
+)
 
 
 class AdminGuard:
@@ -99,7 +104,6 @@ class AdminGuard:
         if self._cross_site(headers, host):
             return 403, "cross-site requests are refused", []
         authorized = credential is not None and credential.matches_bearer(headers.get(b"authorization"))
-        challenge = [(b"www-authenticate", b'Bearer realm="inferlb admin"')]
         if method not in _READ_METHODS:
             if credential is None:
                 return (
@@ -109,7 +113,7 @@ class AdminGuard:
                     [],
                 )
             if not authorized:
-                return 401, "this route needs the admin token: send 'Authorization: Bearer <token>'", challenge
+                return _NEEDS_TOKEN
             content_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower().decode("latin-1")
             has_body = headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers
             if (has_body or content_type) and content_type not in BODY_TYPES:
@@ -121,7 +125,7 @@ class AdminGuard:
                 )
             return None
         if credential is not None and scope["path"] not in OPEN_PATHS and not authorized:
-            return 401, "this route needs the admin token: send 'Authorization: Bearer <token>'", challenge
+            return _NEEDS_TOKEN
         return None
 
     def _host_allowed(self, host: str, allowed_hosts: frozenset[str]) -> bool:

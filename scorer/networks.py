@@ -60,11 +60,11 @@ class Networks:
         return cls(tuple(ipaddress.ip_network(c, strict=False) for c in cidrs))
 
     def contains(self, address: IPAddress | str) -> bool:
-        ip = _plain(ipaddress.ip_address(address) if isinstance(address, str) else address)
+        ip = unmapped(address)
         return any(ip.version == net.version and ip in net for net in self.networks)
 
     def describe(self) -> str:
-        return ", ".join(str(n) for n in self.networks) or "none"
+        return ", ".join(self.cidrs()) or "none"
 
     def cidrs(self) -> tuple[str, ...]:
         """The networks in CIDR form (what `of` reads back)."""
@@ -99,7 +99,7 @@ def parse_networks(value: Any, where: str) -> Networks:
 
 def unicast_problem(address: IPAddress | str) -> str | None:
     """Why ``address`` may not be a destination or a trusted source (None: it is a usable unicast address)."""
-    ip = _plain(ipaddress.ip_address(address) if isinstance(address, str) else address)
+    ip = unmapped(address)
     if ip.is_loopback:
         return None  # ::1 lies in a range Python calls reserved (::/8)
     if ip.is_unspecified:
@@ -136,10 +136,7 @@ def destination_problem(address: IPAddress | str, allowed: Networks, allowed_whe
 def unmapped(address: IPAddress | str) -> IPAddress:
     """``address`` as an address object; an IPv4-mapped IPv6 address (``::ffff:10.0.0.1``, what a dual-stack
     socket reports for an IPv4 peer) as the IPv4 address it maps. ValueError if it is not an IP address."""
-    return _plain(ipaddress.ip_address(address) if isinstance(address, str) else address)
-
-
-def _plain(ip: IPAddress) -> IPAddress:
+    ip = ipaddress.ip_address(address) if isinstance(address, str) else address
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
@@ -147,4 +144,4 @@ def _plain(ip: IPAddress) -> IPAddress:
 
 def networks_of_hosts(hosts: Sequence[str]) -> Networks:
     """One single-address network per host (for allowlists derived from the pool)."""
-    return Networks(tuple(ipaddress.ip_network(_plain(ipaddress.ip_address(h))) for h in dict.fromkeys(hosts)))
+    return Networks(tuple(ipaddress.ip_network(unmapped(h)) for h in dict.fromkeys(hosts)))
