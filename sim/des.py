@@ -1,6 +1,8 @@
 """The discrete-event fleet simulator: the emulated engine on a virtual clock, driven by a list of arrivals.
 
-A routing policy is a plain callable ``policy(request, view) -> server index``. It sees what a real picker sees
+A routing policy is a plain callable ``policy(request, view) -> server index``, or `Hold` to be asked again later
+(admission control holding a request for capacity: the wait counts in the request's times), or `Refuse` (the
+request ends at once, as a 429 would end it). It sees what a real picker sees
 (`FleetView`): each server's metrics as of the last scrape (scraped every ``scrape_interval_s``, so up to that old),
 and its own counts of requests and prompt tokens routed to each server and not yet finished. ``view.engines``
 exposes the exact engine state for an oracle policy, the bound to measure others against; a fair policy must not
@@ -28,7 +30,9 @@ __all__ = [
     "Arrival",
     "FaultEvent",
     "FleetView",
+    "Hold",
     "Policy",
+    "Refuse",
     "RequestRecord",
     "ServerSnapshot",
     "SimResult",
@@ -81,7 +85,21 @@ class FleetView:
     engines: tuple[Engine, ...]
 
 
-Policy = Callable[[Arrival, FleetView], int]
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A policy's answer: present this arrival again at ``until`` (seconds, not before now)."""
+
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """A policy's answer: the request is refused (its record's error is ``reason``); it reaches no server."""
+
+    reason: str = "refused"
+
+
+Policy = Callable[[Arrival, FleetView], "int | Hold | Refuse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +122,8 @@ class RequestRecord:
     """What happened to one arrival. Times in seconds; None when the request never got that far.
 
     ``error`` is None on success, else "unavailable" (server not ready), "rejected" (error fault), "aborted"
-    (lost in a crash) or "unfinished" (still running when the simulation stopped).
+    (lost in a crash), "unfinished" (still running when the simulation stopped) or the reason of a policy's
+    `Refuse` (then ``server`` is -1). Times count from the arrival, a policy's `Hold` included.
     """
 
     id: str
@@ -182,7 +201,8 @@ def simulate(
     Server i is seeded with ``seed + i``. With ``drain`` the run goes on until every request has ended (bounded
     by ``max_time_s`` if given); otherwise it stops at the last arrival. A policy that raises or returns an index
     out of range is counted in ``policy_errors`` and its request goes to server ``hash(id) % n`` instead.
-    ``on_finish(record, now)`` is told of every request that ends on a server, when it ends (a span's moment).
+    ``on_finish(record, now)`` is told of every request that ends, when it ends (a span's moment), the ones a
+    server refused at once included.
     """
     if not profiles:
         raise ValueError("simulate() needs at least one server profile")
@@ -196,6 +216,7 @@ def simulate(
     ordered = sorted(arrivals, key=lambda a: a.at)
     records: list[RequestRecord | None] = [None] * len(ordered)
     pending: dict[int, tuple[int, int]] = {}  # id(SimRequest) -> (arrival index, server)
+    routed_at: dict[int, float] = {}  # arrival index -> when a policy that held it routed it
     live: dict[int, SimRequest] = {}
     requests_per_server = [0] * n
     policy_errors = 0
@@ -233,7 +254,7 @@ def simulate(
             view.inflight[server] -= 1
             view.inflight_tokens[server] -= arrival.prompt_tokens
             error = None if request.state is RequestState.FINISHED else "aborted"
-            record = records[k] = _record(arrival, server, request, error)
+            record = records[k] = _record(arrival, server, request, error, routed_at.get(k))
             if on_finish is not None:
                 on_finish(record, view.now)
 
@@ -271,21 +292,33 @@ def simulate(
         elif kind == _ARRIVAL:
             arrival = ordered[payload]
             try:
-                i = policy(arrival, view)
-                if not (isinstance(i, int) and 0 <= i < n):
-                    raise ValueError(f"policy returned {i!r}")
+                answer = policy(arrival, view)
+                if isinstance(answer, Hold):
+                    push(max(answer.until, t), _ARRIVAL, payload)
+                    continue
+                if isinstance(answer, Refuse):
+                    records[payload] = record = _refused(arrival, answer.reason)
+                    if on_finish is not None:
+                        on_finish(record, t)
+                    continue
+                if not (isinstance(answer, int) and 0 <= answer < n):
+                    raise ValueError(f"policy returned {answer!r}")
+                i = answer
             except Exception:
                 policy_errors += 1
                 i = zlib.crc32(arrival.id.encode()) % n
+            if t > arrival.at:
+                routed_at[payload] = t
             requests_per_server[i] += 1
             engine = engines[i]
             engine.advance(t)
             settle(i)
             request = SimRequest(arrival.id, arrival.prompt_tokens, arrival.output_tokens, arrival.prompt_hashes)
-            if not engine.ready:
-                records[payload] = _record(arrival, i, request, "unavailable")
-            elif not engine.add(request):
-                records[payload] = _record(arrival, i, request, "rejected")
+            if not engine.ready or not engine.add(request):
+                error = "unavailable" if not engine.ready else "rejected"
+                records[payload] = record = _record(arrival, i, request, error, routed_at.get(payload))
+                if on_finish is not None:
+                    on_finish(record, t)
             else:
                 pending[id(request)] = (payload, i)
                 live[id(request)] = request
@@ -323,7 +356,7 @@ def simulate(
 
     for request in live.values():
         k, server = pending[id(request)]
-        records[k] = _record(ordered[k], server, request, "unfinished")
+        records[k] = _record(ordered[k], server, request, "unfinished", routed_at.get(k))
     stats = tuple(
         ServerStats(
             name=names[i],
@@ -364,17 +397,28 @@ def trace_arrivals(trace: Trace, block_size: int) -> list[Arrival]:
     ]
 
 
-def _record(arrival: Arrival, server: int, request: SimRequest, error: str | None) -> RequestRecord:
+def _record(
+    arrival: Arrival, server: int, request: SimRequest, error: str | None, routed_at: float | None = None
+) -> RequestRecord:
+    held = 0.0 if routed_at is None else routed_at - arrival.at  # a policy's Hold: part of every time
+
+    def plus(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds + held
+
     return RequestRecord(
         id=arrival.id,
         server=server,
         arrival_s=arrival.at,
         prompt_tokens=arrival.prompt_tokens,
         output_tokens=request.output,
-        queue_s=request.queue_s,
-        ttft_s=request.ttft_s,
-        e2e_s=request.e2e_s if error is None else None,
+        queue_s=plus(request.queue_s),
+        ttft_s=plus(request.ttft_s),
+        e2e_s=plus(request.e2e_s) if error is None else None,
         cached_tokens=request.cached_tokens,
         preemptions=request.preemptions,
         error=error,
     )
+
+
+def _refused(arrival: Arrival, reason: str) -> RequestRecord:
+    return RequestRecord(arrival.id, -1, arrival.at, arrival.prompt_tokens, 0, None, None, None, 0, 0, reason)

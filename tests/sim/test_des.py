@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from inferlb.sim.des import Arrival, FaultEvent, FleetView, simulate, trace_arrivals
+from inferlb.sim.des import Arrival, FaultEvent, FleetView, Hold, Refuse, simulate, trace_arrivals
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.traces import load_trace
 
@@ -189,3 +189,35 @@ def test_trace_arrivals_keep_the_traces_prefix_sharing(tmp_path):
     assert not set(got[2].prompt_hashes) & set(got[0].prompt_hashes)
     result = simulate(got, lambda a, v: 0, [H100])
     assert [r.cached_tokens for r in result.records] == [0, 1024, 0]
+
+
+def test_a_held_request_is_asked_again_and_its_wait_counts_in_its_times():
+    asked: list[tuple[str, float]] = []
+
+    def hold_the_first_until_one_second(arrival, view):
+        asked.append((arrival.id, view.now))
+        if arrival.id == "0" and view.now < 1.0:
+            return Hold(1.0)
+        return 0
+
+    profile = get_profile("h100-llama3.1-8b")
+    alone = simulate([Arrival("0", 0.0, 800, 40)], lambda a, v: 0, [profile], seed=0).records[0]
+    held = simulate([Arrival("0", 0.0, 800, 40)], hold_the_first_until_one_second, [profile], seed=0).records[0]
+    assert asked == [("0", 0.0), ("0", 1.0)]
+    assert held.arrival_s == 0.0 and held.error is None
+    assert held.ttft_s == pytest.approx(alone.ttft_s + 1.0)
+    assert held.e2e_s == pytest.approx(alone.e2e_s + 1.0)
+
+
+def test_a_refused_request_reaches_no_server_and_is_reported_as_it_ends():
+    ended = []
+    result = simulate(
+        arrivals(3),
+        lambda a, v: Refuse("shed") if a.id == "a1" else 0,
+        [get_profile("h100-llama3.1-8b")],
+        on_finish=lambda record, now: ended.append((record.id, record.error)),
+    )
+    refused = [r for r in result.records if r.error is not None]
+    assert [(r.id, r.server, r.error, r.ttft_s) for r in refused] == [("a1", -1, "shed", None)]
+    assert result.servers[0].requests == 2
+    assert ("a1", "shed") in ended and len(ended) == 3
