@@ -162,7 +162,7 @@ def measure(
     return rows
 
 
-def _outcome(apply_body: Callable[..., None], features: Callable[[], Any], data: bytes) -> str:
+def _outcome(apply_body: Callable[..., Any], features: Callable[[], Any], data: bytes) -> str:
     result = features()
     try:
         apply_body(result, data, complete=True, max_bytes=MAX_BODY_BYTES)

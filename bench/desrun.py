@@ -18,7 +18,7 @@ from typing import Any
 from inferlb.bench.metrics import Outcome, summarise
 from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RandomPolicy, RoundRobin
 from inferlb.scorer.presets import PRESET_NAMES
-from inferlb.sim.des import Arrival, FleetView, Policy, RequestRecord, SimResult, simulate, trace_arrivals
+from inferlb.sim.des import Arrival, FleetView, Hold, Policy, Refuse, RequestRecord, SimResult, simulate, trace_arrivals
 from inferlb.sim.profiles import Profile, get_profile
 from inferlb.sim.traces import load_trace
 
@@ -86,7 +86,7 @@ class _Timed:
         self.cpu_s = 0.0
         self.calls = 0
 
-    def __call__(self, arrival: Arrival, view: FleetView) -> int:
+    def __call__(self, arrival: Arrival, view: FleetView) -> int | Hold | Refuse:
         started = time.process_time()
         try:
             return self.policy(arrival, view)

@@ -63,7 +63,7 @@ def per_request_us(service: ExtProcService, with_body: bool, rounds: int = 40, n
     - ``handler``: the same driven through the servicer's async stream handler, without gRPC.
     """
     wire = request_messages(with_body)
-    engine = service.engine
+    router = service.router
 
     def own() -> None:
         first = ProcessingRequest.FromString(wire[0])
@@ -71,12 +71,11 @@ def per_request_us(service: ExtProcService, with_body: bool, rounds: int = 40, n
         replies = service.replies.headers
         if with_body:
             body = ProcessingRequest.FromString(wire[1]).request_body
-            apply_body(features, body.body, complete=body.end_of_stream, max_bytes=service.max_body_bytes)
+            features = apply_body(features, body.body, complete=body.end_of_stream, max_bytes=service.max_body_bytes)
             replies = service.replies.body
-        decision = engine.decide(features)
-        lease = engine.inflight.acquire(decision.endpoint.index, features.prompt_tokens)
-        replies[decision.endpoint.index].SerializeToString()
-        lease.release()
+        routed = router.route(router.admit(features).request)
+        replies[routed.decision.endpoint.index].SerializeToString()
+        routed.lease.release()
 
     async def one() -> None:
         async def messages() -> AsyncIterator[ProcessingRequest]:

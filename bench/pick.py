@@ -66,8 +66,7 @@ def _requests(count: int, rng: np.random.Generator) -> list[RequestFeatures]:
     for i in range(count):
         body = orjson.dumps({"model": "m", "prompt": systems[i % 16] + f" q{i} " * 40, "max_tokens": 100})
         features = RequestFeatures(path="/v1/completions", method="POST", request_id=str(i))
-        apply_body(features, body, complete=True, max_bytes=1 << 20)
-        out.append(features)
+        out.append(apply_body(features, body, complete=True, max_bytes=1 << 20))
     return out
 
 

@@ -1,16 +1,18 @@
 """Routing policies for the discrete-event simulator (`inferlb.sim.des`), the DES half of the routing-quality
-benchmark: Envoy's balancers as Envoy implements them, random, every inferlb preset run through the real scoring
-engine, and an oracle that reads the servers' exact state.
+benchmark: Envoy's balancers as Envoy implements them, random, every inferlb preset run through the routing unit
+Envoy's requests take, and an oracle that reads the servers' exact state.
 
-A DES policy is ``policy(arrival, view) -> server``. `PresetPolicy` turns the fleet view (stale scrapes plus the
-policy's own in-flight counts, what a live picker sees) into the engine's signals snapshot and asks
-`scorer.engine.Engine.decide`, the same call the ext_proc filter makes; its ``finished`` hook feeds completed
-requests' TTFT and E2E into the latency statistics, as the servers' spans do live (spans arrive when a request
-ends). Prompt token counts are exact here, where the live filter estimates them from the text.
+A DES policy is ``policy(arrival, view) -> server`` (or `Hold`/`Refuse`). `PresetPolicy` turns the fleet view
+(stale scrapes, what a live picker's collectors see) into the engine's signals snapshot and routes through
+`scorer.router.Router`, the same admission, decision and in-flight lease as the ext_proc service, on the
+simulator's clock; its ``finished`` hook ends the request's lease and feeds its TTFT and E2E into the latency
+statistics, as Envoy's access log and the servers' spans do live (both arrive when a request ends). Prompt token
+counts are exact here, where the live filter estimates them from the text.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -18,15 +20,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from inferlb.otel.latency import EndpointLatency
+from inferlb.scorer.classes import Classifier, Waiter
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.features import PREFIX_BLOCK_TOKENS, RequestFeatures
-from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.inflight import InFlight, Lease
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.registry import ProfileSpec
+from inferlb.scorer.router import ADMISSION_POLL_S, Admit, Router
+from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals, Snapshot
-from inferlb.sim.des import Arrival, FleetView, RequestRecord
+from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, RequestRecord
 from inferlb.sim.profiles import Profile
 
 __all__ = ["MODEL", "LeastRequest", "Oracle", "PresetPolicy", "RandomPolicy", "RoundRobin"]
@@ -100,7 +105,11 @@ class Oracle:
 
 
 class PresetPolicy:
-    """An inferlb preset (or profile spec), deciding through the real engine from what a picker would see."""
+    """An inferlb preset (or profile spec) routed by the routing unit (`scorer.router.Router`) the ext_proc service
+    uses, from what a picker would see, on the simulator's clock: admission (a request held for capacity is
+    presented again at the next tick of the wait queue, ``poll_s``), the decision, the in-flight lease with its
+    prefill backlog, and the lease's release when the request ends (``finished``). The config's defaults apply:
+    one request class that waits up to 0.5 s, saturation at 16 queued requests or 95% KV-cache use."""
 
     def __init__(
         self,
@@ -110,15 +119,23 @@ class PresetPolicy:
         seed: int,
         stale_after_s: float = 1.0,
         half_life_s: float = 10.0,
+        classifier: Classifier | None = None,
+        saturation: Saturation | None = None,
+        poll_s: float = ADMISSION_POLL_S,
     ) -> None:
         n = len(profiles)
         endpoints = [EndpointConfig(f"10.0.{i // 250}.{i % 250 + 1}:8000", frozenset({MODEL})) for i in range(n)]
         self.pool = Pool(endpoints)
         self._now = 0.0  # the simulator's clock at the current decision
-        self.inflight = InFlight(n, clock=lambda: self._now)
-        self.signals = Signals(n, stale_after_s=stale_after_s)
+
+        def clock() -> float:
+            return self._now
+
+        self.signals = Signals(n, stale_after_s=stale_after_s, clock=clock)
+        self.inflight = InFlight(n, clock=clock)
         profile = build_profile(preset, np.random.default_rng(seed), size=n)
-        self.engine = Engine(self.pool, profile, self.inflight, self.signals)
+        self.engine = Engine(self.pool, profile, self.inflight, self.signals, saturation)
+        self.router = Router(self.engine, classifier, poll_s=poll_s)
         self.latency = EndpointLatency(n, window_s=60.0, half_life_s=half_life_s)
         total = np.array([p.gpu_memory_bytes * p.gpu_count for p in profiles], dtype=float)
         # What never changes: the KV cache's size, and GPU memory (vLLM pre-allocates its share at start-up).
@@ -131,13 +148,54 @@ class PresetPolicy:
         self._scraped: list[float] = [-1.0] * n
         self._sent_at_scrape = np.full(n, np.nan)
         self._latency_dirty = False
-        self.decide_cpu_s = 0.0  # CPU time in Engine.decide alone: the picker's per-request work
+        self._leases: dict[str, Lease] = {}
+        self._held: dict[str, tuple[Admit, Waiter]] = {}
+        self._ticked = -1.0  # the last tick of the wait queue
+        self.decide_cpu_s = 0.0  # CPU time in the routing unit alone: the picker's per-request work
         self.decisions = 0
+        self.held = self.waited_out = self.refused = 0
 
-    def __call__(self, arrival: Arrival, view: FleetView) -> int:
+    def __call__(self, arrival: Arrival, view: FleetView) -> int | Hold | Refuse:
         self._sync(view)  # the collectors' work in a live picker, not the request's
+        started = time.process_time()
+        try:
+            return self._route(arrival)
+        finally:
+            self.decide_cpu_s += time.process_time() - started
+
+    def _route(self, arrival: Arrival) -> int | Hold | Refuse:
+        router = self.router
+        held = self._held.get(arrival.id)
+        if held is None:
+            admit = router.admit(self._features(arrival))
+            if admit.verdict == "shed":
+                self.refused += 1
+                return Refuse("shed")
+            if admit.verdict == "wait":
+                assert admit.candidates is not None
+                rc = admit.request_class
+                self._held[arrival.id] = (admit, router.queue.enter(admit.candidates, rc.priority, rc.max_wait_s))
+                self.held += 1
+                return Hold(self._next_tick())
+            request, saturated = admit.request, False
+        else:
+            admit, waiter = held
+            if self._ticked != self._now:  # the queue's tick at this moment, once
+                self._ticked = self._now
+                router.queue.release()
+            if waiter.outcome is None:
+                return Hold(self._next_tick())
+            del self._held[arrival.id]
+            request, saturated = admit.request, not waiter.outcome
+            self.waited_out += saturated
+        routed = router.route(request, saturated=saturated)
+        self.decisions += 1
+        self._leases[arrival.id] = routed.lease
+        return routed.decision.endpoint.index
+
+    def _features(self, arrival: Arrival) -> RequestFeatures:
         step = self._block_step[0]
-        features = RequestFeatures(
+        return RequestFeatures(
             path="/v1/completions",
             method="POST",
             request_id=arrival.id,
@@ -149,25 +207,24 @@ class PresetPolicy:
             # The servers' block hashes are chained, so every step-th one is a chained hash of 64-token blocks.
             prefix_hashes=tuple(arrival.prompt_hashes[step - 1 :: step]),
         )
-        started = time.process_time()
-        index = self.engine.decide(features).endpoint.index
-        self.decide_cpu_s += time.process_time() - started
-        self.decisions += 1
-        # As the filter does once the request goes (the counts are the simulator's, set again on the next call).
-        self.inflight.acquire(index, arrival.prompt_tokens)
-        return index
+
+    def _next_tick(self) -> float:
+        poll = self.router.queue.poll_s
+        return (math.floor(self._now / poll + 1e-9) + 1) * poll
 
     def finished(self, record: RequestRecord, now: float) -> None:
-        """A request ended (its span would reach the picker now): feed its latencies to the statistics."""
+        """A request ended (Envoy's access log, and its span, would reach the picker now): release its lease and
+        feed its latencies to the statistics."""
+        lease = self._leases.pop(record.id, None)
+        if lease is not None:
+            lease.release()
         if record.error is None:
             self.latency.observe(record.server, record.ttft_s, record.e2e_s, now=now)
             self._latency_dirty = True
 
     def _sync(self, view: FleetView) -> None:
-        """Publish a snapshot when a scrape or a latency changed, with ages mapped onto the monotonic clock."""
+        """Publish a snapshot when a scrape or a latency changed (the collectors' work)."""
         self._now = view.now
-        self.inflight.requests[:] = view.inflight
-        self.inflight.tokens[:] = view.inflight_tokens
         snaps = view.snapshots
         changed = self._latency_dirty
         for i, snap in enumerate(snaps):
@@ -180,7 +237,6 @@ class PresetPolicy:
             return
         self._latency_dirty = False
         n = len(snaps)
-        now_mono = time.monotonic()
         nan = np.full(n, np.nan)
         running, waiting, kv_usage, util, scraped = (nan.copy() for _ in range(5))
         for i, snap in enumerate(snaps):
@@ -188,7 +244,7 @@ class PresetPolicy:
                 continue
             running[i], waiting[i], kv_usage[i] = snap.running, snap.waiting, snap.kv_cache_usage
             util[i] = snap.gpu_utilization
-            scraped[i] = now_mono - (view.now - snap.scraped_at)
+            scraped[i] = snap.scraped_at
         arrays = self.latency.arrays(now=view.now)
         self.signals.publish(
             self._fixed.with_values(

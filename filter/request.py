@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
+from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any
 
@@ -53,22 +54,22 @@ def features_from_headers(
     ``session_key``; an empty value counts as absent, and a repeated header's last value wins. ``class_header``
     likewise fills ``class_hint``, which request-class rules may match.
     """
-    features = RequestFeatures()
+    found: dict[str, Any] = {}
     for header in headers:
         key = header.key
         if key == ":path":
-            features.path = header_text(header)
+            found["path"] = header_text(header)
         elif key == ":method":
-            features.method = header_text(header)
+            found["method"] = header_text(header)
         elif key == "x-request-id":
-            features.request_id = header_text(header)
+            found["request_id"] = header_text(header)
         elif key == "traceparent":
-            features.traceparent = header_text(header)
+            found["traceparent"] = header_text(header)
         if key == session_header:
-            features.session_key = header_text(header) or None
+            found["session_key"] = header_text(header) or None
         if key == class_header:
-            features.class_hint = header_text(header) or None
-    return features
+            found["class_hint"] = header_text(header) or None
+    return RequestFeatures(**found)
 
 
 def header_text(header: Any) -> str:
@@ -77,8 +78,8 @@ def header_text(header: Any) -> str:
     return raw.decode("utf-8", "replace") if raw else header.value
 
 
-def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_bytes: int) -> None:
-    """Read the JSON body into ``features``.
+def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_bytes: int) -> RequestFeatures:
+    """``features`` with what the JSON body says added.
 
     ``complete`` is False when Envoy sent a partial buffer because the body outgrew its buffer limit.
     Raises ``PayloadTooLargeError`` or ``MalformedRequestError``. For a body of 64 KiB or more it pauses the
@@ -92,8 +93,7 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
     if body.startswith(_BOM):
         body = body[len(_BOM) :]  # RFC 8259 lets a parser ignore a byte order mark; orjson refuses it
     if len(body) < _GC_PAUSE_MIN_BYTES:
-        _read(features, body)
-        return
+        return replace(features, **_read(body))
     # orjson runs no Python code and _read makes no reference cycles, so nothing collectable appears meanwhile;
     # the collector, triggered by the allocations, would only scan the growing document again and again (most of
     # the cost of a body of many small lists). The document must be gone before it runs again: an error's
@@ -102,7 +102,7 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
     gc.disable()
     refused = None
     try:
-        _read(features, body)
+        found = _read(body)
     except RequestError as exc:
         refused = exc.with_traceback(None)
     finally:
@@ -110,10 +110,11 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
             gc.enable()
     if refused is not None:
         raise refused
+    return replace(features, **found)
 
 
-def _read(features: RequestFeatures, body: bytes) -> None:
-    """``apply_body`` on a body within its size limit."""
+def _read(body: bytes) -> dict[str, Any]:
+    """``apply_body`` on a body within its size limit: the features the body gives."""
     doc, tokens = parse_body(body)
     if not isinstance(doc, dict):
         raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(doc)}")
@@ -123,12 +124,12 @@ def _read(features: RequestFeatures, body: bytes) -> None:
         raise MalformedRequestError("missing required field 'model'")
     if not isinstance(model, str) or not model:
         raise MalformedRequestError(f"field 'model' must be a non-empty string, not {_json_type(model)}")
-    features.model = model
+    features: dict[str, Any] = {"model": model}
 
     stream = doc.get("stream", False)
     if not isinstance(stream, bool):
         raise MalformedRequestError(f"field 'stream' must be a boolean, not {_json_type(stream)}")
-    features.stream = stream
+    features["stream"] = stream
 
     for name in ("max_tokens", "max_completion_tokens"):
         value = doc.get(name)
@@ -136,23 +137,24 @@ def _read(features: RequestFeatures, body: bytes) -> None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise MalformedRequestError(f"field {name!r} must be a non-negative integer, not {shown(value)}")
-        features.max_tokens = value
+        features["max_tokens"] = value
         break
 
     if "messages" in doc:
         chars, rendered = _messages_text(doc["messages"])
-        features.prompt_chars = chars
-        features.prompt_tokens = estimate_tokens(chars)
-        features.prefix_hashes = text_block_hashes(rendered, seed=hash(model))
+        features["prompt_chars"] = chars
+        features["prompt_tokens"] = estimate_tokens(chars)
+        features["prefix_hashes"] = text_block_hashes(rendered, seed=hash(model))
     elif tokens is not None:  # doc["prompt"] is the placeholder of the ids _parse counted
-        features.prompt_tokens = tokens.count
-        features.prefix_hashes = () if tokens.head is None else token_block_hashes(tokens.head, seed=hash(model))
+        features["prompt_tokens"] = tokens.count
+        features["prefix_hashes"] = () if tokens.head is None else token_block_hashes(tokens.head, seed=hash(model))
     elif "prompt" in doc:
         prompt = doc["prompt"]
         chars, token_ids = _prompt_size(prompt)
-        features.prompt_chars = chars
-        features.prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
-        features.prefix_hashes = _prompt_hashes(prompt, seed=hash(model))
+        features["prompt_chars"] = chars
+        features["prompt_tokens"] = token_ids if token_ids is not None else estimate_tokens(chars)
+        features["prefix_hashes"] = _prompt_hashes(prompt, seed=hash(model))
+    return features
 
 
 def _prompt_size(prompt: Any) -> tuple[int, int | None]:

@@ -46,12 +46,13 @@ from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
-from inferlb.scorer.classes import Admission, Classifier, WaitQueue
+from inferlb.scorer.classes import Classifier
 from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import RoutingError, shown
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
+from inferlb.scorer.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,6 @@ HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE, ACCESS_LOG_SER
 # Envoy forwards (Envoy's own limit on request headers is 60 KiB by default).
 GRPC_ENVELOPE_BYTES = 256 * 1024
 _BUFFERED = frozenset({ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL})
-# How often a request waiting for capacity looks again (the snapshot changes once per scrape, ~100 ms).
-ADMISSION_POLL_S = 0.02
 
 
 @dataclass(slots=True)
@@ -78,7 +77,8 @@ class FilterStats:
 
 
 class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
-    """Envoy's ``ExternalProcessor`` service backed by a scoring ``Engine``. Runs on one asyncio loop.
+    """Envoy's ``ExternalProcessor`` service backed by the routing unit (`scorer.router.Router`, built here from
+    ``engine`` and ``classifier``). Runs on one asyncio loop.
 
     ``session_header`` names the request header that carries a session (or user) key for session affinity;
     header names are case-insensitive, so it is lower-cased here. Envoy must forward that header to ext_proc.
@@ -92,7 +92,6 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         session_header: str | None = None,
         class_header: str | None = None,
         classifier: Classifier | None = None,
-        admission: Admission | None = None,
         trace_join: TraceJoin | None = None,
         route_spans: RouteSpans | None = None,
         leases: OpenLeases | None = None,
@@ -100,13 +99,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         for name, value in (("session_header", session_header), ("class_header", class_header)):
             if value is not None and (not value or value != value.strip()):
                 raise ValueError(f"{name} must be a header name such as 'x-session-id', not {value!r}")
-        self.engine = engine
+        self.router = Router(engine, classifier)
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header.lower() if session_header is not None else None
         self.class_header = class_header.lower() if class_header is not None else None
-        self.classifier = classifier or Classifier()
-        self.admission = admission
-        self._wait_queue: WaitQueue | None = None
         # With a join, every routed request gets a W3C traceparent (continuing the client's trace if it sent one)
         # and its trace id is remembered with the endpoint, so the server's span can be matched to the decision.
         self.trace_join = trace_join
@@ -122,12 +118,17 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # With leases, routing streams end at the decision and Envoy's access log ends each request's count.
         self.leases = leases
 
-    def swap_engine(self, engine: Engine) -> None:
-        """Route with ``engine`` from now on (a config reload). Streams that already hold a lease release it into
-        the old engine's counters; a request between its headers and its body is decided by the new engine."""
-        self.replies = RouteReplies(engine.pool)
-        self._endpoints = {e.address: e.index for e in engine.pool}
-        self.engine = engine
+    @property
+    def engine(self) -> Engine:
+        return self.router.engine
+
+    def swap_router(self, router: Router) -> None:
+        """Route with ``router`` from now on (a config reload). Streams that already hold a lease release it into
+        the old engine's counters; a request between its headers and its body, or waiting for capacity, is
+        decided by the new one."""
+        self.replies = RouteReplies(router.pool)
+        self._endpoints = {e.address: e.index for e in router.pool}
+        self.router = router
 
     async def Process(
         self, request_iterator: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
@@ -168,19 +169,21 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         features = RequestFeatures()
                     body = message.request_body
                     try:
-                        apply_body(features, body.body, complete=body.end_of_stream, max_bytes=self.max_body_bytes)
+                        features = apply_body(
+                            features, body.body, complete=body.end_of_stream, max_bytes=self.max_body_bytes
+                        )
                     except RequestError as exc:
                         yield self._refuse(exc)
                         return
                     replies = self.replies.body
                 decided = True
-                refusal = await self._admit(features)
+                features, refusal, saturated = await self._admit(features)
                 if refusal is not None:
                     if self.route_spans is not None:
                         self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
                     yield self._refuse(refusal)
                     return  # an ImmediateResponse ends the request: nothing more will come
-                reply, lease = self._route(features, replies, envoy_trace)
+                reply, lease = self._route(features, replies, saturated, envoy_trace)
                 yield reply
                 if lease is None:
                     return  # refused by the engine
@@ -199,71 +202,59 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             if lease is not None:
                 lease.release()
 
-    async def _admit(self, features: RequestFeatures) -> RequestError | None:
-        """Classify the request; if every endpoint it could use is saturated, shed it (429) or let it wait up to
-        its class's ``max_wait_s`` for capacity (then it is routed anyway). None: go ahead."""
-        request_class = self.classifier.classify(features)
-        features.request_class = request_class.name
-        features.priority = request_class.priority
-        features.ttft_slo_s = request_class.ttft_slo_s
-        admission = self.admission
-        if admission is None:
-            return None
-        features.pool_mask = admission.pool_mask(request_class)
-        try:
-            candidates = self.engine.pool.model_indices(features.model)
-        except RoutingError:
-            return None  # the pick refuses it, with the reason
-        if features.pool_mask is not None:
-            candidates = candidates[features.pool_mask[candidates]]
-        if not admission.saturated(candidates):
-            return None
-        if request_class.on_saturation == "shed":
+    async def _admit(self, features: RequestFeatures) -> tuple[RequestFeatures, RequestError | None, bool]:
+        """The request with its class, and: a refusal (shed, 429), or None to go ahead, after waiting up to its
+        class's ``max_wait_s`` for capacity when every endpoint it could use is saturated; then whether it goes
+        though still saturated (it waited out)."""
+        router = self.router
+        admit = router.admit(features)
+        features = admit.request
+        if admit.verdict == "go":
+            return features, None, False
+        request_class = admit.request_class
+        if admit.verdict == "shed":
             self.decisions.shed[request_class.name] += 1
-            return OverloadedError(
-                f"every endpoint that serves {shown(features.model)} is saturated and requests of class "
-                f"{request_class.name!r} are shed under load; retry after {request_class.retry_after_s} s",
-                request_class.retry_after_s,
+            return (
+                features,
+                OverloadedError(
+                    f"every endpoint that serves {shown(features.model)} is saturated and requests of class "
+                    f"{request_class.name!r} are shed under load; retry after {request_class.retry_after_s} s",
+                    request_class.retry_after_s,
+                ),
+                False,
             )
         self.stats.waited += 1
-        queue = self._wait_queue
-        if queue is None or queue.admission is not admission:  # a reload brings a new admission
-            queue = self._wait_queue = WaitQueue(admission, ADMISSION_POLL_S)
-        if await queue.wait(candidates, request_class.priority, request_class.max_wait_s):
-            features.admission = "waited"
-        else:
-            features.admission = "waited-out"  # no capacity came: route to the best of the saturated anyway
-            self.stats.waited_out += 1
-        return None
+        if await router.wait(admit):
+            return features, None, False
+        self.stats.waited_out += 1  # no capacity came: route to the best of the saturated anyway
+        return features, None, True
 
     def _route(
-        self, features: RequestFeatures, replies: tuple[ProcessingResponse, ...], envoy_trace: bytes | None = None
+        self,
+        features: RequestFeatures,
+        replies: tuple[ProcessingResponse, ...],
+        saturated: bool = False,
+        envoy_trace: bytes | None = None,
     ) -> tuple[ProcessingResponse, Lease | None]:
-        engine = self.engine
         spans = self.route_spans
         started_ns = time.time_ns() if spans is not None else 0
-        started = time.perf_counter()
         try:
-            decision = engine.decide(features)
+            routed = self.router.route(features, saturated=saturated)
         except RoutingError as exc:
             error = from_routing_error(exc)
             self.decisions.record_refusal(features.request_id, features.model, error.status)
             if spans is not None:
                 spans.refused(features, error.status, error.type, started_ns)
             return self._refuse(error), None
-        if features.admission == "waited-out":
-            decision.reason = "saturated"
-        self.decisions.record(features.request_id, features.model, decision, time.perf_counter() - started)
+        decision = routed.decision
+        self.decisions.record(features.request_id, features.model, decision, routed.pick_s)
         index = decision.endpoint.index
-        # The prompt is the work a request brings before its first token: what the in-flight token count and
-        # the predicted-TTFT scorer weigh.
-        lease = engine.inflight.acquire(index, features.prompt_tokens)
         self.stats.routed += 1
         join = self.trace_join
         traced = spans.routed(features, decision, started_ns) if spans is not None else None
         if traced is None:
             if join is None:
-                return replies[index], lease
+                return replies[index], routed.lease
             trace_id = _trace_id(features.traceparent) or os.urandom(16)
             traceparent = f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"
         else:
@@ -271,7 +262,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if join is not None:
             # One decision, one span: Envoy's trace id (with Envoy's tracing on) is an alias of the same decision.
             join.record(trace_id, index, also=envoy_trace)
-        return with_header(replies[index], "traceparent", traceparent), lease
+        return with_header(replies[index], "traceparent", traceparent), routed.lease
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:
         self.stats.refused[error.status] += 1

@@ -27,7 +27,7 @@ from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.api import create_admin_app
-from inferlb.scorer.classes import Admission, Classifier
+from inferlb.scorer.classes import Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config, load_config, parse_config
 from inferlb.scorer.credentials import Credential
@@ -37,6 +37,8 @@ from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
+from inferlb.scorer.router import Router
+from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
 from inferlb.serving import serve as serve_asgi
 from inferlb.sim.spans import create_tracer_provider
@@ -212,17 +214,16 @@ class Picker:
         else:
             inflight, signals = InFlight(len(pool)), Signals(len(pool), stale_after_s=config.signals.stale_after_s)
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool))
-        engine = Engine(pool, profile, inflight, signals)
+        engine = Engine(pool, profile, inflight, signals, _saturation(config))
+        router = Router(engine, Classifier(config.classes, config.default_class))
         # From here on nothing can fail: swap everything between two requests.
         self.admin_credential = credential
         if self.service.leases is not None:
             self.service.leases.max_age_s = config.inflight.max_age_s
-        self.service.swap_engine(engine)
+        self.service.swap_router(router)
         self.service.max_body_bytes = config.max_body_bytes
         self.service.session_header = config.session_header
         self.service.class_header = config.class_header
-        self.service.classifier = Classifier(config.classes, config.default_class)
-        self.service.admission = _admission(config, pool, signals)
         if self.spans is not None:
             self.spans.rebind(pool, signals, keep=same_pool, config=config.otel)
             self.service.trace_join = _trace_join(config, self.spans)
@@ -278,10 +279,8 @@ class Picker:
     # ---- admin API ----------------------------------------------------------------------------------------
 
 
-def _admission(config: Config, pool: Pool, signals: Signals) -> Admission:
-    return Admission(
-        pool, signals, max_waiting=config.admission.max_waiting, max_kv_usage=config.admission.max_kv_usage
-    )
+def _saturation(config: Config) -> Saturation:
+    return Saturation(config.admission.max_waiting, config.admission.max_kv_usage)
 
 
 def _collectors(
@@ -304,14 +303,13 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
     pool = Pool(config.endpoints)
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
     profile = build_profile(config.profile_spec(), rng, size=len(pool))
-    engine = Engine(pool, profile, signals=signals)
+    engine = Engine(pool, profile, signals=signals, saturation=_saturation(config))
     service = ExtProcService(
         engine,
         max_body_bytes=config.max_body_bytes,
         session_header=config.session_header,
         class_header=config.class_header,
         classifier=Classifier(config.classes, config.default_class),
-        admission=_admission(config, pool, signals),
         leases=OpenLeases(max_age_s=config.inflight.max_age_s) if config.inflight.end == "access-log" else None,
     )
     collector, gpu = _collectors(config, pool, signals, engine.inflight)

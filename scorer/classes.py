@@ -8,27 +8,25 @@ at once with 429 and ``retry-after``). Waiting requests are let through highest 
 arrival order, at most one per endpoint with room per tick (`WaitQueue`). A class may also restrict the request
 to endpoints with given labels (its pool) and carry a TTFT objective, which the ``ttft-slo`` filter routes by.
 
-Saturated means: the endpoint's latest metrics are fresh and show more than ``max_waiting`` queued requests or
-KV-cache use above ``max_kv_usage``; a stale endpoint counts as saturated too, unless every candidate is stale
-(then nothing is known and the pick goes ahead).
+Saturated means what `scorer.saturation.Saturation` says (the one rule, shared with the ``saturation`` filter):
+more than ``max_waiting`` queued requests, counting those sent since the last scrape began, or KV-cache use above
+``max_kv_usage``; a stale endpoint counts as saturated too, unless every candidate is stale (then nothing is
+known and the pick goes ahead).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.pool import Pool
-from inferlb.scorer.signals import Signals, Snapshot
 
-__all__ = ["Admission", "ClassRule", "Classifier", "RequestClass", "WaitQueue"]
+__all__ = ["Admission", "ClassRule", "Classifier", "RequestClass", "WaitQueue", "Waiter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,20 +78,17 @@ class Classifier:
 
 
 class Admission:
-    """Decides, before the pick, whether a request goes ahead, waits for capacity, or is shed.
+    """Decides, before the pick, whether a request goes ahead, waits for capacity, or is shed, by the routing
+    core's saturation rule (`State.saturation`) and clock (``state.signals.clock``).
 
     ``label_masks`` caches, per class, which endpoints carry its labels. One event loop.
     """
 
-    def __init__(self, pool: Pool, signals: Signals, *, max_waiting: float = 16, max_kv_usage: float = 0.95) -> None:
-        self.pool = pool
-        self.signals = signals
-        self.max_waiting = max_waiting
-        self.max_kv_usage = max_kv_usage
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.pool = state.pool
+        self.signals = state.signals
         self._label_masks: dict[str, np.ndarray] = {}
-        self._for: Snapshot | None = None
-        self._full = np.zeros(0, dtype=bool)
-        self._any_full = False
 
     def pool_mask(self, request_class: RequestClass) -> np.ndarray | None:
         """The endpoints a class may use (None: all)."""
@@ -103,6 +98,7 @@ class Admission:
         if mask is None:
             wanted = request_class.labels.items()
             mask = np.array([all(e.labels.get(k) == v for k, v in wanted) for e in self.pool], dtype=bool)
+            mask.setflags(write=False)
             self._label_masks[request_class.name] = mask
         return mask
 
@@ -110,105 +106,110 @@ class Admission:
         """Whether every candidate is saturated (see the module docstring)."""
         if not len(candidates):
             return False
-        now = time.monotonic() if now is None else now
-        signals = self.signals
-        self._refresh()
-        if not self._any_full and now <= signals.all_fresh_until:
-            return False  # the usual case: nothing is full and every endpoint is fresh
+        state = self.state
+        signals = state.signals
+        now = signals.clock() if now is None else now
+        over = state.saturation.over(signals, state.inflight)
+        if now <= signals.all_fresh_until:  # the usual case: every endpoint is fresh
+            return bool(over.any() and over[candidates].all())
         fresh = signals.fresh_until[candidates] >= now
         if not fresh.any():
             return False
-        return bool((self._full[candidates] | ~fresh).all())
+        return bool((over[candidates] | ~fresh).all())
 
     def room(self, candidates: np.ndarray, now: float | None = None) -> np.ndarray:
-        """The candidates that are not saturated: fresh and not full; all of them when none is fresh."""
-        now = time.monotonic() if now is None else now
-        self._refresh()
-        fresh = self.signals.fresh_until[candidates] >= now
+        """The candidates that are not saturated: fresh and not over; all of them when none is fresh."""
+        state = self.state
+        now = state.signals.clock() if now is None else now
+        over = state.saturation.over(state.signals, state.inflight)
+        fresh = state.signals.fresh_until[candidates] >= now
         if not fresh.any():
             return candidates
-        return candidates[fresh & ~self._full[candidates]]
-
-    def _refresh(self) -> None:
-        snapshot = self.signals.snapshot
-        if snapshot is not self._for:  # once per scrape
-            full = snapshot.over(self.max_waiting, self.max_kv_usage)
-            self._full, self._any_full, self._for = full, bool(full.any()), snapshot
+        return candidates[fresh & ~over[candidates]]
 
 
 @dataclass(order=True, slots=True)
-class _Waiter:
+class Waiter:
+    """One request waiting for capacity. ``outcome``: None while it waits, True when room came, False when its
+    wait ran out."""
+
     key: tuple[int, int]  # (-priority, arrival): the order waiters are let through
     deadline: float = field(compare=False)
     candidates: np.ndarray = field(compare=False)
-    future: asyncio.Future[bool] = field(compare=False)
+    outcome: bool | None = field(default=None, compare=False)
+    future: asyncio.Future[bool] | None = field(default=None, compare=False)
+
+    def settle(self, outcome: bool) -> None:
+        self.outcome = outcome
+        if self.future is not None and not self.future.done():
+            self.future.set_result(outcome)
 
 
 class WaitQueue:
     """Requests of ``wait`` classes waiting for capacity, let through highest priority first, then in order of
     arrival.
 
-    Every ``poll_s`` the waiters are visited in that order: a waiter goes ahead if one of its candidates has room
-    (`Admission.room`) and no waiter before it in this tick took that endpoint, so each endpoint with room lets at
-    most one waiter through per tick (the metrics that show the room are up to a scrape old; letting every
-    waiter through at once would refill the endpoint at once). A waiter whose deadline passes goes ahead anyway
-    (waited out). One event loop; the ticking task runs only while someone waits.
+    Every ``poll_s`` the waiters are visited in that order (`release`, one tick): a waiter goes ahead if one of its
+    candidates has room (`Admission.room`) and no waiter before it in this tick took that endpoint, so each
+    endpoint with room lets at most one waiter through per tick (the metrics that show the room are up to a scrape
+    old; letting every waiter through at once would refill the endpoint at once). A waiter whose deadline passes
+    goes ahead anyway (waited out). Time is the routing core's clock. `enter` and `release` are the queue itself
+    (the simulator calls them on its virtual clock); `wait` is them on an event loop, whose ticking task runs only
+    while someone waits.
     """
 
     def __init__(self, admission: Admission, poll_s: float = 0.02) -> None:
         self.admission = admission
         self.poll_s = poll_s
-        self._waiters: list[_Waiter] = []
+        self.clock = admission.signals.clock
+        self._waiters: list[Waiter] = []
         self._arrivals = itertools.count()
         self._ticker: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self._waiters)
 
+    def enter(self, candidates: np.ndarray, priority: int, max_wait_s: float) -> Waiter:
+        """Queue a request for room among ``candidates``, for at most ``max_wait_s``."""
+        waiter = Waiter((-priority, next(self._arrivals)), self.clock() + max_wait_s, candidates)
+        self._waiters.append(waiter)
+        return waiter
+
     async def wait(self, candidates: np.ndarray, priority: int, max_wait_s: float) -> bool:
         """Wait for room among ``candidates``, at most ``max_wait_s``: True when room came, False when the wait
         ran out. Cancelling the caller removes it from the queue."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(
-            (-priority, next(self._arrivals)), time.monotonic() + max_wait_s, candidates, loop.create_future()
-        )
-        self._waiters.append(waiter)
+        waiter = self.enter(candidates, priority, max_wait_s)
+        waiter.future = future = loop.create_future()
         if self._ticker is None or self._ticker.done():
             self._ticker = loop.create_task(self._tick_while_waited_on(), name="admission queue")
         try:
-            return await waiter.future
+            return await future
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
 
     def release(self, now: float | None = None) -> int:
         """One tick: let through the waiters that may go (see the class docstring); returns how many went."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         taken: set[int] = set()
         gone = 0
         for waiter in sorted(self._waiters):
-            if waiter.future.done():
+            if waiter.outcome is not None or (waiter.future is not None and waiter.future.done()):
                 continue
             free = [int(i) for i in self.admission.room(waiter.candidates, now) if int(i) not in taken]
             if free:
                 taken.add(free[0])
-                waiter.future.set_result(True)
+                waiter.settle(True)
             elif now >= waiter.deadline:
-                waiter.future.set_result(False)
+                waiter.settle(False)
             else:
                 continue
             gone += 1
-        self._waiters = [w for w in self._waiters if not w.future.done()]
+        self._waiters = [w for w in self._waiters if w.outcome is None and not (w.future and w.future.done())]
         return gone
 
     async def _tick_while_waited_on(self) -> None:
         while self._waiters:
             await asyncio.sleep(self.poll_s)
             self.release()
-
-
-def parse_seconds(value: object) -> float:
-    """A finite, non-negative number of seconds, else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"must be a number of seconds >= 0; got {value!r}")
-    return float(value)

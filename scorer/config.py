@@ -18,7 +18,7 @@ Example::
       stale_after_s: 1.0            # older metrics count as stale: the endpoint is treated as saturated
     profiles:
       my-profile:
-        filters: [model, staleness, {type: saturation, max_waiting: 8}]
+        filters: [model, staleness, saturation]
         scorers:
           - {type: queue, weight: 2}
           - {type: prefix-affinity, weight: 1, guard: 2.0}

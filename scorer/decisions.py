@@ -15,8 +15,6 @@ from inferlb.scorer.engine import Decision
 
 __all__ = ["PICK_BUCKETS_S", "DecisionLog"]
 
-# Decisions over at most this many candidates keep every candidate's scores, for the ``ranking`` of `recent`.
-RANKED_UP_TO_CANDIDATES = 64
 # How many of the best candidates a ranking shows.
 RANKING_LENGTH = 5
 
@@ -41,8 +39,6 @@ class DecisionLog:
         self.picks = 0
 
     def record(self, request_id: str, model: str | None, decision: Decision, pick_s: float) -> None:
-        if len(decision.candidates) > RANKED_UP_TO_CANDIDATES and decision.per_scorer:
-            decision.per_scorer = ()  # bounded memory: large pools keep only the chosen endpoint's scores
         self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], model, decision, 0, pick_s))
         self.by_endpoint[decision.endpoint.address, decision.reason] += 1
         self.pick_buckets[bisect.bisect_left(PICK_BUCKETS_S, pick_s)] += 1

@@ -10,11 +10,10 @@ counts as 0, the worst.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -22,11 +21,16 @@ from inferlb.scorer.errors import NoEndpointError
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Endpoint, Pool
+from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
 
 logger = logging.getLogger(__name__)
 
 NEUTRAL_SCORE = 0.5
+
+# Decisions over at most this many candidates keep every candidate's scores (`Decision.per_scorer`), for the
+# decision log's rankings; beyond it memory stays bounded and only the chosen endpoint's scores are kept.
+RANKED_UP_TO_CANDIDATES = 64
 
 # A decision's reason by the picker that made it (a picker of a plugin's own gives its name).
 _PICKER_REASONS = {
@@ -39,12 +43,14 @@ _PICKER_REASONS = {
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """What plugins may read: the pool, the live in-flight counters and the latest server signals (read-only
-    for plugins; ``signals.snapshot`` is replaced, never changed, by the collectors)."""
+    """What plugins may read: the pool, the live in-flight counters, the latest server signals (``signals.snapshot``
+    is replaced, never changed, by the collectors; ``signals.clock`` is the routing core's clock) and the
+    saturation rule. Read-only for plugins: only the routing unit (`scorer.router.Router`) changes the counters."""
 
     pool: Pool
     inflight: InFlight
     signals: Signals
+    saturation: Saturation = field(default_factory=Saturation)
 
 
 class Filter(Protocol):
@@ -59,14 +65,31 @@ class Scorer(Protocol):
     """Scores candidates in [0, 1], higher is better; returns an array aligned with ``candidates``.
 
     A scorer may set a class attribute ``bounded = True`` to promise a float64 ndarray in [0, 1] without NaN;
-    the engine then skips its clamp (numpy's per-call cost is most of a pick on a small pool). A scorer (or
-    filter) with state of its own may define ``on_pick(request, endpoint_index)``: the engine calls it with
-    every decision (the prefix index learns where prompts went this way). It must not raise.
+    the engine then skips its clamp (numpy's per-call cost is most of a pick on a small pool). A scorer or filter
+    may also be a `PickObserver` or a `PrefillEstimator`.
     """
 
     name: str
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray: ...
+
+
+@runtime_checkable
+class PickObserver(Protocol):
+    """A filter or scorer with state of its own, told of every decision (the prefix index learns where prompts
+    went this way). ``on_pick`` must not raise."""
+
+    def on_pick(self, request: RequestFeatures, endpoint: int) -> None: ...
+
+
+@runtime_checkable
+class PrefillEstimator(Protocol):
+    """A filter or scorer that estimated, for the decision just made, the request's tokens still to prefill on
+    the chosen endpoint and that endpoint's prefill rate (tokens/s); None when it has no estimate for this
+    request. The first estimate of a profile goes into `Decision.prefill`, and the request's lease adds it to the
+    endpoint's prefill backlog."""
+
+    def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None: ...
 
 
 class Picker(Protocol):
@@ -93,9 +116,9 @@ class Profile:
     picker: Picker
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
-    """The outcome of one pick: the chosen endpoint and how it was reached. Treat as read-only.
+    """The outcome of one pick: the chosen endpoint and how it was reached.
 
     ``reason`` says why this endpoint (the ``reason`` label of the picker's decision counter):
 
@@ -106,11 +129,13 @@ class Decision:
     * ``no-fresh-metrics``: metrics are scraped, but no candidate's are fresh, so the pick ran on in-flight
       counts and whatever else was known;
     * ``saturated``: every candidate was saturated and the request had waited as long as its class allows
-      (set by the filter, which does the waiting).
+      (set by the routing unit, which holds waiting requests).
 
     ``scores`` maps each scorer's name to the score (before weighting) the chosen endpoint got; ``per_scorer``
-    holds every candidate's scores, aligned with ``candidates``. ``ranked`` lists every candidate, best first
-    (the chosen one first); it is computed on demand.
+    holds every candidate's scores, aligned with ``candidates``, for decisions over at most
+    `RANKED_UP_TO_CANDIDATES` candidates (empty beyond). ``ranked`` lists every candidate, best first (the chosen
+    one first); it is computed on demand. ``prefill``: the profile's estimate of (the request's tokens still to
+    prefill on the chosen endpoint, its prefill rate), or None (see `PrefillEstimator`).
     """
 
     endpoint: Endpoint
@@ -120,6 +145,7 @@ class Decision:
     candidates: np.ndarray
     totals: np.ndarray
     per_scorer: tuple[tuple[str, np.ndarray], ...] = ()
+    prefill: tuple[float, float] | None = None
 
     @property
     def ranked(self) -> tuple[int, ...]:
@@ -136,20 +162,24 @@ class Engine:
     """
 
     def __init__(
-        self, pool: Pool, profile: Profile, inflight: InFlight | None = None, signals: Signals | None = None
+        self,
+        pool: Pool,
+        profile: Profile,
+        inflight: InFlight | None = None,
+        signals: Signals | None = None,
+        saturation: Saturation | None = None,
     ) -> None:
         self.pool = pool
         self.profile = profile
-        self.inflight = inflight if inflight is not None else InFlight(len(pool))
         self.signals = signals if signals is not None else Signals(len(pool))
-        self.state = State(pool, self.inflight, self.signals)
+        self.inflight = inflight if inflight is not None else InFlight(len(pool), clock=self.signals.clock)
+        self.saturation = saturation if saturation is not None else Saturation()
+        self.state = State(pool, self.inflight, self.signals, self.saturation)
         self.scorer_errors: Counter[str] = Counter()
         # Looked up once here rather than on every request.
-        self._observers = tuple(
-            plugin.on_pick
-            for plugin in (*profile.filters, *(ws.scorer for ws in profile.scorers))
-            if hasattr(plugin, "on_pick")
-        )
+        plugins = (*profile.filters, *(ws.scorer for ws in profile.scorers))
+        self._observers = tuple(p.on_pick for p in plugins if isinstance(p, PickObserver))
+        self._estimators = tuple(p.prefill for p in plugins if isinstance(p, PrefillEstimator))
         self._filters = tuple(profile.filters)
         self._reason = _PICKER_REASONS.get(profile.picker.name, profile.picker.name)
         self._scorers = tuple(
@@ -178,12 +208,17 @@ class Engine:
         chosen = int(candidates[position])
         for observe in self._observers:
             observe(request, chosen)
+        prefill = None
+        for estimate in self._estimators:
+            prefill = estimate(request, chosen)
+            if prefill is not None:
+                break
         signals = state.signals
         if len(candidates) == 1:
             reason = "only-candidate"
         elif (
             signals.scraped_any
-            and (now := time.monotonic()) > signals.all_fresh_until
+            and (now := signals.clock()) > signals.all_fresh_until
             and not (signals.fresh_until[candidates] >= now).any()
         ):
             reason = "no-fresh-metrics"
@@ -196,7 +231,8 @@ class Engine:
             {name: float(s[position]) for name, s in per_scorer},
             candidates,
             totals,
-            tuple(per_scorer),
+            tuple(per_scorer) if len(candidates) <= RANKED_UP_TO_CANDIDATES else (),
+            prefill,
         )
 
     def _run_scorer(

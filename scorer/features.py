@@ -100,9 +100,10 @@ def _block_key(block: Sequence[int] | np.ndarray) -> bytes | tuple[int, ...]:
         return tuple(int(i) for i in block)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestFeatures:
-    """The routing-relevant facts of one request. Built once per request; treat as read-only.
+    """The routing-relevant facts of one request, immutable: the filter builds them from headers and body, and the
+    routing unit adds the request's class (`dataclasses.replace`, a new object).
 
     ``model`` is None for requests whose body was not read (headers-only routes). ``prompt_tokens`` is an
     estimate unless the prompt was given as token ids. ``prefix_hashes`` are the prompt's chained block hashes
@@ -126,4 +127,3 @@ class RequestFeatures:
     pool_mask: Any = None  # numpy bool array over the pool: the endpoints the request's class may use
     priority: int = 0  # the class's priority: among requests waiting for capacity, higher goes first
     ttft_slo_s: float | None = None  # the class's time-to-first-token objective
-    admission: str | None = None  # "waited" (capacity came) or "waited-out" (routed though saturated)

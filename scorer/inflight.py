@@ -28,17 +28,27 @@ class InFlight:
         self.requests = np.zeros(size, dtype=np.int64)
         self.tokens = np.zeros(size, dtype=np.int64)
         self.sent = np.zeros(size, dtype=np.int64)
+        self.decisions = 0  # requests counted so far, all endpoints: a version of the counters
         self.clock = clock
         # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
         self._prefill = np.zeros(size)
         self._prefill_at = np.zeros(size)
-        self._prefill_for: object | None = None
 
-    def acquire(self, index: int, tokens: int) -> Lease:
-        """Count one request to endpoint ``index``; the returned lease must be released when it ends."""
+    def acquire(self, index: int, tokens: int, prefill: tuple[float, float] | None = None) -> Lease:
+        """Count one request to endpoint ``index``; the returned lease must be released when it ends.
+
+        ``prefill``, when the profile estimated it: (the prompt's tokens still to prefill there, its uncached part;
+        the endpoint's prefill rate in tokens/s), added to the endpoint's prefill backlog."""
         self.requests[index] += 1
         self.tokens[index] += tokens
         self.sent[index] += 1
+        self.decisions += 1
+        if prefill is not None:
+            uncached, tokens_per_s = prefill
+            now = self.clock()
+            left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
+            self._prefill[index] = max(left, 0.0) + uncached
+            self._prefill_at[index] = now
         return Lease(self, index, tokens)
 
     def total(self) -> int:
@@ -49,18 +59,6 @@ class InFlight:
         (aligned with ``candidates``)."""
         elapsed = self.clock() - self._prefill_at[candidates]
         return np.maximum(self._prefill[candidates] - tokens_per_s * elapsed, 0.0)
-
-    def add_prefill(self, index: int, tokens: float, tokens_per_s: float, request: object) -> None:
-        """Add a prompt's tokens still to prefill (its uncached part) to the backlog of endpoint ``index``, which
-        prefills ``tokens_per_s``. Counted once per ``request`` (an identity: several predictors may report the
-        same decision)."""
-        if request is self._prefill_for:
-            return
-        self._prefill_for = request
-        now = self.clock()
-        left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
-        self._prefill[index] = max(left, 0.0) + tokens
-        self._prefill_at[index] = now
 
 
 class Lease:

@@ -198,8 +198,8 @@ class TtftPredictor:
     no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt is cheap to
     prefill, but the requests still have to be decoded somewhere).
 
-    ``on_pick`` adds the request's uncached tokens to the chosen endpoint's backlog (once per request, however
-    many predictors saw it). Keeps a per-snapshot cache: one per plugin, one event loop.
+    ``prefill`` tells the engine the request's uncached tokens on the chosen endpoint, which the request's lease
+    adds to that endpoint's backlog. Keeps a per-snapshot cache: one per plugin, one event loop.
     """
 
     def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
@@ -212,7 +212,7 @@ class TtftPredictor:
         self.guard = guard
         self._for: Snapshot | None = None
         self._tokens_per_s = np.zeros(0)
-        # The last prediction, for on_pick: the request, its state, candidates and uncached tokens per candidate.
+        # The last prediction, for prefill: the request, its state, candidates and uncached tokens per candidate.
         self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray] | None = None
 
     def seconds(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
@@ -238,18 +238,21 @@ class TtftPredictor:
         rates = self._tokens_per_s[candidates]
         return (state.inflight.pending_prefill(candidates, rates) + own) / rates
 
-    def on_pick(self, request: RequestFeatures, endpoint: int) -> None:
+    def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
+        """For the decision just made: (``request``'s tokens still to prefill at ``endpoint``, that endpoint's
+        prefill rate), what its lease adds to the prefill backlog; None when this predictor did not see the
+        request (a filter that only predicts for classes with an objective)."""
         last = self._last
         if last is None or last[0] is not request:
-            return  # this predictor did not see the request (a filter that only predicts for SLO classes)
-        _, state, candidates, own = last
+            return None
+        _, _, candidates, own = last
         self._last = None
         if isinstance(own, np.ndarray):
             position = np.flatnonzero(candidates == endpoint)
             if not len(position):
-                return
+                return None
             own = float(own[position[0]])
-        state.inflight.add_prefill(endpoint, own, float(self._tokens_per_s[endpoint]), request)
+        return own, float(self._tokens_per_s[endpoint])
 
 
 class PredictedTTFTScorer:
@@ -266,8 +269,8 @@ class PredictedTTFTScorer:
         cost = self.predictor.seconds(request, state, candidates)
         return cost.min() / np.maximum(cost, 1e-12)
 
-    def on_pick(self, request: RequestFeatures, endpoint: int) -> None:
-        self.predictor.on_pick(request, endpoint)
+    def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
+        return self.predictor.prefill(request, endpoint)
 
 
 class LoraAffinityScorer:

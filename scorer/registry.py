@@ -152,6 +152,7 @@ class Plugin:
 
     factory: Factory
     params: Mapping[str, Param] = field(default_factory=lambda: MappingProxyType({}))
+    note: str = ""  # added to the message for an unknown parameter
 
 
 def _plain(cls: Callable[..., Any]) -> Factory:
@@ -220,7 +221,8 @@ class Registry:
             param = declared.get(name)
             if param is None:
                 accepted = ", ".join(sorted(declared)) or "none"
-                raise ConfigError(f"{where}: unknown parameter {name!r} for {spec.type!r} (accepted: {accepted})")
+                note = f"; {plugin.note}" if plugin.note else ""
+                raise ConfigError(f"{where}: unknown parameter {name!r} for {spec.type!r} (accepted: {accepted}){note}")
             if not param.accepts(value):
                 raise ConfigError(f"{where}.{name} must be {param.describe()}; got {value!r}")
         try:
@@ -241,7 +243,8 @@ def default_registry() -> Registry:
         ),
         "saturation": Plugin(
             _plain(SaturationFilter),
-            _params(max_waiting=Param("number", ge=0, infinite=True), max_kv_usage=Param("number", gt=0, le=1)),
+            note="one rule decides when an endpoint is saturated, for this filter and admission control alike: "
+            "set it in the config's admission section, e.g. admission: {max_waiting: 8, max_kv_usage: 0.9}",
         ),
         "memory-fit": Plugin(
             _plain(MemoryFitFilter),

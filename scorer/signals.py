@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -111,13 +112,16 @@ class Signals:
     """The holder of the latest snapshot. Collectors call `publish`; picks read ``snapshot``.
 
     ``stale_after_s``: a scrape older than this no longer describes the endpoint (the staleness filter and the
-    ``/endpoints`` view use it). Single event loop; publishing is one attribute assignment.
+    ``/endpoints`` view use it). ``clock`` (seconds) is the routing core's clock: scrape times are on it, and every
+    freshness check reads it (the simulator passes its virtual clock). Single event loop; publishing is one
+    attribute assignment.
     """
 
-    def __init__(self, size: int, *, stale_after_s: float = 1.0) -> None:
+    def __init__(self, size: int, *, stale_after_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         if not stale_after_s > 0:
             raise ValueError(f"stale_after_s must be > 0; got {stale_after_s!r}")
         self.stale_after_s = stale_after_s
+        self.clock = clock
         self.published = 0
         self._install(Snapshot.empty(size))
 
@@ -142,5 +146,5 @@ class Signals:
 
     def stale(self, now: float | None = None) -> np.ndarray:
         """Per endpoint: no successful scrape within ``stale_after_s``, or the last attempt failed."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         return self.fresh_until < now

@@ -1,26 +1,27 @@
-"""Request classes and admission control: classification rules, saturation, 429 with retry-after for classes
-that shed, a bounded wait for classes that wait, and class pools; driven over real gRPC like Envoy does."""
+"""Request classes and admission control through the ext_proc service, driven over real gRPC like Envoy does: 429
+with retry-after for classes that shed, a bounded wait for classes that wait, class pools, TTFT objectives; and the
+config of classes. (Classification, saturation and the wait queue themselves: tests/scorer/test_classes.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
 
 from inferlb.filter.server import ExtProcService, PickerServer
-from inferlb.scorer.classes import Admission, Classifier, ClassRule, RequestClass
+from inferlb.scorer.classes import Classifier, ClassRule, RequestClass
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
-from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.registry import PluginSpec, ProfileSpec
+from inferlb.scorer.router import Router
 from inferlb.scorer.signals import Signals
 
 from .test_server import MODEL, destination, route_buffered
@@ -36,21 +37,9 @@ RULES = (
 )
 
 
-@pytest.mark.parametrize(
-    ("features", "expected"),
-    [
-        pytest.param(RequestFeatures(class_hint="batch", prompt_tokens=10, stream=True), "batch", id="header-first"),
-        pytest.param(RequestFeatures(prompt_tokens=5000, stream=True), "long", id="long-prompt"),
-        pytest.param(RequestFeatures(prompt_tokens=100, stream=True), "interactive", id="short-stream"),
-        pytest.param(RequestFeatures(prompt_tokens=100, stream=False), "default", id="no-rule-matches"),
-        pytest.param(RequestFeatures(class_hint="other", prompt_tokens=100, stream=True), "interactive", id="hint"),
-    ],
-)
-def test_the_first_matching_rule_classifies(features: RequestFeatures, expected: str) -> None:
-    assert Classifier(RULES).classify(features).name == expected
-
-
-def pool_and_signals(waiting: list[float], ages: list[float]) -> tuple[Pool, Signals]:
+def pool_and_signals(
+    waiting: list[float], ages: list[float], clock: Callable[[], float] = time.monotonic
+) -> tuple[Pool, Signals]:
     config = parse_config(
         {
             "pool": {
@@ -59,47 +48,20 @@ def pool_and_signals(waiting: list[float], ages: list[float]) -> tuple[Pool, Sig
         }
     )
     pool = Pool(config.endpoints)
-    signals = Signals(len(pool), stale_after_s=1.0)
-    now = time.monotonic()
+    signals = Signals(len(pool), stale_after_s=1.0, clock=clock)
+    now = clock()
     scraped = [now - a if math.isfinite(a) else math.nan for a in ages]
     signals.publish(signals.snapshot.with_values(waiting=waiting, kv_usage=[0.1] * 3, scraped_at=scraped))
     return pool, signals
 
 
-@pytest.mark.parametrize(
-    ("waiting", "ages", "saturated"),
-    [
-        pytest.param([0, 0, 0], [0, 0, 0], False, id="idle"),
-        pytest.param([50, 50, 0], [0, 0, 0], False, id="one-has-room"),
-        pytest.param([50, 50, 50], [0, 0, 0], True, id="all-full"),
-        pytest.param([50, 50, 0], [0, 0, 9], True, id="full-or-stale"),
-        pytest.param([0, 0, 0], [9, 9, 9], False, id="all-stale-nothing-known"),
-        pytest.param([0, 0, 0], [math.inf] * 3, False, id="never-scraped"),
-    ],
-)
-def test_saturation(waiting: list[float], ages: list[float], saturated: bool) -> None:
-    pool, signals = pool_and_signals(waiting, ages)
-    assert Admission(pool, signals, max_waiting=16).saturated(pool.all_indices) is saturated
-
-
-def test_a_class_pool_masks_the_endpoints() -> None:
-    pool, signals = pool_and_signals([0, 0, 0], [0, 0, 0])
-    admission = Admission(pool, signals)
-    assert admission.pool_mask(INTERACTIVE) is None
-    assert list(admission.pool_mask(LONG)) == [False, False, True]
-
-
 @pytest.fixture
-async def saturated() -> AsyncIterator[tuple[PickerServer, Signals]]:
-    pool, signals = pool_and_signals([50, 50, 0], [0, 0, 0])
+async def saturated(clock) -> AsyncIterator[tuple[PickerServer, Signals]]:
+    """A picker whose first two endpoints are full, on the test's clock; its wait queue ticks only when told."""
+    pool, signals = pool_and_signals([50, 50, 0], [0, 0, 0], clock)
     engine = Engine(pool, build_profile("kv-aware", np.random.default_rng(1), size=3), signals=signals)
-    service = ExtProcService(
-        engine,
-        max_body_bytes=1 << 20,
-        class_header="x-class",
-        classifier=Classifier(RULES),
-        admission=Admission(pool, signals, max_waiting=16),
-    )
+    service = ExtProcService(engine, max_body_bytes=1 << 20, class_header="x-class")
+    service.swap_router(Router(engine, Classifier(RULES), poll_s=3600))
     server = PickerServer(service, "127.0.0.1:0")
     await server.start()
     yield server, signals
@@ -133,27 +95,31 @@ async def test_shed_classes_get_429_with_retry_after_when_everything_is_full(sat
     assert service.decisions.shed["batch"] == 1 and service.stats.refused[429] == 1
 
 
-async def test_waiting_classes_wait_a_bounded_time_then_go(saturated) -> None:
+async def test_waiting_classes_wait_a_bounded_time_then_go(saturated, clock) -> None:
     server, signals = saturated
+    service = server.service
+    queue = service.router.queue
     signals.publish(signals.snapshot.with_values(waiting=[50, 50, 50]))
-    started = time.monotonic()
-    reply = await send(server, {"model": MODEL, "prompt": "hi", "stream": True})  # interactive: waits 0.3 s
-    waited = time.monotonic() - started
-    assert destination(reply) in {a for a, _ in ENDPOINTS} and waited >= 0.3
-    assert (server.service.stats.waited, server.service.stats.waited_out) == (1, 1)
-    assert server.service.decisions.recent(1)[0]["reason"] == "saturated"
+    body = {"model": MODEL, "prompt": "hi", "stream": True}  # interactive: waits up to 0.3 s
+    sending = asyncio.create_task(send(server, body))
+    while not len(queue):
+        await asyncio.sleep(0)
+    clock.advance(0.299)
+    assert queue.release() == 0 and not sending.done()
+    clock.advance(0.001)
+    assert queue.release() == 1
+    assert destination(await sending) in {a for a, _ in ENDPOINTS}
+    assert (service.stats.waited, service.stats.waited_out) == (1, 1)
+    assert service.decisions.recent(1)[0]["reason"] == "saturated"
 
-    async def free_capacity() -> None:
-        await asyncio.sleep(0.05)
-        signals.publish(signals.snapshot.with_values(waiting=[50, 0, 50]))
-
-    freeing = asyncio.create_task(free_capacity())
-    reply = await send(server, {"model": MODEL, "prompt": "hi", "stream": True})
-    await freeing
-    # It went as soon as the second endpoint had room (no second timeout), and there.
-    assert destination(reply) == "127.0.0.1:9102"
-    assert (server.service.stats.waited, server.service.stats.waited_out) == (2, 1)
-    assert server.service.decisions.recent(1)[0]["reason"] == "only-candidate"  # the others are full
+    sending = asyncio.create_task(send(server, body))
+    while not len(queue):
+        await asyncio.sleep(0)
+    signals.publish(signals.snapshot.with_values(waiting=[50, 0, 50]))
+    assert queue.release() == 1  # it goes as soon as the second endpoint has room, and there
+    assert destination(await sending) == "127.0.0.1:9102"
+    assert (service.stats.waited, service.stats.waited_out) == (2, 1)
+    assert service.decisions.recent(1)[0]["reason"] == "only-candidate"  # the others are full
 
 
 @pytest.mark.parametrize(
@@ -204,9 +170,10 @@ async def test_a_class_with_a_ttft_objective_avoids_endpoints_predicted_to_miss_
     engine = Engine(pool, build_profile(spec, np.random.default_rng(1), size=3), signals=signals)
     engine.inflight.clock = lambda: 0.0  # the backlog does not drain while the test runs
     for endpoint in (0, 2):  # two seconds of prefill queued at the default rate
-        engine.inflight.add_prefill(endpoint, 40_000, DEFAULT_PREFILL_TOKENS_PER_S, object())
-    engine.inflight.requests[:] = [1, 9, 1]  # the only endpoint that can meet it has the most requests
-    service = ExtProcService(engine, max_body_bytes=1 << 20, classifier=Classifier(RULES), admission=None)
+        engine.inflight.acquire(endpoint, 0, (40_000, DEFAULT_PREFILL_TOKENS_PER_S))
+    for _ in range(8):  # the only endpoint that can meet it has the most requests
+        engine.inflight.acquire(1, 0)
+    service = ExtProcService(engine, max_body_bytes=1 << 20, classifier=Classifier(RULES))
     server = PickerServer(service, "127.0.0.1:0")
     await server.start()
     try:

@@ -163,9 +163,8 @@ LONG = _text("a", "b", "c", tail="zz")  # 3 full blocks
 
 
 def _hashes(doc: dict[str, Any]) -> tuple[int, ...]:
-    features = RequestFeatures()
-    apply_body(features, json.dumps({"model": MODEL, **doc}).encode(), complete=True, max_bytes=1 << 22)
-    return features.prefix_hashes
+    body = json.dumps({"model": MODEL, **doc}).encode()
+    return apply_body(RequestFeatures(), body, complete=True, max_bytes=1 << 22).prefix_hashes
 
 
 def _chat(*messages: tuple[str, Any]) -> dict[str, Any]:

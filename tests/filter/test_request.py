@@ -6,6 +6,7 @@ import contextlib
 import gc
 import json
 import re
+from dataclasses import replace
 from typing import Any
 from unittest.mock import patch
 
@@ -81,8 +82,7 @@ def test_features_from_headers(headers: list[HeaderValue], expected: RequestFeat
 
 def _apply(body: bytes, *, complete: bool = True, max_bytes: int = MAX) -> RequestFeatures:
     features = RequestFeatures(path="/v1/completions", method="POST", request_id="r")
-    apply_body(features, body, complete=complete, max_bytes=max_bytes)
-    return features
+    return apply_body(features, body, complete=complete, max_bytes=max_bytes)
 
 
 def _json(doc: Any) -> bytes:
@@ -199,8 +199,7 @@ BODIES = [
 @pytest.mark.parametrize(("doc", "fields"), BODIES)
 def test_apply_body(doc: dict[str, Any], fields: dict[str, Any]) -> None:
     expected = RequestFeatures(path="/v1/completions", method="POST", request_id="r", **fields)
-    features = _apply(_json(doc))
-    features.prefix_hashes = ()  # pinned in test_prefix_hashes.py
+    features = replace(_apply(_json(doc)), prefix_hashes=())  # the hashes are pinned in test_prefix_hashes.py
     assert features == expected
 
 
@@ -485,12 +484,10 @@ def test_apply_body_counts_a_big_token_prompt_without_parsing_it(
 
 
 def _outcome(body: bytes) -> RequestFeatures | tuple[type[RequestError], str]:
-    features = RequestFeatures()
     try:
-        apply_body(features, body, complete=True, max_bytes=BIG)
+        return apply_body(RequestFeatures(), body, complete=True, max_bytes=BIG)
     except RequestError as exc:
         return type(exc), exc.message
-    return features
 
 
 def _both_paths(body: bytes) -> tuple[Any, Any, list[bytes]]:

@@ -369,9 +369,15 @@ def _profile_doc(**profile: Any) -> dict[str, Any]:
             id="unknown-scorer",
         ),
         pytest.param(
-            _profile_doc(filters=["model", {"type": "saturation", "max_kv_usage": 2}]),
-            r"^profiles\.mine\.filters\[1\]\.max_kv_usage must be a number in \(0, 1\]; got 2$",
+            _profile_doc(filters=["model", {"type": "memory-fit", "margin": 0.5}]),
+            r"^profiles\.mine\.filters\[1\]\.margin must be a number >= 1; got 0.5$",
             id="bad-parameter-value",
+        ),
+        pytest.param(
+            _profile_doc(filters=["model", {"type": "saturation", "max_waiting": 4}]),
+            r"^profiles\.mine\.filters\[1\]: unknown parameter 'max_waiting' for 'saturation' \(accepted: none\); "
+            r"one rule decides when an endpoint is saturated, .* set it in the config's admission section",
+            id="saturation-thresholds-are-admissions",
         ),
         pytest.param(
             _profile_doc(scorers=[{"type": "prefix-affinity", "gard": 2}]),
@@ -437,7 +443,7 @@ def test_a_profile_of_the_file_is_built_with_its_weights_and_parameters() -> Non
             "signals": {"scrape_interval_s": 0.25, "stale_after_s": 2, "scrape_metrics": False},
             "profiles": {
                 "default": {
-                    "filters": ["model", {"type": "saturation", "max_waiting": 4}],
+                    "filters": ["model", {"type": "memory-fit", "margin": 4}],
                     "scorers": [{"type": "queue", "weight": 2.5}, "session-affinity"],
                     "picker": {"type": "power-of-two"},
                 }
@@ -454,8 +460,8 @@ def test_a_profile_of_the_file_is_built_with_its_weights_and_parameters() -> Non
     spec = config.profile_spec()
     assert isinstance(spec, ProfileSpec) and spec.name == "default"
     profile = build_profile(spec, size=2)
-    assert [f.name for f in profile.filters] == ["model", "saturation"]
-    assert profile.filters[1].max_waiting == 4
+    assert [f.name for f in profile.filters] == ["model", "memory-fit"]
+    assert profile.filters[1].margin == 4
     assert [(w.scorer.name, w.weight) for w in profile.scorers] == [("queue", 2.5), ("session-affinity", 1.0)]
     assert profile.picker.name == "power-of-two"
 
@@ -495,14 +501,6 @@ pool:
 # (kind, plugin type, parameter, what the message says it must be, {bad value as YAML: how the message shows it}).
 # Every declared parameter of every built-in plugin is here (test_every_declared_parameter_is_tested checks).
 MUST_BE = [
-    ("filters", "saturation", "max_waiting", "a number >= 0 or .inf", {"x": "'x'", "-1": "-1", "true": "True"}),
-    (
-        "filters",
-        "saturation",
-        "max_kv_usage",
-        "a number in (0, 1]",
-        {"0": "0", "1.5": "1.5", ".nan": "nan", "null": "None"},
-    ),
     ("filters", "memory-fit", "margin", "a number >= 1", {"x": "'x'", "0.9": "0.9", ".inf": "inf"}),
     ("filters", "memory-fit", "bytes_per_token", "a number > 0", {"0": "0", "'131072'": "'131072'", "[1]": "[1]"}),
     (
@@ -552,7 +550,6 @@ UNKNOWN = [
     ("filters", "memory-fit", "marg", "bytes_per_token, default_output_tokens, margin"),
     ("filters", "model", "models", "none"),
     ("filters", "staleness", "stale_after_s", "none"),
-    ("filters", "saturation", "max_queue", "max_kv_usage, max_waiting"),
     ("scorers", "queue", "foo", "none"),
     ("scorers", "predicted-ttft", "prefix_match", "block_tokens, guard"),
     ("filters", "ttft-slo", "slo", "block_tokens, guard"),
@@ -605,13 +602,6 @@ def test_seed_formula_weights_must_not_all_be_zero() -> None:
 @pytest.mark.parametrize(
     ("kind", "entry", "attributes", "expected"),
     [
-        pytest.param(
-            "filters",
-            "{type: saturation, max_waiting: .inf, max_kv_usage: 1}",
-            ("max_waiting", "max_kv_usage"),
-            (math.inf, 1),
-            id="saturation",
-        ),
         pytest.param(
             "filters",
             "{type: memory-fit, margin: 1, bytes_per_token: 0.5, default_output_tokens: 0}",

@@ -272,7 +272,7 @@ def test_engine_defaults_to_its_own_inflight_sized_to_the_pool() -> None:
     pool = Pool(FLEET)
     engine = Engine(pool, build_profile("least-request"))
     assert engine.inflight.requests.shape == (5,)
-    assert engine.state == State(pool, engine.inflight, engine.signals)
+    assert engine.state == State(pool, engine.inflight, engine.signals, engine.saturation)
     shared = InFlight(5)
     assert Engine(pool, build_profile("least-request"), shared).inflight is shared
 

@@ -19,6 +19,7 @@ from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessF
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
+from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
 
 NAN = math.nan
@@ -28,12 +29,12 @@ REQUEST = RequestFeatures(model="m", prompt_tokens=1000, max_tokens=100)
 STALE_AFTER_S = 30.0
 
 
-def state(n: int = 4, **values: Any) -> State:
+def state(n: int = 4, saturation: Saturation | None = None, **values: Any) -> State:
     pool = Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", None) for i in range(n)])
     signals = Signals(n, stale_after_s=STALE_AFTER_S)
     if values:
         signals.publish(signals.snapshot.with_values(**values))
-    return State(pool, InFlight(n), signals)
+    return State(pool, InFlight(n), signals, saturation or Saturation())
 
 
 def check_subset(kept: np.ndarray, candidates: np.ndarray) -> None:
@@ -114,7 +115,7 @@ def test_saturation_filter(
     params: dict[str, float], values: dict[str, list[float]], candidates: list[int], expected: list[int]
 ) -> None:
     given = np.array(candidates)
-    kept = SaturationFilter(**params).filter(REQUEST, state(**values), given)
+    kept = SaturationFilter().filter(REQUEST, state(saturation=Saturation(**params), **values), given)
     assert list(kept) == expected
     check_subset(kept, given)
 
@@ -177,7 +178,7 @@ def test_saturation_stops_herding_onto_the_endpoints_last_seen_idle() -> None:
 )
 def test_saturation_refuses_bad_thresholds(params: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SaturationFilter(**params)
+        Saturation(**params)
 
 
 # ---------------------------------------------------------------- memory fit
@@ -281,7 +282,7 @@ def test_ttft_slo_filter(
     st = state(prefill_tokens_per_s=rates) if rates is not None else state()
     st.inflight.clock = lambda: 0.0
     for i, tokens in enumerate(backlog):  # prompt tokens sent there and not yet prefilled
-        st.inflight.add_prefill(i, tokens, DEFAULT_PREFILL_TOKENS_PER_S, object())
+        st.inflight.acquire(i, 0, (tokens, DEFAULT_PREFILL_TOKENS_PER_S)).release()
     request = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=(1, 2), ttft_slo_s=slo)
     flt = TtftSloFilter(FixedMatch(cached_blocks) if cached_blocks is not None else None, block_tokens=64)
     candidates = np.arange(4)

@@ -96,18 +96,17 @@ def test_sent_counts_every_request_ever_sent() -> None:
     assert inflight.sent.tolist() == [1, 2] and inflight.total() == 0
 
 
-def test_the_prefill_backlog_drains_at_the_given_rate_and_counts_a_request_once() -> None:
+def test_the_prefill_backlog_drains_at_the_given_rate_and_outlives_the_request() -> None:
     now = [100.0]
     inflight = InFlight(3, clock=lambda: now[0])
     rates = np.array([1000.0, 1000.0, 500.0])
-    request = object()
-    inflight.add_prefill(0, 2000, 1000, request)
-    inflight.add_prefill(0, 2000, 1000, request)  # the same decision, reported by a second predictor
-    inflight.add_prefill(2, 2000, 500, object())
+    inflight.acquire(0, 2100, (2000, 1000)).release()  # 100 of its tokens were cached there
+    inflight.acquire(1, 500)  # no estimate: no backlog
+    inflight.acquire(2, 2000, (2000, 500))
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [2000, 0, 2000]
     now[0] = 101.0
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [1000, 0, 1500]
-    inflight.add_prefill(0, 300, 1000, object())  # onto what is left: 1,000 + 300
+    inflight.acquire(0, 300, (300, 1000))  # onto what is left: 1,000 + 300
     assert inflight.pending_prefill(np.array([2, 0]), rates[[2, 0]]).tolist() == [1500, 1300]
     now[0] = 200.0  # long drained: never below zero
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 0]

@@ -55,7 +55,7 @@ def state(n: int = 4, tokens: Sequence[int] = (), backlog: Sequence[float] = (),
         if count:
             inflight.acquire(i, count)
     for i, count in enumerate(backlog):
-        inflight.add_prefill(i, count, D, object())
+        inflight.acquire(i, 0, (count, D)).release()  # a request gone, its prompt still to prefill
     return State(pool, inflight, signals)
 
 
@@ -258,12 +258,12 @@ def test_a_picked_prompt_counts_until_it_is_prefilled_not_until_its_request_ends
     scorer = PredictedTTFTScorer(Match([0, 10, 0, 0]), block_tokens=64)
     first = RequestFeatures(model="m", prompt_tokens=10_000, prefix_hashes=tuple(range(15)))
     scorer.score(first, s, np.arange(4))
-    scorer.on_pick(first, 1)  # 640 of its tokens are predicted cached there: 9,360 to prefill
-    s.inflight.acquire(1, 10_000)  # the request goes, and stays in flight throughout
+    prefill = scorer.prefill(first, 1)
+    assert prefill == (9360, D)  # 640 of its tokens are predicted cached there: 9,360 to prefill
+    s.inflight.acquire(1, 10_000, prefill)  # the request goes, and stays in flight throughout
     seconds = scorer.predictor.seconds(REQUEST, s, np.arange(4))
     assert seconds == pytest.approx(np.array([1000, 10_360, 1000, 1000]) / D)
-    scorer.on_pick(first, 2)  # a decision is counted once
-    assert scorer.predictor.seconds(REQUEST, s, np.arange(4)) == pytest.approx(seconds)
+    assert scorer.prefill(first, 2) is None  # one estimate per prediction
     now[0] = 0.25  # a quarter of a second at 20,000 tokens/s: 5,000 prefilled
     assert scorer.predictor.seconds(REQUEST, s, np.arange(4))[1] == pytest.approx((4360 + 1000) / D)
     now[0] = 10.0  # long prefilled, though the request is still in flight
@@ -300,20 +300,19 @@ def test_a_backlog_drains_at_the_endpoints_learned_rate() -> None:
     for endpoint in (0, 1):
         request = RequestFeatures(model="m", prompt_tokens=20_000)
         scorer.score(request, s, np.arange(4))
-        scorer.on_pick(request, endpoint)
+        s.inflight.acquire(endpoint, 20_000, scorer.prefill(request, endpoint))
     now[0] = 0.5
     seconds = scorer.predictor.seconds(REQUEST, s, np.arange(4))
     assert seconds == pytest.approx([(10_000 + 1000) / D, 1000 / (2 * D), 1000 / D, 1000 / D])
 
 
-def test_a_pick_the_predictor_did_not_see_adds_nothing() -> None:
+def test_a_pick_the_predictor_did_not_see_has_no_estimate() -> None:
     s = state()
     scorer = PredictedTTFTScorer()
     scorer.score(REQUEST, s, np.arange(4))
     other = RequestFeatures(model="m", prompt_tokens=5000)
-    scorer.on_pick(other, 0)  # e.g. the request went on a route that did not score it
-    scorer.on_pick(REQUEST, 3)
-    assert s.inflight.pending_prefill(np.arange(4), np.full(4, D)).tolist() == [0, 0, 0, 1000]
+    assert scorer.prefill(other, 0) is None  # e.g. the request went on a route that did not score it
+    assert scorer.prefill(REQUEST, 3) == (1000, D)
 
 
 def test_predicted_ttft_follows_a_new_snapshot() -> None:

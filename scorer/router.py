@@ -1,0 +1,109 @@
+"""The routing unit: one request's way through the routing core, the same for Envoy's requests and the simulator's.
+
+1. `Router.admit`: the request's class (`Classifier`), then admission control: go ahead, be shed, or wait for
+   capacity (`Admission`, by the one saturation rule of `scorer.saturation`).
+2. A waiting request waits in the router's `WaitQueue` (on an event loop: `Router.wait`; the simulator calls the
+   queue on its virtual clock) and then goes ahead, as ``saturated`` if its wait ran out.
+3. `Router.route`: the profile's decision (`Engine.decide`) and the request's in-flight lease, which counts it,
+   its prompt tokens and its prefill backlog on the chosen endpoint until `Lease.release` at the request's end.
+
+Nothing here does I/O; time is the routing core's clock (``engine.signals.clock``), so a test or the simulator
+runs it on a clock of its own. One event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+
+from inferlb.scorer.classes import Admission, Classifier, RequestClass, WaitQueue
+from inferlb.scorer.engine import Decision, Engine
+from inferlb.scorer.errors import RoutingError
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.inflight import Lease
+
+__all__ = ["ADMISSION_POLL_S", "Admit", "Routed", "Router"]
+
+# How often a request waiting for capacity looks again (the snapshot changes once per scrape, ~100 ms).
+ADMISSION_POLL_S = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """What admission says of a request: ``go``, ``shed`` (refuse it, 429) or ``wait`` (for room among
+    ``candidates``). ``request`` is the request with its class's fields set."""
+
+    verdict: Literal["go", "shed", "wait"]
+    request: RequestFeatures
+    request_class: RequestClass
+    candidates: np.ndarray | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A decision and the lease that counts its request in flight (release it when the request ends)."""
+
+    decision: Decision
+    lease: Lease
+    pick_s: float
+
+
+class Router:
+    """Admission, decision and lease for one pool and profile (``engine``); a config reload builds a new one."""
+
+    def __init__(
+        self, engine: Engine, classifier: Classifier | None = None, *, poll_s: float = ADMISSION_POLL_S
+    ) -> None:
+        self.engine = engine
+        self.pool = engine.pool
+        self.classifier = classifier or Classifier()
+        self.admission = Admission(engine.state)
+        self.queue = WaitQueue(self.admission, poll_s)
+        self.shed: Counter[str] = Counter()  # request class -> requests shed
+
+    def admit(self, request: RequestFeatures) -> Admit:
+        """Classify ``request`` and say whether it goes ahead, is shed or waits: it waits or is shed (as its class
+        says) when every endpoint that could serve it is saturated."""
+        request_class = self.classifier.classify(request)
+        request = replace(
+            request,
+            request_class=request_class.name,
+            priority=request_class.priority,
+            ttft_slo_s=request_class.ttft_slo_s,
+            pool_mask=self.admission.pool_mask(request_class),
+        )
+        try:
+            candidates = self.pool.model_indices(request.model)
+        except RoutingError:
+            return Admit("go", request, request_class)  # the pick refuses it, with the reason
+        if request.pool_mask is not None:
+            candidates = candidates[request.pool_mask[candidates]]
+        if not self.admission.saturated(candidates):
+            return Admit("go", request, request_class)
+        if request_class.on_saturation == "shed":
+            self.shed[request_class.name] += 1
+            return Admit("shed", request, request_class, candidates)
+        return Admit("wait", request, request_class, candidates)
+
+    async def wait(self, admit: Admit) -> bool:
+        """Hold a ``wait`` request until room comes (True) or its class's ``max_wait_s`` runs out (False)."""
+        assert admit.candidates is not None
+        request_class = admit.request_class
+        return await self.queue.wait(admit.candidates, request_class.priority, request_class.max_wait_s)
+
+    def route(self, request: RequestFeatures, *, saturated: bool = False) -> Routed:
+        """Decide and count the request in flight. ``saturated``: it waited as long as its class allows and no
+        capacity came (the decision's reason says so). Raises ``RoutingError`` when no endpoint can serve it."""
+        engine = self.engine
+        started = time.perf_counter()
+        decision = engine.decide(request)
+        if saturated:
+            decision = replace(decision, reason="saturated")
+        # The prompt is the work a request brings before its first token: what the in-flight token count and the
+        # predicted-TTFT scorer weigh.
+        lease = engine.inflight.acquire(decision.endpoint.index, request.prompt_tokens, decision.prefill)
+        return Routed(decision, lease, time.perf_counter() - started)

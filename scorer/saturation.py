@@ -1,0 +1,59 @@
+"""When an endpoint is saturated: the one rule that admission control and the ``saturation`` filter share.
+
+An endpoint is saturated when its latest metrics show more than ``max_waiting`` queued requests or KV-cache use
+above ``max_kv_usage``. The queue counted is the scraped one plus the requests this picker sent the endpoint after
+that scrape began (`Snapshot.sent_at_scrape` against `InFlight.sent`). On the scraped queue alone, the few
+endpoints under the threshold at the last scrape would take every request until the next one: at full load that
+herding put 130 of 358 requests in half a second onto one of 16 servers in the simulator, and raised the
+time-to-first-token p99 2.5 times. Unknown values are not over.
+
+Freshness is not part of the rule: admission counts a stale endpoint as saturated (unless every candidate is
+stale), and the staleness filter drops stale endpoints (`Signals.fresh_until`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.signals import Signals, Snapshot
+
+__all__ = ["Saturation"]
+
+
+class Saturation:
+    """The thresholds (the config's ``admission`` section) and, per scrape, each endpoint's limit. One event loop."""
+
+    def __init__(self, max_waiting: float = 16, max_kv_usage: float = 0.95) -> None:
+        if not max_waiting >= 0:
+            raise ValueError(f"max_waiting must be >= 0; got {max_waiting!r}")
+        if not 0 < max_kv_usage <= 1:
+            raise ValueError(f"max_kv_usage must be in (0, 1]; got {max_kv_usage!r}")
+        self.max_waiting = max_waiting
+        self.max_kv_usage = max_kv_usage
+        self._for: Snapshot | None = None
+        # Per endpoint, the InFlight.sent count past which it is saturated: -inf when the scrape already says so,
+        # +inf when its queue is unknown or the scrape did not note what had been sent.
+        self._limit = np.zeros(0)
+        self._over_at: tuple[Snapshot, int] | None = None
+        self._over = np.zeros(0, dtype=bool)
+
+    def over(self, signals: Signals, inflight: InFlight) -> np.ndarray:
+        """Per endpoint of the pool: saturated now. Computed once per (scrape, decision): admission and the filter
+        of one request share it."""
+        snapshot = signals.snapshot
+        at = (snapshot, inflight.decisions)
+        if self._over_at is not None and self._over_at[0] is snapshot and self._over_at[1] == at[1]:
+            return self._over
+        if snapshot is not self._for:  # once per scrape, not once per pick
+            room = np.where(np.isnan(snapshot.waiting), math.inf, self.max_waiting - snapshot.waiting)
+            base = snapshot.sent_at_scrape
+            with np.errstate(invalid="ignore"):  # -inf + inf where the queue is infinite: over anyway
+                limit = room + np.where(np.isnan(base), math.inf, base)
+            self._limit = np.where(snapshot.over(self.max_waiting, self.max_kv_usage), -math.inf, limit)
+            self._for = snapshot
+        self._over = inflight.sent > self._limit
+        self._over_at = at
+        return self._over

@@ -1,0 +1,102 @@
+"""Tests for scorer/router.py: the routing unit both the ext_proc service and the simulator call. Admission,
+the decision and the in-flight lease with its prefill backlog, on a clock the test moves."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from inferlb.bench.policies import PresetPolicy
+from inferlb.filter.server import ExtProcService
+from inferlb.scorer.classes import Classifier, ClassRule, RequestClass
+from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.errors import UnknownModelError
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+from inferlb.scorer.router import Router
+from inferlb.scorer.signals import Signals
+from inferlb.sim.profiles import get_profile
+
+BATCH = RequestClass("batch", on_saturation="shed", retry_after_s=7)
+PROMPT = RequestFeatures(model="m", prompt_tokens=1000, request_id="r1")
+
+
+def router(clock, preset: str = "default", waiting: list[float] | None = None, rules=()) -> Router:
+    pool = Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", frozenset({"m"})) for i in range(3)])
+    signals = Signals(3, stale_after_s=1.0, clock=clock)
+    if waiting is not None:
+        signals.publish(signals.snapshot.with_values(waiting=waiting, kv_usage=[0.1] * 3, scraped_at=[clock()] * 3))
+    engine = Engine(pool, build_profile(preset, np.random.default_rng(0), size=3), signals=signals)
+    return Router(engine, Classifier(rules), poll_s=3600)
+
+
+def test_a_routed_request_is_counted_with_its_prefill_backlog_until_its_lease_ends(clock) -> None:
+    r = router(clock)
+    admit = r.admit(PROMPT)
+    assert admit.verdict == "go" and admit.request.request_class == "default"
+    routed = r.route(admit.request)
+    index = routed.decision.endpoint.index
+    inflight = r.engine.inflight
+    assert (inflight.requests[index], inflight.tokens[index], inflight.sent[index]) == (1, 1000, 1)
+    # The default preset's predicted-TTFT scorer estimated the prompt's prefill there: the lease queued it.
+    assert routed.decision.prefill == (1000, DEFAULT_PREFILL_TOKENS_PER_S)
+    rates = np.full(3, DEFAULT_PREFILL_TOKENS_PER_S)
+    assert inflight.pending_prefill(np.arange(3), rates)[index] == 1000
+    routed.lease.release()
+    routed.lease.release()  # idempotent
+    assert inflight.total() == 0 and inflight.tokens[index] == 0
+    clock.advance(0.025)  # the backlog drains on the routing clock, not at the request's end
+    assert inflight.pending_prefill(np.arange(3), rates)[index] == pytest.approx(500)
+
+
+def test_decisions_and_request_features_are_immutable(clock) -> None:
+    r = router(clock)
+    routed = r.route(r.admit(PROMPT).request)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        routed.decision.reason = "saturated"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PROMPT.priority = 3  # type: ignore[misc]
+    assert PROMPT.request_class is None  # admission returned a new object
+
+
+def test_a_request_that_waited_out_is_routed_as_saturated(clock) -> None:
+    r = router(clock, "least-request", waiting=[50, 50, 50])
+    admit = r.admit(PROMPT)
+    assert admit.verdict == "wait" and list(admit.candidates) == [0, 1, 2]
+    routed = r.route(admit.request, saturated=True)
+    assert routed.decision.reason == "saturated"
+    assert r.route(admit.request).decision.reason == "best-score"
+
+
+def test_a_shed_class_is_shed_only_when_every_endpoint_is_saturated(clock) -> None:
+    rules = (ClassRule(BATCH, min_prompt_tokens=0),)
+    r = router(clock, "least-request", waiting=[50, 50, 0], rules=rules)
+    assert r.admit(PROMPT).verdict == "go"
+    r.engine.signals.publish(r.engine.signals.snapshot.with_values(waiting=[50, 50, 50]))
+    admit = r.admit(PROMPT)
+    assert (admit.verdict, admit.request.request_class) == ("shed", "batch")
+    clock.advance(5)  # every scrape is stale now: nothing is known, so nothing is saturated
+    assert r.admit(PROMPT).verdict == "go"
+
+
+def test_an_unknown_model_goes_ahead_to_be_refused_by_the_pick_with_the_reason(clock) -> None:
+    r = router(clock, waiting=[50, 50, 50])
+    admit = r.admit(dataclasses.replace(PROMPT, model="other"))
+    assert admit.verdict == "go"
+    with pytest.raises(UnknownModelError):
+        r.route(admit.request)
+    assert r.engine.inflight.total() == 0
+
+
+def test_the_service_and_the_simulator_route_through_the_routing_unit() -> None:
+    pool = Pool([EndpointConfig("10.0.0.1:8000", None)])
+    service = ExtProcService(Engine(pool, build_profile("default", size=1)), max_body_bytes=1 << 20)
+    policy = PresetPolicy("default", [get_profile("h100-llama3.1-8b")], seed=0)
+    assert isinstance(service.router, Router) and isinstance(policy.router, Router)
+    assert policy.signals.clock() == 0.0 and math.isfinite(policy.router.queue.poll_s)
