@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from inferlb.admin import create_admin_app
 from inferlb.filter.requestend import OpenLeases
 from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer
 from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
-from inferlb.scorer.api import create_admin_app
 from inferlb.scorer.classes import Admission, Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config, load_config, parse_config
