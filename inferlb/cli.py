@@ -275,8 +275,8 @@ def _gpu_agent(args: argparse.Namespace) -> int:
     import math
     import socket
 
+    from inferlb.gpuagent import NvmlReader, NvmlUnavailable, create_agent_app, serve_agent
     from inferlb.scorer.address import parse_address
-    from inferlb.scorer.gpuagent import NvmlReader, NvmlUnavailable, create_agent_app, serve_agent
 
     try:
         parse_address(args.listen)
