@@ -14,11 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from inferlb.envoyconf import FALLBACK_POLICIES, EnvoyConfigError, EnvoyOptions, render_bootstrap
+from inferlb.otel.tracing import PROTOCOLS
 from inferlb.scorer.config import load_config
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.sim.profiles import PROFILES
-from inferlb.sim.spans import PROTOCOLS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerSer
 from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
+from inferlb.otel.tracing import create_tracer_provider
 from inferlb.scorer.classes import Admission, Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config, load_config, parse_config
@@ -39,7 +40,6 @@ from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.signals import Signals
 from inferlb.serving import serve as serve_asgi
-from inferlb.sim.spans import create_tracer_provider
 
 logger = logging.getLogger(__name__)
 
