@@ -48,10 +48,20 @@ $(LOADTOOL_VENV)/.installed: | $(BIN)/python
 	$(LOADTOOL_VENV)/bin/pip install -q "guidellm==0.8.1" "torch==2.13.0"
 	@touch $@
 
+# The folders installed as subpackages of inferlb (package-dir in pyproject.toml).
+PACKAGES := filter scorer sim envoy bench otel
+# lint-imports finds a package's modules by walking its folder, and the subpackages sit beside inferlb/, not in it:
+# it reads a tree of links laid out as installed, built afresh on every run.
+IMPORT_TREE := $(VENV)/import-tree
+
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy inferlb filter scorer sim envoy bench otel
+	$(BIN)/mypy inferlb $(PACKAGES)
+	rm -rf $(IMPORT_TREE) && mkdir -p $(IMPORT_TREE)/inferlb
+	ln -s $(CURDIR)/inferlb/* $(IMPORT_TREE)/inferlb/
+	for p in $(PACKAGES); do ln -s $(CURDIR)/$$p $(IMPORT_TREE)/inferlb/$$p; done
+	cd $(IMPORT_TREE) && $(CURDIR)/$(BIN)/lint-imports --no-cache --no-logo $(CURDIR)/pyproject.toml
 
 # What the emulator costs (8 servers at 50 req/s), how fast the simulator replays the Mooncake trace, and
 # what a pick and a metrics scrape cost.

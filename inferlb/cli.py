@@ -5,20 +5,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import importlib
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from inferlb.envoyconf import FALLBACK_POLICIES, EnvoyConfigError, EnvoyOptions, render_bootstrap
 from inferlb.scorer.config import load_config
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.presets import PRESET_NAMES
-from inferlb.sim.profiles import PROFILES
-from inferlb.sim.spans import PROTOCOLS
+
+# The subcommands that the simulator and the benchmarks serve. The product never imports inferlb.sim or
+# inferlb.bench (DESIGN.md, "Layers"; the import contracts in pyproject.toml hold it), so these modules are named
+# by string and imported only when their subcommand is the one invoked: `inferlb serve` and a running picker load
+# neither. Each has add_arguments(parser) and run(...).
+SIM_COMMAND = "inferlb.sim.cli"
+BENCH_COMMAND = "inferlb.bench.quality"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,8 +46,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that can take its arguments from a module named by string (``arguments_from``: the
+    module's ``add_arguments(parser)``), imported when this parser first parses, which for a subcommand's parser
+    is only when that subcommand is invoked. Subparsers are of this class too."""
+
+    def __init__(self, *args: Any, arguments_from: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments_from = arguments_from
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        if self._arguments_from is not None:
+            module, self._arguments_from = self._arguments_from, None
+            importlib.import_module(module).add_arguments(self)
+        return super().parse_known_args(args, namespace)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inferlb", description="LLM-inference-aware load balancer for Envoy")
+    parser = _Parser(prog="inferlb", description="LLM-inference-aware load balancer for Envoy")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -106,34 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="logs and rendered configs go here")
     demo.set_defaults(run=_demo)
 
-    sim = sub.add_parser("sim", help="run emulated vLLM-compatible inference servers on loopback")
-    where = sim.add_mutually_exclusive_group(required=True)
-    where.add_argument("--listen", action="append", help="ip:port of one server; repeat for more")
-    where.add_argument("--base-port", type=int, help="serve --replicas servers on consecutive ports from here")
-    sim.add_argument("--replicas", type=int, default=1, help="how many servers with --base-port (default 1)")
-    sim.add_argument("--host", default="127.0.0.1", help="address to bind with --base-port (default 127.0.0.1)")
-    sim.add_argument("--profile", default="h100-llama3.1-8b", help=f"GPU x model profile: {', '.join(PROFILES)}")
-    sim.add_argument("--model", action="append", help="served model name (default: the profile's); repeatable")
-    sim.add_argument("--time-scale", type=float, default=1.0, help="engine seconds per wall second (default 1)")
-    sim.add_argument("--seed", type=int, default=0, help="seed of server 0; server i gets seed+i")
-    sim.add_argument(
-        "--enable-scale-out",
-        action="store_true",
-        help="serve /v1/completions/render, as `vllm serve --enable-scale-out` does (vLLM answers it 403 without)",
-    )
-    sim.add_argument("--jitter", type=float, default=0.02, help="log-normal sigma of step times (default 0.02)")
-    sim.add_argument("--cold-start", action="store_true", help="start not ready, as after a crash")
-    sim.add_argument("--cold-start-s", type=float, help="cold-start time in engine seconds (default: the profile's)")
-    sim.add_argument("--max-tokens", type=int, default=128, help="output length when a request sets none")
-    sim.add_argument("--kv-blocks", type=int, help="KV-cache blocks per server instead of the profile's (experiments)")
-    sim.add_argument("--otlp-endpoint", help="send one llm_request span per request here (host:port or URL)")
-    sim.add_argument("--otlp-protocol", default="grpc", choices=PROTOCOLS)
-    sim.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="I:key=value",
-        help="start-up fault of server I: slowdown=F, error_rate=P, hang=true, crash=true, cold_start_s=S (repeatable)",
+    sim = sub.add_parser(
+        "sim", help="run emulated vLLM-compatible inference servers on loopback", arguments_from=SIM_COMMAND
     )
     sim.set_defaults(run=_sim)
 
@@ -163,23 +159,20 @@ def _parser() -> argparse.ArgumentParser:
     heatmap.add_argument("--html", type=Path, metavar="OUT.html", help="also write a self-contained HTML page")
     heatmap.set_defaults(run=_heatmap)
 
-    from inferlb.bench.quality import add_arguments
-
     bench = sub.add_parser(
         "bench",
         help="routing quality on real traces: every contender, same fleet, trace and seed (simulated or live)",
         description="Replay traces open loop against each contender at a sweep of loads; write results.json, "
         "summary.json, results.md and plots into --out.",
+        arguments_from=BENCH_COMMAND,
     )
-    add_arguments(bench)
     bench.set_defaults(run=_bench)
     return parser
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from inferlb.bench.quality import run
-
-    return run(args, sys.argv[1:])
+    result: int = importlib.import_module(BENCH_COMMAND).run(args, sys.argv[1:])
+    return result
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -231,52 +224,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from inferlb.sim.fleet import build_fleet, parse_fault, run_fleet
-    from inferlb.sim.profiles import get_profile
-    from inferlb.sim.server import ServerOptions
-
-    if args.listen:
-        addresses = list(args.listen)
-    else:
-        if args.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1; got {args.replicas}")
-        if not 1 <= args.base_port <= 65535 - args.replicas + 1:
-            raise ValueError(f"--base-port {args.base_port} with --replicas {args.replicas} runs past port 65535")
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        addresses = [f"{host}:{args.base_port + i}" for i in range(args.replicas)]
-    faults: dict[int, dict[str, object]] = {}
-    for text in args.fault:
-        index, spec = parse_fault(text, len(addresses))
-        faults.setdefault(index, {}).update(spec)
-    profile = get_profile(args.profile)
-    if args.kv_blocks is not None:
-        if args.kv_blocks < 16:
-            raise ValueError(f"--kv-blocks must be >= 16; got {args.kv_blocks}")
-        profile = dataclasses.replace(profile, num_gpu_blocks=args.kv_blocks)
-    options = ServerOptions(
-        profile=profile,
-        models=tuple(args.model or ()),
-        time_scale=args.time_scale,
-        seed=args.seed,
-        jitter=args.jitter,
-        start_cold=args.cold_start,
-        cold_start_s=args.cold_start_s,
-        default_max_tokens=args.max_tokens,
-        enable_scale_out=args.enable_scale_out,
-    )
-    servers = build_fleet(
-        addresses, options, otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol, faults=faults
-    )
-    asyncio.run(run_fleet(servers))
-    return 0
+    result: int = importlib.import_module(SIM_COMMAND).run(args)
+    return result
 
 
 def _gpu_agent(args: argparse.Namespace) -> int:
     import math
     import socket
 
+    from inferlb.gpuagent import NvmlReader, NvmlUnavailable, create_agent_app, serve_agent
     from inferlb.scorer.address import parse_address
-    from inferlb.scorer.gpuagent import NvmlReader, NvmlUnavailable, create_agent_app, serve_agent
 
     try:
         parse_address(args.listen)

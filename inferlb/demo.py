@@ -23,8 +23,7 @@ import httpx
 
 from inferlb.procs import ProcessError
 from inferlb.scorer.promtext import read_vllm
-from inferlb.sim.server import SERVER_HEADER
-from inferlb.stack import LocalStack, StackOptions
+from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
 
 MODEL = "demo-model"
 REQUEST_TIMEOUT_S = 30.0

@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from inferlb.admin import create_admin_app
 from inferlb.filter.requestend import OpenLeases
 from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer
 from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
-from inferlb.scorer.api import create_admin_app
+from inferlb.otel.tracing import create_tracer_provider
 from inferlb.scorer.classes import Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config, load_config, parse_config
@@ -41,7 +42,6 @@ from inferlb.scorer.router import Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
 from inferlb.serving import serve as serve_asgi
-from inferlb.sim.spans import create_tracer_provider
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,10 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
 
+from inferlb.otel.tracing import create_tracer_provider
 from inferlb.serving import ASGIApp, serve
 from inferlb.sim.server import FAULT_KEYS, EmulatedServer, ServerOptions
-from inferlb.sim.spans import RequestSpans, create_tracer_provider
+from inferlb.sim.spans import SERVICE_NAME, RequestSpans
 
 __all__ = ["build_fleet", "parse_fault", "run_fleet", "serving"]
 
@@ -63,7 +64,9 @@ def build_fleet(
     for i, address in enumerate(addresses):
         spans = None
         if otlp_endpoint:
-            provider = create_tracer_provider(otlp_endpoint, protocol=otlp_protocol, server_address=address)
+            provider = create_tracer_provider(
+                otlp_endpoint, service_name=SERVICE_NAME, protocol=otlp_protocol, server_address=address
+            )
             spans = RequestSpans(provider)
         server = EmulatedServer(address, dataclasses.replace(options, seed=options.seed + i), spans=spans)
         if faults and i in faults:

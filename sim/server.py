@@ -12,8 +12,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or no
 ``POST /v1/completions/render`` (403 unless ``enable_scale_out``, as in vLLM), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (vLLM's names), ``GET /gpu`` (the emulated GPU view, the GPU agent's schema), ``GET|POST
 /admin/faults``, ``GET /admin/requests`` (the log of finished requests) and ``GET /admin/routes`` (how many
-requests each route answered, by status). Every response names the server in `SERVER_HEADER` and echoes the
-``x-gateway-destination-endpoint`` it was sent in `SEEN_DEST_HEADER`.
+requests each route answered, by status). Every response names the server in `inferlb.stack.SERVER_HEADER` and
+echoes the ``x-gateway-destination-endpoint`` it was sent in `SEEN_DEST_HEADER`.
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ from inferlb.sim.openai import (
 )
 from inferlb.sim.profiles import Profile
 from inferlb.sim.spans import RequestSpans
+from inferlb.stack import SERVER_HEADER
 
 _Parsed = TypeVar("_Parsed")
 
-__all__ = ["FAULT_KEYS", "SEEN_DEST_HEADER", "SERVER_HEADER", "EmulatedServer", "ServerOptions"]
+__all__ = ["FAULT_KEYS", "SEEN_DEST_HEADER", "EmulatedServer", "ServerOptions"]
 
 logger = logging.getLogger(__name__)
 
-SERVER_HEADER = "x-inferlb-sim-server"
 SEEN_DEST_HEADER = "x-inferlb-seen-destination"
 FAULT_KEYS = ("slowdown", "error_rate", "hang", "crash", "cold_start_s")
 

@@ -6,9 +6,9 @@ import json
 import re
 from pathlib import Path
 
+from inferlb.admin import prometheus_text
 from inferlb.picker import create_picker
 from inferlb.procs import free_port
-from inferlb.scorer.api import prometheus_text
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.promtext import parse_exposition
 

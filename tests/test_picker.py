@@ -1,4 +1,4 @@
-"""Tests for inferlb/picker.py and scorer/api.py: a whole picker in process (gRPC, collectors, admin API) over
+"""Tests for inferlb/picker.py and inferlb/admin.py: a whole picker in process (gRPC, collectors, admin API) over
 emulated servers, its admin API, and configuration reloads from the API and from the file."""
 
 from __future__ import annotations

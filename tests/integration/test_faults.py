@@ -19,8 +19,7 @@ import yaml
 
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import grpc_serving
-from inferlb.sim.server import SERVER_HEADER
-from inferlb.stack import LocalStack, StackOptions
+from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
 
 from .conftest import Canary, log_entry, poll
 

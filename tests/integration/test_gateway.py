@@ -20,8 +20,8 @@ import pytest
 
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.sim.openai import output_text
-from inferlb.sim.server import SEEN_DEST_HEADER, SERVER_HEADER
-from inferlb.stack import LocalStack, StackOptions
+from inferlb.sim.server import SEEN_DEST_HEADER
+from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
 
 from .conftest import Canary, log_entry, poll
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inferlb.scorer.gpuagent import NvmlReader, create_agent_app
+from inferlb.gpuagent import NvmlReader, create_agent_app
 from inferlb.scorer.gpuclient import MAX_GPU_REPORT_BYTES, GpuReadError, fetch_gpu_report
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions

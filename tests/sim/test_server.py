@@ -24,9 +24,10 @@ from inferlb.sim.engine import Engine, EngineOptions, SimRequest
 from inferlb.sim.fleet import serving
 from inferlb.sim.openai import output_text
 from inferlb.sim.profiles import get_profile
-from inferlb.sim.server import SEEN_DEST_HEADER, SERVER_HEADER, EmulatedServer, ServerOptions
+from inferlb.sim.server import SEEN_DEST_HEADER, EmulatedServer, ServerOptions
 from inferlb.sim.spans import RequestSpans
 from inferlb.sim.tokens import count_tokens
+from inferlb.stack import SERVER_HEADER
 
 H100 = get_profile("h100-llama3.1-8b")
 ADDRESS = "127.0.0.1:8001"

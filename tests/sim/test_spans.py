@@ -24,8 +24,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracerProvider, SpanKind
 
+from inferlb.otel.tracing import create_tracer_provider
 from inferlb.procs import free_port
-from inferlb.sim.spans import INSTRUMENTATION_SCOPE, PROTOCOLS, SPAN_NAME, RequestSpans, create_tracer_provider
+from inferlb.sim.spans import INSTRUMENTATION_SCOPE, SERVICE_NAME, SPAN_NAME, RequestSpans
 from inferlb.stack import start_sim
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -213,6 +214,7 @@ def test_span_continues_the_callers_trace(protocol: str, collector: str, request
     endpoint, received = request.getfixturevalue(collector)
     provider = create_tracer_provider(
         endpoint,
+        service_name=SERVICE_NAME,
         protocol=protocol,
         server_address="10.0.0.7:8000",
         resource_attributes={"deployment.environment": "test"},
@@ -254,7 +256,7 @@ def test_absent_or_malformed_traceparent_starts_a_new_trace(
     traceparent: str | None, grpc_collector: tuple[str, Received]
 ) -> None:
     endpoint, received = grpc_collector
-    provider = create_tracer_provider(endpoint)
+    provider = create_tracer_provider(endpoint, service_name=SERVICE_NAME)
     spans = RequestSpans(provider)
     try:
         _record(spans, traceparent=traceparent, tracestate="vendor=abc")
@@ -278,7 +280,7 @@ def test_unreachable_collector_neither_blocks_record_nor_stalls_shutdown() -> No
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # Nothing listens on the port now: connections are refused.
-    spans = RequestSpans(create_tracer_provider(f"127.0.0.1:{port}", export_timeout_s=1.0))
+    spans = RequestSpans(create_tracer_provider(f"127.0.0.1:{port}", service_name=SERVICE_NAME, export_timeout_s=1.0))
     started = time.monotonic()
     for i in range(200):
         _record(spans, request_id=f"cmpl-{i}")
@@ -354,44 +356,11 @@ def test_works_with_a_non_sdk_provider() -> None:
     assert spans.errors == 0
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        pytest.param({"protocol": "http/json"}, "'grpc', 'http/protobuf'", id="protocol"),
-        pytest.param({"server_address": "vllm-0:8000"}, "server_address", id="hostname-address"),
-        pytest.param({"resource_attributes": {"service.name": "x"}}, "service_name=", id="clashing-resource"),
-        pytest.param({"service_name": ""}, "service_name", id="empty-service"),
-        pytest.param({"export_timeout_s": 0}, "export_timeout_s", id="timeout"),
-    ],
-)
-def test_bad_configuration_is_rejected(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        create_tracer_provider("127.0.0.1:4317", **kwargs)
-
-
-@pytest.mark.parametrize(
-    ("endpoint", "protocol"),
-    [
-        pytest.param("", "grpc", id="grpc-empty"),
-        pytest.param("127.0.0.1", "grpc", id="grpc-no-port"),
-        pytest.param("ftp://127.0.0.1:4317", "grpc", id="grpc-scheme"),
-        pytest.param("http://127.0.0.1:4317/v1/traces", "grpc", id="grpc-path"),
-        pytest.param("127.0.0.1:notaport", "http/protobuf", id="http-port"),
-        pytest.param("grpc://127.0.0.1:4318", "http/protobuf", id="http-scheme"),
-    ],
-)
-def test_bad_endpoint_is_rejected(endpoint: str, protocol: str) -> None:
-    with pytest.raises(ValueError, match="endpoint"):
-        create_tracer_provider(endpoint, protocol=protocol)
-
-
-def test_protocols_are_the_otlp_names() -> None:
-    assert PROTOCOLS == ("grpc", "http/protobuf")
-
-
 def test_http_endpoint_with_a_path_is_used_as_given(http_collector: tuple[str, Received]) -> None:
     endpoint, received = http_collector
-    provider = create_tracer_provider(endpoint.removeprefix("http://") + "/custom/traces", protocol="http/protobuf")
+    provider = create_tracer_provider(
+        endpoint.removeprefix("http://") + "/custom/traces", service_name=SERVICE_NAME, protocol="http/protobuf"
+    )
     spans = RequestSpans(provider)
     try:
         _record(spans)
@@ -400,15 +369,6 @@ def test_http_endpoint_with_a_path_is_used_as_given(http_collector: tuple[str, R
     finally:
         spans.shutdown()
     assert received.paths == ["/custom/traces"]
-
-
-def test_the_installed_otlp_protos_are_opentelemetry_protos_own() -> None:
-    # xds-protos ships an older copy of these modules; when it is installed last the exporter cannot load.
-    from opentelemetry.proto.common.v1 import common_pb2
-
-    from inferlb.sim.spans import OTLP_PROTOS_HINT
-
-    assert hasattr(common_pb2, "InstrumentationScope"), OTLP_PROTOS_HINT
 
 
 def test_inferlb_sim_sends_one_span_per_request_naming_its_server(

@@ -32,8 +32,8 @@ import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
+from inferlb.adminguard import AdminGuard
 from inferlb.otel.render import render_html, render_json, render_png
-from inferlb.scorer.adminguard import AdminGuard
 from inferlb.scorer.decisions import PICK_BUCKETS_S
 from inferlb.scorer.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Tests for scorer/adminguard.py: the admin API refuses other hosts, cross-site requests, writes without the
+"""Tests for inferlb/adminguard.py: the admin API refuses other hosts, cross-site requests, writes without the
 token (or any write when no token is configured), form and text posts, and protected reads without the token."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from inferlb.scorer.adminguard import AdminGuard
+from inferlb.adminguard import AdminGuard
 from inferlb.scorer.credentials import Credential
 
 TOKEN = "0123456789abcdef0123"

@@ -1,4 +1,4 @@
-"""Tests for scorer/api.py's configuration view: every part of a config, classes included, as JSON.
+"""Tests for inferlb/admin.py's configuration view: every part of a config, classes included, as JSON.
 (The routes themselves are exercised on a running picker in tests/test_picker.py.)"""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from inferlb.scorer.api import config_document
+from inferlb.admin import config_document
 from inferlb.scorer.config import parse_config
 
 

@@ -1,4 +1,4 @@
-"""Tests for scorer/gpuagent.py: NVML read through a fake pynvml, the agent's HTTP app, and serving it on loopback."""
+"""Tests for inferlb/gpuagent.py: NVML read through a fake pynvml, the agent's HTTP app, and serving it on loopback."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inferlb.procs import free_port
-from inferlb.scorer.gpuagent import (
+from inferlb.gpuagent import (
     NvmlError,
     NvmlReader,
     NvmlUnavailable,
@@ -23,9 +22,10 @@ from inferlb.scorer.gpuagent import (
     read_nvml,
     serve_agent,
 )
+from inferlb.procs import free_port
 from inferlb.scorer.gpustate import GpuInfo, GpuReport, parse_gpu_report
 
-from .fakenvml import (
+from .scorer.fakenvml import (
     H100_TOTAL,
     NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_ERROR_GPU_IS_LOST,

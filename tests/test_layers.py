@@ -1,0 +1,102 @@
+"""The product's commands never load the simulator or the benchmarks (DESIGN.md, "Layers"): `inferlb serve --help`,
+the other product subcommands' help, and a running picker, each in a fresh interpreter. `make lint` (lint-imports)
+holds the same rule for the imports written in the code; these tests catch what a static check cannot see, such
+as a module imported by name at run time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from inferlb.procs import free_port
+
+RUN_TIMEOUT_S = 60.0
+
+# Runs `inferlb ARGS...` in this interpreter and writes the inferlb.sim and inferlb.bench modules it loaded to OUT.
+HELP = """
+import json, sys
+from inferlb.cli import main
+out, argv = sys.argv[1], sys.argv[2:]
+try:
+    main(argv)
+except SystemExit:
+    pass
+loaded = sorted(m for m in sys.modules if m.split(".")[:2] in (["inferlb", "sim"], ["inferlb", "bench"]))
+with open(out, "w") as f:
+    json.dump(loaded, f)
+"""
+
+# Runs `inferlb serve --config FILE` and, once the picker says it is listening, writes the inferlb.sim and
+# inferlb.bench modules loaded so far to OUT and stops the picker with SIGTERM. serve() logs "listening" just
+# before it installs its signal handlers, so the signal is sent from the event loop's next turn, after them.
+SERVE = """
+import asyncio, json, logging, os, signal, sys
+from inferlb.cli import main
+out, config = sys.argv[1], sys.argv[2]
+
+class Listening(logging.Handler):
+    def emit(self, record):
+        if not str(record.msg).startswith("inferlb picker listening"):
+            return
+        loaded = sorted(m for m in sys.modules if m.split(".")[:2] in (["inferlb", "sim"], ["inferlb", "bench"]))
+        with open(out, "w") as f:
+            json.dump(loaded, f)
+        asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
+
+logging.getLogger("inferlb.picker").addHandler(Listening())
+sys.exit(main(["serve", "--config", config]))
+"""
+
+
+def _loaded(script: str, out: Path, *args: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(out), *args], capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert out.exists(), f"the command wrote no module list; its log:\n{done.stderr[-4000:]}"
+    loaded: list[str] = json.loads(out.read_text())
+    return loaded
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["--help"], id="inferlb"),
+        pytest.param(["serve", "--help"], id="serve"),
+        pytest.param(["envoy-config", "--help"], id="envoy-config"),
+        pytest.param(["demo", "--help"], id="demo"),
+        pytest.param(["gpu-agent", "--help"], id="gpu-agent"),
+        pytest.param(["heatmap", "--help"], id="heatmap"),
+    ],
+)
+def test_product_commands_load_no_simulator_or_benchmark_module(argv: list[str], tmp_path: Path) -> None:
+    assert _loaded(HELP, tmp_path / "loaded.json", *argv) == []
+
+
+def test_the_sim_command_loads_its_arguments_from_the_simulator(tmp_path: Path) -> None:
+    # The other side of the tests above: the probe sees a lazily loaded subcommand.
+    assert "inferlb.sim.cli" in _loaded(HELP, tmp_path / "loaded.json", "sim", "--help")
+
+
+def test_a_running_picker_loads_no_simulator_or_benchmark_module(tmp_path: Path) -> None:
+    # Every optional part that loads code of its own is on: the admin API, the span receiver (its own process),
+    # the OTLP exporter of the route spans, GPU reports. Nothing listens at the endpoint; the picker runs anyway.
+    config = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+        "drain_s": 0,
+        "otel": {
+            "receiver": f"127.0.0.1:{free_port()}",
+            "exporter": "otlp-grpc",
+            "export_endpoint": f"127.0.0.1:{free_port()}",
+        },
+        "pool": {"endpoints": [{"address": f"127.0.0.1:{free_port()}", "gpu": {"url": "http://127.0.0.1:9/gpu"}}]},
+    }
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert _loaded(SERVE, tmp_path / "loaded.json", str(path)) == []
