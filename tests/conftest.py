@@ -1,6 +1,13 @@
-"""What many test modules share: a clock the test moves by hand."""
+"""What many test modules share: a clock the test moves by hand, and pollers for conditions that no event
+announces (import them: ``from ..conftest import until``)."""
 
 from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -22,3 +29,31 @@ class ManualClock:
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()
+
+
+async def until(check: Callable[[], Any], what: str = "condition", timeout: float = 20.0) -> Any:
+    """Poll ``check`` on the event loop (a coroutine function's result is awaited) until it returns something
+    true, and return that; AssertionError naming ``what`` after ``timeout`` seconds. For conditions with no event
+    to wait on (another process's state, a counter that moves when a stream ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        await asyncio.sleep(0.005)
+
+
+def poll(check: Callable[[], Any], what: str = "condition", timeout: float = 10.0) -> Any:
+    """`until` for code without an event loop: the thread sleeps between looks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.02)

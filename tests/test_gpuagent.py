@@ -7,7 +7,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,6 +25,7 @@ from inferlb.gpuagent import (
 from inferlb.procs import free_port
 from inferlb.scorer.gpustate import GpuInfo, GpuReport, parse_gpu_report
 
+from .conftest import until
 from .scorer.fakenvml import (
     H100_TOTAL,
     NVML_ERROR_DRIVER_NOT_LOADED,
@@ -41,16 +42,6 @@ FAST_S = 0.01  # sampling interval for the app tests: changes show up within a f
 def install(monkeypatch: pytest.MonkeyPatch, fake: FakeNvml) -> FakeNvml:
     monkeypatch.setitem(sys.modules, "pynvml", fake.module())
     return fake
-
-
-async def until(check: Callable[[], Any], timeout: float = 3.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 @asynccontextmanager

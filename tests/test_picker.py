@@ -3,8 +3,6 @@ emulated servers, its admin API, and configuration reloads from the API and from
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +18,8 @@ from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
+from .conftest import until
+
 H100 = get_profile("h100-llama3.1-8b")
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -29,13 +29,6 @@ YAML = {**AUTH, "content-type": "application/yaml"}
 @pytest.fixture(autouse=True)
 def admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFERLB_TEST_ADMIN_TOKEN", TOKEN)
-
-
-async def until(check, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture

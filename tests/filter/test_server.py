@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -30,6 +29,8 @@ from inferlb.scorer.engine import Engine, Profile
 from inferlb.scorer.plugins import MaxScorePicker, ModelFilter
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
+
+from ..conftest import until
 
 ENDPOINTS = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
 MODEL = "m"
@@ -118,13 +119,6 @@ def destination(reply: ProcessingResponse) -> str:
 def immediate(reply: ProcessingResponse) -> tuple[int, dict[str, Any]]:
     assert reply.WhichOneof("response") == "immediate_response"
     return int(reply.immediate_response.status.code), json.loads(reply.immediate_response.body)
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.005)
 
 
 async def test_headers_only_request_is_routed_at_the_headers_phase(picker: PickerServer) -> None:

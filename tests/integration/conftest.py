@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -64,11 +64,3 @@ def log_entry(stack: LocalStack, request_id: str, timeout: float = 10.0) -> dict
         if time.monotonic() > deadline:
             raise AssertionError(f"request {request_id} not in Envoy's access log after {timeout} s")
         time.sleep(0.05)
-
-
-def poll(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout} s")
-        time.sleep(0.02)

@@ -21,7 +21,8 @@ from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import grpc_serving
 from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
 
-from .conftest import Canary, log_entry, poll
+from ..conftest import poll
+from .conftest import Canary, log_entry
 
 pytestmark = pytest.mark.envoy
 

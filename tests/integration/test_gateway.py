@@ -23,7 +23,8 @@ from inferlb.sim.openai import output_text
 from inferlb.sim.server import SEEN_DEST_HEADER
 from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
 
-from .conftest import Canary, log_entry, poll
+from ..conftest import poll
+from .conftest import Canary, log_entry
 
 pytestmark = pytest.mark.envoy
 

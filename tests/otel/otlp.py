@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
@@ -65,12 +63,3 @@ def server(address: str) -> dict[str, Any]:
     """The resource attributes naming ``address`` ("ip:port"), as the emulator and vLLM set them."""
     host, _, port = address.rpartition(":")
     return {"server.address": host.strip("[]"), "server.port": int(port)}
-
-
-async def until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll ``check`` on the event loop until it holds; AssertionError naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(0.01)

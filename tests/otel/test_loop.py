@@ -25,7 +25,8 @@ from inferlb.scorer.credentials import TokenSource
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
 
-from .otlp import E2E, TTFT, request, server, span, until
+from ..conftest import until
+from .otlp import E2E, TTFT, request, server, span
 
 LOCAL = ("127.0.0.1:8001", "127.0.0.1:8002")
 TOKEN = "s3cret-token-0123456789abcdef"

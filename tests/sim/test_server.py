@@ -29,6 +29,8 @@ from inferlb.sim.spans import RequestSpans
 from inferlb.sim.tokens import count_tokens
 from inferlb.stack import SERVER_HEADER
 
+from ..conftest import until
+
 H100 = get_profile("h100-llama3.1-8b")
 ADDRESS = "127.0.0.1:8001"
 # 50x real time, no jitter: a request that takes the engine 1 s takes 20 ms here, and timings are exact.
@@ -47,13 +49,6 @@ def events(body: str) -> list[Any]:
         payload = event[6:]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
-
-async def until(check, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 @pytest.fixture
