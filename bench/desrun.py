@@ -128,9 +128,11 @@ def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str,
         on_finish=finished,
     )
     row = _row(job, result)
-    # A preset's figure is Engine.decide alone (its adapter also rebuilds the snapshot, the collectors' job live).
+    # A preset's figure is the routing unit's work per routed request (admission, the decision and the lease; its
+    # adapter also rebuilds the snapshot, the collectors' job live), over decisions, not over the adapter's calls:
+    # a request held for capacity is presented again at every tick of the wait queue.
     cpu_s = getattr(policy, "decide_cpu_s", timed.cpu_s)
-    row["picker_cpu_us"] = round(cpu_s / max(timed.calls, 1) * 1e6, 1)
+    row["picker_cpu_us"] = round(cpu_s / max(getattr(policy, "decisions", timed.calls), 1) * 1e6, 1)
     row["wall_s"] = round(result.wall_s, 2)
     row["_ttft_s"] = [r.ttft_s for r in result.records if r.error is None and r.ttft_s is not None]
     return row
