@@ -163,23 +163,23 @@ def _parser() -> argparse.ArgumentParser:
     heatmap.add_argument("--html", type=Path, metavar="OUT.html", help="also write a self-contained HTML page")
     heatmap.set_defaults(run=_heatmap)
 
-    from inferlb.bench.quality import add_arguments
-
+    # Everything after `bench`, options included, is the bench harness's to parse (prefix_chars leaves none to
+    # this parser), so that building this parser never imports the benchmarks.
     bench = sub.add_parser(
         "bench",
-        help="routing quality on real traces: every contender, same fleet, trace and seed (simulated or live)",
-        description="Replay traces open loop against each contender at a sweep of loads; write results.json, "
-        "summary.json, results.md and plots into --out.",
+        help="benchmarks: routing quality, the picker hop, pick cost, faults ... (`inferlb bench --help` lists them)",
+        add_help=False,
+        prefix_chars="\0",
     )
-    add_arguments(bench)
+    bench.add_argument("argv", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
     return parser
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from inferlb.bench.quality import run
+    from inferlb.bench.suites import main
 
-    return run(args, sys.argv[1:])
+    return main(args.argv)
 
 
 def _serve(args: argparse.Namespace) -> int:
