@@ -1,13 +1,15 @@
-"""What the picker hop adds: Envoy + inferlb against Envoy alone (ROUND_ROBIN) and against Envoy + a
-do-nothing ext_proc server (the floor), over the same backends, in the same run, at several concurrencies.
+"""What the picker hop adds: Envoy + inferlb (the ``default`` preset, what users run) against Envoy alone
+(ROUND_ROBIN) and against Envoy + a do-nothing ext_proc server (the floor), over the same backends, in the same
+run, at several concurrencies.
 
     inferlb bench hop --out bench/results [--quick]
 
 The backends are one Envoy answering with a fixed completion on several ports, so they cost next to nothing;
 the load is wrk (closed loop, one connection per concurrent client). Per variant and concurrency it reports
-req/s, latency p50/p90/p99, and the CPU time per request of the picker process and of the gateway Envoy.
-It also measures inferlb's own per-request work in process (no gRPC), and samples the picker with py-spy
-under load to show where its time goes.
+req/s, latency p50/p90/p99, and the CPU time per request of the picker process and of the gateway Envoy; per
+inferlb variant and concurrency, its picker CPU per request over the floor's (``cpu_ratio_to_floor``). It also
+measures inferlb's own per-request work in process (no gRPC), and samples the picker with py-spy under load to
+show where its time goes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from importlib.resources import files
@@ -36,9 +39,9 @@ from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
 from inferlb.stack import LocalStack, StackOptions
 
-__all__ = ["POLICY", "VARIANTS", "add_arguments", "run"]
+__all__ = ["POLICY", "VARIANTS", "add_arguments", "cpu_ratio_to_floor", "run"]
 
-POLICY = "least-request"  # the preset every inferlb variant runs
+POLICY = "default"  # the preset every inferlb variant runs
 MODEL = "bench-model"
 PROMPT = "Summarise the following text. " * 33  # ~1 KB of prompt, a typical chat turn
 BODY = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 64})
@@ -147,12 +150,31 @@ def run(args: argparse.Namespace) -> int:
         "meta": _machine(args.command, started),
         "own_work": own,
         "rows": table_rows,
+        "cpu_ratio_to_floor": cpu_ratio_to_floor(table_rows),
         "profile": profile,
     }
     report = _markdown(results)
     write(args.out, "hop", results, report)
     print(report)
     return 0
+
+
+def cpu_ratio_to_floor(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per inferlb variant, per concurrency (a string key, as in JSON): its picker CPU per request over the
+    do-nothing picker's for the same kind of request at the same concurrency, in the same run. A pair without
+    both figures is left out."""
+    by = {(r["variant"], r["concurrency"]): r for r in rows}
+    ratios: dict[str, dict[str, float]] = {}
+    for variant in VARIANTS:
+        if not variant.gateway.startswith("inferlb"):
+            continue
+        floor_name = "noop body" if variant.body else "noop headers"
+        for concurrency in sorted({r["concurrency"] for r in rows}):
+            ours, floor = by.get((variant.name, concurrency)), by.get((floor_name, concurrency))
+            if ours and floor and ours["picker_cpu_us"] and floor["picker_cpu_us"]:
+                ratio = round(ours["picker_cpu_us"] / floor["picker_cpu_us"], 3)
+                ratios.setdefault(variant.name, {})[str(concurrency)] = ratio
+    return ratios
 
 
 @dataclass
@@ -261,7 +283,7 @@ def _machine(command: str, started: datetime) -> dict[str, Any]:
 
 def _markdown(results: dict[str, Any]) -> str:
     meta, own, rows = results["meta"], results["own_work"], results["rows"]
-    policy = meta.get("policy", POLICY)
+    policy = meta.get("policy", "least-request")  # the preset of the results made before the key
     out = [
         "# Picker hop cost",
         "",
@@ -269,7 +291,8 @@ def _markdown(results: dict[str, Any]) -> str:
         f" · Envoy {meta['envoy']}",
         "",
         "Everything on one machine: wrk (1 thread), the gateway Envoy (1 worker), the picker (1 process), the",
-        "backend Envoy (1 worker). Latency is wrk's, client to client; CPU is per request, from /proc.",
+        "backend Envoy (1 worker). Latency is wrk's, client to client; CPU is per request, from /proc. Every",
+        f"inferlb variant runs the `{policy}` preset; noop is the do-nothing picker (the floor).",
         "",
     ]
     head = ["concurrency", "variant", "req/s", "p50 ms", "p90 ms", "p99 ms", "picker CPU µs/req", "Envoy CPU µs/req"]
@@ -291,18 +314,19 @@ def _markdown(results: dict[str, Any]) -> str:
         ),
         "rlrrrrrrr",
     )
+    ratios = results.get("cpu_ratio_to_floor", {})
     by = {(r["variant"], r["concurrency"]): r for r in rows}
     concurrencies = sorted({r["concurrency"] for r in rows})
     floor_rows = []
     for c in concurrencies:
         for kind in ("headers", "body"):
             base, noop, ours = (by.get((f"{g} {kind}", c)) for g in ("envoy-rr", "noop", "inferlb"))
-            if not (base and noop and ours and noop["picker_cpu_us"]):
+            ratio = ratios.get(f"inferlb {kind}", {}).get(str(c))
+            if not (base and noop and ours and ratio):
                 continue
-            ratio = ours["picker_cpu_us"] / noop["picker_cpu_us"]
             added = f"{noop['p50_ms'] - base['p50_ms']:+.2f}, {ours['p50_ms'] - base['p50_ms']:+.2f}"
             floor_rows.append([c, kind, f"{ratio:.2f}x", added])
-    out += ["", "## inferlb against the floor (same run)", ""]
+    out += ["", f"## inferlb ({policy}) against the floor (same run)", ""]
     head = ["concurrency", "request", "picker CPU inferlb/noop", "p50 added vs Envoy alone: noop, inferlb (ms)"]
     out += table(head, floor_rows, "rlrl")
     out += ["", "## What timing responses in the filter costs (otel.latency_source: stream, same run)", ""]
