@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inferlb.bench.stats import cv, percentile
+from inferlb.bench.stats import cv, percentile, rounded
 
 __all__ = ["Outcome", "summarise"]
 
@@ -27,8 +27,7 @@ class Outcome:
 
 
 def _ms(values: Sequence[float], q: float) -> float | None:
-    seconds = percentile(values, q)
-    return None if seconds is None else round(seconds * 1000, 2)
+    return rounded(percentile(values, q), 2, 1000)
 
 
 def summarise(
@@ -47,7 +46,6 @@ def summarise(
     start = min((o.arrival_s for o in outcomes), default=0.0)
     end = max((o.arrival_s + (o.e2e_s or 0.0) for o in ok), default=start)
     span = end - start
-    imbalance = cv(busy_s)
     return {
         "requests": len(outcomes),
         "ttft_p50_ms": _ms(ttft, 50),
@@ -58,7 +56,7 @@ def summarise(
         "throughput_rps": round(len(ok) / span, 3) if span > 0 else None,
         "output_tokens_per_s": round(sum(o.output_tokens for o in ok) / span, 1) if span > 0 else None,
         "prefix_hit_rate": round(prefix_hits / prefix_queries, 4) if prefix_queries > 0 else None,
-        "imbalance_cv": None if imbalance is None else round(imbalance, 4),
+        "imbalance_cv": rounded(cv(busy_s), 4),
         "errors": sum(1 for o in outcomes if o.error is not None),
         "shed": sum(1 for o in outcomes if o.shed),
     }

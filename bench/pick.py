@@ -26,7 +26,7 @@ import numpy as np
 import orjson
 
 from inferlb.bench.report import header, table, write
-from inferlb.bench.stats import percentile
+from inferlb.bench.stats import percentile, rounded
 from inferlb.filter.request import apply_body
 from inferlb.procs import ManagedProcess, free_port, http_ok
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
@@ -98,8 +98,8 @@ def pick_latency(decisions: int) -> list[dict[str, Any]]:
                 {
                     "endpoints": n,
                     "preset": preset,
-                    "p50_us": _round(percentile(warm, 50), 1),
-                    "p99_us": _round(percentile(warm, 99), 1),
+                    "p50_us": rounded(percentile(warm, 50), 1),
+                    "p99_us": rounded(percentile(warm, 99), 1),
                 }
             )
             print(f"pick {rows[-1]}", flush=True)
@@ -185,7 +185,7 @@ async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> di
         ages.append(float(np.max(engine.signals.snapshot.age())))
 
     def pct(values: list[float], q: float, scale: float) -> float | None:
-        return _round(percentile(values, q), 2, scale)
+        return rounded(percentile(values, q), 2, scale)
 
     return {
         "lag_p50_ms": pct(lags, 50, 1e3),
@@ -196,10 +196,6 @@ async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> di
         # None before the first scrape (every age is infinite).
         "oldest_data_p99_ms": pct(ages, 99, 1e3) if np.isfinite(ages).all() else None,
     }
-
-
-def _round(value: float | None, digits: int, scale: float = 1.0) -> float | None:
-    return None if value is None else round(value * scale, digits)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

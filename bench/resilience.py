@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from inferlb.bench.report import header, table, write
-from inferlb.bench.stats import percentile, slope
+from inferlb.bench.stats import percentile, rounded, slope
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, free_port, stop_all
 from inferlb.stack import LocalStack, StackOptions, start_sim
@@ -165,7 +165,7 @@ def _quantile(values: Sequence[float], q: float) -> float | None:
 
 
 def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1000 * seconds, 1)
+    return rounded(seconds, 1, 1000)
 
 
 def _summary(

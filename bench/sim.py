@@ -29,7 +29,7 @@ import httpx
 
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.report import header, table, write
-from inferlb.bench.stats import median, percentile
+from inferlb.bench.stats import median, percentile, rounded
 from inferlb.procs import free_port
 from inferlb.sim.des import FleetView, simulate, trace_arrivals
 from inferlb.sim.profiles import get_profile
@@ -48,10 +48,6 @@ def _traces_dir(given: Path | None) -> Path:
         return given
     env = os.environ.get("INFERLB_TRACES_DIR")
     return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1000 * seconds, 1)
 
 
 def des_speed(traces: Path, servers: int, limit: int | None) -> list[dict[str, Any]]:
@@ -83,8 +79,8 @@ def des_speed(traces: Path, servers: int, limit: int | None) -> list[dict[str, A
                 "cpu_s": round(cpu, 2),
                 "events": result.events,
                 "errors": sum(r.error is not None for r in result.records),
-                "ttft_p50_ms": _ms(percentile(ttft, 50, method="higher")),
-                "ttft_p99_ms": _ms(percentile(ttft, 99, method="higher")),
+                "ttft_p50_ms": rounded(percentile(ttft, 50, method="higher"), 1, 1000),
+                "ttft_p99_ms": rounded(percentile(ttft, 99, method="higher"), 1, 1000),
                 "prefix_hit_rate": round(sum(s.prefix_cache_hits for s in result.servers) / max(queries, 1), 3),
             }
         )
@@ -135,8 +131,8 @@ def live_cost(traces: Path, servers: int, rate: float, duration_s: float, workdi
         "sim_cpu_ms_per_request": round(1000 * cpu / len(shots), 2),
         "output_tokens": sum(c.tokens for c in client),
         "client_errors": sum(c.error is not None for c in client),
-        "server_ttft_p50_ms": _ms(median(ttft)),
-        "server_e2e_p50_ms": _ms(median(e2e)),
+        "server_ttft_p50_ms": rounded(median(ttft), 1, 1000),
+        "server_e2e_p50_ms": rounded(median(e2e), 1, 1000),
     }
     print(f"live: {row}", flush=True)
     return row

@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["Method", "cv", "mean", "median", "percentile", "percentiles", "slope"]
+__all__ = ["Method", "cv", "mean", "median", "percentile", "percentiles", "rounded", "slope"]
 
 Method = Literal["linear", "inverted_cdf", "higher", "closest_observation"]
 
@@ -87,3 +87,9 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     if spread == 0 or not math.isfinite(spread):
         return None
     return float(dx @ (y - y.mean())) / spread
+
+
+def rounded(value: float | None, digits: int, scale: float = 1.0) -> float | None:
+    """``value * scale`` rounded to ``digits`` decimals (seconds to milliseconds: scale 1000); None stays None, so
+    that a missing figure stays missing."""
+    return None if value is None else round(value * scale, digits)

@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
-from inferlb.bench.stats import Method, cv, mean, median, percentile, percentiles, slope
+from inferlb.bench.stats import Method, cv, mean, median, percentile, percentiles, rounded, slope
 
 METHODS: tuple[Method, ...] = ("linear", "inverted_cdf", "higher", "closest_observation")
 
@@ -88,3 +88,9 @@ def test_slope_is_the_least_squares_slope() -> None:
     assert slope([1.0, 1.0], [2.0, 3.0]) is None
     with pytest.raises(ValueError, match="as many xs as ys"):
         slope([1.0, 2.0], [1.0])
+
+
+def test_rounded_scales_and_keeps_a_missing_figure_missing() -> None:
+    assert rounded(0.0123456, 1, 1000) == 12.3
+    assert rounded(2.34567, 2) == 2.35
+    assert rounded(None, 1, 1000) is None
