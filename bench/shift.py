@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -119,9 +120,23 @@ def _summary(out: Path) -> None:
     cells = ["policy", "date", "rate_rps", "share_before", "share_after"]
     body = ([*(r[k] for k in cells), "never" if r["settle_s"] is None else r["settle_s"]] for r in rows)
     lines += table(head, body, "llrrrr")
-    command = rows[0]["command"].rsplit(" --policy", 1)[0]
-    lines += ["", f"Command: `{command} --policy NAME`; {rows[0]['machine']}.", ""]
+    lines += ["", f"Command: `{_any_policy(rows[0]['command'])}`; {rows[0]['machine']}.", ""]
     write(out, "shift", [{k: v for k, v in r.items() if k != "shares"} for r in rows], "\n".join(lines))
+
+
+def _any_policy(command: str) -> str:
+    """``command`` with its ``--policy X`` (wherever it stands) as ``--policy NAME`` at the end."""
+    words = shlex.split(command)
+    kept = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--policy":
+            skip = True
+        elif not word.startswith("--policy="):
+            kept.append(word)
+    return shlex.join([*kept, "--policy", "NAME"])
 
 
 if __name__ == "__main__":
