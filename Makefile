@@ -24,24 +24,26 @@ test-slow: $(VENV)/.installed-test
 test-vllm: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 	INFERLB_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -m vllm tests/vllm tests/sim/test_tokenize_render.py
 
-# What the picker hop costs: Envoy + inferlb against Envoy alone and against a do-nothing ext_proc server.
+# Every benchmark is a suite of `inferlb bench SUITE [options]` (`inferlb bench --help` lists them).
+# What the picker hop costs: Envoy + inferlb (the default preset) against Envoy alone and against a do-nothing
+# ext_proc server, with inferlb's picker CPU over the do-nothing one's at each concurrency.
 bench: $(VENV)/.installed-bench
 	@command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -q wrk >/dev/null; }
-	$(BIN)/python -m inferlb.bench.hop --out bench/results
+	$(BIN)/inferlb bench hop --out bench/results
 
 # Routing quality on the four shipped traces (../shared/traces): every contender in the simulator at 16 servers,
 # then through the live gateway at what this machine sustains. Add QUICK=--quick for a run of a few minutes.
 TRACES := $(foreach t,mooncake_conversation_trace.jsonl mooncake_synthetic_trace.jsonl \
 	AzureLLMInferenceTrace_code.csv AzureLLMInferenceTrace_conv.csv,--trace ../shared/traces/$(t))
 bench-quality: $(VENV)/.installed-bench
-	$(BIN)/inferlb bench --mode des $(TRACES) --out bench/results/quality/des $(QUICK)
-	$(BIN)/inferlb bench --mode live $(TRACES) --out bench/results/quality/live $(QUICK)
+	$(BIN)/inferlb bench quality --mode des $(TRACES) --out bench/results/quality/des $(QUICK)
+	$(BIN)/inferlb bench quality --mode live $(TRACES) --out bench/results/quality/live $(QUICK)
 
 # Our gateway under guidellm (another team's load tool), beside the servers' and Envoy's own figures. guidellm
 # and its torch live in a venv of their own (torch 2.13.0: the CPU build this machine keeps on disk).
 LOADTOOL_VENV := $(VENV)/loadtool
 bench-external: $(VENV)/.installed-bench $(LOADTOOL_VENV)/.installed
-	$(BIN)/python -m inferlb.bench.external --out bench/results
+	$(BIN)/inferlb bench external --out bench/results
 
 $(LOADTOOL_VENV)/.installed: | $(BIN)/python
 	$(PYTHON) -m venv $(LOADTOOL_VENV)
@@ -66,8 +68,8 @@ lint: $(VENV)/.installed-dev
 # What the emulator costs (8 servers at 50 req/s), how fast the simulator replays the Mooncake trace, and
 # what a pick and a metrics scrape cost.
 bench-sim: $(VENV)/.installed-bench
-	$(BIN)/python -m inferlb.bench.sim --out bench/results
-	$(BIN)/python -m inferlb.bench.pick --out bench/results
+	$(BIN)/inferlb bench sim --out bench/results
+	$(BIN)/inferlb bench pick --out bench/results
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -1,6 +1,6 @@
 """What the worst request bodies cost the picker: ``apply_body`` alone, in process, CPU time per body.
 
-    python -m inferlb.bench.bodycost --out bench/results [--before REV] [--quick]
+    inferlb bench bodycost --out bench/results [--before REV] [--quick]
 
 Each body fills ``max_body_bytes`` (4 MiB by default; also measured at a quarter of it, to show the cost is
 linear) with one shape: a prompt of token ids (as orjson, as Python's json module, as one list, as many small
@@ -32,7 +32,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from inferlb.bench.report import header, write
+from inferlb.bench.report import header, table, write
+from inferlb.bench.stats import percentile
+
+__all__ = ["BODIES", "add_arguments", "measure", "run"]
 
 MAX_BODY_BYTES = 4 << 20  # the default max_body_bytes
 # The modules whose code decides a body's cost, in the order they import one another.
@@ -144,15 +147,15 @@ def measure(
                     apply_body(features(), data, complete=True, max_bytes=MAX_BODY_BYTES)
                 times.append(time.process_time() - start)
                 spent += times[-1]
-            times.sort()
-            best = times[0]
+            best = min(times)
+            middle = percentile(times, 50, method="higher")  # of an even count, the upper of the middle two
             rows.append(
                 {
                     "name": body.name,
                     "shape": body.shape,
                     "bytes": len(data),
                     "ms": round(best * 1e3, 2),
-                    "median_ms": round(times[len(times) // 2] * 1e3, 2),
+                    "median_ms": None if middle is None else round(middle * 1e3, 2),
                     "us_per_kib": round(best * 1e6 / (len(data) / 1024), 2),
                     "runs": len(times),
                     "outcome": outcome,
@@ -200,8 +203,7 @@ def _before(revision: str, sizes: tuple[int, ...], budget_s: float) -> list[dict
         return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--before", metavar="REV", help="also measure the code at this git revision")
     parser.add_argument("--quick", action="store_true", help="one size (1 MiB), the fewest runs")
@@ -209,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--code", type=Path, help=argparse.SUPPRESS)  # the child of --before
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     sizes = tuple(args.sizes or ((1 << 20,) if args.quick else (MAX_BODY_BYTES // 4, MAX_BODY_BYTES)))
     budget_s = 0.0 if args.quick else args.budget_s
     if args.code is not None:
@@ -231,10 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 old["us_per_kib"],
                 old["outcome"],
             )
-    flags = (f" --before {args.before}" if args.before else "") + (" --quick" if args.quick else "")
-    report = {**header(f"python -m inferlb.bench.bodycost --out bench/results{flags}"), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    print(f"wrote {write(args.out, 'bodycost', report, _markdown)}")
+    report = {**header(args.command), "rows": rows}
+    write(args.out, "bodycost", report, _markdown(report))
     return 0
 
 
@@ -258,23 +260,33 @@ def _markdown(report: dict[str, Any]) -> str:
         "messages add C passes over the messages, and multi-part ones a Python loop per message.",
         "",
     ]
+
+    def mib(r: dict[str, Any]) -> str:
+        return f"{r['bytes'] / 2**20:.2f}"
+
     if before:
-        out += ["| body | shape | MiB | before ms | now ms | before µs/KiB | now µs/KiB | outcome |"]
-        out += ["|---|---|---:|---:|---:|---:|---:|---|"]
-        for r in rows:
-            out.append(
-                f"| {r['name']} | {r['shape']} | {r['bytes'] / 2**20:.2f} | {r['before_ms']:.1f} | {r['ms']:.1f} "
-                f"| {r['before_us_per_kib']:.1f} | {r['us_per_kib']:.1f} | {r['outcome']} |"
-            )
+        head = ["body", "shape", "MiB", "before ms", "now ms", "before µs/KiB", "now µs/KiB", "outcome"]
+        body = (
+            [
+                r["name"],
+                r["shape"],
+                mib(r),
+                f"{r['before_ms']:.1f}",
+                f"{r['ms']:.1f}",
+                f"{r['before_us_per_kib']:.1f}",
+                f"{r['us_per_kib']:.1f}",
+                r["outcome"],
+            ]
+            for r in rows
+        )
+        out += table(head, body, "llrrrrrl")
     else:
-        out += ["| body | shape | MiB | ms | µs/KiB | outcome |", "|---|---|---:|---:|---:|---|"]
-        for r in rows:
-            out.append(
-                f"| {r['name']} | {r['shape']} | {r['bytes'] / 2**20:.2f} | {r['ms']:.1f} | {r['us_per_kib']:.1f} "
-                f"| {r['outcome']} |"
-            )
+        body = ([r["name"], r["shape"], mib(r), f"{r['ms']:.1f}", f"{r['us_per_kib']:.1f}", r["outcome"]] for r in rows)
+        out += table(["body", "shape", "MiB", "ms", "µs/KiB", "outcome"], body, "llrrrl")
     return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from inferlb.bench.suites import script
+
+    sys.exit(script(sys.modules[__name__]))

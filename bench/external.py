@@ -1,6 +1,6 @@
 """Our gateway under someone else's load tool: guidellm against Envoy + the picker + emulated vLLM servers.
 
-    python -m inferlb.bench.external --out bench/results [--quick]
+    inferlb bench external --out bench/results [--quick]
 
 1. Starts a local gateway: 4 emulated H100 + Llama-3.1-8B servers (``inferlb sim``, real time), the picker
    (policy ``default``) and a real Envoy with its access log.
@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from inferlb.bench import offline_tokenizer
-from inferlb.bench.report import cpu_model, header, write
+from inferlb.bench.report import cpu_model, header, table, write
+from inferlb.bench.stats import percentile
 from inferlb.procs import ManagedProcess
 from inferlb.stack import LocalStack, StackOptions
 
@@ -43,10 +43,12 @@ __all__ = [
     "ExternalError",
     "Figures",
     "Plan",
+    "add_arguments",
     "envoy_figures",
     "guidellm_version",
     "join_overhead",
     "parse_guidellm",
+    "run",
     "server_figures",
 ]
 
@@ -127,7 +129,7 @@ class Figures:
 
 def _pct(values: Sequence[float], q: float) -> float | None:
     """The smallest value whose share of the sample reaches q%: guidellm's rule, so the columns compare."""
-    return float(np.percentile(values, q, method="inverted_cdf")) if values else None
+    return percentile(values, q, method="inverted_cdf")
 
 
 def _at(document: Any, *path: str, where: str = "") -> Any:
@@ -445,12 +447,11 @@ def _markdown(report: dict[str, Any]) -> str:
         f"{report['server_prompt_tokens']['max']} by the servers' count), outputs of {plan['output_tokens'][2]} "
         f"to {plan['output_tokens'][3]} tokens.",
         "",
-        "| | " + " | ".join(f["source"] for f in figures) + " |",
-        "|---|" + "---:|" * len(figures),
     ]
-    for label, key, fmt in _ROWS:
-        cells = ["—" if f[key] is None else fmt.format(f[key]) for f in figures]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += table(
+        ["", *(f["source"] for f in figures)],
+        ([label, *(None if f[key] is None else fmt.format(f[key]) for f in figures)] for label, key, fmt in _ROWS),
+    )
     routing = report["routing"]
     lines += [
         "",
@@ -505,18 +506,20 @@ def _gap(outer: dict[str, Any], inner: dict[str, Any]) -> str:
     return _ms(outer["e2e_p50_ms"] - inner["e2e_p50_ms"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--quick", action="store_true", help="60 requests instead of 200")
     parser.add_argument("--requests", type=int, default=None, help="requests to send (default 200, --quick 60)")
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second")
     parser.add_argument("--arrivals", choices=("constant", "poisson"), default="constant")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help=f"the venv that has {TOOL}")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     requests = args.requests if args.requests is not None else (60 if args.quick else 200)
     if requests < 1 or args.rate <= 0:
-        parser.error("--requests must be >= 1 and --rate > 0")
+        print("inferlb bench external: error: --requests must be >= 1 and --rate > 0", file=sys.stderr)
+        return 2
     plan = Plan(requests=requests, rate=args.rate, arrivals=args.arrivals)
     workdir = Path(tempfile.mkdtemp(prefix="inferlb-external-"))  # tokenizer, scenario, the tool's report, logs
     print(f"working files in {workdir}", flush=True)
@@ -528,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     report = {
-        **header("python -m inferlb.bench.external " + " ".join(argv if argv is not None else sys.argv[1:])),
+        **header(args.command),
         "cpu_model": cpu_model(),
         "load_average": " ".join(f"{x:.2f}" for x in load),
         "wall_s": round(time.monotonic() - started, 1),
@@ -536,11 +539,13 @@ def main(argv: list[str] | None = None) -> int:
         "plan": asdict(plan),
         **measured,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = write(args.out, "external", report, _markdown)
-    print(path.read_text(encoding="utf-8"))
+    markdown = _markdown(report)
+    write(args.out, "external", report, markdown)
+    print(markdown)
     return 0 if report["counts_agree"] else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from inferlb.bench.suites import script
+
+    raise SystemExit(script(sys.modules[__name__]))

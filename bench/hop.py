@@ -1,13 +1,15 @@
-"""What the picker hop adds: Envoy + inferlb against Envoy alone (ROUND_ROBIN) and against Envoy + a
-do-nothing ext_proc server, over the same backends, in the same run, at several concurrencies.
+"""What the picker hop adds: Envoy + inferlb (the ``default`` preset, what users run) against Envoy alone
+(ROUND_ROBIN) and against Envoy + a do-nothing ext_proc server (the floor), over the same backends, in the same
+run, at several concurrencies.
 
-    python -m inferlb.bench.hop --out bench/results [--quick]
+    inferlb bench hop --out bench/results [--quick]
 
 The backends are one Envoy answering with a fixed completion on several ports, so they cost next to nothing;
 the load is wrk (closed loop, one connection per concurrent client). Per variant and concurrency it reports
-req/s, latency p50/p90/p99, and the CPU time per request of the picker process and of the gateway Envoy.
-It also measures inferlb's own per-request work in process (no gRPC), and samples the picker with py-spy
-under load to show where its time goes.
+req/s, latency p50/p90/p99, and the CPU time per request of the picker process and of the gateway Envoy; per
+inferlb variant and concurrency, its picker CPU per request over the floor's (``cpu_ratio_to_floor``). It also
+measures inferlb's own per-request work in process (no gRPC), and samples the picker with py-spy under load to
+show where its time goes.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from importlib.resources import files
@@ -31,11 +33,15 @@ import jinja2
 
 from inferlb.bench import micro, pyspy
 from inferlb.bench.load import LoadResult, cpu_seconds, run_wrk
-from inferlb.bench.report import cpu_model
+from inferlb.bench.report import cpu_model, header, table, write
+from inferlb.bench.stats import median
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
 from inferlb.stack import LocalStack, StackOptions
 
+__all__ = ["POLICY", "VARIANTS", "add_arguments", "cpu_ratio_to_floor", "run"]
+
+POLICY = "default"  # the preset every inferlb variant runs
 MODEL = "bench-model"
 PROMPT = "Summarise the following text. " * 33  # ~1 KB of prompt, a typical chat turn
 BODY = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 64})
@@ -81,15 +87,16 @@ class Row:
     envoy_cpu_us: float
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per measured run")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--backends", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="runs per variant and concurrency, interleaved")
     parser.add_argument("--quick", action="store_true", help="2 s runs, no profile")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     duration = 2.0 if args.quick else args.duration
     workdir = Path(tempfile.mkdtemp(prefix="inferlb-hop-"))  # configs, logs and the raw profile
     print(f"working files in {workdir}", flush=True)
@@ -97,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print("in-process per-request work (no gRPC) ...", flush=True)
     own = {
-        "headers": micro.per_request_us(micro.make_service(args.backends), with_body=False),
-        "body": micro.per_request_us(micro.make_service(args.backends), with_body=True),
-        "decide": {n: micro.decide_us(n, "least-request") for n in (8, 64, 1024)},
+        "headers": micro.per_request_us(micro.make_service(args.backends, POLICY), with_body=False),
+        "body": micro.per_request_us(micro.make_service(args.backends, POLICY), with_body=True),
+        "decide": {n: micro.decide_us(n, POLICY) for n in (8, 64, 1024)},
     }
 
     backends = _start_backends(args.backends, workdir)
@@ -113,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         noop = (sys.executable, "-m", "inferlb.bench.noop_picker")
         stacks["noop"] = LocalStack(replace(common, envoy=no_log, picker_command=noop), workdir / "noop")
-        stacks["inferlb"] = LocalStack(replace(common, envoy=no_log, picker_log_level="warning"), workdir / "inferlb")
-        timed = replace(common, envoy=no_log, picker_log_level="warning", latency_source="stream")
-        stacks["inferlb-timed"] = LocalStack(timed, workdir / "inferlb-timed")
-        held = replace(common, envoy=no_log, picker_log_level="warning", picker_config={"inflight": {"end": "stream"}})
+        ours = replace(common, envoy=no_log, policy=POLICY, picker_log_level="warning")
+        stacks["inferlb"] = LocalStack(ours, workdir / "inferlb")
+        stacks["inferlb-timed"] = LocalStack(replace(ours, latency_source="stream"), workdir / "inferlb-timed")
+        held = replace(ours, picker_config={"inflight": {"end": "stream"}})
         stacks["inferlb-held"] = LocalStack(held, workdir / "inferlb-held")
         for stack in stacks.values():
             stack.start()
@@ -138,14 +145,36 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
         backends.process.stop()
 
-    meta = _machine(started, argv)
-    results = {"meta": meta, "own_work": own, "rows": [asdict(r) for r in rows], "profile": profile}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "hop.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    table_rows = [asdict(r) for r in rows]
+    results = {
+        "meta": _machine(args.command, started),
+        "own_work": own,
+        "rows": table_rows,
+        "cpu_ratio_to_floor": cpu_ratio_to_floor(table_rows),
+        "profile": profile,
+    }
     report = _markdown(results)
-    (args.out / "hop.md").write_text(report, encoding="utf-8")
+    write(args.out, "hop", results, report)
     print(report)
     return 0
+
+
+def cpu_ratio_to_floor(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per inferlb variant, per concurrency (a string key, as in JSON): its picker CPU per request over the
+    do-nothing picker's for the same kind of request at the same concurrency, in the same run. A pair without
+    both figures is left out."""
+    by = {(r["variant"], r["concurrency"]): r for r in rows}
+    ratios: dict[str, dict[str, float]] = {}
+    for variant in VARIANTS:
+        if not variant.gateway.startswith("inferlb"):
+            continue
+        floor_name = "noop body" if variant.body else "noop headers"
+        for concurrency in sorted({r["concurrency"] for r in rows}):
+            ours, floor = by.get((variant.name, concurrency)), by.get((floor_name, concurrency))
+            if ours and floor and ours["picker_cpu_us"] and floor["picker_cpu_us"]:
+                ratio = round(ours["picker_cpu_us"] / floor["picker_cpu_us"], 3)
+                ratios.setdefault(variant.name, {})[str(concurrency)] = ratio
+    return ratios
 
 
 @dataclass
@@ -206,14 +235,21 @@ def _combine(runs: list[Row]) -> Row:
         variant=runs[0].variant,
         concurrency=runs[0].concurrency,
         rps=requests / seconds if seconds else 0.0,
-        p50_ms=statistics.median(r.p50_ms for r in runs),
-        p90_ms=statistics.median(r.p90_ms for r in runs),
-        p99_ms=statistics.median(r.p99_ms for r in runs),
+        p50_ms=_median([r.p50_ms for r in runs]),
+        p90_ms=_median([r.p90_ms for r in runs]),
+        p99_ms=_median([r.p99_ms for r in runs]),
         errors=sum(r.errors for r in runs),
         requests=requests,
         picker_cpu_us=sum(pickers) / requests if pickers else None,
         envoy_cpu_us=sum(r.envoy_cpu_us * r.requests for r in runs) / requests,
     )
+
+
+def _median(values: list[float]) -> float:
+    found = median(values)
+    if found is None:
+        raise ValueError("no run to combine: --repeats must be >= 1")
+    return found
 
 
 def _profile(stack: LocalStack, workdir: Path, duration: float) -> dict[str, Any] | None:
@@ -233,20 +269,21 @@ def _profile(stack: LocalStack, workdir: Path, duration: float) -> dict[str, Any
     return pyspy.summarise(raw)
 
 
-def _machine(started: datetime, argv: list[str] | None) -> dict[str, Any]:
+def _machine(command: str, started: datetime) -> dict[str, Any]:
     envoy_version = subprocess.run([find_tool("envoy"), "--version"], capture_output=True, text=True).stdout.strip()
     return {
-        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m inferlb.bench.hop " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **header(command, started),
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "envoy": envoy_version.split("version:")[-1].strip(),
+        "policy": POLICY,
     }
 
 
 def _markdown(results: dict[str, Any]) -> str:
     meta, own, rows = results["meta"], results["own_work"], results["rows"]
+    policy = meta.get("policy", "least-request")  # the preset of the results made before the key
     out = [
         "# Picker hop cost",
         "",
@@ -254,86 +291,108 @@ def _markdown(results: dict[str, Any]) -> str:
         f" · Envoy {meta['envoy']}",
         "",
         "Everything on one machine: wrk (1 thread), the gateway Envoy (1 worker), the picker (1 process), the",
-        "backend Envoy (1 worker). Latency is wrk's, client to client; CPU is per request, from /proc.",
+        "backend Envoy (1 worker). Latency is wrk's, client to client; CPU is per request, from /proc. Every",
+        f"inferlb variant runs the `{policy}` preset; noop is the do-nothing picker (the floor).",
         "",
-        "| concurrency | variant | req/s | p50 ms | p90 ms | p99 ms | picker CPU µs/req | Envoy CPU µs/req | errors |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        picker = "—" if r["picker_cpu_us"] is None else f"{r['picker_cpu_us']:.0f}"
-        out.append(
-            f"| {r['concurrency']} | {r['variant']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | "
-            f"{r['p99_ms']:.2f} | {picker} | {r['envoy_cpu_us']:.0f} | {r['errors']} |"
-        )
-    out += ["", "## inferlb against the floor (same run)", ""]
-    out += ["| concurrency | request | picker CPU inferlb/noop | p50 added vs Envoy alone: noop, inferlb (ms) |"]
-    out += ["|---:|---|---:|---|"]
+    head = ["concurrency", "variant", "req/s", "p50 ms", "p90 ms", "p99 ms", "picker CPU µs/req", "Envoy CPU µs/req"]
+    out += table(
+        [*head, "errors"],
+        (
+            [
+                r["concurrency"],
+                r["variant"],
+                f"{r['rps']:.0f}",
+                f"{r['p50_ms']:.2f}",
+                f"{r['p90_ms']:.2f}",
+                f"{r['p99_ms']:.2f}",
+                None if r["picker_cpu_us"] is None else f"{r['picker_cpu_us']:.0f}",
+                f"{r['envoy_cpu_us']:.0f}",
+                r["errors"],
+            ]
+            for r in rows
+        ),
+        "rlrrrrrrr",
+    )
+    ratios = results.get("cpu_ratio_to_floor", {})
     by = {(r["variant"], r["concurrency"]): r for r in rows}
-    for c in sorted({r["concurrency"] for r in rows}):
+    concurrencies = sorted({r["concurrency"] for r in rows})
+    floor_rows = []
+    for c in concurrencies:
         for kind in ("headers", "body"):
             base, noop, ours = (by.get((f"{g} {kind}", c)) for g in ("envoy-rr", "noop", "inferlb"))
-            if not (base and noop and ours and noop["picker_cpu_us"]):
+            ratio = ratios.get(f"inferlb {kind}", {}).get(str(c))
+            if not (base and noop and ours and ratio):
                 continue
-            ratio = ours["picker_cpu_us"] / noop["picker_cpu_us"]
             added = f"{noop['p50_ms'] - base['p50_ms']:+.2f}, {ours['p50_ms'] - base['p50_ms']:+.2f}"
-            out.append(f"| {c} | {kind} | {ratio:.2f}x | {added} |")
+            floor_rows.append([c, kind, f"{ratio:.2f}x", added])
+    out += ["", f"## inferlb ({policy}) against the floor (same run)", ""]
+    head = ["concurrency", "request", "picker CPU inferlb/noop", "p50 added vs Envoy alone: noop, inferlb (ms)"]
+    out += table(head, floor_rows, "rlrl")
     out += ["", "## What timing responses in the filter costs (otel.latency_source: stream, same run)", ""]
     out += [
         "The picker times each response from a second ext_proc stream that Envoy feeds in observability mode",
         "(request headers, response headers, the first body chunk; then the picker closes it). Envoy never",
         "waits on that stream, so latency should move little; the price is the picker's CPU per request.",
         "",
-        "| concurrency | picker CPU µs/req untimed → timed | ratio | Envoy CPU µs/req untimed → timed "
-        "| p50 ms untimed → timed |",
-        "|---:|---|---:|---|---|",
     ]
-    for c in sorted({r["concurrency"] for r in rows}):
+    timed_rows = []
+    for c in concurrencies:
         plain, timed = by.get(("inferlb body", c)), by.get(("inferlb body timed", c))
         if not (plain and timed and plain["picker_cpu_us"] and timed["picker_cpu_us"]):
             continue
-        out.append(
-            f"| {c} | {plain['picker_cpu_us']:.0f} → {timed['picker_cpu_us']:.0f} | "
-            f"{timed['picker_cpu_us'] / plain['picker_cpu_us']:.2f}x | "
-            f"{plain['envoy_cpu_us']:.0f} → {timed['envoy_cpu_us']:.0f} | "
-            f"{plain['p50_ms']:.2f} → {timed['p50_ms']:.2f} |"
+        timed_rows.append(
+            [
+                c,
+                f"{plain['picker_cpu_us']:.0f} → {timed['picker_cpu_us']:.0f}",
+                f"{timed['picker_cpu_us'] / plain['picker_cpu_us']:.2f}x",
+                f"{plain['envoy_cpu_us']:.0f} → {timed['envoy_cpu_us']:.0f}",
+                f"{plain['p50_ms']:.2f} → {timed['p50_ms']:.2f}",
+            ]
         )
+    head = ["concurrency", "picker CPU µs/req untimed → timed", "ratio", "Envoy CPU µs/req untimed → timed"]
+    out += table([*head, "p50 ms untimed → timed"], timed_rows, "rlrll")
     out += [
         "",
         "## inferlb's own work per request (in process, no gRPC)",
         "",
         "Protobuf parse of Envoy's messages (the headers our bootstrap forwards), features from headers and body,",
-        "the pick (least-request, 4 endpoints), the in-flight count, serialising the reply; the best of 40",
+        f"the pick ({policy}, 4 endpoints), the in-flight count, serialising the reply; the best of 40",
         "interleaved runs of 1,000 requests:",
         "",
-        "| request | inferlb's own work µs | through the async stream handler µs |",
-        "|---|---:|---:|",
-        f"| headers only | {own['headers']['own']:.1f} | {own['headers']['handler']:.1f} |",
-        f"| 1 KB JSON body | {own['body']['own']:.1f} | {own['body']['handler']:.1f} |",
-        "",
-        "| endpoints | Engine.decide + in-flight p50 µs | p99 µs |",
-        "|---:|---:|---:|",
     ]
-    for n, (p50, p99) in own["decide"].items():
-        out.append(f"| {n} | {p50:.1f} | {p99:.1f} |")
+    out += table(
+        ["request", "inferlb's own work µs", "through the async stream handler µs"],
+        [
+            ["headers only", f"{own['headers']['own']:.1f}", f"{own['headers']['handler']:.1f}"],
+            ["1 KB JSON body", f"{own['body']['own']:.1f}", f"{own['body']['handler']:.1f}"],
+        ],
+    )
+    out += [""]
+    out += table(
+        ["endpoints", "Engine.decide + in-flight p50 µs", "p99 µs"],
+        ([n, f"{p50:.1f}", f"{p99:.1f}"] for n, (p50, p99) in own["decide"].items()),
+        "rrr",
+    )
     profile = results.get("profile")
     if profile:
         out += ["", f"## Where the picker's CPU goes (py-spy, {profile['samples']} samples, body requests, c=16)", ""]
-        out += ["| share of samples | where |", "|---:|---|"]
-        out += [f"| {v:.1%} | {k} |" for k, v in profile["by_category"].items()]
+        out += table(["share of samples", "where"], ([f"{v:.1%}", k] for k, v in profile["by_category"].items()), "rl")
         out += [
             "",
             "py-spy sees Python frames only: native time shows under the last Python frame above it. The event",
             "loop's callbacks and the extra thread run gRPC's Cython/C core; `ExtProcService.Process` at its",
             "`async for` line is gRPC reading the next message.",
             "",
-            "| self time | function |",
-            "|---:|---|",
         ]
-        out += [f"| {share:.1%} | `{frame}` |" for frame, share in profile["top_self"]]
-        out += ["", "| inclusive | inferlb function |", "|---:|---|"]
-        out += [f"| {share:.1%} | `{frame}` |" for frame, share in profile["top_inferlb_inclusive"]]
+        out += table(["self time", "function"], ([f"{v:.1%}", f"`{f}`"] for f, v in profile["top_self"]), "rl")
+        out += [""]
+        inclusive = ([f"{v:.1%}", f"`{f}`"] for f, v in profile["top_inferlb_inclusive"])
+        out += table(["inclusive", "inferlb function"], inclusive, "rl")
     return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from inferlb.bench.suites import script
+
+    sys.exit(script(sys.modules[__name__]))

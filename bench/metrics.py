@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
+from inferlb.bench.stats import cv, percentile, rounded
 
 __all__ = ["Outcome", "summarise"]
 
@@ -26,8 +26,8 @@ class Outcome:
     shed: bool = False
 
 
-def _ms(values: np.ndarray, q: float) -> float | None:
-    return round(float(np.quantile(values, q)) * 1000, 2) if len(values) else None
+def _ms(values: Sequence[float], q: float) -> float | None:
+    return rounded(percentile(values, q), 2, 1000)
 
 
 def summarise(
@@ -41,24 +41,22 @@ def summarise(
     variation is the imbalance: 0 when every server worked equally); ``prefix_*`` are the servers' prefix-cache
     counters over the run, in tokens, as vLLM counts them."""
     ok = [o for o in outcomes if o.error is None and not o.shed]
-    ttft = np.array([o.ttft_s for o in ok if o.ttft_s is not None])
-    e2e = np.array([o.e2e_s for o in ok if o.e2e_s is not None])
+    ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
+    e2e = [o.e2e_s for o in ok if o.e2e_s is not None]
     start = min((o.arrival_s for o in outcomes), default=0.0)
     end = max((o.arrival_s + (o.e2e_s or 0.0) for o in ok), default=start)
     span = end - start
-    busy = np.asarray(busy_s, dtype=float)
-    mean_busy = float(busy.mean()) if len(busy) else 0.0
     return {
         "requests": len(outcomes),
-        "ttft_p50_ms": _ms(ttft, 0.5),
-        "ttft_p90_ms": _ms(ttft, 0.9),
-        "ttft_p99_ms": _ms(ttft, 0.99),
-        "e2e_p50_ms": _ms(e2e, 0.5),
-        "e2e_p99_ms": _ms(e2e, 0.99),
+        "ttft_p50_ms": _ms(ttft, 50),
+        "ttft_p90_ms": _ms(ttft, 90),
+        "ttft_p99_ms": _ms(ttft, 99),
+        "e2e_p50_ms": _ms(e2e, 50),
+        "e2e_p99_ms": _ms(e2e, 99),
         "throughput_rps": round(len(ok) / span, 3) if span > 0 else None,
         "output_tokens_per_s": round(sum(o.output_tokens for o in ok) / span, 1) if span > 0 else None,
         "prefix_hit_rate": round(prefix_hits / prefix_queries, 4) if prefix_queries > 0 else None,
-        "imbalance_cv": round(float(busy.std()) / mean_busy, 4) if mean_busy > 0 else None,
+        "imbalance_cv": rounded(cv(busy_s), 4),
         "errors": sum(1 for o in outcomes if o.error is not None),
         "shed": sum(1 for o in outcomes if o.shed),
     }

@@ -15,6 +15,7 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
 
+from inferlb.bench.stats import percentiles
 from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.filter.server import ExtProcService
 from inferlb.scorer.config import parse_config
@@ -43,7 +44,7 @@ def request_messages(with_body: bool) -> list[bytes]:
     return [headers.SerializeToString(), body.SerializeToString()]
 
 
-def make_service(endpoints: int, policy: str = "least-request") -> ExtProcService:
+def make_service(endpoints: int, policy: str) -> ExtProcService:
     addresses = [
         {"address": f"10.0.{i // 250}.{i % 250 + 1}:8000", "models": ["bench-model"]} for i in range(endpoints)
     ]
@@ -110,5 +111,7 @@ def decide_us(endpoints: int, policy: str, n: int = 20000) -> tuple[float, float
         decision = engine.decide(features)
         engine.inflight.acquire(decision.endpoint.index, 364).release()
         timings.append(clock() - start)
-    timings.sort()
-    return timings[n // 2] / 1000, timings[int(n * 0.99)] / 1000
+    found = percentiles(timings, (50, 99), method="higher")
+    p50, p99 = found[50], found[99]
+    assert p50 is not None and p99 is not None, "n >= 1 timings"
+    return p50 / 1000, p99 / 1000

@@ -1,6 +1,6 @@
 """What a pick costs, and what the metrics scraper costs.
 
-    python -m inferlb.bench.pick --out bench/results [--quick]
+    inferlb bench pick --out bench/results [--quick]
 
 1. ``Engine.decide`` per preset at 8, 64 and 1,024 endpoints, on a fleet whose every signal is known and fresh
    (so every filter and scorer does its full work), with requests carrying a 4 KB prompt's prefix hashes and
@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from inferlb.bench.report import header, write
+from inferlb.bench.report import header, table, write
+from inferlb.bench.stats import percentile, rounded
 from inferlb.filter.request import apply_body
 from inferlb.procs import ManagedProcess, free_port, http_ok
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
@@ -35,6 +36,8 @@ from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
 from inferlb.scorer.signals import Signals
+
+__all__ = ["add_arguments", "pick_latency", "run", "scrape_cost"]
 
 SIZES = (8, 64, 1024)
 
@@ -94,8 +97,8 @@ def pick_latency(decisions: int) -> list[dict[str, Any]]:
                 {
                     "endpoints": n,
                     "preset": preset,
-                    "p50_us": round(float(np.percentile(warm, 50)), 1),
-                    "p99_us": round(float(np.percentile(warm, 99)), 1),
+                    "p50_us": rounded(percentile(warm, 50), 1),
+                    "p99_us": rounded(percentile(warm, 99), 1),
                 }
             )
             print(f"pick {rows[-1]}", flush=True)
@@ -180,8 +183,8 @@ async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> di
         picks.append(time.perf_counter() - started)
         ages.append(float(np.max(engine.signals.snapshot.age())))
 
-    def pct(values: list[float], q: float, scale: float) -> float:
-        return round(float(np.percentile(values, q)) * scale, 2)
+    def pct(values: list[float], q: float, scale: float) -> float | None:
+        return rounded(percentile(values, q), 2, scale)
 
     return {
         "lag_p50_ms": pct(lags, 50, 1e3),
@@ -194,22 +197,19 @@ async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> di
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--quick", action="store_true", help="2,000 decisions per preset and size; 64 endpoints")
+
+
+def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     picks = pick_latency(2_000 if args.quick else 20_000)
     scrape = scrape_cost(64 if args.quick else 256, 3.0 if args.quick else 10.0, args.out)
     print(f"scrape {scrape}", flush=True)
     (args.out / "metricsfarm.log").unlink(missing_ok=True)
-    report = {
-        **header(f"python -m inferlb.bench.pick --out bench/results{' --quick' if args.quick else ''}"),
-        "picks": picks,
-        "scrape": scrape,
-    }
-    print(f"wrote {write(args.out, 'pick', report, _markdown)}")
+    report = {**header(args.command), "picks": picks, "scrape": scrape}
+    write(args.out, "pick", report, _markdown(report))
     return 0
 
 
@@ -221,15 +221,16 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         "## `Engine.decide`, µs (all signals fresh, 4 KB prompts with prefix hashes, moving in-flight counts)",
         "",
-        "| preset | " + " | ".join(f"{n} endpoints p50 / p99" for n in SIZES) + " |",
-        "|---|" + "---:|" * len(SIZES),
     ]
-    for preset in PRESET_NAMES:
-        cells = []
-        for n in SIZES:
-            row = next(r for r in report["picks"] if r["preset"] == preset and r["endpoints"] == n)
-            cells.append(f"{row['p50_us']} / {row['p99_us']}")
-        lines.append(f"| {preset} | " + " | ".join(cells) + " |")
+
+    def cell(preset: str, n: int) -> str:
+        row = next(r for r in report["picks"] if r["preset"] == preset and r["endpoints"] == n)
+        return f"{row['p50_us']} / {row['p99_us']}"
+
+    lines += table(
+        ["preset", *(f"{n} endpoints p50 / p99" for n in SIZES)],
+        ([preset, *(cell(preset, n) for n in SIZES)] for preset in PRESET_NAMES),
+    )
     s = report["scrape"]
     idle, busy = s["idle"], s["scraping"]
     lines += [
@@ -240,26 +241,31 @@ def _markdown(report: dict[str, Any]) -> str:
         "from one static server process (`bench/metricsfarm.py`); the collector runs in this process, so the CPU "
         "figures are its own.",
         "",
-        "| bytes per scrape | scrapes/s | per endpoint, Hz | snapshots/s | errors | collector cores "
-        "| of which in the kernel | of which parsing | CPU µs per scrape |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {s['bytes_per_scrape']} | {s['scrapes_per_s']} | {s['per_endpoint_hz']} | {s['snapshots_per_s']} "
-        f"| {s['errors']} | {s['cores']} | {s['system_cores']} | {s['parse_cores']} | {s['cpu_us_per_scrape']} |",
+    ]
+    keys = ["bytes_per_scrape", "scrapes_per_s", "per_endpoint_hz", "snapshots_per_s", "errors", "cores"]
+    keys += ["system_cores", "parse_cores", "cpu_us_per_scrape"]
+    head = ["bytes per scrape", "scrapes/s", "per endpoint, Hz", "snapshots/s", "errors", "collector cores"]
+    head += ["of which in the kernel", "of which parsing", "CPU µs per scrape"]
+    lines += table(head, [[s[k] for k in keys]], "r" * len(keys))
+    lines += [
         "",
         f"The request path while it scrapes: a probe on the same event loop wakes every {PROBE_S * 1e3:g} ms, "
         "notes how late it woke (loop lag), makes one `default` pick and notes the oldest endpoint data the pick "
         "read; the same probe with no scraping is the baseline.",
         "",
-        "| | loop lag p50 / p99 / max, ms | pick p50 / p99, µs | oldest data p99, ms |",
-        "|---|---:|---:|---:|",
-        f"| no scraping | {idle['lag_p50_ms']} / {idle['lag_p99_ms']} / {idle['lag_max_ms']} "
-        f"| {idle['pick_p50_us']} / {idle['pick_p99_us']} | - |",
-        f"| scraping | {busy['lag_p50_ms']} / {busy['lag_p99_ms']} / {busy['lag_max_ms']} "
-        f"| {busy['pick_p50_us']} / {busy['pick_p99_us']} | {busy['oldest_data_p99_ms']} |",
-        "",
     ]
+
+    def probe(name: str, p: dict[str, Any], oldest: object) -> list[object]:
+        lag = f"{p['lag_p50_ms']} / {p['lag_p99_ms']} / {p['lag_max_ms']}"
+        return [name, lag, f"{p['pick_p50_us']} / {p['pick_p99_us']}", oldest]
+
+    head = ["", "loop lag p50 / p99 / max, ms", "pick p50 / p99, µs", "oldest data p99, ms"]
+    lines += table(head, [probe("no scraping", idle, "-"), probe("scraping", busy, busy["oldest_data_p99_ms"])])
+    lines += [""]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from inferlb.bench.suites import script
+
+    raise SystemExit(script(sys.modules[__name__]))

@@ -1,4 +1,4 @@
-"""Routing quality on real traces: ``inferlb bench --mode des|live --trace FILE --out DIR [--quick]``.
+"""Routing quality on real traces: ``inferlb bench quality --mode des|live --trace FILE --out DIR [--quick]``.
 
 Every contender available in the mode replays the same trace on the same fleet with the same seed, open loop,
 at each load of a sweep (a load is a fraction of the fleet's measured capacity). Per contender and load it
@@ -13,7 +13,6 @@ capacity, SLO and goodput per trace and contender), ``results.md`` (tables) and,
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
@@ -27,24 +26,16 @@ import numpy as np
 
 from inferlb.bench.desrun import DES_CONTENDERS, DesJob, capacity_rps, load_arrivals, run_job
 from inferlb.bench.metrics import goodput
-from inferlb.bench.report import cpu_model, header
+from inferlb.bench.report import cpu_model, header, write
 from inferlb.sim.profiles import PROFILES, Profile, get_profile
 
-__all__ = ["main"]
+__all__ = ["add_arguments", "run"]
 
 DES_LOADS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2)
 DES_LOADS_QUICK = (0.3, 0.6, 0.9)
 HEADLINE_LOAD = 0.6  # the load of the per-trace table and the CDF plot (the nearest one run)
 SLO_FACTOR = 2.0
 DEFAULT = "inferlb:default"  # default SLO: TTFT p99 within twice the oracle's at a light load
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="inferlb bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv), ["bench", *(argv if argv is not None else sys.argv[1:])])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,13 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the benchmark ``args`` describe; ``argv`` (after ``inferlb``) is recorded as the command."""
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark ``args`` describe (``args.command`` is the command the report records)."""
     for path in args.trace:
         if not Path(path).is_file():
             print(f"inferlb bench: error: trace file not found: {path}", file=sys.stderr)
             return 2
-    command = "inferlb " + " ".join(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "des":
         rows, summary = _des(args)
@@ -82,12 +72,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         rows, summary = run_live(args, _Progress)
     ttfts = {k: row.pop("_ttft_s") for k, row in _keyed(rows) if "_ttft_s" in row}
-    meta = {**header(command), "cpu": cpu_model(), "mode": args.mode}
-    (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-    (args.out / "summary.json").write_text(json.dumps({"meta": meta, **summary}, indent=1) + "\n", encoding="utf-8")
-    (args.out / "results.md").write_text(markdown(meta, rows, summary), encoding="utf-8")
+    meta = {**header(args.command), "cpu": cpu_model(), "mode": args.mode}
+    write(args.out, "results", rows, markdown(meta, rows, summary))
+    write(args.out, "summary", {"meta": meta, **summary})
     _plots(args.out, rows, ttfts, summary)
-    print(f"results in {args.out}/results.json, tables in {args.out}/results.md, plots beside them")
+    print(f"plots in {args.out}")
     return 0
 
 
@@ -393,4 +382,6 @@ def _save(fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: str) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from inferlb.bench.suites import script
+
+    sys.exit(script(sys.modules[__name__]))

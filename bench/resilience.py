@@ -1,6 +1,6 @@
 """Resilience under faults, through a real Envoy with emulated servers: what each fault costs the clients.
 
-    python -m inferlb.bench.resilience --out bench/results [--scenario NAME ...] [--quick]
+    inferlb bench resilience --out bench/results [--scenario NAME ...] [--quick]
 
 Scenarios (each in fail-open and, where it differs, fail-closed):
 
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,12 +38,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from inferlb.bench.report import header
+from inferlb.bench.report import header, table, write
+from inferlb.bench.stats import percentile, rounded, slope
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, free_port, stop_all
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
-__all__ = ["main"]
+__all__ = ["SCENARIOS", "add_arguments", "run"]
 
 MODEL = "m"
 SCENARIOS = ("picker-kill", "picker-sigterm", "server-kill", "span-flood", "soak")
@@ -160,14 +160,12 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+    """The rounded nearest rank, as every resilience figure has been reported."""
+    return percentile(values, q, method="closest_observation")
 
 
 def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1000 * seconds, 1)
+    return rounded(seconds, 1, 1000)
 
 
 def _summary(
@@ -209,8 +207,8 @@ def _summary(
         "failure_mode": plan.failure_mode,
         "sent": len(records),
         # Whether the machine kept up: the client's time for the short answers (a few decode steps each).
-        "short_e2e_ms_p50": _ms(_quantile(short, 0.5)),
-        "short_e2e_ms_p99": _ms(_quantile(short, 0.99)),
+        "short_e2e_ms_p50": _ms(_quantile(short, 50)),
+        "short_e2e_ms_p99": _ms(_quantile(short, 99)),
         "ok": sum(1 for r in records if r["status"] == 200 and not r["cut"]),
         "errors": sum(errors.values()),
         "errors_by_status": dict(sorted(errors.items())),
@@ -331,8 +329,8 @@ def _routing_windows(
         share = sum(1 for p in picked if p == named) / len(picked) if picked else None
         return {
             "n": len(routing),
-            "p50": _quantile(routing, 0.5),
-            "p99": _quantile(routing, 0.99),
+            "p50": _quantile(routing, 50),
+            "p99": _quantile(routing, 99),
             "share_of_named_endpoint": None if share is None else round(share, 3),
         }
 
@@ -358,10 +356,9 @@ def _soak(
 ) -> dict[str, Any]:
     end = rss[-1][0] if rss else started
     last = [(t, mb) for t, mb in rss if t >= end - 600]
-    slope = None
+    trend = None
     if len(last) >= 10:
-        ts = [(t - last[0][0]) / 60 for t, _ in last]
-        slope = statistics.linear_regression(ts, [mb for _, mb in last]).slope
+        trend = slope([(t - last[0][0]) / 60 for t, _ in last], [mb for _, mb in last])
     minutes: dict[int, Counter[str]] = {}
     for record in records:
         picked = log.get(record["request_id"], {}).get("picked")
@@ -374,7 +371,7 @@ def _soak(
     even = 1 / len(endpoints)
     within = [all(abs(s - even) <= 0.25 * even for s in row) for row in shares]
     return {
-        "rss_slope_last_10min_mb_per_min": None if slope is None else round(slope, 4),
+        "rss_slope_last_10min_mb_per_min": None if trend is None else round(trend, 4),
         "rss_samples": [[round(t - started, 1), round(mb, 2)] for t, mb in rss[:: max(1, len(rss) // 120)]],
         "share_per_minute": shares,
         "minutes_within_25pct_of_even": f"{sum(within)}/{len(within)}",
@@ -423,17 +420,26 @@ def _markdown(results: list[dict[str, Any]], command: str) -> str:
         "Envoy and the picker; the load is open loop, 10% long streams. Errors are client errors by status (0: no "
         "response); cut streams are 200s whose stream broke off (in brackets, those the picker had routed).",
         "",
-        "| scenario | failure mode | sent | errors (by status) | cut streams (routed) | recovery s | gap s | "
-        "short answers p50 / p99 ms | picker RSS MB start / end |",
-        "|---|---|---:|---|---:|---:|---:|---|---|",
     ]
+    head = ["scenario", "failure mode", "sent", "errors (by status)", "cut streams (routed)", "recovery s", "gap s"]
+    head += ["short answers p50 / p99 ms", "picker RSS MB start / end"]
+    body = []
     for r in results:
         by_status = ", ".join(f"{k}: {v}" for k, v in r["errors_by_status"].items()) or "none"
-        lines.append(
-            f"| {r['scenario']} | {r['failure_mode']} | {r['sent']} | {r['errors']} ({by_status}) | "
-            f"{r['cut_streams']} ({r['cut_routed_streams']}) | {r['recovery_s']} | {r.get('gap_s', '')} | "
-            f"{r.get('short_e2e_ms_p50')} / {r.get('short_e2e_ms_p99')} | {r['rss_start_mb']} / {r['rss_end_mb']} |"
+        body.append(
+            [
+                r["scenario"],
+                r["failure_mode"],
+                r["sent"],
+                f"{r['errors']} ({by_status})",
+                f"{r['cut_streams']} ({r['cut_routed_streams']})",
+                r["recovery_s"],
+                r.get("gap_s", ""),
+                f"{r.get('short_e2e_ms_p50')} / {r.get('short_e2e_ms_p99')}",
+                f"{r['rss_start_mb']} / {r['rss_end_mb']}",
+            ]
         )
+    lines += table(head, body, "llrlrrrll")
     lines += [
         "",
         "Recovery: for a picker fault, from the fault until requests are decided by a picker again after the old one "
@@ -465,14 +471,15 @@ def _markdown(results: list[dict[str, Any]], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--scenario", action="append", choices=SCENARIOS, help="run only these (repeatable)")
     parser.add_argument("--quick", action="store_true", help="short runs at a low rate (a few minutes in all)")
     parser.add_argument("--workdir", type=Path, help="keep each run's logs here (default: a temporary folder)")
-    args = parser.parse_args(argv)
-    command = "python -m inferlb.bench.resilience " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.command
     plans = [p for p in _plans(args.quick) if not args.scenario or p.scenario in args.scenario]
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="inferlb-resilience-") as temporary:
@@ -482,7 +489,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = _run(plan, folder / f"{i}-{plan.scenario}-{plan.failure_mode}", command)
             print(json.dumps({k: v for k, v in result.items() if k not in ("rss_samples", "share_per_minute")}))
             results.append(result)
-    args.out.mkdir(parents=True, exist_ok=True)
     name = "resilience-quick" if args.quick else "resilience"
     path = args.out / f"{name}.json"
     if args.scenario and path.exists():
@@ -490,10 +496,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept = [r for r in json.loads(path.read_text(encoding="utf-8")) if r["scenario"] not in args.scenario]
         order = {scenario: i for i, scenario in enumerate(SCENARIOS)}
         results = sorted([*kept, *results], key=lambda r: order[r["scenario"]])
-    path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    (args.out / f"{name}.md").write_text(_markdown(results, command), encoding="utf-8")
+    write(args.out, name, results, _markdown(results, command))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from inferlb.bench.suites import script
+
+    raise SystemExit(script(sys.modules[__name__]))

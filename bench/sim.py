@@ -1,6 +1,6 @@
 """What the emulator costs and how fast the simulator runs.
 
-    python -m inferlb.bench.sim --out bench/results [--quick] [--traces DIR]
+    inferlb bench sim --out bench/results [--quick] [--traces DIR]
 
 1. The discrete-event simulator replays the Mooncake conversation trace (12,031 requests, one hour) on 16
    emulated H100 + Llama-3.1-8B servers, once per policy (round robin, fewest in flight), on one core, and
@@ -20,7 +20,7 @@ import argparse
 import asyncio
 import itertools
 import os
-import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,13 +28,16 @@ from typing import Any
 import httpx
 
 from inferlb.bench.load import cpu_seconds
-from inferlb.bench.report import header, write
+from inferlb.bench.report import header, table, write
+from inferlb.bench.stats import median, percentile, rounded
 from inferlb.procs import free_port
 from inferlb.sim.des import FleetView, simulate, trace_arrivals
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.replay import Shot, replay
 from inferlb.sim.traces import load_trace, prompt_text
 from inferlb.stack import start_sim
+
+__all__ = ["add_arguments", "des_speed", "live_cost", "run"]
 
 PROFILE = "h100-llama3.1-8b"
 MODEL = "bench-model"
@@ -45,11 +48,6 @@ def _traces_dir(given: Path | None) -> Path:
         return given
     env = os.environ.get("INFERLB_TRACES_DIR")
     return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def des_speed(traces: Path, servers: int, limit: int | None) -> list[dict[str, Any]]:
@@ -81,8 +79,8 @@ def des_speed(traces: Path, servers: int, limit: int | None) -> list[dict[str, A
                 "cpu_s": round(cpu, 2),
                 "events": result.events,
                 "errors": sum(r.error is not None for r in result.records),
-                "ttft_p50_ms": round(1000 * _pct(ttft, 0.5), 1),
-                "ttft_p99_ms": round(1000 * _pct(ttft, 0.99), 1),
+                "ttft_p50_ms": rounded(percentile(ttft, 50, method="higher"), 1, 1000),
+                "ttft_p99_ms": rounded(percentile(ttft, 99, method="higher"), 1, 1000),
                 "prefix_hit_rate": round(sum(s.prefix_cache_hits for s in result.servers) / max(queries, 1), 3),
             }
         )
@@ -133,33 +131,62 @@ def live_cost(traces: Path, servers: int, rate: float, duration_s: float, workdi
         "sim_cpu_ms_per_request": round(1000 * cpu / len(shots), 2),
         "output_tokens": sum(c.tokens for c in client),
         "client_errors": sum(c.error is not None for c in client),
-        "server_ttft_p50_ms": round(1000 * statistics.median(ttft), 1),
-        "server_e2e_p50_ms": round(1000 * statistics.median(e2e), 1),
+        "server_ttft_p50_ms": rounded(median(ttft), 1, 1000),
+        "server_e2e_p50_ms": rounded(median(e2e), 1, 1000),
     }
     print(f"live: {row}", flush=True)
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--traces", type=Path, help="folder with the traces (default: ../shared/traces)")
     parser.add_argument("--quick", action="store_true", help="2,000 requests in the DES, 5 s of live load")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     traces = _traces_dir(args.traces)
     if not (traces / "mooncake_conversation_trace.jsonl").exists():
-        parser.error(f"no traces in {traces}; give --traces DIR or set INFERLB_TRACES_DIR")
+        print(
+            f"inferlb bench sim: error: no traces in {traces}; give --traces DIR or set INFERLB_TRACES_DIR",
+            file=sys.stderr,
+        )
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     des = des_speed(traces, 16, 2000 if args.quick else None)
     live = live_cost(traces, 8, 50.0, 5.0 if args.quick else 20.0, args.out)
     (args.out / "sim.log").unlink(missing_ok=True)
-    report = {
-        **header(f"python -m inferlb.bench.sim --out bench/results{' --quick' if args.quick else ''}"),
-        "des": des,
-        "live": live,
-    }
-    print(f"wrote {write(args.out, 'sim', report, _markdown)}")
+    report = {**header(args.command), "des": des, "live": live}
+    write(args.out, "sim", report, _markdown(report))
     return 0
+
+
+_DES_COLUMNS = {
+    "policy": "policy",
+    "requests": "requests",
+    "simulated_s": "simulated s",
+    "wall_s": "wall s",
+    "cpu_s": "CPU s",
+    "events": "events",
+    "errors": "errors",
+    "ttft_p50_ms": "TTFT p50 ms",
+    "ttft_p99_ms": "TTFT p99 ms",
+    "prefix_hit_rate": "prefix hit rate",
+}
+_LIVE_COLUMNS = {
+    "requests": "requests",
+    "offered_rps": "offered req/s",
+    "load_window_s": "load window s",
+    "wall_s": "wall s",
+    "sim_cpu_s": "emulator CPU s",
+    "sim_cpu_per_offered_s": "CPU s per offered s",
+    "sim_cpu_per_wall_s": "CPU s per wall s",
+    "sim_cpu_ms_per_request": "CPU ms / request",
+    "output_tokens": "output tokens",
+    "client_errors": "client errors",
+    "server_ttft_p50_ms": "server TTFT p50 ms",
+    "server_e2e_p50_ms": "server E2E p50 ms",
+}
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -170,15 +197,8 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         "## Discrete-event simulator: Mooncake conversation trace, 16 x h100-llama3.1-8b",
         "",
-        "| policy | requests | simulated s | wall s | CPU s | events | errors | TTFT p50 ms | TTFT p99 ms "
-        "| prefix hit rate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in report["des"]:
-        lines.append(
-            f"| {r['policy']} | {r['requests']} | {r['simulated_s']} | {r['wall_s']} | {r['cpu_s']} | {r['events']} "
-            f"| {r['errors']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['prefix_hit_rate']} |"
-        )
+    lines += table(list(_DES_COLUMNS.values()), [[r[k] for k in _DES_COLUMNS] for r in report["des"]])
     live = report["live"]
     lines += [
         "",
@@ -188,18 +208,12 @@ def _markdown(report: dict[str, Any]) -> str:
         "after the last arrival). Per offered second divides it by the load window, per wall second by the wall "
         "time, drain included (the mean share of one core).",
         "",
-        "| requests | offered req/s | load window s | wall s | emulator CPU s | CPU s per offered s "
-        "| CPU s per wall s | CPU ms / request | output tokens | client errors | server TTFT p50 ms "
-        "| server E2E p50 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {live['requests']} | {live['offered_rps']} | {live['load_window_s']} | {live['wall_s']} "
-        f"| {live['sim_cpu_s']} | {live['sim_cpu_per_offered_s']} | {live['sim_cpu_per_wall_s']} "
-        f"| {live['sim_cpu_ms_per_request']} | {live['output_tokens']} | {live['client_errors']} "
-        f"| {live['server_ttft_p50_ms']} | {live['server_e2e_p50_ms']} |",
-        "",
     ]
-    return "\n".join(lines)
+    lines += table(list(_LIVE_COLUMNS.values()), [[live[k] for k in _LIVE_COLUMNS]], "r" * len(_LIVE_COLUMNS))
+    return "\n".join([*lines, ""])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from inferlb.bench.suites import script
+
+    raise SystemExit(script(sys.modules[__name__]))
