@@ -22,7 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 # Scripts the suites start as child processes (or another venv's Python runs): not benchmarks of their own.
 CHILD_PROCESSES = {"faultload", "loadgen", "metricsfarm", "noop_picker", "offline_tokenizer", "spanflood"}
-PRODUCT = ("scorer", "filter", "otel", "envoy", "inferlb")
 
 
 def _runs_as_script(path: Path) -> bool:
@@ -128,25 +127,3 @@ def test_other_commands_never_import_the_benchmarks() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
-
-
-def _bench_imports(path: Path) -> list[str]:
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        found += [n for n in names if n == "inferlb.bench" or n.startswith(("inferlb.bench.", "bench."))]
-    return found
-
-
-def test_the_product_imports_the_benchmarks_only_in_the_cli_hook() -> None:
-    found = {
-        str(path.relative_to(REPO)): imports
-        for folder in PRODUCT
-        for path in sorted((REPO / folder).rglob("*.py"))
-        if (imports := _bench_imports(path))
-    }
-    assert found == {"inferlb/cli.py": ["inferlb.bench.suites"]}
