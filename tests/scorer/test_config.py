@@ -129,7 +129,9 @@ ERRORS = [
         r"^pool: unknown key 'endpoint' \(allowed: allowed_networks, endpoints\)",
         id="unknown-pool-key",
     ),
-    pytest.param({"pool": {}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-missing"),
+    pytest.param(
+        {"pool": {}}, r"^pool\.endpoints is required \(a non-empty list of endpoints\)$", id="endpoints-missing"
+    ),
     pytest.param({"pool": {"endpoints": []}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-empty"),
     pytest.param(
         {"pool": {"endpoints": {"address": "10.0.0.1:80"}}},
@@ -355,12 +357,12 @@ def _profile_doc(**profile: Any) -> dict[str, Any]:
     [
         pytest.param(
             _profile_doc(scorers=["queue", "kv-cache", {"type": "in-flight", "weight": 0}]),
-            r"^profiles\.mine\.scorers\[2\]\.weight must be > 0 and <= 100; got 0$",
+            r"^profiles\.mine\.scorers\[2\]\.weight must be a number in \(0, 100\]; got 0$",
             id="weight-zero",
         ),
         pytest.param(
             _profile_doc(scorers=[{"type": "queue", "weight": 1000}]),
-            r"^profiles\.mine\.scorers\[0\]\.weight must be > 0 and <= 100; got 1000$",
+            r"^profiles\.mine\.scorers\[0\]\.weight must be a number in \(0, 100\]; got 1000$",
             id="weight-too-big",
         ),
         pytest.param(
@@ -495,7 +497,13 @@ pool:
 # (kind, plugin type, parameter, what the message says it must be, {bad value as YAML: how the message shows it}).
 # Every declared parameter of every built-in plugin is here (test_every_declared_parameter_is_tested checks).
 MUST_BE = [
-    ("filters", "saturation", "max_waiting", "a number >= 0 or .inf", {"x": "'x'", "-1": "-1", "true": "True"}),
+    (
+        "filters",
+        "saturation",
+        "max_waiting",
+        "a number >= 0 or .inf",
+        {"x": "'x'", "-1": "-1", "true": "True", ".nan": "nan"},
+    ),
     (
         "filters",
         "saturation",
@@ -513,8 +521,14 @@ MUST_BE = [
         {"256.0": "256.0", "-1": "-1", "false": "False"},
     ),
     ("scorers", "in-flight-tokens", "unit", "a number > 0", {"0": "0", "-4096": "-4096", ".inf": "inf", "yes": "True"}),
-    ("scorers", "latency", "signal", "one of 'ttft_s', 'e2e_s'", {"ttft": "'ttft'", "1": "1"}),
-    ("scorers", "latency", "tolerance", "a number in [0, 10]", {"-0.1": "-0.1", "11": "11", "'x'": "'x'"}),
+    ("scorers", "latency", "signal", "ttft_s or e2e_s", {"ttft": "'ttft'", "1": "1"}),
+    (
+        "scorers",
+        "latency",
+        "tolerance",
+        "a number in 0..10",
+        {"-0.1": "-0.1", "11": "11", "'x'": "'x'", ".inf": "inf", ".nan": "nan"},
+    ),
     ("scorers", "predicted-ttft", "block_tokens", "an integer >= 1", {"0": "0", "64.0": "64.0", "'64'": "'64'"}),
     ("scorers", "predicted-ttft", "guard", "a number > 0 or .inf", {"0": "0", "-.inf": "-inf", "'2'": "'2'"}),
     ("filters", "ttft-slo", "guard", "a number > 0 or .inf", {"-1": "-1", ".nan": "nan"}),
@@ -531,7 +545,7 @@ MUST_BE = [
         "scorers",
         "session-affinity",
         "vnodes",
-        "an integer in [1, 1000]",
+        "an integer in 1..1000",
         {"0": "0", "true": "True", "[160]": "[160]", "100000": "100000"},
     ),
 ]
@@ -587,7 +601,7 @@ def test_every_declared_parameter_is_tested() -> None:
     registry = default_registry()
     tables = {"filters": registry.filters, "scorers": registry.scorers, "picker": registry.pickers}
     declared = {
-        (kind, name, param) for kind, table in tables.items() for name, p in table.items() for param in p.params
+        (kind, name, param) for kind, table in tables.items() for name, p in table.items() for param in p.parameters()
     }
     assert declared == {(kind, plugin, param) for kind, plugin, param, _, _ in MUST_BE}
     assert set(registry.pickers) <= {plugin for kind, plugin, _, _ in UNKNOWN if kind == "picker"}
@@ -899,7 +913,9 @@ def test_every_address_may_send_only_with_a_token() -> None:
         ),
         pytest.param({"allowed_senders": ["224.0.0.0/4"]}, r"is a multicast address", id="multicast"),
         pytest.param(
-            {"receiver_auth": {"token": "x"}}, r"^otel\.receiver_auth needs exactly one of", id="inline-token"
+            {"receiver_auth": {"token": "x"}},
+            r"^otel\.receiver_auth: unknown key 'token' \(allowed: token_env, token_file\)$",
+            id="inline-token",
         ),
         pytest.param({"receiver_auth": "secret"}, r"^otel\.receiver_auth must be a mapping", id="not-a-mapping"),
         pytest.param(
