@@ -43,7 +43,7 @@ from typing import Annotated, Any, ClassVar
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError, model_validator
+from pydantic import ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError, model_validator
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, core_schema
 
@@ -92,7 +92,7 @@ def _address(value: Any) -> str:
 
 def _destination(value: Any) -> str:
     """An address the picker sends traffic to: unicast (never a metadata service or this host); whether it is
-    inside ``pool.allowed_networks`` is `_Pool`'s check."""
+    inside ``pool.allowed_networks`` is `PoolFile`'s check."""
     address = _address(value)
     problem = destination_problem(parse_address(address)[0], None)
     if problem is not None:
@@ -153,7 +153,7 @@ class SignalsConfig(Section):
         return self
 
 
-class _Token(Model):
+class TokenFile(Model):
     """Where a bearer token is: ``token_file`` (a path) or ``token_env`` (an environment variable's name), never the
     token itself. ``required``: one of them must be given."""
 
@@ -168,7 +168,7 @@ class _Token(Model):
     ] = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> _Token:
+    def _one_source(self) -> TokenFile:
         given = (self.token_file is not None) + (self.token_env is not None)
         if given > 1 or (self.required and not given):
             raise invalid(
@@ -184,7 +184,7 @@ class _Token(Model):
 
 
 def _token(value: Any) -> TokenSource | None:
-    return None if value is None else _Token.model_validate(value).source()
+    return None if value is None else TokenFile.model_validate(value).source()
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +220,7 @@ class OtelConfig(Section):
     publish_interval_s: Annotated[float, number(ge=0.01, le=60)] = 0.25
     heatmap_bucket_s: Annotated[float, number(ge=0.1, le=3600)] = 10.0
     allowed_senders: Annotated[tuple[Network, ...] | None, optional(Networks_)] = None
-    receiver_auth: Annotated[TokenSource | None, Parsed(_token, input=_Token | None)] = None
+    receiver_auth: Annotated[TokenSource | None, Parsed(_token, input=TokenFile | None)] = None
     # the OTel Collector's default batch limit
     receiver_max_message_bytes: Annotated[int, integer(ge=64 << 10, le=64 << 20)] = 4 << 20
     receiver_max_spans_per_request: Annotated[int, integer(ge=1, le=1 << 20)] = 16384
@@ -282,7 +282,7 @@ def _host_name(value: Any) -> str:
     return value.lower()
 
 
-class _AdminAuth(_Token):
+class AdminAuthFile(TokenFile):
     """``admin_auth``: the token (optional: without one, state-changing routes are off) and ``allowed_hosts``."""
 
     required: ClassVar[bool] = False
@@ -305,7 +305,7 @@ class GpuSource(Section):
     """Where an endpoint's GPU state comes from: ``url`` of a GPU agent's (or the emulator's) ``/gpu`` (kind
     "agent") or of a DCGM exporter's ``/metrics`` (kind "dcgm"); ``indices`` are the GPUs of that node the endpoint
     uses (None: all of them). A parsed ``url`` is canonical ``http://ip:port/path``: a literal unicast IP (inside
-    ``pool.allowed_networks``: `_Pool` checks), no user, query or fragment.
+    ``pool.allowed_networks``: `PoolFile` checks), no user, query or fragment.
 
     The picker fetches ``url`` every ``signals.gpu_interval_s``, so it is held to what a pool address is: plain
     ``http://`` (no TLS client is configured for it) to a literal IP (a hostname could resolve anywhere later).
@@ -370,7 +370,7 @@ class EndpointConfig(Section):
     gpu: Annotated[GpuSource | None, must("a mapping", lambda v: isinstance(v, dict))] = None
 
 
-class _Pool(Model):
+class PoolFile(Model):
     """``pool``: the endpoints, and the networks they and their GPU sources must be inside."""
 
     allowed_networks: Annotated[tuple[Network, ...], Networks_] = DEFAULT_ALLOWED_NETWORKS
@@ -379,7 +379,7 @@ class _Pool(Model):
     )
 
     @model_validator(mode="after")
-    def _inside_allowed_networks(self) -> _Pool:
+    def _inside_allowed_networks(self) -> PoolFile:
         allowed, where = Networks.of(self.allowed_networks), "pool.allowed_networks"
         seen: dict[str, int] = {}
         for i, endpoint in enumerate(self.endpoints):
@@ -401,7 +401,7 @@ class _Pool(Model):
 _CLASS = RequestClass("")  # the defaults of a class
 
 
-class _Match(Model):
+class MatchFile(Model):
     """What a request must be for its class's rule to match (all given conditions; none: every request)."""
 
     min_prompt_tokens: Annotated[int | None, integer(ge=0)] = None
@@ -411,11 +411,11 @@ class _Match(Model):
     header: Annotated[frozenset[Text] | None, Parsed(_one_or_more)] = None
 
 
-class _Class(Model):
+class ClassFile(Model):
     """One entry of ``classes``: its rule (``match``) and what its requests get (see `RequestClass`)."""
 
     name: Text = Field(description="the class's name")
-    match: _Match = Field(default_factory=_Match)
+    match: MatchFile = Field(default_factory=MatchFile)
     priority: Annotated[int, integer()] = _CLASS.priority
     ttft_slo_s: Annotated[float | None, number(ge=0.001, le=3600)] = None
     on_saturation: Annotated[str, one_of("wait", "shed")] = _CLASS.on_saturation
@@ -436,7 +436,7 @@ class _Class(Model):
         )
 
 
-class _Plugin:
+class PluginEntry:
     """``Annotated`` metadata of a profile's plugin entry: a type name, or a mapping with ``type``, its parameters
     and (scorers only) ``weight``. Validated into a `PluginSpec`; the registry checks the type and parameters
     when `parse_config` builds the profile. ``kind``: "filters", "scorers" or "pickers"."""
@@ -451,8 +451,6 @@ class _Plugin:
         return default_registry().entry_schema(self.kind)
 
     def _spec(self, item: Any) -> PluginSpec:
-        if isinstance(item, PluginSpec):
-            return item
         if isinstance(item, str):
             item = {"type": item}
         if not isinstance(item, dict):
@@ -466,15 +464,15 @@ class _Plugin:
         return PluginSpec(kind, params, item.get("weight", 1.0))  # the registry checks the weight
 
 
-class _Profile(Model):
+class ProfileFile(Model):
     """A scheduling profile: filters (the first must be ``model``), weighted scorers, one picker."""
 
-    filters: tuple[Annotated[PluginSpec, _Plugin("filters")], ...] = (PluginSpec("model"),)
-    scorers: tuple[Annotated[PluginSpec, _Plugin("scorers")], ...] = ()
-    picker: Annotated[PluginSpec, _Plugin("pickers")] = PluginSpec("max-score")
+    filters: tuple[Annotated[PluginSpec, PluginEntry("filters")], ...] = Field(("model",), validate_default=True)
+    scorers: tuple[Annotated[PluginSpec, PluginEntry("scorers")], ...] = ()
+    picker: Annotated[PluginSpec, PluginEntry("pickers")] = Field("max-score", validate_default=True)
 
     @model_validator(mode="after")
-    def _model_first(self) -> _Profile:
+    def _model_first(self) -> ProfileFile:
         if not self.filters or self.filters[0].type != "model":
             raise invalid(" must be 'model' (requests must go to endpoints serving their model)", "filters", 0)
         if len(self.scorers) > MAX_SCORERS:
@@ -485,22 +483,24 @@ class _Profile(Model):
 class ConfigFile(Model):
     """The picker's configuration file (see the README's Configuration section)."""
 
+    model_config = ConfigDict(title="inferlb picker configuration")
+
     listen: Address = DEFAULT_LISTEN
     admin: OptionalAddress = DEFAULT_ADMIN
-    admin_auth: _AdminAuth = Field(default_factory=_AdminAuth)
+    admin_auth: AdminAuthFile = Field(default_factory=AdminAuthFile)
     drain_s: Annotated[float, number(ge=0, le=3600)] = DEFAULT_DRAIN_S
     inflight: InflightConfig = Field(default_factory=InflightConfig)
     policy: Text = DEFAULT_POLICY
     max_body_bytes: Annotated[int, integer(ge=1024, le=1 << 30)] = DEFAULT_MAX_BODY_BYTES
     session_header: HeaderName | None = None
     signals: SignalsConfig = Field(default_factory=SignalsConfig)
-    profiles: dict[Text, _Profile] = Field(default_factory=dict)
+    profiles: dict[Text, ProfileFile] = Field(default_factory=dict)
     class_header: HeaderName | None = None
-    classes: tuple[_Class, ...] = ()
+    classes: tuple[ClassFile, ...] = ()
     default_class: Text | None = None
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     otel: OtelConfig = Field(default_factory=OtelConfig)
-    pool: _Pool = Field(description="a mapping with a list 'endpoints'")
+    pool: PoolFile = Field(description="a mapping with a list 'endpoints'")
 
     @model_validator(mode="after")
     def _consistent(self) -> ConfigFile:
