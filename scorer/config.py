@@ -59,7 +59,7 @@ from inferlb.scorer.networks import (
     unicast_problem,
 )
 from inferlb.scorer.presets import PRESET_NAMES
-from inferlb.scorer.registry import BuildContext, PluginSpec, ProfileSpec, default_registry
+from inferlb.scorer.registry import BuildContext, PluginSpec, ProfileSpec, checked_weight, default_registry
 from inferlb.scorer.validation import (
     FLAG,
     TEXT,
@@ -461,7 +461,7 @@ class PluginEntry:
         if "weight" in item and self.kind != "scorers":
             raise invalid(": only scorers have weights", "weight")
         params = {str(k): v for k, v in item.items() if k not in ("type", "weight")}
-        return PluginSpec(kind, params, item.get("weight", 1.0))  # the registry checks the weight
+        return PluginSpec(kind, params, checked_weight(item.get("weight", 1.0)))
 
 
 class ProfileFile(Model):

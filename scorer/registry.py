@@ -59,6 +59,7 @@ __all__ = [
     "PluginSpec",
     "ProfileSpec",
     "Registry",
+    "checked_weight",
     "default_registry",
 ]
 
@@ -173,6 +174,13 @@ def _adapter(model: Any) -> TypeAdapter[Any]:
     return TypeAdapter(model)
 
 
+def checked_weight(value: Any) -> float:
+    """A scorer's weight as a float; pydantic's ``ValidationError`` (at ``weight``) unless it is a number in
+    (0, `MAX_WEIGHT`]."""
+    weight: float = _adapter(_Weight).validate_python({"weight": value})["weight"]
+    return weight
+
+
 @dataclass(frozen=True, slots=True)
 class Plugin:
     """A registered plugin type: its factory and its parameter model (a ``TypedDict`` of the parameters a config may
@@ -249,7 +257,7 @@ class Registry:
             s = spec.scorers[i]
             here = f"{where}.scorers[{i}]"
             try:
-                weight = _adapter(_Weight).validate_python({"weight": s.weight})["weight"]
+                weight = checked_weight(s.weight)
             except ValidationError as exc:
                 raise config_error(exc, here) from None
             scorer: Scorer = self._make(self.scorers, s, ctx, here)
