@@ -128,7 +128,7 @@ OptionalAddress = Annotated[str | None, optional(Parsed(_address))]
 Text = Annotated[str, TEXT]
 HeaderName = Annotated[str, Parsed(_header_name)]
 Seconds = Annotated[float, number(ge=0.001, le=3600, noun="a number of seconds")]
-Networks_ = non_empty_list("a non-empty list of networks such as '10.0.0.0/8'")
+_NETWORK_LIST = non_empty_list("a non-empty list of networks such as '10.0.0.0/8'")
 Network = Annotated[str, Parsed(_network)]
 
 
@@ -219,7 +219,7 @@ class OtelConfig(Section):
     half_life_s: Annotated[float, number(ge=0.01, le=86400)] = 10.0
     publish_interval_s: Annotated[float, number(ge=0.01, le=60)] = 0.25
     heatmap_bucket_s: Annotated[float, number(ge=0.1, le=3600)] = 10.0
-    allowed_senders: Annotated[tuple[Network, ...] | None, optional(Networks_)] = None
+    allowed_senders: Annotated[tuple[Network, ...] | None, optional(_NETWORK_LIST)] = None
     receiver_auth: Annotated[TokenSource | None, Parsed(_token, input=TokenFile | None)] = None
     # the OTel Collector's default batch limit
     receiver_max_message_bytes: Annotated[int, integer(ge=64 << 10, le=64 << 20)] = 4 << 20
@@ -373,7 +373,7 @@ class EndpointConfig(Section):
 class PoolFile(Model):
     """``pool``: the endpoints, and the networks they and their GPU sources must be inside."""
 
-    allowed_networks: Annotated[tuple[Network, ...], Networks_] = DEFAULT_ALLOWED_NETWORKS
+    allowed_networks: Annotated[tuple[Network, ...], _NETWORK_LIST] = DEFAULT_ALLOWED_NETWORKS
     endpoints: Annotated[tuple[EndpointConfig, ...], non_empty_list("a non-empty list of endpoints")] = Field(
         description="a non-empty list of endpoints"
     )
