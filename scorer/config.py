@@ -126,7 +126,7 @@ def _one_or_more(value: Any) -> Any:
 Address = Annotated[str, Parsed(_address)]
 OptionalAddress = Annotated[str | None, optional(Parsed(_address))]
 Text = Annotated[str, TEXT]
-HeaderName = Annotated[str, Parsed(_header_name)]
+HeaderName = Annotated[str | None, Parsed(_header_name)]  # optional, but a null given is refused
 Seconds = Annotated[float, number(ge=0.001, le=3600, noun="a number of seconds")]
 _NETWORK_LIST = non_empty_list("a non-empty list of networks such as '10.0.0.0/8'")
 Network = Annotated[str, Parsed(_network)]
@@ -492,10 +492,10 @@ class ConfigFile(Model):
     inflight: InflightConfig = Field(default_factory=InflightConfig)
     policy: Text = DEFAULT_POLICY
     max_body_bytes: Annotated[int, integer(ge=1024, le=1 << 30)] = DEFAULT_MAX_BODY_BYTES
-    session_header: HeaderName | None = None
+    session_header: HeaderName = None
     signals: SignalsConfig = Field(default_factory=SignalsConfig)
     profiles: dict[Text, ProfileFile] = Field(default_factory=dict)
-    class_header: HeaderName | None = None
+    class_header: HeaderName = None
     classes: tuple[ClassFile, ...] = ()
     default_class: Text | None = None
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)

@@ -187,7 +187,7 @@ class Plugin:
     give it, each field annotated with its rule; none by default). The factory gets the validated parameters."""
 
     factory: Factory
-    params: Any = NoParams
+    params: type = NoParams
 
     def parameters(self) -> tuple[str, ...]:
         """The names of the parameters, in name order."""
