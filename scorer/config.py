@@ -59,7 +59,14 @@ from inferlb.scorer.networks import (
     unicast_problem,
 )
 from inferlb.scorer.presets import PRESET_NAMES
-from inferlb.scorer.registry import BuildContext, PluginSpec, ProfileSpec, checked_weight, default_registry
+from inferlb.scorer.registry import (
+    BuildContext,
+    PluginSpec,
+    ProfileSpec,
+    checked_weight,
+    default_registry,
+    unknown_type,
+)
 from inferlb.scorer.validation import (
     FLAG,
     TEXT,
@@ -315,7 +322,8 @@ class GpuSource(Section):
     url: Text = field(metadata={"description": "e.g. 'http://10.0.0.7:9400/gpu'"})
     kind: Annotated[str, one_of("agent", "dcgm")] = "agent"
     indices: Annotated[
-        tuple[Annotated[int, integer(ge=0)], ...] | None, non_empty_list("a non-empty list of GPU indices")
+        tuple[Annotated[int, integer(ge=0)], ...] | None,
+        non_empty_list("a non-empty list of GPU indices (integers >= 0)"),
     ] = None
 
     @model_validator(mode="after")
@@ -458,6 +466,9 @@ class PluginEntry:
         kind = item.get("type")
         if not isinstance(kind, str) or not kind:
             raise invalid(f" must be a non-empty string; got {shown(kind)}", "type")
+        table = getattr(default_registry(), self.kind)
+        if kind not in table:
+            raise invalid(f": {unknown_type(table, kind)}", "type")
         if "weight" in item and self.kind != "scorers":
             raise invalid(": only scorers have weights", "weight")
         params = {str(k): v for k, v in item.items() if k not in ("type", "weight")}

@@ -31,7 +31,7 @@ from pydantic import TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from inferlb.scorer.engine import Filter, Picker, Profile, Scorer, WeightedScorer
-from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.errors import ConfigError, shown
 from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftSloFilter
 from inferlb.scorer.loadscorers import (
     GpuFreeMemoryScorer,
@@ -61,6 +61,7 @@ __all__ = [
     "Registry",
     "checked_weight",
     "default_registry",
+    "unknown_type",
 ]
 
 # Bounds every weight so that totals stay far below where MaxScorePicker's tie-break jitter would be lost.
@@ -174,6 +175,11 @@ def _adapter(model: Any) -> TypeAdapter[Any]:
     return TypeAdapter(model)
 
 
+def unknown_type(table: Mapping[str, Plugin], name: str) -> str:
+    """What to say of a type name that ``table`` does not hold."""
+    return f"unknown type {shown(name)} (known: {', '.join(sorted(table))})"
+
+
 def checked_weight(value: Any) -> float:
     """A scorer's weight as a float; pydantic's ``ValidationError`` (at ``weight``) unless it is a number in
     (0, `MAX_WEIGHT`]."""
@@ -272,7 +278,7 @@ class Registry:
     def _make(table: Mapping[str, Plugin], spec: PluginSpec, ctx: BuildContext, where: str) -> Any:
         plugin = table.get(spec.type)
         if plugin is None:
-            raise ConfigError(f"{where}.type: unknown type {spec.type!r} (known: {', '.join(sorted(table))})")
+            raise ConfigError(f"{where}.type: {unknown_type(table, spec.type)}")
         declared = plugin.parameters()
         for name in spec.params:
             if name not in declared:
