@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from inferlb import configcmd
 from inferlb.envoyconf import FALLBACK_POLICIES, EnvoyConfigError, EnvoyOptions, render_bootstrap
 from inferlb.scorer.config import load_config
 from inferlb.scorer.errors import ConfigError
@@ -71,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, type=Path, help="picker config YAML")
     serve.add_argument("--listen", help="override the config's listen address (ip:port)")
     serve.set_defaults(run=_serve)
+
+    configcmd.add_parser(sub)
 
     envoy = sub.add_parser("envoy-config", help="render the Envoy bootstrap for a picker config")
     envoy.add_argument("--config", required=True, type=Path, help="picker config YAML (pool and picker address)")

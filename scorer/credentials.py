@@ -11,11 +11,10 @@ import hmac
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from inferlb.scorer.errors import ConfigError
 
-__all__ = ["MIN_TOKEN_CHARS", "Credential", "TokenSource", "parse_token_source"]
+__all__ = ["MIN_TOKEN_CHARS", "Credential", "TokenSource"]
 
 MIN_TOKEN_CHARS = 16
 """A shorter token is refused: it could be guessed."""
@@ -44,7 +43,7 @@ class TokenSource:
             except UnicodeDecodeError:
                 raise ConfigError(f"{where}.token_file: {self.file} is not UTF-8 text") from None
         else:
-            assert self.env is not None  # parse_token_source sets one of the two
+            assert self.env is not None  # the config sets one of the two
             text = os.environ.get(self.env, "")
         token = text.strip()  # a file written by `echo` ends with a newline
         label = f"{where}.{'token_file' if self.file is not None else 'token_env'} ({self.describe()})"
@@ -90,22 +89,3 @@ class Credential:
 
     def __repr__(self) -> str:
         return "Credential(<hidden>)"
-
-
-def parse_token_source(value: Any, where: str) -> TokenSource:
-    """``{token_file: PATH}`` or ``{token_env: NAME}`` (exactly one); ConfigError naming ``where`` otherwise."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where} must be a mapping with token_file or token_env; got {type(value).__name__}")
-    keys = {"token_file", "token_env"} & set(value)
-    if len(keys) != 1:
-        raise ConfigError(
-            f"{where} needs exactly one of token_file (a file holding the token) and token_env (an environment "
-            "variable holding it)"
-        )
-    key = keys.pop()
-    name = value[key]
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{where}.{key} must be a non-empty string; got {name!r}")
-    if key == "token_env" and not all(c.isalnum() or c == "_" for c in name):
-        raise ConfigError(f"{where}.token_env must be an environment variable name; got {name!r}")
-    return TokenSource(file=name) if key == "token_file" else TokenSource(env=name)

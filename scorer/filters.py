@@ -55,12 +55,6 @@ class MemoryFitFilter:
     name = "memory-fit"
 
     def __init__(self, bytes_per_token: float = 131072, margin: float = 1.3, default_output_tokens: int = 256) -> None:
-        if not bytes_per_token > 0:
-            raise ValueError(f"bytes_per_token must be > 0; got {bytes_per_token!r}")
-        if not margin >= 1:
-            raise ValueError(f"margin must be >= 1; got {margin!r}")
-        if not default_output_tokens >= 0:
-            raise ValueError(f"default_output_tokens must be >= 0; got {default_output_tokens!r}")
         self.bytes_per_token = bytes_per_token
         self.margin = margin
         self.default_output_tokens = default_output_tokens

@@ -7,8 +7,6 @@ attracts nor repels traffic; the staleness filter is what keeps traffic off endp
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
@@ -122,8 +120,6 @@ class InFlightTokensScorer:
     bounded = True
 
     def __init__(self, unit: float = 4096.0) -> None:
-        if not unit > 0:
-            raise ValueError(f"unit must be > 0; got {unit!r}")
         self.unit = float(unit)
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
@@ -168,10 +164,6 @@ class LatencyScorer(_SnapshotScorer):
 
     def __init__(self, signal: str = "ttft_s", tolerance: float = 0.2) -> None:
         super().__init__()
-        if signal not in ("ttft_s", "e2e_s"):
-            raise ValueError(f"signal must be 'ttft_s' or 'e2e_s'; got {signal!r}")
-        if not 0 <= tolerance < math.inf:
-            raise ValueError(f"tolerance must be a finite number >= 0; got {tolerance!r}")
         self.signal = signal
         self.tolerance = float(tolerance)
 
@@ -203,10 +195,6 @@ class TtftPredictor:
     """
 
     def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1; got {block_tokens!r}")
-        if not guard > 0:
-            raise ValueError(f"guard must be > 0 (float('inf') turns the imbalance guard off); got {guard!r}")
         self._match = getattr(prefix_match, "match", None)
         self.block_tokens = block_tokens
         self.guard = guard
@@ -325,15 +313,8 @@ class SeedFormulaScorer(_SnapshotScorer):
         self, alpha: float = 1.0, beta: float = 1.0, gamma: float = 1.0, max_queue: float = 32.0, floor: float = 0.05
     ) -> None:
         super().__init__()
-        for name, weight in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-            if not weight >= 0:
-                raise ValueError(f"{name} must be >= 0; got {weight!r}")
-        if not alpha + beta + gamma > 0:
+        if not alpha + beta + gamma > 0:  # each is >= 0 (the registry's parameter model)
             raise ValueError("alpha, beta and gamma must not all be 0 (they weigh the three terms)")
-        if not max_queue > 0:
-            raise ValueError(f"max_queue must be > 0; got {max_queue!r}")
-        if not 0 <= floor < 1:
-            raise ValueError(f"floor must be in [0, 1); got {floor!r}")
         self.alpha, self.beta, self.gamma = alpha, beta, gamma
         self.max_queue, self.floor = max_queue, floor
         self._latency = LatencyScorer("e2e_s", tolerance=0.0)  # the formula as written: best / own

@@ -13,9 +13,6 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from inferlb.scorer.errors import ConfigError
 
 __all__ = [
     "DEFAULT_ALLOWED_NETWORKS",
@@ -26,7 +23,6 @@ __all__ = [
     "Networks",
     "destination_problem",
     "networks_of_hosts",
-    "parse_networks",
     "unicast_problem",
     "unmapped",
 ]
@@ -80,23 +76,6 @@ LOOPBACK_NETWORKS = Networks.of(("127.0.0.0/8", "::1/128"))
 """This host's own addresses, IPv4 and IPv6."""
 
 
-def parse_networks(value: Any, where: str) -> Networks:
-    """A config list of CIDR strings (``10.0.0.0/8``, ``fd00::/8``, or a bare address for one host).
-
-    Raises ConfigError naming ``where`` and the entry."""
-    if not isinstance(value, list) or not value:
-        raise ConfigError(f"{where} must be a non-empty list of networks such as '10.0.0.0/8'; got {value!r}")
-    out: list[IPNetwork] = []
-    for i, item in enumerate(value):
-        if not isinstance(item, str) or not item:
-            raise ConfigError(f"{where}[{i}] must be a network such as '10.0.0.0/8'; got {item!r}")
-        try:
-            out.append(ipaddress.ip_network(item, strict=True))
-        except ValueError as exc:
-            raise ConfigError(f"{where}[{i}]: {item!r} is not a network in CIDR form ({exc})") from None
-    return Networks(tuple(out))
-
-
 def unicast_problem(address: IPAddress | str) -> str | None:
     """Why ``address`` may not be a destination or a trusted source (None: it is a usable unicast address)."""
     ip = unmapped(address)
@@ -115,12 +94,12 @@ def unicast_problem(address: IPAddress | str) -> str | None:
     return None
 
 
-def destination_problem(address: IPAddress | str, allowed: Networks, allowed_where: str) -> str | None:
+def destination_problem(address: IPAddress | str, allowed: Networks | None, allowed_where: str = "") -> str | None:
     """Why the picker may not connect to ``address`` (None: it may).
 
     An address must be unicast (``unicast_problem``, whatever ``allowed`` says), carry no IPv6 zone ID, and lie
-    inside ``allowed``, the networks configured at ``allowed_where`` (a config field, named in the reason). The
-    reason reads after the address ("'8.8.8.8:8000' is outside ...") and says how to fix it."""
+    inside ``allowed`` (None: anywhere), the networks configured at ``allowed_where`` (a config field, named in the
+    reason). The reason reads after the address ("'8.8.8.8:8000' is outside ...") and says how to fix it."""
     ip = ipaddress.ip_address(address) if isinstance(address, str) else address
     if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id:
         # "fd00::1%eth0" compares equal to fd00::1 in a network, but Envoy needs the bare address
@@ -128,7 +107,7 @@ def destination_problem(address: IPAddress | str, allowed: Networks, allowed_whe
     problem = unicast_problem(ip)
     if problem is not None:
         return f"{problem}: the picker connects only to a server's own unicast address"
-    if not allowed.contains(ip):
+    if allowed is not None and not allowed.contains(ip):
         return f"is outside {allowed_where} ({allowed.describe()}): add its network there if this server is yours"
     return None
 

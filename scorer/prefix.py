@@ -181,8 +181,6 @@ class PrefixAffinityScorer:
     bounded = True
 
     def __init__(self, index: PrefixIndex, *, guard: float = 2.0) -> None:
-        if not guard > 0:
-            raise ValueError(f"guard must be > 0 (float('inf') turns the imbalance guard off), not {guard}")
         self.index = index
         self.guard = guard
         self.record_errors = 0

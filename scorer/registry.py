@@ -4,31 +4,34 @@ The registry is built explicitly (`default_registry()`) and passed in; nothing r
 A spec is data (`ProfileSpec`, from a preset or the config file); `Registry.build` turns it into plugins, raising
 `ConfigError` that names the plugin's place (``profiles.fast.scorers[2]``) when a type or a parameter is wrong.
 
-Parameters: each registered type (a `Plugin`) declares the parameters a config may give it, by name, as `Param`
-(a number, an integer or one of some strings, with bounds). `Registry.build` checks a spec's parameters against
-that declaration before calling the factory, so every parameter error names the parameter and its place::
+Parameters: each registered type (a `Plugin`) has a parameter model, a ``TypedDict`` whose fields carry the
+rules of scorer/validation.py (a scorer's also holds its ``weight``). `Registry.build` validates a spec's
+parameters through it before calling the factory, so every parameter error names the parameter and its place::
 
     profiles.default.filters[1].margin must be a number >= 1; got 'x'
     profiles.default.scorers[0]: unknown parameter 'foo' for 'queue' (accepted: none)
 
-Booleans are never numbers, NaN never passes, infinity only where a `Param` says so. A constraint between
-parameters (seed-formula's alpha, beta and gamma not all 0) stays in the plugin's constructor, which raises
-``ValueError``; the registry prefixes it with the plugin's place (``profiles.default.scorers[0]: ...``). A
-constructor's own checks remain for callers that build plugins in Python.
+Booleans are never numbers, NaN never passes, infinity only where a field says so. The model holds only the
+parameters given, so the constructors' defaults apply to the rest. A constraint between parameters
+(seed-formula's alpha, beta and gamma not all 0) stays in the plugin's constructor, which raises ``ValueError``;
+the registry prefixes it with the plugin's place (``profiles.default.scorers[0]: ...``). Plugins built in Python
+are not validated.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import TypeAdapter, ValidationError
+from typing_extensions import TypedDict
 
 from inferlb.scorer.engine import Filter, Picker, Profile, Scorer, WeightedScorer
-from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.errors import ConfigError, shown
 from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftSloFilter
 from inferlb.scorer.loadscorers import (
     GpuFreeMemoryScorer,
@@ -46,8 +49,20 @@ from inferlb.scorer.pickers import PowerOfTwoPicker, WeightedRandomPicker
 from inferlb.scorer.plugins import InFlightScorer, MaxScorePicker, ModelFilter, RoundRobinPicker
 from inferlb.scorer.prefix import PrefixAffinityScorer, PrefixIndex
 from inferlb.scorer.session import ConsistentHashRing, SessionAffinityScorer
+from inferlb.scorer.validation import config_error, integer, number, one_of
 
-__all__ = ["MAX_WEIGHT", "BuildContext", "Param", "Plugin", "PluginSpec", "ProfileSpec", "Registry", "default_registry"]
+__all__ = [
+    "MAX_WEIGHT",
+    "BuildContext",
+    "NoParams",
+    "Plugin",
+    "PluginSpec",
+    "ProfileSpec",
+    "Registry",
+    "checked_weight",
+    "default_registry",
+    "unknown_type",
+]
 
 # Bounds every weight so that totals stay far below where MaxScorePicker's tie-break jitter would be lost.
 MAX_WEIGHT = 100.0
@@ -99,60 +114,86 @@ class BuildContext:
 Factory = Callable[[Mapping[str, Any], BuildContext], Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Param:
-    """What one plugin parameter must be. ``kind``: "number" (an int or a float, not a bool, not NaN; infinity
-    only if ``infinite``), "integer" (an int, not a bool) or "choice" (one of the strings ``choices``). Bounds:
-    ``gt``/``ge`` below, ``lt``/``le`` above (at most one of each pair)."""
+class NoParams(TypedDict, total=False):
+    """The parameter model of a plugin that takes none."""
 
-    kind: Literal["number", "integer", "choice"]
-    gt: float | None = None
-    ge: float | None = None
-    lt: float | None = None
-    le: float | None = None
-    infinite: bool = False
-    choices: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        if (self.gt is not None and self.ge is not None) or (self.lt is not None and self.le is not None):
-            raise ValueError("a Param takes at most one lower bound (gt or ge) and one upper bound (lt or le)")
+class _Weight(TypedDict):
+    weight: Annotated[float, number(gt=0, le=MAX_WEIGHT)]
 
-    def accepts(self, value: Any) -> bool:
-        if self.kind == "choice":
-            return isinstance(value, str) and value in self.choices
-        if isinstance(value, bool) or not isinstance(value, int if self.kind == "integer" else int | float):
-            return False
-        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not self.infinite)):
-            return False
-        return (
-            (self.gt is None or value > self.gt)
-            and (self.ge is None or value >= self.ge)
-            and (self.lt is None or value < self.lt)
-            and (self.le is None or value <= self.le)
-        )
 
-    def describe(self) -> str:
-        """What the value must be, as an error message says it: "a number in (0, 1]", "an integer >= 1"."""
-        if self.kind == "choice":
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        noun = "an integer" if self.kind == "integer" else "a number"
-        signs = ((">", "(", self.gt), (">=", "[", self.ge), ("<", ")", self.lt), ("<=", "]", self.le))
-        bounds = [(sign, bracket, value) for sign, bracket, value in signs if value is not None]
-        if len(bounds) == 2:  # one below and one above: an interval
-            (_, left, low), (_, right, high) = bounds
-            text = f"{noun} in {left}{low:g}, {high:g}{right}"
-        else:
-            text = " ".join([noun, *(f"{sign} {value:g}" for sign, _, value in bounds)])
-        return f"{text} or .inf" if self.infinite else text
+_POSITIVE = number(gt=0)
+_AT_LEAST_0 = number(ge=0)
+_GUARD = number(gt=0, inf=True)  # the imbalance guard; .inf turns it off
+
+
+class _Predictor(TypedDict, total=False):  # predicted-ttft, ttft-slo
+    block_tokens: Annotated[int, integer(ge=1)]
+    guard: Annotated[float, _GUARD]
+
+
+class _MemoryFit(TypedDict, total=False):
+    bytes_per_token: Annotated[float, _POSITIVE]
+    margin: Annotated[float, number(ge=1)]
+    default_output_tokens: Annotated[int, integer(ge=0)]
+
+
+class _InFlightTokens(TypedDict, total=False):
+    unit: Annotated[float, _POSITIVE]
+
+
+class _Latency(TypedDict, total=False):
+    signal: Annotated[str, one_of("ttft_s", "e2e_s")]
+    tolerance: Annotated[float, number(ge=0, le=10)]
+
+
+class _SeedFormula(TypedDict, total=False):
+    alpha: Annotated[float, _AT_LEAST_0]
+    beta: Annotated[float, _AT_LEAST_0]
+    gamma: Annotated[float, _AT_LEAST_0]
+    max_queue: Annotated[float, _POSITIVE]
+    floor: Annotated[float, number(ge=0, lt=1)]
+
+
+class _PrefixAffinity(TypedDict, total=False):
+    guard: Annotated[float, _GUARD]
+    capacity_blocks: Annotated[int, integer(ge=1)]
+
+
+class _SessionAffinity(TypedDict, total=False):
+    c: Annotated[float, number(ge=1, inf=True)]  # the load bound is c x (mean + 1)
+    vnodes: Annotated[int, integer(ge=1, le=1000)]
+
+
+@functools.cache
+def _adapter(model: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(model)
+
+
+def unknown_type(table: Mapping[str, Plugin], name: str) -> str:
+    """What to say of a type name that ``table`` does not hold."""
+    return f"unknown type {shown(name)} (known: {', '.join(sorted(table))})"
+
+
+def checked_weight(value: Any) -> float:
+    """A scorer's weight as a float; pydantic's ``ValidationError`` (at ``weight``) unless it is a number in
+    (0, `MAX_WEIGHT`]."""
+    weight: float = _adapter(_Weight).validate_python({"weight": value})["weight"]
+    return weight
 
 
 @dataclass(frozen=True, slots=True)
 class Plugin:
-    """A registered plugin type: its factory and the parameters a config may give it (none by default)."""
+    """A registered plugin type: its factory and its parameter model (a ``TypedDict`` of the parameters a config may
+    give it, each field annotated with its rule; none by default). The factory gets the validated parameters."""
 
     factory: Factory
-    params: Mapping[str, Param] = field(default_factory=lambda: MappingProxyType({}))
+    params: type = NoParams
     note: str = ""  # added to the message for an unknown parameter
+
+    def parameters(self) -> tuple[str, ...]:
+        """The names of the parameters, in name order."""
+        return tuple(sorted(self.params.__annotations__))
 
 
 def _plain(cls: Callable[..., Any]) -> Factory:
@@ -191,6 +232,22 @@ class Registry:
     scorers: Mapping[str, Plugin]
     pickers: Mapping[str, Plugin]
 
+    def entry_schema(self, kind: str) -> dict[str, Any]:
+        """The JSON Schema of a profile's entry under ``kind`` ("filters", "scorers" or "pickers"): a type's name, or
+        a mapping with ``type``, the type's parameters and (scorers) ``weight``."""
+        table: Mapping[str, Plugin] = getattr(self, kind)
+        weight = _adapter(_Weight).json_schema()["properties"] if kind == "scorers" else {}
+        entries = [
+            {
+                "type": "object",
+                "properties": {"type": {"const": name}, **weight, **_adapter(p.params).json_schema()["properties"]},
+                "required": ["type"],
+                "additionalProperties": False,
+            }
+            for name, p in sorted(table.items())
+        ]
+        return {"anyOf": [{"enum": sorted(table)}, *entries]}
+
     def build(self, spec: ProfileSpec, ctx: BuildContext) -> Profile:
         """The plugins of ``spec``, constructed; ConfigError naming the plugin on a bad type or parameter."""
         where = spec.where or f"profile {spec.name!r}"
@@ -201,10 +258,12 @@ class Registry:
         for i in order:
             s = spec.scorers[i]
             here = f"{where}.scorers[{i}]"
-            if not (isinstance(s.weight, int | float) and 0 < s.weight <= MAX_WEIGHT):
-                raise ConfigError(f"{here}.weight must be > 0 and <= {MAX_WEIGHT:g}; got {s.weight!r}")
+            try:
+                weight = checked_weight(s.weight)
+            except ValidationError as exc:
+                raise config_error(exc, here) from None
             scorer: Scorer = self._make(self.scorers, s, ctx, here)
-            built[i] = WeightedScorer(scorer, float(s.weight))
+            built[i] = WeightedScorer(scorer, weight)
         filters: list[Filter] = [
             self._make(self.filters, s, ctx, f"{where}.filters[{i}]") for i, s in enumerate(spec.filters)
         ]
@@ -215,79 +274,50 @@ class Registry:
     def _make(table: Mapping[str, Plugin], spec: PluginSpec, ctx: BuildContext, where: str) -> Any:
         plugin = table.get(spec.type)
         if plugin is None:
-            raise ConfigError(f"{where}.type: unknown type {spec.type!r} (known: {', '.join(sorted(table))})")
-        declared = plugin.params
-        for name, value in spec.params.items():
-            param = declared.get(name)
-            if param is None:
-                accepted = ", ".join(sorted(declared)) or "none"
+            raise ConfigError(f"{where}.type: {unknown_type(table, spec.type)}")
+        declared = plugin.parameters()
+        for name in spec.params:
+            if name not in declared:
+                accepted = ", ".join(declared) or "none"
                 note = f"; {plugin.note}" if plugin.note else ""
                 raise ConfigError(f"{where}: unknown parameter {name!r} for {spec.type!r} (accepted: {accepted}){note}")
-            if not param.accepts(value):
-                raise ConfigError(f"{where}.{name} must be {param.describe()}; got {value!r}")
         try:
-            return plugin.factory(spec.params, ctx)
+            params = _adapter(plugin.params).validate_python(dict(spec.params))
+        except ValidationError as exc:
+            raise config_error(exc, where) from None
+        try:
+            return plugin.factory(params, ctx)
         except ValueError as exc:  # a constraint between parameters, checked by the constructor
             raise ConfigError(f"{where}: {exc}") from None
 
 
 def default_registry() -> Registry:
     """The built-in plugins and their parameters."""
-    positive = Param("number", gt=0)
-    at_least_0 = Param("number", ge=0)
     filters: dict[str, Plugin] = {
         "model": Plugin(_plain(ModelFilter)),
         "staleness": Plugin(_plain(StalenessFilter)),
-        "ttft-slo": Plugin(
-            _ttft_slo, _params(block_tokens=Param("integer", ge=1), guard=Param("number", gt=0, infinite=True))
-        ),
+        "ttft-slo": Plugin(_ttft_slo, _Predictor),
         "saturation": Plugin(
             _plain(SaturationFilter),
             note="one rule decides when an endpoint is saturated, for this filter and admission control alike: "
             "set it in the config's admission section, e.g. admission: {max_waiting: 8, max_kv_usage: 0.9}",
         ),
-        "memory-fit": Plugin(
-            _plain(MemoryFitFilter),
-            _params(
-                bytes_per_token=positive,
-                margin=Param("number", ge=1),
-                default_output_tokens=Param("integer", ge=0),
-            ),
-        ),
+        "memory-fit": Plugin(_plain(MemoryFitFilter), _MemoryFit),
     }
     scorers: dict[str, Plugin] = {
         "in-flight": Plugin(_plain(InFlightScorer)),
-        "in-flight-tokens": Plugin(_plain(InFlightTokensScorer), _params(unit=positive)),
+        "in-flight-tokens": Plugin(_plain(InFlightTokensScorer), _InFlightTokens),
         "queue": Plugin(_plain(QueueScorer)),
         "running": Plugin(_plain(RunningScorer)),
         "kv-cache": Plugin(_plain(KVCacheScorer)),
         "gpu-util": Plugin(_plain(GpuUtilScorer)),
         "gpu-free-memory": Plugin(_plain(GpuFreeMemoryScorer)),
-        "latency": Plugin(
-            _plain(LatencyScorer),
-            _params(signal=Param("choice", choices=("ttft_s", "e2e_s")), tolerance=Param("number", ge=0, le=10)),
-        ),
+        "latency": Plugin(_plain(LatencyScorer), _Latency),
         "lora-affinity": Plugin(_plain(LoraAffinityScorer)),
-        "predicted-ttft": Plugin(
-            _predicted_ttft, _params(block_tokens=Param("integer", ge=1), guard=Param("number", gt=0, infinite=True))
-        ),
-        "seed-formula": Plugin(
-            _plain(SeedFormulaScorer),
-            _params(
-                alpha=at_least_0,
-                beta=at_least_0,
-                gamma=at_least_0,
-                max_queue=positive,
-                floor=Param("number", ge=0, lt=1),
-            ),
-        ),
-        "prefix-affinity": Plugin(
-            _prefix_affinity,
-            _params(guard=Param("number", gt=0, infinite=True), capacity_blocks=Param("integer", ge=1)),
-        ),
-        "session-affinity": Plugin(
-            _session_affinity, _params(c=Param("number", ge=1, infinite=True), vnodes=Param("integer", ge=1, le=1000))
-        ),
+        "predicted-ttft": Plugin(_predicted_ttft, _Predictor),
+        "seed-formula": Plugin(_plain(SeedFormulaScorer), _SeedFormula),
+        "prefix-affinity": Plugin(_prefix_affinity, _PrefixAffinity),
+        "session-affinity": Plugin(_session_affinity, _SessionAffinity),
     }
     pickers: dict[str, Plugin] = {
         "max-score": Plugin(_seeded(MaxScorePicker)),
@@ -296,7 +326,3 @@ def default_registry() -> Registry:
         "power-of-two": Plugin(_seeded(PowerOfTwoPicker)),
     }
     return Registry(MappingProxyType(filters), MappingProxyType(scorers), MappingProxyType(pickers))
-
-
-def _params(**params: Param) -> Mapping[str, Param]:
-    return MappingProxyType(params)

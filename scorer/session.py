@@ -101,8 +101,6 @@ class SessionAffinityScorer:
     bounded = True
 
     def __init__(self, ring: ConsistentHashRing, *, c: float = 1.25) -> None:
-        if not c >= 1.0:
-            raise ValueError(f"c must be >= 1 (the load bound is c x (mean + 1)), not {c}")
         self.ring = ring
         self.c = c
 

@@ -115,7 +115,7 @@ async def test_a_posted_config_applies_and_a_bad_one_is_refused(picker, servers)
         bad["listen"], bad["admin"] = picker.config.listen, picker.config.admin
         refused = await client.post("/config", content=yaml.safe_dump(bad), headers=YAML)
         assert refused.status_code == 400
-        assert "profiles.mine.scorers[0].weight must be > 0" in refused.json()["error"]["message"]
+        assert "profiles.mine.scorers[0].weight must be a number in (0, 100]" in refused.json()["error"]["message"]
         assert picker.config.policy == "kv-aware" and picker.reloads == 0
 
         good = {**bad, "policy": "prefix-aware", "profiles": {}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import re
@@ -129,7 +130,9 @@ ERRORS = [
         r"^pool: unknown key 'endpoint' \(allowed: allowed_networks, endpoints\)",
         id="unknown-pool-key",
     ),
-    pytest.param({"pool": {}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-missing"),
+    pytest.param(
+        {"pool": {}}, r"^pool\.endpoints is required \(a non-empty list of endpoints\)$", id="endpoints-missing"
+    ),
     pytest.param({"pool": {"endpoints": []}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-empty"),
     pytest.param(
         {"pool": {"endpoints": {"address": "10.0.0.1:80"}}},
@@ -355,12 +358,12 @@ def _profile_doc(**profile: Any) -> dict[str, Any]:
     [
         pytest.param(
             _profile_doc(scorers=["queue", "kv-cache", {"type": "in-flight", "weight": 0}]),
-            r"^profiles\.mine\.scorers\[2\]\.weight must be > 0 and <= 100; got 0$",
+            r"^profiles\.mine\.scorers\[2\]\.weight must be a number in \(0, 100\]; got 0$",
             id="weight-zero",
         ),
         pytest.param(
             _profile_doc(scorers=[{"type": "queue", "weight": 1000}]),
-            r"^profiles\.mine\.scorers\[0\]\.weight must be > 0 and <= 100; got 1000$",
+            r"^profiles\.mine\.scorers\[0\]\.weight must be a number in \(0, 100\]; got 1000$",
             id="weight-too-big",
         ),
         pytest.param(
@@ -511,8 +514,14 @@ MUST_BE = [
         {"256.0": "256.0", "-1": "-1", "false": "False"},
     ),
     ("scorers", "in-flight-tokens", "unit", "a number > 0", {"0": "0", "-4096": "-4096", ".inf": "inf", "yes": "True"}),
-    ("scorers", "latency", "signal", "one of 'ttft_s', 'e2e_s'", {"ttft": "'ttft'", "1": "1"}),
-    ("scorers", "latency", "tolerance", "a number in [0, 10]", {"-0.1": "-0.1", "11": "11", "'x'": "'x'"}),
+    ("scorers", "latency", "signal", "ttft_s or e2e_s", {"ttft": "'ttft'", "1": "1"}),
+    (
+        "scorers",
+        "latency",
+        "tolerance",
+        "a number in 0..10",
+        {"-0.1": "-0.1", "11": "11", "'x'": "'x'", ".inf": "inf", ".nan": "nan"},
+    ),
     ("scorers", "predicted-ttft", "block_tokens", "an integer >= 1", {"0": "0", "64.0": "64.0", "'64'": "'64'"}),
     ("scorers", "predicted-ttft", "guard", "a number > 0 or .inf", {"0": "0", "-.inf": "-inf", "'2'": "'2'"}),
     ("filters", "ttft-slo", "guard", "a number > 0 or .inf", {"-1": "-1", ".nan": "nan"}),
@@ -529,7 +538,7 @@ MUST_BE = [
         "scorers",
         "session-affinity",
         "vnodes",
-        "an integer in [1, 1000]",
+        "an integer in 1..1000",
         {"0": "0", "true": "True", "[160]": "[160]", "100000": "100000"},
     ),
 ]
@@ -584,7 +593,7 @@ def test_every_declared_parameter_is_tested() -> None:
     registry = default_registry()
     tables = {"filters": registry.filters, "scorers": registry.scorers, "picker": registry.pickers}
     declared = {
-        (kind, name, param) for kind, table in tables.items() for name, p in table.items() for param in p.params
+        (kind, name, param) for kind, table in tables.items() for name, p in table.items() for param in p.parameters()
     }
     assert declared == {(kind, plugin, param) for kind, plugin, param, _, _ in MUST_BE}
     assert set(registry.pickers) <= {plugin for kind, plugin, _, _ in UNKNOWN if kind == "picker"}
@@ -889,7 +898,9 @@ def test_every_address_may_send_only_with_a_token() -> None:
         ),
         pytest.param({"allowed_senders": ["224.0.0.0/4"]}, r"is a multicast address", id="multicast"),
         pytest.param(
-            {"receiver_auth": {"token": "x"}}, r"^otel\.receiver_auth needs exactly one of", id="inline-token"
+            {"receiver_auth": {"token": "x"}},
+            r"^otel\.receiver_auth: unknown key 'token' \(allowed: token_env, token_file\)$",
+            id="inline-token",
         ),
         pytest.param({"receiver_auth": "secret"}, r"^otel\.receiver_auth must be a mapping", id="not-a-mapping"),
         pytest.param(
@@ -917,3 +928,130 @@ def test_receiver_trust_settings_without_a_receiver_are_refused(key: str) -> Non
     value = ["10.0.0.0/8"] if key == "allowed_senders" else {"token_env": "OTLP_TOKEN"}
     with pytest.raises(ConfigError, match=rf"^otel\.{key} is set but otel\.receiver is not"):
         parse_config({"otel": {key: value}, "pool": OTEL_POOL})
+
+
+# --- every mapping refuses unknown keys, and errors name their path ------------------------------------------
+
+BASE: dict[str, Any] = {
+    "otel": {"receiver": "127.0.0.1:4317", "receiver_auth": {"token_env": "OTLP_TOKEN"}},
+    "admin_auth": {"token_env": "ADMIN_TOKEN"},
+    "inflight": {},
+    "admission": {},
+    "signals": {},
+    "class_header": "x-class",
+    "classes": [{"name": "batch", "match": {"header": "batch"}}],
+    "policy": "mine",
+    "profiles": {"mine": {"filters": ["model", {"type": "saturation"}], "scorers": [{"type": "queue"}]}},
+    "pool": {"endpoints": [{"address": "10.0.0.1:80", "gpu": {"url": "http://10.0.0.1:9400/gpu"}}]},
+}
+
+
+def _at(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
+    for part in path:
+        doc = doc[part]  # type: ignore[index]
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("path", "where", "allowed"),
+    [
+        pytest.param(
+            (),
+            "config",
+            "admin, admin_auth, admission, class_header, classes, default_class, drain_s, "
+            "inflight, listen, max_body_bytes, otel, policy, pool, profiles, session_header, signals",
+            id="top",
+        ),
+        pytest.param(("pool",), "pool", "allowed_networks, endpoints", id="pool"),
+        pytest.param(("pool", "endpoints", 0), "pool.endpoints[0]", "address, gpu, labels, models", id="endpoint"),
+        pytest.param(("pool", "endpoints", 0, "gpu"), "pool.endpoints[0].gpu", "indices, kind, url", id="gpu"),
+        pytest.param(
+            ("signals",),
+            "signals",
+            "gpu_interval_s, scrape_interval_s, scrape_metrics, scrape_timeout_s, stale_after_s",
+            id="signals",
+        ),
+        pytest.param(("otel",), "otel", None, id="otel"),
+        pytest.param(("otel", "receiver_auth"), "otel.receiver_auth", "token_env, token_file", id="receiver-auth"),
+        pytest.param(("admin_auth",), "admin_auth", "allowed_hosts, token_env, token_file", id="admin-auth"),
+        pytest.param(("inflight",), "inflight", "end, max_age_s", id="inflight"),
+        pytest.param(("admission",), "admission", "max_kv_usage, max_waiting", id="admission"),
+        pytest.param(("classes", 0), "classes[0]", None, id="class"),
+        pytest.param(
+            ("classes", 0, "match"),
+            "classes[0].match",
+            "header, max_prompt_tokens, min_prompt_tokens, models, stream",
+            id="class-match",
+        ),
+        pytest.param(("profiles", "mine"), "profiles.mine", "filters, picker, scorers", id="profile"),
+    ],
+)
+def test_unknown_keys_are_refused_at_every_level(path: tuple[str | int, ...], where: str, allowed: str | None) -> None:
+    doc = copy.deepcopy(BASE)
+    parse_config(doc)  # valid as it stands
+    _at(doc, path)["bogus"] = 1
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc)
+    assert re.fullmatch(rf"{re.escape(where)}: unknown key 'bogus' \(allowed: ([a-z_, ]+)\)", str(info.value))
+    if allowed is not None:
+        assert str(info.value).endswith(f"(allowed: {allowed})")
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        pytest.param(
+            ("profiles", "mine", "filters", 1),
+            "profiles.mine.filters[1]: unknown parameter 'bogus' for 'saturation' (accepted: none); one rule decides "
+            "when an endpoint is saturated, for this filter and admission control alike: set it in the config's "
+            "admission section, e.g. admission: {max_waiting: 8, max_kv_usage: 0.9}",
+            id="filter-parameter",
+        ),
+        pytest.param(
+            ("profiles", "mine", "scorers", 0),
+            "profiles.mine.scorers[0]: unknown parameter 'bogus' for 'queue' (accepted: none)",
+            id="scorer-parameter",
+        ),
+    ],
+)
+def test_unknown_plugin_parameters_are_refused(path: tuple[str | int, ...], message: str) -> None:
+    doc = copy.deepcopy(BASE)
+    _at(doc, path)["bogus"] = 1
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc)
+    assert str(info.value) == message
+
+
+def test_every_error_is_reported_one_per_line_with_its_path_and_value() -> None:
+    doc = copy.deepcopy(BASE)
+    doc["listen"] = "localhost:9002"
+    doc["signals"] = {"scrape_interval_s": "fast"}
+    doc["pool"]["endpoints"].append({"address": "10.0.0.2:80", "labels": {"zone": 7}, "models": ["m", ""]})
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc)
+    assert str(info.value).splitlines() == [
+        "listen: 'localhost:9002': 'localhost' is not a literal IP address (hostnames are not allowed: Envoy's "
+        "ORIGINAL_DST cluster needs 'ip:port')",
+        "signals.scrape_interval_s must be a number of seconds in 0.001..3600; got 'fast'",
+        "pool.endpoints[1].models[1] must be a non-empty string; got ''",
+        "pool.endpoints[1].labels.zone must be a non-empty string; got 7",
+    ]
+
+
+def test_an_error_shows_a_long_value_cut() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(_doc(policy="p" * 5000))
+    message = str(info.value)
+    assert message.startswith("policy must be a preset or a profile of this file (") and len(message) < 500
+    assert message.endswith("got " + "'" + "p" * 200 + "'… (5000 characters)")
+
+
+def test_load_config_names_the_file_on_every_line(tmp_path: Path) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text("listen: x\npool: {endpoints: [{address: 10.0.0.1:80, weight: 2}]}\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).splitlines() == [
+        f"{path}: listen: 'x' must be a literal 'ip:port', e.g. '10.0.0.7:8000'",
+        f"{path}: pool.endpoints[0]: unknown key 'weight' (allowed: address, gpu, labels, models)",
+    ]

@@ -58,3 +58,35 @@ def test_bad_sections_are_refused(extra: dict[str, Any], fragment: str) -> None:
 def test_allowed_hosts_are_lower_case() -> None:
     config = _config(admin_auth={"token_file": "/run/token", "allowed_hosts": ["Admin.Inference.SVC"]})
     assert config.admin_auth.allowed_hosts == frozenset({"admin.inference.svc"})
+
+
+EXACTLY_ONE = (
+    "needs exactly one of token_file (a file holding the token) and token_env (an environment variable holding it)"
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        pytest.param({}, f"otel.receiver_auth {EXACTLY_ONE}", id="none"),
+        pytest.param({"token_file": "a", "token_env": "B"}, f"otel.receiver_auth {EXACTLY_ONE}", id="both"),
+        pytest.param(
+            {"token_env": "BAD NAME"},
+            "otel.receiver_auth.token_env must be an environment variable name; got 'BAD NAME'",
+            id="env-name",
+        ),
+        pytest.param({"token_file": ""}, "otel.receiver_auth.token_file must be a non-empty string; got ''", id="path"),
+        pytest.param("token", "otel.receiver_auth must be a mapping; got str", id="not-a-mapping"),
+    ],
+)
+def test_a_bad_token_source_is_refused(value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _config(otel={"receiver": "127.0.0.1:4317", "receiver_auth": value})
+    assert str(info.value) == message
+
+
+def test_admin_auth_takes_one_token_source_at_most() -> None:
+    with pytest.raises(ConfigError) as info:
+        _config(admin_auth={"token_file": "/run/token", "token_env": "TOKEN"})
+    assert str(info.value) == f"admin_auth {EXACTLY_ONE}"
+    assert _config(admin_auth={"allowed_hosts": ["a"]}).admin_auth.token is None

@@ -149,7 +149,6 @@ def test_bounded_loads_always_find_an_endpoint() -> None:
         pytest.param(lambda: ConsistentHashRing(3).lookup("k", c=0.9), "c must be >= 1", id="c-below-one"),
         pytest.param(lambda: ConsistentHashRing(3).lookup("k", np.ones(2, dtype=bool)), "allowed", id="short-mask"),
         pytest.param(lambda: ConsistentHashRing(3).lookup("k", loads=np.zeros(4)), "loads", id="long-loads"),
-        pytest.param(lambda: SessionAffinityScorer(ConsistentHashRing(3), c=0.5), "c must be >= 1", id="scorer-c"),
     ],
 )
 def test_validation(call: Callable[[], object], message: str) -> None:
