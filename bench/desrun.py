@@ -19,7 +19,7 @@ from inferlb.bench.metrics import Outcome, summarise
 from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RandomPolicy, RoundRobin
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.sim.des import Arrival, FleetView, Hold, Policy, Refuse, RequestRecord, SimResult, simulate, trace_arrivals
-from inferlb.sim.profiles import Profile, get_profile
+from inferlb.sim.profiles import ServerProfile, get_profile
 from inferlb.sim.traces import load_trace
 
 __all__ = ["DES_CONTENDERS", "DesJob", "capacity_rps", "load_arrivals", "make_policy", "run_job", "scaled"]
@@ -67,7 +67,7 @@ def scaled(arrivals: Sequence[Arrival], rate_rps: float) -> list[Arrival]:
     return [replace(a, at=(a.at - first) * factor) for a in arrivals]
 
 
-def capacity_rps(arrivals: Sequence[Arrival], profile: Profile, seed: int) -> float:
+def capacity_rps(arrivals: Sequence[Arrival], profile: ServerProfile, seed: int) -> float:
     """One server's saturated rate on this request mix: a burst of the first requests, all at time 0."""
     burst = [replace(a, at=0.0) for a in arrivals[:CAPACITY_SAMPLE]]
     result = simulate(burst, lambda _a, _v: 0, [profile], seed=seed)
@@ -95,7 +95,7 @@ class _Timed:
             self.calls += 1
 
 
-def make_policy(name: str, profiles: Sequence[Profile], seed: int) -> Policy:
+def make_policy(name: str, profiles: Sequence[ServerProfile], seed: int) -> Policy:
     """The DES policy for a contender name (see the module docstring). ``ValueError`` for an unknown name."""
     if name == "envoy:ROUND_ROBIN":
         return RoundRobin()

@@ -32,7 +32,7 @@ from inferlb.scorer.router import ADMISSION_POLL_S, Admit, Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals, Snapshot
 from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, RequestRecord
-from inferlb.sim.profiles import Profile
+from inferlb.sim.profiles import ServerProfile
 
 __all__ = ["MODEL", "LeastRequest", "Oracle", "PresetPolicy", "RandomPolicy", "RoundRobin"]
 
@@ -83,7 +83,7 @@ class Oracle:
     per running request. Greedy per request, not a schedule: it is a strong reference, not a proof of optimality.
     """
 
-    def __init__(self, profiles: Sequence[Profile]) -> None:
+    def __init__(self, profiles: Sequence[ServerProfile]) -> None:
         # Seconds per prefill token and per running sequence-step, from each server's step-time model.
         self._prefill_s = [p.step_time(8192, 0, 0, 0) / 8192 for p in profiles]
         self._decode_s = [p.step_time(0, 0, 1, 2048) for p in profiles]
@@ -114,7 +114,7 @@ class PresetPolicy:
     def __init__(
         self,
         preset: str | ProfileSpec,
-        profiles: Sequence[Profile],
+        profiles: Sequence[ServerProfile],
         *,
         seed: int,
         stale_after_s: float = 1.0,

@@ -27,7 +27,7 @@ import numpy as np
 from inferlb.bench.desrun import DES_CONTENDERS, DesJob, capacity_rps, load_arrivals, run_job
 from inferlb.bench.metrics import goodput
 from inferlb.bench.report import cpu_model, header, write
-from inferlb.sim.profiles import PROFILES, Profile, get_profile
+from inferlb.sim.profiles import PROFILES, ServerProfile, get_profile
 
 __all__ = ["add_arguments", "run"]
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 class Settings(NamedTuple):
     """A mode's run settings: the command line's, else the mode's defaults (quick or full). Unpacks in order."""
 
-    profile: Profile
+    profile: ServerProfile
     servers: int
     requests: int
     loads: tuple[float, ...]

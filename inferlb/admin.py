@@ -38,7 +38,7 @@ from inferlb.scorer.decisions import PICK_BUCKETS_S
 from inferlb.scorer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from inferlb.picker import Picker
+    from inferlb.picker import PickerProcess
 
 __all__ = ["config_document", "create_admin_app"]
 
@@ -60,7 +60,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def config_document(picker: Picker) -> dict[str, Any]:
+def config_document(picker: PickerProcess) -> dict[str, Any]:
     """The configuration in force, as JSON."""
     config = picker.config
     spec = config.profile_spec()
@@ -118,7 +118,7 @@ def config_document(picker: Picker) -> dict[str, Any]:
     }
 
 
-def create_admin_app(picker: Picker) -> FastAPI:
+def create_admin_app(picker: PickerProcess) -> FastAPI:
     """The admin app for one picker; everything it reads is reached through ``picker`` (swapped on reload)."""
     app = FastAPI(title="inferlb picker", docs_url=None, redoc_url=None, openapi_url=None)
     if picker.config.admin is not None:
@@ -259,7 +259,7 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def prometheus_text(picker: Picker) -> str:
+def prometheus_text(picker: PickerProcess) -> str:
     """The picker's own metrics in the Prometheus text format."""
     log = picker.service.decisions
     engine = picker.engine

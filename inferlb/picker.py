@@ -53,7 +53,7 @@ LEASE_EXPIRY_INTERVAL_S = 1.0
 
 
 @dataclass(slots=True)
-class Picker:
+class PickerProcess:
     """One picker: its gRPC server, engine, collectors and admin API. `start` and `stop` run the whole of it.
     One event loop; `reload_document` / `reload_file` raise ConfigError and change nothing on a bad config."""
 
@@ -298,7 +298,9 @@ def _collectors(
     return collector, gpu
 
 
-def create_picker(config: Config, *, rng: np.random.Generator | None = None, config_path: Path | None = None) -> Picker:
+def create_picker(
+    config: Config, *, rng: np.random.Generator | None = None, config_path: Path | None = None
+) -> PickerProcess:
     """Everything a picker needs, built from ``config`` and nothing global: two pickers can live side by side."""
     pool = Pool(config.endpoints)
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
@@ -323,7 +325,7 @@ def create_picker(config: Config, *, rng: np.random.Generator | None = None, con
         protocol = "grpc" if config.otel.exporter == "otlp-grpc" else "http/protobuf"
         provider = create_tracer_provider(config.otel.export_endpoint, protocol=protocol, service_name="inferlb")
         service.route_spans = RouteSpans(provider)
-    picker = Picker(
+    picker = PickerProcess(
         config,
         engine,
         service,
@@ -395,4 +397,4 @@ async def serve(config: Config, config_path: Path | None = None, *, listen_overr
         await picker.stop(SHUTDOWN_GRACE_S)
 
 
-__all__ = ["Picker", "create_picker", "serve"]
+__all__ = ["PickerProcess", "create_picker", "serve"]

@@ -1,4 +1,6 @@
-"""The scoring engine: the endpoint pool, in-flight accounting and the filters → scorers → picker pipeline."""
+"""The routing core: the endpoint pool, in-flight accounting, the filters → scorers → picker pipeline, and the
+routing unit (`Router`: class and admission, the decision, the in-flight lease) that Envoy's requests and the
+simulator go through."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ from inferlb.scorer.pool import Endpoint, Pool
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
 from inferlb.scorer.promtext import PICKER_METRICS, VllmSnapshot, parse_exposition, read_vllm
 from inferlb.scorer.registry import PluginSpec, ProfileSpec, Registry, default_registry
+from inferlb.scorer.router import Admit, Routed, Router
+from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals, Snapshot
 
 __all__ = [
     "PICKER_METRICS",
     "PRESET_NAMES",
+    "Admit",
     "Classifier",
     "Config",
     "ConfigError",
@@ -39,7 +44,10 @@ __all__ = [
     "Registry",
     "RequestClass",
     "RequestFeatures",
+    "Routed",
+    "Router",
     "RoutingError",
+    "Saturation",
     "Scorer",
     "ScorerError",
     "Signals",

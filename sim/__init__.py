@@ -7,8 +7,8 @@ same engine on a virtual clock, driven by traces from `load_trace`. See sim/READ
 from __future__ import annotations
 
 from inferlb.sim.des import Arrival, FaultEvent, FleetView, RequestRecord, ServerSnapshot, SimResult, simulate
-from inferlb.sim.engine import Engine, EngineOptions, SimRequest
-from inferlb.sim.profiles import PROFILES, Profile, get_profile
+from inferlb.sim.engine import EngineModel, EngineOptions, SimRequest
+from inferlb.sim.profiles import PROFILES, ServerProfile, get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 from inferlb.sim.traces import Trace, TraceError, TraceRequest, block_keys, load_trace, prompt_text
 
@@ -16,13 +16,13 @@ __all__ = [
     "PROFILES",
     "Arrival",
     "EmulatedServer",
-    "Engine",
+    "EngineModel",
     "EngineOptions",
     "FaultEvent",
     "FleetView",
-    "Profile",
     "RequestRecord",
     "ServerOptions",
+    "ServerProfile",
     "ServerSnapshot",
     "SimRequest",
     "SimResult",

@@ -1,4 +1,4 @@
-"""Calibration of the emulator's profiles: what `Profile.step_time` gives beside the figures it was fitted to.
+"""Calibration of the emulator's profiles: what `ServerProfile.step_time` gives beside the figures it was fitted to.
 
 Each row compares one emulated quantity with a reference figure of one of three kinds:
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inferlb.sim.profiles import ETA_BW, MFU, PROFILES, Profile
+from inferlb.sim.profiles import ETA_BW, MFU, PROFILES, ServerProfile
 
 __all__ = [
     "DECODE_BATCHES",
@@ -80,7 +80,7 @@ class CalibrationRow:
         return (-TOLERANCE, TOLERANCE)
 
 
-def _chunks(profile: Profile, prompt_tokens: int) -> list[tuple[int, int]]:
+def _chunks(profile: ServerProfile, prompt_tokens: int) -> list[tuple[int, int]]:
     """(chunk tokens, attention pairs) of each step that prefills a ``prompt_tokens`` prompt alone."""
     steps = []
     done = 0
@@ -93,12 +93,12 @@ def _chunks(profile: Profile, prompt_tokens: int) -> list[tuple[int, int]]:
     return steps
 
 
-def prefill_seconds(profile: Profile, prompt_tokens: int) -> float:
+def prefill_seconds(profile: ServerProfile, prompt_tokens: int) -> float:
     """Seconds to prefill one ``prompt_tokens`` prompt alone (its time to first token)."""
     return sum(profile.step_time(chunk, pairs, 0, 0) for chunk, pairs in _chunks(profile, prompt_tokens))
 
 
-def decode_step_seconds(profile: Profile, batch: int, context: int) -> float:
+def decode_step_seconds(profile: ServerProfile, batch: int, context: int) -> float:
     """Seconds of one decode-only step of ``batch`` sequences holding ``context`` tokens each."""
     return profile.step_time(0, 0, batch, batch * context)
 
@@ -127,7 +127,7 @@ class _Roofline:
         kv = batch * context * self.kv_bytes_per_token / (ETA_BW * self.bandwidth)
         return max(self.weight_read_s(), self.compute_s(batch, 0)) + kv
 
-    def prefill_s(self, profile: Profile, prompt_tokens: int) -> float:
+    def prefill_s(self, profile: ServerProfile, prompt_tokens: int) -> float:
         return sum(
             max(self.weight_read_s(), self.compute_s(chunk, pairs)) for chunk, pairs in _chunks(profile, prompt_tokens)
         )
@@ -337,7 +337,7 @@ def _covered(batch: int, published: Sequence[_Published]) -> bool:
     return any(not pub.prompt and batch / 2 < pub.batch <= 2 * batch for pub in published)
 
 
-def calibration_rows(profile: Profile) -> list[CalibrationRow]:
+def calibration_rows(profile: ServerProfile) -> list[CalibrationRow]:
     """The calibration rows of ``profile``: published figures first, then the roofline rows for the prefill point and
     for each batch of `DECODE_BATCHES` that no published decode row covers (none within a factor of two).
 

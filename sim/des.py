@@ -22,8 +22,8 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from inferlb.sim.engine import Engine, EngineOptions, RequestState, SimRequest
-from inferlb.sim.profiles import Profile
+from inferlb.sim.engine import EngineModel, EngineOptions, RequestState, SimRequest
+from inferlb.sim.profiles import ServerProfile
 from inferlb.sim.traces import Trace, block_keys
 
 __all__ = [
@@ -82,7 +82,7 @@ class FleetView:
     snapshots: list[ServerSnapshot | None]
     inflight: list[int]
     inflight_tokens: list[int]
-    engines: tuple[Engine, ...]
+    engines: tuple[EngineModel, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +168,7 @@ class SimResult:
 _SERVER, _FAULT, _SCRAPE, _ARRIVAL = 0, 1, 2, 3  # ties at one instant: steps end before anything else happens
 
 
-def _snapshot(engine: Engine, now: float, utilization: float) -> ServerSnapshot:
+def _snapshot(engine: EngineModel, now: float, utilization: float) -> ServerSnapshot:
     return ServerSnapshot(
         scraped_at=now,
         ready=engine.ready,
@@ -186,7 +186,7 @@ def _snapshot(engine: Engine, now: float, utilization: float) -> ServerSnapshot:
 def simulate(
     arrivals: Sequence[Arrival],
     policy: Policy,
-    profiles: Sequence[Profile],
+    profiles: Sequence[ServerProfile],
     *,
     seed: int = 0,
     jitter: float = 0.02,
@@ -210,7 +210,9 @@ def simulate(
         raise ValueError(f"scrape_interval_s must be > 0; got {scrape_interval_s!r}")
     started = time.perf_counter()
     n = len(profiles)
-    engines = tuple(Engine(profile, EngineOptions(seed=seed + i, jitter=jitter)) for i, profile in enumerate(profiles))
+    engines = tuple(
+        EngineModel(profile, EngineOptions(seed=seed + i, jitter=jitter)) for i, profile in enumerate(profiles)
+    )
     names = tuple(f"server-{i}" for i in range(n))
     view = FleetView(0.0, names, [None] * n, [0] * n, [0] * n, engines)
     ordered = sorted(arrivals, key=lambda a: a.at)

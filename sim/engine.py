@@ -14,7 +14,7 @@ and blocks last; a waiting request first takes the prompt blocks already in the 
 computes the last prompt token also samples the first output token (time to first token ends there); each later
 step gives one token.
 
-A step's duration is `Profile.step_time` of its batch, times a seeded jitter factor and the fault slow-down.
+A step's duration is `ServerProfile.step_time` of its batch, times a seeded jitter factor and the fault slow-down.
 Identical decode steps are not simulated one by one: when a step is decode-only and nothing can change the batch
 before a request finishes or blocks run out, the engine plans a *segment* of k such steps and computes the end of
 any of them in closed form (the KV read grows by the batch size each step, so the durations form an arithmetic
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from inferlb.sim.kvcache import BlockTable, KVCache
-from inferlb.sim.profiles import Profile
+from inferlb.sim.profiles import ServerProfile
 
-__all__ = ["Engine", "EngineOptions", "RequestState", "SimRequest"]
+__all__ = ["EngineModel", "EngineOptions", "RequestState", "SimRequest"]
 
 
 class RequestState(Enum):
@@ -163,7 +163,7 @@ class _Segment:
         return n
 
 
-class Engine:
+class EngineModel:
     """One emulated inference server's engine. Single-threaded; the caller owns the clock.
 
     ``now`` only moves forward through `advance`. Every request that ends, FINISHED or ABORTED, is appended to
@@ -171,7 +171,7 @@ class Engine:
     ``steps`` the number of steps run.
     """
 
-    def __init__(self, profile: Profile, options: EngineOptions | None = None, *, now: float = 0.0) -> None:
+    def __init__(self, profile: ServerProfile, options: EngineOptions | None = None, *, now: float = 0.0) -> None:
         self.profile = profile
         self.options = options or EngineOptions()
         self.cache = KVCache(profile.num_gpu_blocks, profile.block_size)

@@ -1,6 +1,6 @@
 """GPU x model profiles: the constants of the emulated engine's step-time model and its memory geometry.
 
-The step-time model (`Profile.step_time`) of one engine step, as vLLM's V1 engine runs it (one forward pass over a
+The step-time model (`ServerProfile.step_time`) of one engine step, as vLLM's V1 engine runs it (one forward pass over a
 batch that mixes prefill chunks and decode tokens):
 
     t = step_s                      # launch/scheduling overhead and one read of the weights (the batch-1 floor)
@@ -41,11 +41,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["ETA_BW", "MEMORY_PLANS", "MFU", "PROFILES", "MemoryPlan", "Profile", "get_profile"]
+__all__ = ["ETA_BW", "MEMORY_PLANS", "MFU", "PROFILES", "MemoryPlan", "ServerProfile", "get_profile"]
 
 
 @dataclass(frozen=True, slots=True)
-class Profile:
+class ServerProfile:
     """One GPU x model serving configuration. Immutable; times in seconds, sizes in bytes.
 
     ``num_gpu_blocks`` x ``block_size`` is the KV cache's capacity in tokens. ``gpu_count`` GPUs (tensor parallel
@@ -174,7 +174,7 @@ def _blocks(name: str, gpu_memory_bytes: int) -> int:
 
 # H100 SXM 3.35 TB/s, 989 dense BF16 TFLOPS. Batch-1 decode measured at 6.48 ms/token (vLLM 0.21, short chat
 # prompts, ~512 tokens of context assumed) and 6.59 ms at 4 concurrent requests.
-_H100_LLAMA8B = Profile(
+_H100_LLAMA8B = ServerProfile(
     name="h100-llama3.1-8b",
     gpu="NVIDIA H100 80GB HBM3 (SXM)",
     model="meta-llama/Llama-3.1-8B-Instruct",
@@ -209,7 +209,7 @@ _H100_LLAMA8B = Profile(
 # A100 SXM 80GB: 2,039 GB/s, 312 dense BF16 TFLOPS. Batch-1 decode measured on the 40GB part (1,555 GB/s) at
 # ~75 tokens/s = 13.3 ms per token with 1024-1152 tokens of context; scaled by bandwidth: 10.17 ms on 80GB. Decode
 # from batch 1 to 64 measured on the 80GB part with an older vLLM (about 10% slower at batch 1).
-_A100_LLAMA8B = Profile(
+_A100_LLAMA8B = ServerProfile(
     name="a100-llama3.1-8b",
     gpu="NVIDIA A100-SXM4-80GB",
     model="meta-llama/Llama-3.1-8B-Instruct",
@@ -245,7 +245,7 @@ _A100_LLAMA8B = Profile(
 # L4: 300 GB/s, 121 dense BF16 TFLOPS (242 with sparsity), 72 W. No published measurement of this pair was found:
 # every constant is the datasheet roofline at the efficiencies measured on H100/A100. KV capacity is 126k tokens,
 # below 131072, so vLLM would refuse max_model_len 131072; 32768 is used.
-_L4_LLAMA3B = Profile(
+_L4_LLAMA3B = ServerProfile(
     name="l4-llama3.2-3b",
     gpu="NVIDIA L4 24GB",
     model="meta-llama/Llama-3.2-3B-Instruct",
@@ -277,7 +277,7 @@ _L4_LLAMA3B = Profile(
 # KV heads each) at the measured efficiencies, plus estimated tensor-parallel costs. Decode from batch 1 to 52 was
 # measured (Llama-3-70B BF16, older vLLM): 17.03 ms at batch 1, 9% above step_s, as the same run's 8B H100 figure is
 # above the current vLLM's; decode_seq_s is fitted to that run.
-_H100X4_LLAMA70B = Profile(
+_H100X4_LLAMA70B = ServerProfile(
     name="h100x4-llama3.1-70b",
     gpu="4x NVIDIA H100 80GB HBM3 (SXM, NVLink)",
     model="meta-llama/Llama-3.1-70B-Instruct",
@@ -309,12 +309,12 @@ _H100X4_LLAMA70B = Profile(
     ),
 )
 
-PROFILES: Mapping[str, Profile] = MappingProxyType(
+PROFILES: Mapping[str, ServerProfile] = MappingProxyType(
     {p.name: p for p in (_H100_LLAMA8B, _A100_LLAMA8B, _L4_LLAMA3B, _H100X4_LLAMA70B)}
 )
 
 
-def get_profile(name: str) -> Profile:
+def get_profile(name: str) -> ServerProfile:
     """The profile called ``name``; ValueError listing the known names otherwise."""
     try:
         return PROFILES[name]

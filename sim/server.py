@@ -34,7 +34,7 @@ import orjson
 
 from inferlb.scorer.gpustate import GpuInfo, GpuReport
 from inferlb.serving import Message, Receive, Scope, Send
-from inferlb.sim.engine import Engine, EngineOptions, RequestState, SimRequest
+from inferlb.sim.engine import EngineModel, EngineOptions, RequestState, SimRequest
 from inferlb.sim.metrics import VllmMetrics
 from inferlb.sim.openai import (
     BadRequest,
@@ -47,7 +47,7 @@ from inferlb.sim.openai import (
     render_body,
     tokenize_body,
 )
-from inferlb.sim.profiles import Profile
+from inferlb.sim.profiles import ServerProfile
 from inferlb.sim.spans import RequestSpans
 from inferlb.stack import SERVER_HEADER
 
@@ -95,7 +95,7 @@ class ServerOptions:
       vLLM 0.32 answers that route 403.
     """
 
-    profile: Profile
+    profile: ServerProfile
     models: tuple[str, ...] = ()
     time_scale: float = 1.0
     seed: int = 0
@@ -154,7 +154,7 @@ class EmulatedServer:
         self._clock = clock
         self._t0 = clock()
         self._cold_start_s = options.cold_start_s if options.cold_start_s is not None else self.profile.cold_start_s
-        self.engine = Engine(self.profile, EngineOptions(seed=options.seed, jitter=options.jitter))
+        self.engine = EngineModel(self.profile, EngineOptions(seed=options.seed, jitter=options.jitter))
         if options.start_cold:
             self.engine.ready_at = self._cold_start_s
         self.metrics = VllmMetrics(

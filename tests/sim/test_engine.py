@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inferlb.sim.engine import Engine, EngineOptions, RequestState, SimRequest
+from inferlb.sim.engine import EngineModel, EngineOptions, RequestState, SimRequest
 from inferlb.sim.profiles import get_profile
 
 BASE = get_profile("h100-llama3.1-8b")
@@ -17,7 +17,7 @@ TINY = dataclasses.replace(BASE, num_gpu_blocks=24, max_num_batched_tokens=64, m
 EXACT = EngineOptions(jitter=0.0)
 
 
-def check_blocks(engine: Engine) -> None:
+def check_blocks(engine: EngineModel) -> None:
     cache = engine.cache
     assert 0 <= cache.free <= cache.num_blocks
     # A cached block shared by several requests is one block.
@@ -26,7 +26,7 @@ def check_blocks(engine: Engine) -> None:
     assert all(r.blocks.blocks == 0 for r in engine.waiting)
 
 
-def run_to_end(engine: Engine, limit: float = 1e6) -> None:
+def run_to_end(engine: EngineModel, limit: float = 1e6) -> None:
     t = engine.now
     while (end := engine.segment_end()) is not None and end < limit:
         t = max(t, end)
@@ -50,13 +50,13 @@ def make(i: int, family: int, prompt: int, output: int, block_size: int) -> SimR
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=25), fast=st.booleans())
 def test_blocks_never_exceed_total_and_every_request_completes_exactly(specs, fast):
-    engine = Engine(TINY, EngineOptions(jitter=0.05, seed=1, fast_forward=fast))
+    engine = EngineModel(TINY, EngineOptions(jitter=0.05, seed=1, fast_forward=fast))
     requests = arrive(engine, specs, [])
     run_to_end(engine)
     check_all_finished_exactly(engine, requests)
 
 
-def arrive(engine: Engine, specs, requests: list[SimRequest]) -> list[SimRequest]:
+def arrive(engine: EngineModel, specs, requests: list[SimRequest]) -> list[SimRequest]:
     """Add a request per (family, prompt, output, gap) spec after ``requests``, checking blocks at every step."""
     t = 0.0
     for i, (family, prompt, output, gap) in enumerate(specs, start=len(requests)):
@@ -70,7 +70,7 @@ def arrive(engine: Engine, specs, requests: list[SimRequest]) -> list[SimRequest
     return requests
 
 
-def check_all_finished_exactly(engine: Engine, requests: list[SimRequest]) -> None:
+def check_all_finished_exactly(engine: EngineModel, requests: list[SimRequest]) -> None:
     assert not engine.running and not engine.waiting
     assert engine.cache.used == 0
     for request in requests:
@@ -93,7 +93,7 @@ crowding_pair = st.lists(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pair=crowding_pair, later=st.lists(request_spec, max_size=10), fast=st.booleans())
 def test_requests_preempted_for_blocks_still_complete_exactly(pair, later, fast):
-    engine = Engine(TINY, EngineOptions(jitter=0.05, seed=2, fast_forward=fast))
+    engine = EngineModel(TINY, EngineOptions(jitter=0.05, seed=2, fast_forward=fast))
     requests = [make(i, 10 + i, prompt, total - prompt, TINY.block_size) for i, (prompt, total) in enumerate(pair)]
     for request in requests:
         assert engine.add(request)
@@ -105,7 +105,7 @@ def test_requests_preempted_for_blocks_still_complete_exactly(pair, later, fast)
 
 
 def test_preempted_requests_resume_and_finish():
-    engine = Engine(TINY, EXACT)
+    engine = EngineModel(TINY, EXACT)
     requests = [SimRequest(f"r{i}", 100, 60) for i in range(4)]  # 4 x 160 tokens > 24 x 16 blocks
     for request in requests:
         engine.add(request)
@@ -120,7 +120,7 @@ def test_preempted_requests_resume_and_finish():
 def test_ttft_grows_with_queue_length(ahead, prompt):
     ttfts = []
     for queued in sorted(ahead):
-        engine = Engine(BASE, EXACT)
+        engine = EngineModel(BASE, EXACT)
         for i in range(queued):
             engine.add(SimRequest(f"q{i}", prompt, 50))
         probe = SimRequest("probe", prompt, 10)
@@ -134,7 +134,7 @@ def test_ttft_grows_with_queue_length(ahead, prompt):
 @settings(max_examples=25, deadline=None)
 @given(prompt=st.integers(64, 20000), output=st.integers(1, 50))
 def test_a_repeated_prefix_lowers_ttft(prompt, output):
-    engine = Engine(BASE, EXACT)
+    engine = EngineModel(BASE, EXACT)
     hashes = list(range(prompt // BASE.block_size))
     first = SimRequest("a", prompt, output, hashes)
     engine.add(first)
@@ -154,7 +154,7 @@ def test_fast_forward_matches_step_by_step(specs):
     results = []
     steps = []
     for fast in (False, True):
-        engine = Engine(BASE, EngineOptions(jitter=0.0, fast_forward=fast))
+        engine = EngineModel(BASE, EngineOptions(jitter=0.0, fast_forward=fast))
         requests = []
         t = 0.0
         for i, (family, prompt, output, gap) in enumerate(specs):
@@ -174,7 +174,7 @@ def test_fast_forward_matches_step_by_step(specs):
 
 
 def test_one_request_timing_follows_the_profile():
-    engine = Engine(BASE, EXACT)
+    engine = EngineModel(BASE, EXACT)
     request = SimRequest("a", 1000, 3)
     engine.add(request)
     run_to_end(engine)
@@ -185,7 +185,7 @@ def test_one_request_timing_follows_the_profile():
 
 
 def test_long_prompt_is_prefilled_in_chunks_and_decodes_interleave():
-    engine = Engine(BASE, EXACT)
+    engine = EngineModel(BASE, EXACT)
     short = SimRequest("short", 100, 200)
     engine.add(short)
     engine.advance(0.05)  # short is decoding
@@ -198,7 +198,7 @@ def test_long_prompt_is_prefilled_in_chunks_and_decodes_interleave():
 
 
 def test_error_rate_rejects_and_hang_stops_progress():
-    engine = Engine(BASE, EXACT)
+    engine = EngineModel(BASE, EXACT)
     engine.error_rate = 1.0
     assert not engine.add(SimRequest("x", 10, 5))
     engine.error_rate = 0.0
@@ -219,7 +219,7 @@ def test_error_rate_rejects_and_hang_stops_progress():
 def test_slowdown_multiplies_step_time():
     times = []
     for factor in (1.0, 5.0):
-        engine = Engine(BASE, EXACT)
+        engine = EngineModel(BASE, EXACT)
         engine.set_slowdown(factor)
         request = SimRequest("a", 500, 20)
         engine.add(request)
@@ -229,7 +229,7 @@ def test_slowdown_multiplies_step_time():
 
 
 def test_restart_aborts_everything_and_cold_starts():
-    engine = Engine(BASE, EXACT)
+    engine = EngineModel(BASE, EXACT)
     requests = [SimRequest(f"r{i}", 100, 100, list(range(6))) for i in range(3)]
     for request in requests:
         engine.add(request)
@@ -246,7 +246,7 @@ def test_restart_aborts_everything_and_cold_starts():
 
 
 def test_abort_frees_blocks():
-    engine = Engine(BASE, EXACT)
+    engine = EngineModel(BASE, EXACT)
     request = SimRequest("a", 1000, 500)
     engine.add(request)
     engine.advance(0.2)

@@ -19,7 +19,7 @@ from inferlb.sim.calibration import (
     markdown_table,
     prefill_seconds,
 )
-from inferlb.sim.profiles import MEMORY_PLANS, PROFILES, MemoryPlan, Profile, get_profile
+from inferlb.sim.profiles import MEMORY_PLANS, PROFILES, MemoryPlan, ServerProfile, get_profile
 
 NAMES = ("h100-llama3.1-8b", "a100-llama3.1-8b", "l4-llama3.2-3b", "h100x4-llama3.1-70b")
 ALL = [pytest.param(PROFILES[name], id=name) for name in NAMES]
@@ -36,7 +36,7 @@ def test_profile_names() -> None:
 
 
 @pytest.mark.parametrize("profile", ALL)
-def test_constants_positive(profile: Profile) -> None:
+def test_constants_positive(profile: ServerProfile) -> None:
     for field in dataclasses.fields(profile):
         value = getattr(profile, field.name)
         if isinstance(value, int | float):
@@ -46,7 +46,7 @@ def test_constants_positive(profile: Profile) -> None:
 
 
 @pytest.mark.parametrize("profile", ALL)
-def test_sources_cite_urls(profile: Profile) -> None:
+def test_sources_cite_urls(profile: ServerProfile) -> None:
     assert profile.sources
     for source in profile.sources:
         assert source.startswith("https://"), source
@@ -54,7 +54,7 @@ def test_sources_cite_urls(profile: Profile) -> None:
 
 
 @pytest.mark.parametrize("profile", ALL)
-def test_kv_blocks_fit_memory(profile: Profile) -> None:
+def test_kv_blocks_fit_memory(profile: ServerProfile) -> None:
     plan = MEMORY_PLANS[profile.name]
     used = (
         plan.weight_bytes + plan.reserve_bytes + profile.num_gpu_blocks * profile.block_size * plan.kv_bytes_per_token
@@ -90,7 +90,7 @@ def test_bounds_per_kind() -> None:
 
 
 @pytest.mark.parametrize("profile", ALL)
-def test_calibration_covers_prefill_and_decode(profile: Profile) -> None:
+def test_calibration_covers_prefill_and_decode(profile: ServerProfile) -> None:
     quantities = [row.quantity for row in calibration_rows(profile)]
     assert quantities.count("prefill throughput") == 1
     assert quantities.count("decode step") >= 3
@@ -113,7 +113,7 @@ def test_measurements_back_the_decode_of_measured_pairs(name: str) -> None:
 
 
 @pytest.mark.parametrize("profile", ALL)
-def test_roofline_rows_fill_only_uncovered_batches(profile: Profile) -> None:
+def test_roofline_rows_fill_only_uncovered_batches(profile: ServerProfile) -> None:
     rows = calibration_rows(profile)
     published = _decode_batches(rows, roofline=False)
     roofline = _decode_batches(rows, roofline=True)
@@ -130,19 +130,19 @@ def test_readme_carries_the_generated_table() -> None:
 
 
 @pytest.mark.parametrize("profile", ALL)
-def test_decode_step_grows_with_batch(profile: Profile) -> None:
+def test_decode_step_grows_with_batch(profile: ServerProfile) -> None:
     times = [decode_step_seconds(profile, batch, DECODE_CONTEXT_TOKENS) for batch in (1, 2, 8, 32, 128, 256)]
     assert times == sorted(times)
     assert len(set(times)) == len(times)
 
 
 @pytest.mark.parametrize("profile", ALL)
-def test_decode_step_grows_with_context(profile: Profile) -> None:
+def test_decode_step_grows_with_context(profile: ServerProfile) -> None:
     assert decode_step_seconds(profile, 8, 4096) > decode_step_seconds(profile, 8, 1024)
 
 
 @pytest.mark.parametrize("profile", ALL)
-def test_prefill_is_chunked_by_the_token_budget(profile: Profile) -> None:
+def test_prefill_is_chunked_by_the_token_budget(profile: ServerProfile) -> None:
     budget = profile.max_num_batched_tokens
     first = profile.step_time(budget, budget * ((budget + 1) // 2), 0, 0)
     second = profile.step_time(10, 10 * (budget + 5), 0, 0)

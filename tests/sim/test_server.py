@@ -20,7 +20,7 @@ from uvicorn.protocols.http import h11_impl
 from inferlb.procs import free_port
 from inferlb.scorer.gpustate import parse_gpu_report
 from inferlb.scorer.promtext import read_vllm
-from inferlb.sim.engine import Engine, EngineOptions, SimRequest
+from inferlb.sim.engine import EngineModel, EngineOptions, SimRequest
 from inferlb.sim.fleet import serving
 from inferlb.sim.openai import output_text
 from inferlb.sim.profiles import get_profile
@@ -250,7 +250,7 @@ async def test_gpu_view_uses_the_agent_schema():
 
 async def test_latencies_are_the_engines_at_any_time_scale():
     """A request's logged latencies equal the engine model's, and the wall time is that over the time scale."""
-    reference = Engine(H100, EngineOptions(jitter=0.0))
+    reference = EngineModel(H100, EngineOptions(jitter=0.0))
     request = SimRequest("ref", 1000, 300)
     reference.add(request)
     reference.advance(100.0)
