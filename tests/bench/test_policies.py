@@ -1,10 +1,13 @@
-"""Tests for bench/policies.py's preset policy: the simulator routes through the routing unit Envoy's requests
-take, admission control included, on the simulator's clock."""
+"""Tests for bench/policies.py: Envoy's balancers as Envoy does them, the oracle, and the preset policy, which
+routes through the routing unit Envoy's requests take, admission control included, on the simulator's clock."""
 
 from __future__ import annotations
 
-from inferlb.bench.policies import PresetPolicy
-from inferlb.sim.des import Arrival, simulate
+import numpy as np
+import pytest
+
+from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RoundRobin
+from inferlb.sim.des import Arrival, FleetView, simulate
 from inferlb.sim.profiles import get_profile
 
 H100 = get_profile("h100-llama3.1-8b")
@@ -31,3 +34,40 @@ def test_without_saturation_nothing_waits() -> None:
     arrivals = [Arrival(str(i), i * 0.05, 300, 20) for i in range(40)]
     simulate(arrivals, policy, profiles, seed=0, on_finish=policy.finished)
     assert (policy.held, policy.waited_out, policy.decisions) == (0, 0, 40)
+
+
+def test_envoy_round_robin_and_least_request_as_envoy_does_them() -> None:
+    arrivals = [Arrival(str(i), i * 0.01, 200, 400) for i in range(40)]
+    rr = simulate(arrivals, RoundRobin(), [H100] * 4, seed=0, drain=False)
+    assert [r.server for r in rr.records[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # Least request: the less busy of two random choices. An idle server among busy ones wins whenever it is
+    # drawn, 1 - (3/4)^2 = 7/16 of the time (uniform random would give it 1/4).
+    lr = LeastRequest(seed=3)
+    view = _view(inflight=[0, 9, 9, 9])
+    share = sum(lr(arrivals[0], view) == 0 for _ in range(4000)) / 4000
+    assert share == pytest.approx(7 / 16, abs=0.03)
+
+
+def _view(inflight: list[int]) -> FleetView:
+    n = len(inflight)
+    return FleetView(0.0, tuple(f"s{i}" for i in range(n)), [None] * n, inflight, [0] * n, ())
+
+
+def test_the_oracle_goes_where_the_prefix_is_cached() -> None:
+    shared = list(range(1000, 1064))  # 64 blocks of 16 tokens: 1,024 tokens of shared prefix
+    first = Arrival("a", 0.0, 1024, 4, shared)
+    rest = [Arrival(f"b{i}", 1.0 + i, 1100, 4, [*shared, 5000 + i]) for i in range(6)]
+    result = simulate([first, *rest], Oracle([H100] * 4), [H100] * 4, seed=0)
+    assert {r.server for r in result.records} == {result.records[0].server}  # everything follows the cache
+    assert sum(r.cached_tokens for r in result.records[1:]) >= 6 * 1024 - 6 * 16
+
+
+def test_a_preset_decides_through_the_engine_and_learns_latency_from_finished_requests() -> None:
+    profiles = [H100] * 3
+    policy = PresetPolicy("default", profiles, seed=0)
+    arrivals = [Arrival(str(i), i * 0.05, 300, 20) for i in range(60)]
+    result = simulate(arrivals, policy, profiles, seed=0, on_finish=policy.finished)
+    assert result.policy_errors == 0 and policy.decisions == 60
+    assert len({r.server for r in result.records}) == 3
+    assert np.isfinite(policy.signals.snapshot.ttft_s).all()  # the latency scorer had data
+    assert policy.decide_cpu_s > 0

@@ -1,6 +1,7 @@
 """Tests for scorer/classes.py: classification, when admission counts a pool as saturated (the one rule the
 saturation filter uses too), class pools, and the wait queue: who goes first when capacity comes back, deadlines,
-cancellation. All on a clock the test moves. (The same over gRPC, as Envoy drives it: tests/filter/test_admission.py.)
+cancellation. All on a clock the test moves. (The same over gRPC, as Envoy drives it:
+tests/filter/test_server_admission.py.)
 """
 
 from __future__ import annotations

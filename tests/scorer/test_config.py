@@ -1055,3 +1055,46 @@ def test_load_config_names_the_file_on_every_line(tmp_path: Path) -> None:
         f"{path}: listen: 'x' must be a literal 'ip:port', e.g. '10.0.0.7:8000'",
         f"{path}: pool.endpoints[0]: unknown key 'weight' (allowed: address, gpu, labels, models)",
     ]
+
+
+# ---------------------------------------------------------------- request classes and admission
+
+
+@pytest.mark.parametrize(
+    ("classes", "extra", "message"),
+    [
+        pytest.param([{"name": "a", "on_saturation": "drop"}], {}, r"classes\[0\]\.on_saturation", id="mode"),
+        pytest.param([{"name": "a"}, {"name": "a"}], {}, r"classes\[1\]\.name 'a' repeats", id="repeat"),
+        pytest.param([{"name": "a", "max_wait_s": -1}], {}, r"classes\[0\]\.max_wait_s must be", id="wait"),
+        pytest.param([{"name": "a", "retry_after_s": 0}], {}, r"classes\[0\]\.retry_after_s", id="retry"),
+        pytest.param([{"name": "a", "match": {"tokens": 3}}], {}, r"classes\[0\]\.match: unknown key", id="match"),
+        pytest.param([{"name": "a", "labels": {"pool": "gpu9"}}], {}, r"no endpoint of the pool has them", id="labels"),
+        pytest.param([{"name": "a", "match": {"header": "batch"}}], {}, r"class_header must name", id="no-header"),
+        pytest.param([{"name": "a"}], {"default_class": "b"}, r"default_class 'b' is not one of", id="default"),
+        pytest.param([], {"admission": {"max_kv_usage": 2}}, r"admission\.max_kv_usage must be", id="admission"),
+    ],
+)
+def test_class_config_errors_name_the_field(classes: list, extra: dict, message: str) -> None:
+    doc = {"pool": {"endpoints": [{"address": "10.0.0.1:80", "labels": {"pool": "a"}}]}, "classes": classes, **extra}
+    with pytest.raises(ConfigError, match=message):
+        parse_config(doc)
+
+
+def test_class_config_parses() -> None:
+    config = parse_config(
+        {
+            "class_header": "X-Class",
+            "classes": [
+                {"name": "batch", "match": {"header": ["batch", "offline"]}, "on_saturation": "shed"},
+                {"name": "chat", "match": {"max_prompt_tokens": 4000, "stream": True}, "ttft_slo_s": 0.5},
+            ],
+            "default_class": "chat",
+            "admission": {"max_waiting": 4},
+            "pool": {"endpoints": [{"address": "10.0.0.1:80"}]},
+        }
+    )
+    assert config.class_header == "x-class"
+    assert [r.request_class.name for r in config.classes] == ["batch", "chat"]
+    assert config.classes[0].header_values == frozenset({"batch", "offline"})
+    assert config.default_class.name == "chat" and config.default_class.ttft_slo_s == 0.5
+    assert config.admission.max_waiting == 4

@@ -1,6 +1,7 @@
 """Request classes and admission control through the ext_proc service, driven over real gRPC like Envoy does: 429
-with retry-after for classes that shed, a bounded wait for classes that wait, class pools, TTFT objectives; and the
-config of classes. (Classification, saturation and the wait queue themselves: tests/scorer/test_classes.py.)"""
+with retry-after for classes that shed, a bounded wait for classes that wait, class pools, TTFT objectives.
+(Classification, saturation and the wait queue themselves: tests/scorer/test_classes.py; their config:
+tests/scorer/test_config.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.classes import Classifier, ClassRule, RequestClass
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine
-from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
@@ -120,46 +120,6 @@ async def test_waiting_classes_wait_a_bounded_time_then_go(saturated, clock) -> 
     assert destination(await sending) == "127.0.0.1:9102"
     assert (service.stats.waited, service.stats.waited_out) == (2, 1)
     assert service.decisions.recent(1)[0]["reason"] == "only-candidate"  # the others are full
-
-
-@pytest.mark.parametrize(
-    ("classes", "extra", "message"),
-    [
-        pytest.param([{"name": "a", "on_saturation": "drop"}], {}, r"classes\[0\]\.on_saturation", id="mode"),
-        pytest.param([{"name": "a"}, {"name": "a"}], {}, r"classes\[1\]\.name 'a' repeats", id="repeat"),
-        pytest.param([{"name": "a", "max_wait_s": -1}], {}, r"classes\[0\]\.max_wait_s must be", id="wait"),
-        pytest.param([{"name": "a", "retry_after_s": 0}], {}, r"classes\[0\]\.retry_after_s", id="retry"),
-        pytest.param([{"name": "a", "match": {"tokens": 3}}], {}, r"classes\[0\]\.match: unknown key", id="match"),
-        pytest.param([{"name": "a", "labels": {"pool": "gpu9"}}], {}, r"no endpoint of the pool has them", id="labels"),
-        pytest.param([{"name": "a", "match": {"header": "batch"}}], {}, r"class_header must name", id="no-header"),
-        pytest.param([{"name": "a"}], {"default_class": "b"}, r"default_class 'b' is not one of", id="default"),
-        pytest.param([], {"admission": {"max_kv_usage": 2}}, r"admission\.max_kv_usage must be", id="admission"),
-    ],
-)
-def test_class_config_errors_name_the_field(classes: list, extra: dict, message: str) -> None:
-    doc = {"pool": {"endpoints": [{"address": "10.0.0.1:80", "labels": {"pool": "a"}}]}, "classes": classes, **extra}
-    with pytest.raises(ConfigError, match=message):
-        parse_config(doc)
-
-
-def test_class_config_parses() -> None:
-    config = parse_config(
-        {
-            "class_header": "X-Class",
-            "classes": [
-                {"name": "batch", "match": {"header": ["batch", "offline"]}, "on_saturation": "shed"},
-                {"name": "chat", "match": {"max_prompt_tokens": 4000, "stream": True}, "ttft_slo_s": 0.5},
-            ],
-            "default_class": "chat",
-            "admission": {"max_waiting": 4},
-            "pool": {"endpoints": [{"address": "10.0.0.1:80"}]},
-        }
-    )
-    assert config.class_header == "x-class"
-    assert [r.request_class.name for r in config.classes] == ["batch", "chat"]
-    assert config.classes[0].header_values == frozenset({"batch", "offline"})
-    assert config.default_class.name == "chat" and config.default_class.ttft_slo_s == 0.5
-    assert config.admission.max_waiting == 4
 
 
 async def test_a_class_with_a_ttft_objective_avoids_endpoints_predicted_to_miss_it() -> None:
