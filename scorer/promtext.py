@@ -7,7 +7,11 @@ Two readers of one vLLM ``/metrics`` body, both giving a :class:`VllmSnapshot` o
   core): `read_vllm_signals` and the collector's `SignalReader` search the bytes for the few sample lines they
   need and parse only those, skipping the histogram buckets that are most of a vLLM exposition;
 - `read_vllm`, off the hot path (the demo, benchmarks, tests), with the latency histograms too: prometheus_client's
-  parser on the lines of the families it wants (`read_families`; scorer/dcgm.py reads DCGM exporters with it).
+  parser on the lines of the families it wants (`read_families`).
+
+`read_samples` gives one metric's samples, labels included, the fast reader's way: the GPU collector reads DCGM
+exporters with it on the routing event loop, where prometheus_client's parser (pure Python, tens of µs a line) would
+cost a millisecond or more per read.
 
 The tests hold the two to the same values (tests/scorer/test_promtext.py: real vLLM expositions, the emulator's,
 and generated ones).
@@ -33,6 +37,7 @@ __all__ = [
     "SignalReader",
     "VllmSnapshot",
     "read_families",
+    "read_samples",
     "read_vllm",
     "read_vllm_signals",
 ]
@@ -423,6 +428,11 @@ def _line(body: bytes, name: bytes, start: int, end: int) -> int:
 def _lines_from(body: bytes, name: bytes, start: int) -> list[bytes]:
     """The sample lines of ``name`` from the line beginning at ``start`` to the end of the family's group (comments
     and blank lines within it are skipped, as parsers skip them)."""
+    return _group(body, name, start)[0]
+
+
+def _group(body: bytes, name: bytes, start: int) -> tuple[list[bytes], int]:
+    """`_lines_from`, and where the line that ended the group begins (``len(body)`` at the end)."""
     lines = []
     size = len(body)
     while start < size:
@@ -444,7 +454,7 @@ def _lines_from(body: bytes, name: bytes, start: int) -> list[bytes]:
             elif first == _OTHER:
                 break
         start = end + 1
-    return lines
+    return lines, start
 
 
 _HELP, _TYPE_LINE = b"# HELP ", b"# TYPE "
@@ -517,22 +527,49 @@ def _unescape(m: re.Match[bytes]) -> bytes:
     return _UNESCAPED.get(m.group(1), m.group(0))  # other escapes stay as printed, as prometheus_client keeps them
 
 
-def _lora_lines(lines: list[bytes]) -> LoraInfo | None:
-    """``vllm:lora_requests_info`` from its few sample lines (printed only by servers with LoRA enabled)."""
-    name = _LORA
+def read_samples(body: bytes | str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The (labels, value) of each sample line of metric ``name`` (exactly that name), in order, wherever in the
+    body: the fast reader's way to a family's labels, the same as prometheus_client's parser gives (the tests
+    compare them). Malformed lines are skipped; never raises on bad input. scorer/dcgm.py reads DCGM exporters
+    with it."""
+    if isinstance(body, str):
+        body = body.encode("utf-8", "replace")
+    metric = name.encode()
+    lines: list[bytes] = []
+    start = _sample_start(body, metric, 0)
+    while start >= 0:  # every group of the name, as a parser finds them (a family printed in pieces)
+        group, end = _group(body, metric, start)
+        lines += group
+        start = _sample_start(body, metric, end) if end < len(body) else -1
+    return _samples(lines, metric)
+
+
+def _samples(lines: list[bytes], name: bytes) -> list[tuple[dict[str, str], float]]:
+    """The (labels, value) of well-formed sample lines of ``name``."""
     samples = []
     for line in lines:
         value = _value(line, name)
         if value is None:
             continue
-        labels = {}
         span = _labels_span(line, name)
-        if span is not None:
-            for key, raw in _PAIR.findall(line, span[0] + 1, span[1]):
-                text = _ESCAPE.sub(_unescape, raw) if b"\\" in raw else raw
-                labels[key.decode()] = text.decode("utf-8", "replace")
-        samples.append((labels, value))
-    return _lora(samples)
+        samples.append((dict(_label_pairs(line[span[0] + 1 : span[1]])) if span is not None else {}, value))
+    return samples
+
+
+@lru_cache(maxsize=4096)
+def _label_pairs(text: bytes) -> tuple[tuple[str, str], ...]:
+    """The (name, value) pairs of a label set's text, escapes resolved. A pure memo: a server prints the same
+    label sets scrape after scrape, only the values change."""
+    pairs = []
+    for key, raw in _PAIR.findall(text):
+        value = _ESCAPE.sub(_unescape, raw) if b"\\" in raw else raw
+        pairs.append((key.decode(), value.decode("utf-8", "replace")))
+    return tuple(pairs)
+
+
+def _lora_lines(lines: list[bytes]) -> LoraInfo | None:
+    """``vllm:lora_requests_info`` from its few sample lines (printed only by servers with LoRA enabled)."""
+    return _lora(_samples(lines, _LORA)) if lines else None
 
 
 def read_vllm_signals(body: bytes) -> VllmSnapshot:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from inferlb.scorer.promtext import (
     SignalReader,
     VllmSnapshot,
     read_families,
+    read_samples,
     read_vllm,
     read_vllm_signals,
 )
@@ -410,6 +412,26 @@ def test_the_fast_reader_reads_lines_as_prometheus_client_does(
     assert _collected(SignalReader().read(body)) == _collected(fast)
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(FULL, id="vllm"),
+        pytest.param(QUEUED, id="vllm-queued"),
+        pytest.param(FIXTURES.parent / "dcgm" / "dcgm-exporter-h100x2-k8s.txt", id="dcgm"),
+    ],
+)
+def test_read_samples_gives_every_series_as_prometheus_client_does(path: Path) -> None:
+    body = path.read_bytes()
+    parsed = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples]
+    names = {s.name for s in parsed}
+    assert len(names) > 20
+    for name in names:
+        expected = [(s.labels, float(s.value)) for s in parsed if s.name == name]
+        # prometheus_client adds `_total` to the samples of a counter whose TYPE line names it without
+        printed = name if re.search(rf"^{re.escape(name)}[{{ ]", body.decode(), re.M) else name.removesuffix("_total")
+        assert read_samples(body, printed) == expected, name
+
+
 def _collected(snap: VllmSnapshot) -> dict[str, object]:
     """The fields the metrics collector uses."""
     return {
@@ -558,10 +580,13 @@ def _same(a: list[float] | None, b: list[float]) -> bool:
 def test_the_fast_reader_reads_what_prometheus_client_parses(body: bytes) -> None:
     parsed = list(text_string_to_metric_families(body.decode()))
     for name in _FAST_FAMILIES:
-        expected = [float(s.value) for family in parsed for s in family.samples if s.name == name]
-        # The reader's own per-family values, beneath the snapshot that combines them.
+        samples = [s for family in parsed for s in family.samples if s.name == name]
+        # The reader's own per-family values, beneath the snapshot that combines them; and every label.
         found = promtext._sample_values(promtext._sample_lines(body, name.encode()), name.encode())
-        assert _same(found, expected), name
+        assert _same(found, [float(s.value) for s in samples]), name
+        read = read_samples(body, name)
+        assert [labels for labels, _ in read] == [s.labels for s in samples], name
+        assert _same([value for _, value in read], [float(s.value) for s in samples]), name
     fast = read_vllm_signals(body)
     assert fast == read_vllm(body, histograms=False)
     reader = SignalReader()
