@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import html
+import importlib.resources
 import json
 import math
 import random
 import struct
 import threading
+import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -32,7 +35,7 @@ from inferlb.otel.heatmap import (
     add_otlp_request,
     load_otlp_json_lines,
 )
-from inferlb.otel.render import render_html, render_json, render_png
+from inferlb.otel.render import PAGE_TEMPLATE, render_html, render_json, render_png
 from inferlb.sim.spans import RequestSpans
 
 T0 = 1_700_000_000.0  # a bucket boundary for 10 s buckets
@@ -473,6 +476,16 @@ def test_html_is_self_contained_and_embeds_the_data() -> None:
     assert "const REFRESH_S = 5;" in page and 'const JSON_URL = "heatmap.json";' in page
     static = render_html(grid, refresh_s=None, json_url=None)
     assert "const REFRESH_S = null;" in static
+
+
+def test_the_page_template_ships_with_the_package() -> None:
+    # The page is read from the installed package (pyproject's package-data for inferlb.otel), not from the tree.
+    assert importlib.resources.files("inferlb.otel").joinpath(PAGE_TEMPLATE).is_file()
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert "*.j2" in pyproject["tool"]["setuptools"]["package-data"]["inferlb.otel"]
+    title = 'a "quoted" <title> & more'
+    page = render_html(filled().grid(), title=title)
+    assert page.count(html.escape(title)) == 2 and page.endswith("</html>\n")
 
 
 def test_json_round_trips() -> None:
