@@ -1,11 +1,11 @@
 """The latency heatmap: LLM request spans aggregated into endpoint x time and latency-bucket x time grids.
 
-`HeatmapAggregator` holds the grids; three feeders put spans into it:
+`HeatmapAggregator` holds the grids. The picker feeds it the records its span receiver joins (otel/receiver.py)
+or the latencies the filter times on the response stream (otel/loop.py); two feeders take spans:
 
-- `HeatmapSpanExporter`, an OpenTelemetry SDK `SpanExporter` for spans made in this process;
 - `add_otlp_request`, for OTLP protobuf requests received from the inference servers;
 - `load_otlp_json_lines`, which reads the OTLP/JSON lines files an OpenTelemetry collector's file exporter writes
-  (replay them through `add_otlp_request`).
+  (replay them through `add_otlp_request`; ``inferlb heatmap`` does).
 
 A span counts as one LLM request when it is named ``llm_request`` (vLLM's per-request span) or carries both
 ``gen_ai.latency.time_to_first_token`` and ``gen_ai.latency.e2e``. Its endpoint (``ip:port``) is, first match wins:
@@ -23,7 +23,6 @@ import contextlib
 import ipaddress
 import itertools
 import json
-import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,8 +31,6 @@ from typing import Any
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from inferlb.scorer.address import format_address
 from inferlb.scorer.histogram import Histogram, check_bounds
@@ -44,15 +41,12 @@ __all__ = [
     "LLM_SPAN",
     "TTFT_ATTRIBUTE",
     "HeatmapAggregator",
-    "HeatmapSpanExporter",
     "add_otlp_request",
     "latency_seconds",
     "load_otlp_json_lines",
     "otlp_attributes",
     "span_endpoint",
 ]
-
-logger = logging.getLogger(__name__)
 
 LLM_SPAN = "llm_request"
 TTFT_ATTRIBUTE = "gen_ai.latency.time_to_first_token"
@@ -347,50 +341,6 @@ def span_endpoint(attributes: Mapping[str, Any], resource: Mapping[str, Any]) ->
             return format_address(address.strip("[]"), port)
     named = resource.get(ENDPOINT_ATTRIBUTE)
     return named if isinstance(named, str) and named else None
-
-
-class HeatmapSpanExporter(SpanExporter):
-    """Feeds in-process LLM request spans (see the module docstring) into a `HeatmapAggregator`.
-
-    `export` runs on the span processor's thread (the SDK's worker thread under a `BatchSpanProcessor`); it does one
-    locked O(1) `HeatmapAggregator.add` per matching span, ignores other spans, and returns ``SUCCESS``. It never
-    raises: a span that cannot be read is counted in `failures` (the first one is logged) and the rest of the batch
-    goes on. After `shutdown` (idempotent) it takes nothing and returns ``FAILURE``, as the SDK's contract asks.
-    """
-
-    def __init__(self, aggregator: HeatmapAggregator) -> None:
-        self.aggregator = aggregator
-        self.failures = 0
-        """Spans that raised while being read (only grows)."""
-        self._lock = threading.Lock()
-        self._shut_down = False
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self._shut_down:
-            return SpanExportResult.FAILURE
-        try:
-            for span in spans:
-                try:
-                    resource = span.resource.attributes if span.resource is not None else {}
-                    _feed(self.aggregator, span.name, span.end_time, span.attributes or {}, resource)
-                except Exception as exc:
-                    self._count_failure(exc)
-        except Exception as exc:  # a broken iterable: nothing more to read
-            self._count_failure(exc)
-        return SpanExportResult.SUCCESS
-
-    def _count_failure(self, exc: Exception) -> None:
-        with self._lock:
-            self.failures += 1
-            first = self.failures == 1
-        if first:
-            logger.warning("heatmap: a span could not be read: %r (further failures are only counted)", exc)
-
-    def shutdown(self) -> None:
-        self._shut_down = True
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
 
 
 def add_otlp_request(aggregator: HeatmapAggregator, request: ExportTraceServiceRequest) -> int:

@@ -24,14 +24,13 @@ from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from inferlb.cli import main
 from inferlb.otel.heatmap import (
     DEFAULT_LATENCY_BOUNDS,
     HeatmapAggregator,
-    HeatmapSpanExporter,
     add_otlp_request,
     load_otlp_json_lines,
 )
@@ -267,41 +266,6 @@ def record(spans: RequestSpans, end_s: float, ttft_s: float) -> None:
         completion_tokens=20,
         max_tokens=None,
     )
-
-
-def test_span_exporter_feeds_the_emulators_spans_with_an_sdk_provider() -> None:
-    aggregator = HeatmapAggregator()
-    exporter = HeatmapSpanExporter(aggregator)
-    provider = vllm_provider(exporter)
-    spans = RequestSpans(provider)
-    record(spans, T0 + 1, 0.25)
-    record(spans, T0 + 11, 0.5)
-    tracer = provider.get_tracer("test")
-    tracer.start_span("http.request").end()  # not an LLM request: ignored
-    span = tracer.start_span(
-        "custom", attributes={"gen_ai.latency.time_to_first_token": 0.3, "gen_ai.latency.e2e": 1.0}
-    )
-    span.set_attribute("inferlb.endpoint", "10.0.0.8:9000")  # names its endpoint itself
-    span.end(end_time=int((T0 + 2) * 1e9))
-    spans.shutdown()
-    grid = aggregator.grid()
-    assert grid["endpoints"] == ["10.0.0.7:8000", "10.0.0.8:9000"]
-    assert grid["p95_ttft_s"] == [[0.25, 0.5], [0.3, None]]
-    assert exporter.failures == 0
-    exporter.shutdown()  # a second shutdown is harmless
-    assert exporter.export([]) is SpanExportResult.FAILURE
-
-
-def test_span_exporter_counts_spans_without_an_endpoint_and_unreadable_ones() -> None:
-    aggregator = HeatmapAggregator()
-    exporter = HeatmapSpanExporter(aggregator)
-    provider = vllm_provider(exporter, address=None)
-    record(RequestSpans(provider), T0, 0.1)
-    assert aggregator.unattributed == 1
-    assert exporter.export([cast(Any, object())]) is SpanExportResult.SUCCESS
-    assert exporter.failures == 1
-    assert exporter.force_flush() is True
-    provider.shutdown()
 
 
 def kv(key: str, value: Any) -> common_pb2.KeyValue:
