@@ -1,7 +1,7 @@
 """What the picker decided, for the admin API: a bounded log of recent decisions and cheap running counters.
 
 `DecisionLog.record` runs on every request, so it only appends to a ring and bumps counters (about a
-microsecond); formatting happens when someone asks (`recent`, `prometheus`).
+microsecond); formatting happens when someone asks (`recent`; inferlb/metrics.py for /metrics).
 """
 
 from __future__ import annotations
