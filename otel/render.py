@@ -242,4 +242,3 @@ def _script_json(value: Any) -> str:
     """JSON that is safe inside a <script> element: no '<', '>' or '&' that could end it or open a comment."""
     text = json.dumps(value, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-
