@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from inferlb.adminguard import AdminGuard
+from inferlb.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from inferlb.metrics import picker_registry, scrape
 from inferlb.otel.render import render_html, render_json, render_png
-from inferlb.scorer.decisions import PICK_BUCKETS_S
 from inferlb.scorer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -229,9 +230,11 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
         # Drawing takes a while; it runs on a worker thread so routing does not wait for it.
         return Response(await asyncio.to_thread(_png_bytes, grid), media_type="image/png")
 
+    registry = picker_registry(picker)
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(prometheus_text(picker), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await scrape(registry, picker), media_type=METRICS_CONTENT_TYPE)
 
     return app
 
@@ -253,146 +256,3 @@ def _apply(action: Callable[[], None]) -> Response:
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def prometheus_text(picker: PickerProcess) -> str:
-    """The picker's own metrics in the Prometheus text format."""
-    log = picker.service.decisions
-    engine = picker.engine
-    lines = [
-        "# HELP inferlb_decisions_total Requests routed, by endpoint and why that one (see Decision.reason).",
-        "# TYPE inferlb_decisions_total counter",
-    ]
-    for (endpoint, reason), count in sorted(log.by_endpoint.items()):
-        lines.append(f'inferlb_decisions_total{{endpoint="{_label(endpoint)}",reason="{_label(reason)}"}} {count}')
-    lines += ["# HELP inferlb_refused_total Requests refused, by HTTP status.", "# TYPE inferlb_refused_total counter"]
-    for status, count in sorted(log.refused.items()):
-        lines.append(f'inferlb_refused_total{{status="{status}"}} {count}')
-    lines += [
-        "# HELP inferlb_shed_total Requests shed by admission control, by request class.",
-        "# TYPE inferlb_shed_total counter",
-    ]
-    for name, count in sorted(log.shed.items()):
-        lines.append(f'inferlb_shed_total{{class="{_label(name)}"}} {count}')
-    lines += ["# HELP inferlb_pick_seconds Time one decision took.", "# TYPE inferlb_pick_seconds histogram"]
-    cumulative = 0
-    for bound, count in zip((*PICK_BUCKETS_S, math.inf), log.pick_buckets, strict=True):
-        cumulative += count
-        le = "+Inf" if math.isinf(bound) else repr(bound)
-        lines.append(f'inferlb_pick_seconds_bucket{{le="{le}"}} {cumulative}')
-    lines += [f"inferlb_pick_seconds_sum {log.pick_sum_s!r}", f"inferlb_pick_seconds_count {log.picks}"]
-    collector = picker.collector
-    lines += [
-        "# HELP inferlb_scrape_errors_total Failed metrics scrapes, by endpoint.",
-        "# TYPE inferlb_scrape_errors_total counter",
-    ]
-    if collector is not None:
-        for endpoint in engine.pool:
-            lines.append(
-                f'inferlb_scrape_errors_total{{endpoint="{_label(endpoint.address)}"}} '
-                f"{collector.stats.errors.get(endpoint.address, 0)}"
-            )
-    now = time.monotonic()
-    snap = engine.signals.snapshot
-    stale = engine.signals.stale(now)
-    ages = snap.age(now)
-    lines += [
-        "# HELP inferlb_endpoint_stale 1 when an endpoint's metrics are stale (treated as saturated).",
-        "# TYPE inferlb_endpoint_stale gauge",
-    ]
-    lines += [f'inferlb_endpoint_stale{{endpoint="{_label(e.address)}"}} {int(stale[e.index])}' for e in engine.pool]
-    lines += [
-        "# HELP inferlb_metrics_age_seconds Seconds since an endpoint's last successful scrape (+Inf: never).",
-        "# TYPE inferlb_metrics_age_seconds gauge",
-    ]
-    for e in engine.pool:
-        age = ages[e.index]
-        value = "+Inf" if math.isinf(age) else repr(float(age))
-        lines.append(f'inferlb_metrics_age_seconds{{endpoint="{_label(e.address)}"}} {value}')
-    lines += [
-        "# HELP inferlb_inflight_requests Requests the picker sent to an endpoint that have not finished.",
-        "# TYPE inferlb_inflight_requests gauge",
-    ]
-    lines += [
-        f'inferlb_inflight_requests{{endpoint="{_label(e.address)}"}} {int(engine.inflight.requests[e.index])}'
-        for e in engine.pool
-    ]
-    lines += [
-        "# HELP inferlb_scorer_errors_total Scorer failures (each scored neutral for that request).",
-        "# TYPE inferlb_scorer_errors_total counter",
-    ]
-    lines += [
-        f'inferlb_scorer_errors_total{{scorer="{_label(n)}"}} {c}' for n, c in sorted(engine.scorer_errors.items())
-    ]
-    if picker.spans is not None and picker.spans.receiver is not None:
-        stats = picker.spans.receiver.stats
-        lines += [
-            "# HELP inferlb_spans_received_total Spans the OTLP receiver took, by what became of them.",
-            "# TYPE inferlb_spans_received_total counter",
-            f'inferlb_spans_received_total{{outcome="joined_by_trace"}} {stats.joined_by_trace}',
-            f'inferlb_spans_received_total{{outcome="joined_by_resource"}} {stats.joined_by_resource}',
-            f'inferlb_spans_received_total{{outcome="unjoined"}} {stats.unjoined}',
-            f'inferlb_spans_received_total{{outcome="envoy"}} {stats.envoy_spans}',
-            f'inferlb_spans_received_total{{outcome="malformed"}} {stats.malformed}',
-            f'inferlb_spans_received_total{{outcome="other"}} {stats.spans - stats.llm_spans - stats.envoy_spans}',
-            f'inferlb_spans_received_total{{outcome="duplicate"}} {stats.duplicate}',
-            f'inferlb_spans_received_total{{outcome="unverified"}} {stats.unverified}',
-            f'inferlb_spans_received_total{{outcome="out_of_bounds"}} {stats.out_of_bounds}',
-            f'inferlb_spans_received_total{{outcome="rate_limited"}} {stats.rate_limited}',
-            f'inferlb_spans_received_total{{outcome="over_limit"}} {stats.over_limit}',
-            f'inferlb_spans_received_total{{outcome="dropped"}} {stats.dropped_spans}',
-            "# HELP inferlb_span_requests_dropped_total OTLP export requests refused whole because the picker was "
-            "behind.",
-            "# TYPE inferlb_span_requests_dropped_total counter",
-            f"inferlb_span_requests_dropped_total {stats.dropped_requests}",
-            "# HELP inferlb_span_requests_refused_total OTLP export requests the receiver refused whole, by reason.",
-            "# TYPE inferlb_span_requests_refused_total counter",
-            f'inferlb_span_requests_refused_total{{reason="untrusted_sender"}} {stats.untrusted_sender}',
-            f'inferlb_span_requests_refused_total{{reason="unauthenticated"}} {stats.unauthenticated}',
-            f'inferlb_span_requests_refused_total{{reason="invalid"}} {stats.invalid_requests}',
-            "# HELP inferlb_span_receiver_restarts_total Times the OTLP receiver process was started again after it "
-            "died.",
-            "# TYPE inferlb_span_receiver_restarts_total counter",
-            f"inferlb_span_receiver_restarts_total {stats.restarts}",
-        ]
-    if picker.spans is not None:
-        lines += picker.spans.histograms.render([e.address for e in picker.spans.pool])
-    if picker.spans is not None and picker.spans.config.latency_source == "stream":
-        observed = picker.service.observe_stats
-        lines += [
-            "# HELP inferlb_responses_timed_total Responses the filter timed or not (otel.latency_source: stream).",
-            "# TYPE inferlb_responses_timed_total counter",
-            f'inferlb_responses_timed_total{{outcome="ttft"}} {observed.ttft}',
-            f'inferlb_responses_timed_total{{outcome="e2e"}} {observed.e2e}',
-            f'inferlb_responses_timed_total{{outcome="not_ok"}} {observed.not_ok}',
-            f'inferlb_responses_timed_total{{outcome="unknown_endpoint"}} {observed.unknown_endpoint}',
-            f'inferlb_responses_timed_total{{outcome="unfinished"}} {observed.unfinished}',
-        ]
-    leases = picker.service.leases
-    if leases is not None:
-        stats = leases.stats
-        lines += [
-            "# HELP inferlb_request_ends_total Routed requests whose end came, by how (access_log: Envoy's entry; "
-            "expired: none came within inflight.max_age_s; evicted: the oldest, to make room).",
-            "# TYPE inferlb_request_ends_total counter",
-            f'inferlb_request_ends_total{{how="access_log"}} {stats.ended}',
-            f'inferlb_request_ends_total{{how="expired"}} {stats.expired}',
-            f'inferlb_request_ends_total{{how="evicted"}} {stats.evicted}',
-            "# HELP inferlb_access_log_unmatched_total Access-log entries for no request this picker holds.",
-            "# TYPE inferlb_access_log_unmatched_total counter",
-            f"inferlb_access_log_unmatched_total {stats.unknown_entries}",
-            "# HELP inferlb_requests_awaiting_end Routed requests whose end has not been reported yet.",
-            "# TYPE inferlb_requests_awaiting_end gauge",
-            f"inferlb_requests_awaiting_end {len(leases)}",
-        ]
-    lines += [
-        "# HELP inferlb_config_reloads_total Configurations applied since start (file or API).",
-        "# TYPE inferlb_config_reloads_total counter",
-        f"inferlb_config_reloads_total {picker.reloads}",
-        "",
-    ]
-    return "\n".join(lines)

@@ -1,11 +1,11 @@
 """The latency heatmap: LLM request spans aggregated into endpoint x time and latency-bucket x time grids.
 
-`HeatmapAggregator` holds the grids; three feeders put spans into it:
+`HeatmapAggregator` holds the grids. The picker feeds it the records its span receiver joins (otel/receiver.py)
+or the latencies the filter times on the response stream (otel/loop.py); two feeders take spans:
 
-- `HeatmapSpanExporter`, an OpenTelemetry SDK `SpanExporter` for spans made in this process;
 - `add_otlp_request`, for OTLP protobuf requests received from the inference servers;
 - `load_otlp_json_lines`, which reads the OTLP/JSON lines files an OpenTelemetry collector's file exporter writes
-  (replay them through `add_otlp_request`).
+  (replay them through `add_otlp_request`; ``inferlb heatmap`` does).
 
 A span counts as one LLM request when it is named ``llm_request`` (vLLM's per-request span) or carries both
 ``gen_ai.latency.time_to_first_token`` and ``gen_ai.latency.e2e``. Its endpoint (``ip:port``) is, first match wins:
@@ -19,12 +19,10 @@ The renderers (PNG, HTML, JSON) are in `inferlb.otel.render`; they take the dict
 from __future__ import annotations
 
 import base64
-import bisect
 import contextlib
 import ipaddress
 import itertools
 import json
-import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,10 +31,9 @@ from typing import Any
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from inferlb.scorer.address import format_address
+from inferlb.scorer.histogram import Histogram, check_bounds
 
 __all__ = [
     "DEFAULT_LATENCY_BOUNDS",
@@ -44,15 +41,12 @@ __all__ = [
     "LLM_SPAN",
     "TTFT_ATTRIBUTE",
     "HeatmapAggregator",
-    "HeatmapSpanExporter",
     "add_otlp_request",
     "latency_seconds",
     "load_otlp_json_lines",
     "otlp_attributes",
     "span_endpoint",
 ]
-
-logger = logging.getLogger(__name__)
 
 LLM_SPAN = "llm_request"
 TTFT_ATTRIBUTE = "gen_ai.latency.time_to_first_token"
@@ -71,23 +65,22 @@ _MAX_BOUNDS = 256
 class _Cell:
     """One endpoint in one time bucket: the request count and a TTFT histogram over the latency buckets."""
 
-    __slots__ = ("count", "hi", "hist", "lo", "n", "p95")
+    __slots__ = ("count", "hi", "lo", "p95", "ttft")
 
-    def __init__(self, bins: int) -> None:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
         self.count = 0
-        self.hist = [0] * bins
-        self.n = 0  # TTFT values in hist (requests without a TTFT are counted but not here)
+        self.ttft = Histogram(bounds)  # requests without a TTFT are counted, but not here
         self.lo = math.inf
         self.hi = -math.inf
-        self.p95: float | None = None  # cached; None = to be computed (only read when n > 0)
+        self.p95: float | None = None  # cached; None = to be computed (only read when ttft.count > 0)
 
 
 class _Bucket:
     __slots__ = ("cells", "latency")
 
-    def __init__(self, bins: int) -> None:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
         self.cells: dict[str, _Cell] = {}
-        self.latency = [0] * bins
+        self.latency = Histogram(bounds)  # every endpoint's TTFTs
 
 
 class HeatmapAggregator:
@@ -136,6 +129,7 @@ class HeatmapAggregator:
             raise ValueError(f"latency_bounds must have 1..{_MAX_BOUNDS} upper edges; got {len(bounds)}")
         if not all(math.isfinite(b) and b > 0 for b in bounds) or any(a >= b for a, b in itertools.pairwise(bounds)):
             raise ValueError(f"latency_bounds must be finite seconds > 0 in increasing order; got {list(bounds)}")
+        bounds = check_bounds(bounds)
         for name, value in (("max_buckets", max_buckets), ("max_endpoints", max_endpoints)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
@@ -146,7 +140,6 @@ class HeatmapAggregator:
         self.latency_bounds = bounds
         self.max_buckets = max_buckets
         self.max_endpoints = max_endpoints
-        self._bins = len(bounds) + 1
         self._lock = threading.Lock()
         self._buckets: dict[int, _Bucket] = {}
         self._newest: int | None = None
@@ -193,20 +186,20 @@ class HeatmapAggregator:
                 return
             bucket = self._buckets.get(index)
             if bucket is None:
-                bucket = self._buckets[index] = _Bucket(self._bins)
+                bucket = self._buckets[index] = _Bucket(self.latency_bounds)
             cell = bucket.cells.get(endpoint)
             if cell is None:
-                cell = bucket.cells[endpoint] = _Cell(self._bins)
+                cell = bucket.cells[endpoint] = _Cell(self.latency_bounds)
             self._last_seen[endpoint] = max(index, self._last_seen.get(endpoint, index))
             cell.count += 1
             if ttft is not None:
-                bin_index = bisect.bisect_left(self.latency_bounds, ttft)
-                cell.hist[bin_index] += 1
-                cell.n += 1
-                cell.lo = min(cell.lo, ttft)
-                cell.hi = max(cell.hi, ttft)
+                cell.ttft.observe(ttft)
+                if ttft < cell.lo:
+                    cell.lo = ttft
+                if ttft > cell.hi:
+                    cell.hi = ttft
                 cell.p95 = None
-                bucket.latency[bin_index] += 1
+                bucket.latency.observe(ttft)
 
     def _advance(self, newest: int) -> None:
         """Make ``newest`` the newest bucket: evict the buckets and endpoints that fall out of the window."""
@@ -248,13 +241,14 @@ class HeatmapAggregator:
                         count_row.append(0)
                         continue
                     count_row.append(cell.count)
-                    if cell.n and cell.p95 is None:
+                    if cell.ttft.count and cell.p95 is None:
                         cell.p95 = self._quantile(cell, _QUANTILE)
-                    p95_row.append(cell.p95 if cell.n else None)
+                    p95_row.append(cell.p95 if cell.ttft.count else None)
                 p95.append(p95_row)
                 count.append(count_row)
             latency = [
-                [column.latency[b] if column is not None else 0 for column in columns] for b in range(self._bins)
+                [column.latency.counts[b] if column is not None else 0 for column in columns]
+                for b in range(len(self.latency_bounds) + 1)
             ]
             counters = {
                 "ahead": self.ahead,
@@ -275,10 +269,10 @@ class HeatmapAggregator:
         }
 
     def _quantile(self, cell: _Cell, q: float) -> float:
-        rank = max(1, math.ceil(q * cell.n - 1e-9))  # nearest rank, 1-based
+        rank = max(1, math.ceil(q * cell.ttft.count - 1e-9))  # nearest rank, 1-based
         seen = 0
         bounds = self.latency_bounds
-        for i, c in enumerate(cell.hist):
+        for i, c in enumerate(cell.ttft.counts):
             if c and seen + c >= rank:
                 lower = max(bounds[i - 1] if i > 0 else cell.lo, cell.lo)
                 upper = min(bounds[i] if i < len(bounds) else cell.hi, cell.hi)
@@ -289,7 +283,7 @@ class HeatmapAggregator:
                     return float(lower * (upper / lower) ** fraction)
                 return lower + (upper - lower) * fraction
             seen += c
-        return cell.hi  # unreachable while hist sums to n
+        return cell.hi  # unreachable while the counts sum to the count
 
 
 def latency_seconds(value: Any) -> float | None:
@@ -347,50 +341,6 @@ def span_endpoint(attributes: Mapping[str, Any], resource: Mapping[str, Any]) ->
             return format_address(address.strip("[]"), port)
     named = resource.get(ENDPOINT_ATTRIBUTE)
     return named if isinstance(named, str) and named else None
-
-
-class HeatmapSpanExporter(SpanExporter):
-    """Feeds in-process LLM request spans (see the module docstring) into a `HeatmapAggregator`.
-
-    `export` runs on the span processor's thread (the SDK's worker thread under a `BatchSpanProcessor`); it does one
-    locked O(1) `HeatmapAggregator.add` per matching span, ignores other spans, and returns ``SUCCESS``. It never
-    raises: a span that cannot be read is counted in `failures` (the first one is logged) and the rest of the batch
-    goes on. After `shutdown` (idempotent) it takes nothing and returns ``FAILURE``, as the SDK's contract asks.
-    """
-
-    def __init__(self, aggregator: HeatmapAggregator) -> None:
-        self.aggregator = aggregator
-        self.failures = 0
-        """Spans that raised while being read (only grows)."""
-        self._lock = threading.Lock()
-        self._shut_down = False
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self._shut_down:
-            return SpanExportResult.FAILURE
-        try:
-            for span in spans:
-                try:
-                    resource = span.resource.attributes if span.resource is not None else {}
-                    _feed(self.aggregator, span.name, span.end_time, span.attributes or {}, resource)
-                except Exception as exc:
-                    self._count_failure(exc)
-        except Exception as exc:  # a broken iterable: nothing more to read
-            self._count_failure(exc)
-        return SpanExportResult.SUCCESS
-
-    def _count_failure(self, exc: Exception) -> None:
-        with self._lock:
-            self.failures += 1
-            first = self.failures == 1
-        if first:
-            logger.warning("heatmap: a span could not be read: %r (further failures are only counted)", exc)
-
-    def shutdown(self) -> None:
-        self._shut_down = True
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
 
 
 def add_otlp_request(aggregator: HeatmapAggregator, request: ExportTraceServiceRequest) -> int:

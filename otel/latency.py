@@ -1,19 +1,18 @@
 """Per-endpoint latency statistics in bounded memory: the TTFT and end-to-end latency of the servers' spans,
 kept as a time-decayed EWMA and as quantiles (P50/P95/P99) over a sliding window, for the latency scorers.
 
-The building blocks:
-
 - `LogBuckets`: a fixed log-spaced bucket layout (default 1e-4 s .. 1e4 s, each bucket 5% wider than the one
-  below it: 378 buckets), shared by any number of histograms.
-- `LogHistogram`: counts per bucket. A quantile is the geometric midpoint of the bucket that holds the
-  nearest-rank sample, so its relative error is at most ``sqrt(1 + relative_width) - 1`` (2.47% at 5%) for
-  values within ``[min_value, max_value]``; values outside are clamped to the end buckets.
-- `WindowedQuantiles`: a ring of histograms, one per slice of the window; old slices are cleared as time
-  moves on, so memory does not grow with traffic.
-- `Ewma`: an exponentially weighted mean whose weights decay with elapsed time, not with the sample count.
-- `EndpointLatency`: all of the above for every endpoint of a pool (about 24 KB each), with vectorised reads;
-  the EWMA it publishes is shrunk toward the fleet's as an endpoint's own evidence ages, so that an endpoint
-  nobody sends requests to is not judged forever on its last samples.
+  below it: 378 buckets). A quantile is the geometric midpoint of the bucket that holds the nearest-rank sample,
+  so its relative error is at most ``sqrt(1 + relative_width) - 1`` (2.47% at 5%) for values within
+  ``[min_value, max_value]``; values outside are clamped to the end buckets.
+- `EndpointLatency`: for every endpoint of a pool (about 24 KB each), numpy counts in those buckets over a
+  sliding window (a ring of slices, cleared as time moves on, so memory does not grow with traffic) and an
+  exponentially weighted mean whose weights decay with elapsed time, not with the sample count; reads are
+  vectorised. The mean it publishes is shrunk toward the fleet's as an endpoint's own evidence ages, so that an
+  endpoint nobody sends requests to is not judged forever on its last samples.
+
+These are not the bucketed counts of ``/metrics`` (scorer/histogram.py): they serve the latency scorers, on the
+routing path, for all endpoints at once.
 
 Values that are not positive finite numbers (NaN, infinities, zero, negatives) are ignored and counted in
 ``rejected``. Nothing here is thread-safe: each object belongs to the one event loop that feeds and reads it.
@@ -23,12 +22,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["QUANTILES", "EndpointLatency", "Ewma", "LogBuckets", "LogHistogram", "WindowedQuantiles"]
+__all__ = ["QUANTILES", "EndpointLatency", "LogBuckets"]
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 """The quantiles `EndpointLatency.arrays` reports, as ``p50``, ``p95`` and ``p99``."""
@@ -119,71 +118,6 @@ def _quantiles(counts: np.ndarray, qs: np.ndarray, midpoints: np.ndarray) -> tup
     return estimates.reshape(*counts.shape[:-1], qs.size), totals.reshape(counts.shape[:-1])
 
 
-def _check_qs(qs: Iterable[float]) -> np.ndarray:
-    array = np.asarray(tuple(qs), dtype=np.float64)
-    if array.ndim != 1 or not np.all((array >= 0.0) & (array <= 1.0)):
-        raise ValueError(f"quantiles must be numbers in [0, 1], got {array.tolist()!r}")
-    return array
-
-
-class LogHistogram:
-    """Counts of positive values in the buckets of a `LogBuckets` layout (an int64 array of fixed size).
-
-    ``quantile(q)`` is the geometric midpoint of the bucket that holds the nearest-rank sample (the
-    ``ceil(n * q)``-th smallest), so for values within the layout's range it is within a factor
-    ``sqrt(1 + relative_width)`` of the exact sample quantile: relative error at most
-    ``buckets.max_relative_error`` (2.47% with the default 5% buckets). NaN when empty.
-    Values that are not positive finite numbers are ignored and counted in ``rejected``. Not thread-safe.
-    """
-
-    __slots__ = ("_counts", "buckets", "count", "rejected")
-
-    def __init__(self, buckets: LogBuckets | None = None) -> None:
-        self.buckets = _DEFAULT_BUCKETS if buckets is None else buckets
-        self._counts = np.zeros(self.buckets.size, dtype=np.int64)
-        self.count = 0
-        self.rejected = 0
-
-    @property
-    def counts(self) -> np.ndarray:
-        """A read-only view of the per-bucket counts."""
-        view = self._counts.view()
-        view.setflags(write=False)
-        return view
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._counts.nbytes)
-
-    def add(self, value: float) -> None:
-        if not 0.0 < value < _INF:  # NaN fails the comparison too
-            self.rejected += 1
-            return
-        self._counts[self.buckets.index(value)] += 1
-        self.count += 1
-
-    def merge(self, other: LogHistogram) -> None:
-        """Add ``other``'s counts (and its rejections) to this histogram; the layouts must be equal."""
-        if other.buckets != self.buckets:
-            raise ValueError(f"cannot merge histograms with different layouts: {self.buckets} and {other.buckets}")
-        self._counts += other._counts
-        self.count += other.count
-        self.rejected += other.rejected
-
-    def quantile(self, q: float) -> float:
-        return self.quantiles((q,))[0]
-
-    def quantiles(self, qs: Sequence[float] = QUANTILES) -> tuple[float, ...]:
-        estimates, _ = _quantiles(self._counts, _check_qs(qs), self.buckets.midpoints)
-        return tuple(estimates.tolist())
-
-    def clear(self) -> None:
-        """Forget every value, and the rejection count."""
-        self._counts.fill(0)
-        self.count = 0
-        self.rejected = 0
-
-
 class _Ring:
     """The slice arithmetic of a sliding window: slice ``e`` covers ``[e * slice_s, (e + 1) * slice_s)`` and
     lives in slot ``e % slices``. Time never runs backwards: a ``now`` before the newest slice seen counts as
@@ -218,76 +152,11 @@ class _Ring:
         return 0 if self.epoch is None else self.epoch % self.slices
 
 
-class WindowedQuantiles:
-    """Quantiles of the values added in the last ``window_s`` seconds, in a fixed ring of ``slices`` histograms.
-
-    Each histogram holds one slice of ``window_s / slices`` seconds; when time enters a new slice the oldest is
-    cleared, so a read covers between ``window_s - window_s / slices`` and ``window_s`` seconds of values, and
-    memory is ``slices`` histograms whatever the traffic. ``now`` defaults to ``clock()``; a ``now`` earlier
-    than one already seen counts as the latest (time never runs backwards). The error bound of `LogHistogram`
-    holds. Rejected values are counted in ``rejected``. Not thread-safe.
-    """
-
-    __slots__ = ("_histograms", "_ring", "buckets", "clock", "rejected")
-
-    def __init__(
-        self,
-        window_s: float = 60.0,
-        slices: int = 6,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        buckets: LogBuckets | None = None,
-    ) -> None:
-        self._ring = _Ring(window_s, slices)
-        self.buckets = _DEFAULT_BUCKETS if buckets is None else buckets
-        self.clock = clock
-        self._histograms = [LogHistogram(self.buckets) for _ in range(slices)]
-        self.rejected = 0
-
-    @property
-    def window_s(self) -> float:
-        return self._ring.window_s
-
-    @property
-    def slices(self) -> int:
-        return self._ring.slices
-
-    @property
-    def nbytes(self) -> int:
-        return sum(h.nbytes for h in self._histograms)
-
-    def _advance(self, now: float | None) -> None:
-        for slot in self._ring.advance(self.clock() if now is None else now):
-            self._histograms[slot].clear()
-
-    def add(self, value: float, now: float | None = None) -> None:
-        if not 0.0 < value < _INF:
-            self.rejected += 1
-            return
-        self._advance(now)
-        self._histograms[self._ring.slot].add(value)
-
-    def quantiles(self, qs: Sequence[float] = QUANTILES, now: float | None = None) -> tuple[float, ...]:
-        """The quantiles ``qs`` (each in [0, 1]) of the values in the window; NaN each when it is empty."""
-        self._advance(now)
-        counts = self._histograms[0]._counts.copy()
-        for histogram in self._histograms[1:]:
-            counts += histogram._counts
-        estimates, _ = _quantiles(counts, _check_qs(qs), self.buckets.midpoints)
-        return tuple(estimates.tolist())
-
-    def count(self, now: float | None = None) -> int:
-        """How many values the window holds."""
-        self._advance(now)
-        return sum(h.count for h in self._histograms)
-
-
 class _DecayedSums:
     """``n`` series of samples whose weights decay with time: per series, the weighted sum of its samples
     (``sums``) and the sum of their weights (``weights``), both as of the series' latest sample (``last``). A
     sample weighs 1 when it arrives and half as much every ``half_life_s`` after; a sample earlier than the
-    series' latest counts at the latest's time. The one definition of the decay, shared by `Ewma` and
-    `EndpointLatency`. Values are not checked here. Not thread-safe."""
+    series' latest counts at the latest's time. Values are not checked here. Not thread-safe."""
 
     __slots__ = ("decay_per_s", "last", "sums", "weights")
 
@@ -318,45 +187,6 @@ def _check_half_life(half_life_s: float) -> float:
     return float(half_life_s)
 
 
-class Ewma:
-    """An exponentially weighted moving average whose weights decay with time: after samples ``x_i`` at times
-    ``t_i``, ``value = sum(w_i * x_i) / sum(w_i)`` with ``w_i = 2 ** (-(t - t_i) / half_life_s)`` and ``t`` the
-    latest sample's time. A sample's weight halves every ``half_life_s`` seconds however many samples follow,
-    and samples at the same instant weigh the same. ``value`` is NaN until the first sample; it does not change
-    between samples (decaying every weight alike leaves the mean as it is). What does change is the evidence
-    behind it: ``weight(now)`` is ``sum(w_i)`` decayed to ``now``, which halves every half-life without samples
-    (`EndpointLatency` uses it to shrink a stale mean toward the fleet's). A ``now`` earlier than the latest
-    sample counts as that sample's time. Values that are not positive finite numbers are ignored and counted in
-    ``rejected``. Not thread-safe.
-    """
-
-    __slots__ = ("_sums", "clock", "half_life_s", "rejected")
-
-    def __init__(self, half_life_s: float = 10.0, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.half_life_s = _check_half_life(half_life_s)
-        self.clock = clock
-        self._sums = _DecayedSums(1, self.half_life_s)
-        self.rejected = 0
-
-    @property
-    def value(self) -> float:
-        weight = float(self._sums.weights[0])
-        return float(self._sums.sums[0]) / weight if weight > 0.0 else math.nan
-
-    def weight(self, now: float | None = None) -> float:
-        """The samples' total weight decayed to ``now`` (default ``clock()``): 0.0 before the first sample, 1.0
-        just after it, halving every ``half_life_s`` without samples."""
-        sums = self._sums
-        age = max((self.clock() if now is None else now) - float(sums.last[0]), 0.0)
-        return float(sums.weights[0]) * math.exp(-age * sums.decay_per_s)
-
-    def add(self, value: float, now: float | None = None) -> None:
-        if not 0.0 < value < _INF:
-            self.rejected += 1
-            return
-        self._sums.add(0, value, self.clock() if now is None else now)
-
-
 _METRICS = ("ttft", "e2e")
 _QUANTILE_KEYS = ("p50", "p95", "p99")  # the names of QUANTILES
 
@@ -371,7 +201,7 @@ class EndpointLatency:
     where the endpoint has no value in the window), and ``count`` (the spans in the window that carried an
     accepted value; 0.0 where none).
 
-    The estimate ``{ttft,e2e}_ewma`` is each endpoint's own time-decayed mean (as `Ewma` with ``half_life_s``)
+    The estimate ``{ttft,e2e}_ewma`` is each endpoint's own time-decayed mean (weights halving every ``half_life_s``)
     shrunk toward the fleet's: ``(w * own + w0 * fleet) / (w + w0)``. ``w`` is the endpoint's evidence, its
     samples' weights decayed to the read's ``now`` (1 per fresh sample, halving every half-life without one);
     ``w0`` is ``prior_weight`` (default 1.0: one sample's worth); ``fleet`` is the evidence-weighted mean of the

@@ -9,6 +9,8 @@ should run it in a worker thread rather than on its event loop.
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
 import json
 import math
 from collections.abc import Mapping
@@ -16,7 +18,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 __all__ = ["render_html", "render_json", "render_png"]
+
+PAGE_TEMPLATE = "heatmap.html.j2"
+"""The HTML page's template, beside this module (package data of ``inferlb.otel``)."""
 
 _KEYS = ("bucket_s", "times", "endpoints", "p95_ttft_s", "count", "latency_bounds_s", "latency_counts")
 
@@ -214,177 +221,24 @@ def render_html(
         raise ValueError(f"refresh_s must be seconds > 0 or None; got {refresh_s!r}")
     if refresh_s is not None and refresh_s <= 0:
         raise ValueError(f"refresh_s must be seconds > 0 or None; got {refresh_s!r}")
-    replacements = {
-        "__TITLE__": html.escape(title),
-        "__DATA__": _script_json(dict(grid)),
-        "__REFRESH_S__": _script_json(refresh_s),
-        "__JSON_URL__": _script_json(json_url),
-    }
-    page = _PAGE
-    for token, value in replacements.items():
-        page = page.replace(token, value)
-    return page
+    return _page().render(
+        title=html.escape(title),
+        data=_script_json(dict(grid)),
+        refresh_s=_script_json(refresh_s),
+        json_url=_script_json(json_url),
+    )
+
+
+@functools.cache
+def _page() -> jinja2.Template:
+    """The page template (otel/heatmap.html.j2; a pure memo). Its values come in escaped for where they go: the
+    title for HTML, the rest as JSON safe inside a <script> element; so Jinja2 escapes nothing."""
+    text = importlib.resources.files("inferlb.otel").joinpath(PAGE_TEMPLATE).read_text(encoding="utf-8")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
+    return env.from_string(text)
 
 
 def _script_json(value: Any) -> str:
     """JSON that is safe inside a <script> element: no '<', '>' or '&' that could end it or open a comment."""
     text = json.dumps(value, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-
-
-_PAGE = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>__TITLE__</title>
-<style>
-  body { font: 14px system-ui, sans-serif; margin: 16px 24px; color: #222; background: #fff; }
-  h1 { font-size: 20px; margin: 0 0 4px; }
-  h2 { font-size: 15px; margin: 18px 0 6px; }
-  #summary, #status { color: #555; margin: 2px 0; }
-  #hover { font-family: ui-monospace, monospace; min-height: 1.4em; margin: 8px 0; }
-  canvas { display: block; }
-</style>
-</head>
-<body>
-<h1>__TITLE__</h1>
-<p id="summary"></p>
-<h2>P95 time to first token per endpoint (grey: no requests; red label: a hot endpoint)</h2>
-<canvas id="p95"></canvas>
-<h2>Requests per TTFT bucket, all endpoints</h2>
-<canvas id="lat"></canvas>
-<p id="hover">&nbsp;</p>
-<p id="status"></p>
-<script id="heatmap-data" type="application/json">__DATA__</script>
-<script>
-"use strict";
-const REFRESH_S = __REFRESH_S__;
-const JSON_URL = __JSON_URL__;
-let grid = JSON.parse(document.getElementById("heatmap-data").textContent);
-
-const STOPS = [[0,0,4],[40,11,84],[101,21,110],[159,42,99],[212,72,66],[245,125,21],[250,193,39],[252,255,164]];
-function colour(t) {
-  t = Math.min(1, Math.max(0, t)) * (STOPS.length - 1);
-  const i = Math.min(STOPS.length - 2, Math.floor(t)), f = t - i, a = STOPS[i], b = STOPS[i + 1];
-  return "rgb(" + [0, 1, 2].map(k => Math.round(a[k] + (b[k] - a[k]) * f)).join(",") + ")";
-}
-function seconds(s) {
-  if (s === null || s === undefined) return "no data";
-  return s < 1 ? (s * 1000).toPrecision(3) + " ms" : s.toPrecision(3) + " s";
-}
-function clock(t) { return new Date(t * 1000).toISOString().slice(11, 19); }
-function median(xs) {
-  const s = xs.slice().sort((a, b) => a - b), m = s.length >> 1;
-  return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
-}
-
-// One heatmap: rows x columns of cells, a log colour scale, labels left, times below, a legend right.
-function draw(canvas, spec) {
-  const left = 150, right = 110, topPad = 6, bottomPad = 34;
-  const cols = grid.times.length, rows = spec.rows;
-  const width = Math.max(400, Math.min(1600, document.body.clientWidth));
-  const cellW = Math.max(1, (width - left - right) / Math.max(cols, 1));
-  const height = topPad + bottomPad + rows * spec.rowHeight;
-  const ratio = window.devicePixelRatio || 1;
-  canvas.width = width * ratio; canvas.height = height * ratio;
-  canvas.style.width = width + "px"; canvas.style.height = height + "px";
-  const g = canvas.getContext("2d");
-  g.setTransform(ratio, 0, 0, ratio, 0, 0);
-  g.clearRect(0, 0, width, height);
-  g.font = "11px system-ui, sans-serif";
-  let lo = Infinity, hi = -Infinity;
-  for (let r = 0; r < rows; r++) for (let c = 0; c < cols; c++) {
-    const v = spec.value(r, c);
-    if (v !== null && v > 0) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
-  }
-  if (hi === lo) hi = lo * 2;
-  const l0 = Math.log(lo), l1 = Math.log(hi);
-  for (let r = 0; r < rows; r++) {
-    for (let c = 0; c < cols; c++) {
-      const v = spec.value(r, c);
-      g.fillStyle = v === null || v <= 0 || !isFinite(l0) ? spec.empty : colour((Math.log(v) - l0) / (l1 - l0));
-      g.fillRect(left + c * cellW, topPad + r * spec.rowHeight, Math.ceil(cellW), spec.rowHeight);
-    }
-  }
-  const every = Math.max(1, Math.ceil(rows * 13 / (rows * spec.rowHeight)));
-  g.textAlign = "right"; g.textBaseline = "middle";
-  for (let r = 0; r < rows; r += every) {
-    const hot = spec.hot && spec.hot.has(r);
-    g.fillStyle = hot ? "#c00000" : "#222";
-    g.font = (hot ? "bold " : "") + "11px system-ui, sans-serif";
-    g.fillText(spec.label(r).slice(0, 24), left - 6, topPad + (r + 0.5) * spec.rowHeight);
-  }
-  g.font = "11px system-ui, sans-serif"; g.fillStyle = "#222";
-  g.textAlign = "center"; g.textBaseline = "top";
-  const step = Math.max(1, Math.ceil(70 / cellW));
-  const axisY = topPad + rows * spec.rowHeight + 4;
-  for (let c = 0; c < cols; c += step) g.fillText(clock(grid.times[c]), left + (c + 0.5) * cellW, axisY);
-  const caption = "time (UTC), bucket start; " + grid.bucket_s + " s buckets";
-  g.fillText(caption, left + (width - left - right) / 2, height - 14);
-  if (isFinite(l0)) {
-    const x = width - right + 14, barH = Math.max(40, rows * spec.rowHeight);
-    for (let i = 0; i < barH; i++) { g.fillStyle = colour(1 - i / barH); g.fillRect(x, topPad + i, 14, 1); }
-    g.fillStyle = "#222"; g.textAlign = "left"; g.textBaseline = "top";
-    g.fillText(spec.legend(hi), x + 18, topPad);
-    g.textBaseline = "bottom"; g.fillText(spec.legend(lo), x + 18, topPad + barH);
-  }
-  canvas.onmousemove = ev => {
-    const box = canvas.getBoundingClientRect();
-    const c = Math.floor((ev.clientX - box.left - left) / cellW);
-    const r = Math.floor((ev.clientY - box.top - topPad) / spec.rowHeight);
-    document.getElementById("hover").textContent =
-      c >= 0 && c < cols && r >= 0 && r < rows ? clock(grid.times[c]) + "  " + spec.describe(r, c) : "\\u00a0";
-  };
-}
-
-function render() {
-  const bounds = grid.latency_bounds_s, nb = bounds.length + 1;
-  const requests = grid.count.reduce((s, row) => s + row.reduce((a, b) => a + b, 0), 0);
-  const notes = ["dropped", "late", "invalid", "unattributed"].filter(k => grid[k]).map(k => grid[k] + " " + k);
-  document.getElementById("summary").textContent = requests + " requests, " + grid.endpoints.length +
-    " endpoints, " + grid.times.length + " time buckets" + (grid.times.length ? " from " +
-    new Date(grid.times[0] * 1000).toISOString() : "") + (notes.length ? "; not shown: " + notes.join(", ") : "");
-  const medians = [];
-  grid.p95_ttft_s.forEach((row, i) => {
-    const v = row.filter(x => x !== null);
-    if (v.length) medians.push([i, median(v)]);
-  });
-  const fleet = medians.length >= 3 ? median(medians.map(m => m[1])) : Infinity;
-  const hot = new Set(medians.filter(m => m[1] > 0 && m[1] >= 2 * fleet).map(m => m[0]));
-  draw(document.getElementById("p95"), {
-    rows: grid.endpoints.length,
-    rowHeight: Math.max(6, Math.min(22, Math.floor(600 / Math.max(1, grid.endpoints.length)))),
-    value: (r, c) => grid.p95_ttft_s[r][c], label: r => grid.endpoints[r], hot: hot, empty: "#d9d9d9",
-    legend: v => "P95 " + seconds(v),
-    describe: (r, c) =>
-      grid.endpoints[r] + "  P95 TTFT " + seconds(grid.p95_ttft_s[r][c]) + "  requests " + grid.count[r][c],
-  });
-  const bucket = r => nb - 1 - r;  // highest latency at the top
-  const name = b => b === 0 ? "\\u2264 " + seconds(bounds[0]) : b === nb - 1 ? "> " + seconds(bounds[nb - 2]) :
-    seconds(bounds[b - 1]) + " \\u2013 " + seconds(bounds[b]);
-  draw(document.getElementById("lat"), {
-    rows: nb, rowHeight: 14, value: (r, c) => grid.latency_counts[bucket(r)][c] || null, label: r => name(bucket(r)),
-    empty: "#ffffff", legend: v => Math.round(v) + " req",
-    describe: (r, c) => "TTFT " + name(bucket(r)) + "  requests " + grid.latency_counts[bucket(r)][c],
-  });
-}
-
-function status(text) { document.getElementById("status").textContent = text; }
-function refresh() {
-  if (JSON_URL === null) { location.reload(); return; }
-  fetch(JSON_URL, {cache: "no-store"})
-    .then(r => { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
-    .then(g => { grid = g; render(); status("updated " + new Date().toISOString()); })
-    .catch(e => {
-      if (location.protocol === "file:") location.reload();
-      else status("refresh failed (" + e.message + "); showing the last data received");
-    });
-}
-render();
-window.addEventListener("resize", render);
-if (REFRESH_S !== null) setInterval(refresh, REFRESH_S * 1000);
-</script>
-</body>
-</html>
-"""

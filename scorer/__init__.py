@@ -13,7 +13,7 @@ from inferlb.scorer.gpustate import GpuInfo, GpuReport, parse_gpu_report
 from inferlb.scorer.inflight import InFlight, Lease
 from inferlb.scorer.pool import Endpoint, Pool
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
-from inferlb.scorer.promtext import PICKER_METRICS, VllmSnapshot, parse_exposition, read_vllm
+from inferlb.scorer.promtext import PICKER_METRICS, VllmSnapshot, read_vllm
 from inferlb.scorer.registry import PluginSpec, ProfileSpec, Registry, default_registry
 from inferlb.scorer.router import Admit, Routed, Router
 from inferlb.scorer.saturation import Saturation
@@ -61,7 +61,6 @@ __all__ = [
     "estimate_tokens",
     "load_config",
     "parse_config",
-    "parse_exposition",
     "parse_gpu_report",
     "read_vllm",
 ]

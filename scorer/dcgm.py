@@ -22,7 +22,7 @@ import math
 import time
 
 from inferlb.scorer.gpustate import GpuInfo, GpuReport
-from inferlb.scorer.promtext import parse_exposition
+from inferlb.scorer.promtext import read_samples
 
 __all__ = ["DCGM_METRICS", "FB_FREE", "FB_RESERVED", "FB_USED", "GPU_UTIL", "read_dcgm"]
 
@@ -49,20 +49,14 @@ def read_dcgm(text: str | bytes, host: str, *, sampled_at: float | None = None) 
     or only per MIG instance), when a value is out of range or series disagree, and when the text holds no GPU at
     all (not a DCGM exporter's ``/metrics``).
     """
-    expo = parse_exposition(text, DCGM_METRICS)
+    body = text.encode("utf-8", "replace") if isinstance(text, str) else bytes(text)
     by_gpu: dict[int, _Series] = {}
     for metric in DCGM_METRICS:
-        family = expo.get(metric)
-        if family is None:
-            continue
-        for sample in family.samples:
-            if sample.name != metric:
-                continue
-            labels = dict(sample.labels)
+        for labels, value in read_samples(body, metric):
             index_text = labels.get("gpu")
             if index_text is None or not (index_text.isascii() and index_text.isdigit()):
                 raise ValueError(f"{metric} has a series without a GPU index (label gpu={index_text!r})")
-            by_gpu.setdefault(int(index_text), {}).setdefault(metric, []).append((labels, sample.value))
+            by_gpu.setdefault(int(index_text), {}).setdefault(metric, []).append((labels, value))
     if not by_gpu:
         wanted = ", ".join(_REQUIRED)
         raise ValueError(f"no GPU found: the text has none of {wanted} (is it a DCGM exporter's /metrics?)")

@@ -1,17 +1,17 @@
 """What the picker decided, for the admin API: a bounded log of recent decisions and cheap running counters.
 
 `DecisionLog.record` runs on every request, so it only appends to a ring and bumps counters (about a
-microsecond); formatting happens when someone asks (`recent`, `prometheus`).
+microsecond); formatting happens when someone asks (`recent`; inferlb/metrics.py for /metrics).
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import Counter, deque
 from typing import Any
 
 from inferlb.scorer.engine import Decision
+from inferlb.scorer.histogram import Histogram
 
 __all__ = ["PICK_BUCKETS_S", "DecisionLog"]
 
@@ -34,16 +34,12 @@ class DecisionLog:
         self.by_endpoint: Counter[tuple[str, str]] = Counter()  # (endpoint, reason) -> decisions
         self.refused: Counter[int] = Counter()  # HTTP status -> requests refused
         self.shed: Counter[str] = Counter()  # request class -> requests shed by admission control
-        self.pick_buckets = [0] * (len(PICK_BUCKETS_S) + 1)
-        self.pick_sum_s = 0.0
-        self.picks = 0
+        self.pick_s = Histogram(PICK_BUCKETS_S)  # seconds each decision took
 
     def record(self, request_id: str, model: str | None, decision: Decision, pick_s: float) -> None:
         self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], model, decision, 0, pick_s))
         self.by_endpoint[decision.endpoint.address, decision.reason] += 1
-        self.pick_buckets[bisect.bisect_left(PICK_BUCKETS_S, pick_s)] += 1
-        self.pick_sum_s += pick_s
-        self.picks += 1
+        self.pick_s.observe(pick_s)
 
     def record_refusal(self, request_id: str, model: str | None, status: int) -> None:
         # A refused request's model and id are the client's: keep a bounded head of each, or a flood of 4 MiB

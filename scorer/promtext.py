@@ -1,33 +1,43 @@
-"""A fast reader of the Prometheus text exposition (format 0.0.4, and the OpenMetrics lines vLLM may send), tuned
-for the picker's scrape loop: every inference server's ``/metrics`` at 10 Hz, hundreds of servers on one core.
+"""Reading inference servers' Prometheus text expositions (format 0.0.4, as prometheus_client prints it).
 
-The speed comes from not looking at what is not needed: given the family names it wants, the reader lets one
-compiled regex pick out, in C, the lines that start with one of those names, and parses only those. Everything
-else (Python runtime metrics, HTTP metrics, the dozens of vLLM families the picker ignores) is skipped unparsed.
+Two readers of one vLLM ``/metrics`` body, both giving a :class:`VllmSnapshot` of the signals the picker scores on
+(a missing or nonsensical metric becomes ``None`` for its field, never a guess):
 
-On top of the generic reader, :func:`read_vllm` turns one vLLM scrape into a :class:`VllmSnapshot` of the
-signals the picker scores on. A missing or nonsensical metric becomes ``None`` for its field, never a guess.
+- the fast reader of the picker's scrape loop (every server's ``/metrics`` at 10 Hz, hundreds of servers on one
+  core): `read_vllm_signals` and the collector's `SignalReader` search the bytes for the few sample lines they
+  need and parse only those, skipping the histogram buckets that are most of a vLLM exposition;
+- `read_vllm`, off the hot path (the demo, benchmarks, tests), with the latency histograms too: prometheus_client's
+  parser on the lines of the families it wants (`read_families`).
+
+`read_samples` gives one metric's samples, labels included, the fast reader's way: the GPU collector reads DCGM
+exporters with it on the routing event loop, where prometheus_client's parser (pure Python, tens of µs a line) would
+cost a millisecond or more per read.
+
+The tests hold the two to the same values (tests/scorer/test_promtext.py: real vLLM expositions, the emulator's,
+and generated ones).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 __all__ = [
     "PICKER_METRICS",
-    "Exposition",
+    "Families",
     "Histogram",
     "LoraInfo",
-    "MetricFamily",
-    "Sample",
     "SignalReader",
     "VllmSnapshot",
-    "parse_exposition",
+    "read_families",
+    "read_samples",
     "read_vllm",
     "read_vllm_signals",
 ]
@@ -49,275 +59,64 @@ PICKER_METRICS: tuple[str, ...] = (
 )
 """The metric families the picker reads from a vLLM server, spelled as vLLM's ``# TYPE`` lines spell them."""
 
-_TYPES = frozenset(
-    ("counter", "gauge", "histogram", "gaugehistogram", "summary", "info", "stateset", "untyped", "unknown")
-)
 
-# Which suffixed sample names belong to a family of which declared type.
-_SUFFIXES: tuple[tuple[str, frozenset[str]], ...] = (
-    ("_bucket", frozenset(("histogram", "gaugehistogram"))),
-    ("_count", frozenset(("histogram", "summary"))),
-    ("_sum", frozenset(("histogram", "summary"))),
-    ("_total", frozenset(("counter",))),
-    ("_created", frozenset(("counter", "histogram", "summary"))),
-    ("_gcount", frozenset(("gaugehistogram",))),
-    ("_gsum", frozenset(("gaugehistogram",))),
-    ("_info", frozenset(("info",))),
-)
+@dataclass(frozen=True, slots=True)
+class Families:
+    """The families `read_families` found, as prometheus_client parsed them, and the lines it could not parse.
 
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_VALUE = r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'  # a quoted label value, escapes allowed (an unrolled loop, for speed)
-_PAIR = rf"[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*{_VALUE}"
-_LABELS = rf"\{{[ \t]*((?:{_PAIR}(?:[ \t]*,[ \t]*{_PAIR})*)?)[ \t]*(?:,[ \t]*)?"  # without the closing brace
-# What precedes the value on a line as prometheus_client prints it (`name{labels} value`), brace excluded.
-_HEAD_RE = re.compile(rf"({_NAME})(?:[ \t]*{_LABELS})?")
-# The whole line: the slow path, for lines the fast path cannot split (other blanks, "} " inside a label value).
-# name, optional {labels}, value, optional timestamp, optional OpenMetrics exemplar (` # {...} v [ts]`).
-_SAMPLE_RE = re.compile(
-    rf"[ \t]*({_NAME})[ \t]*(?:{_LABELS}\}})?[ \t]+([^ \t\r]+)(?:[ \t]+([^ \t\r#][^ \t\r]*))?[ \t]*(?:#.*)?\r?"
-)
-_PAIR_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"([^"\\\n]*(?:\\.[^"\\\n]*)*)"')
-_DIRECTIVE_RE = re.compile(rf"#[ \t]+(HELP|TYPE)(?:[ \t]+({_NAME})(?:[ \t]+(.*))?)?[ \t\r]*")
-_DIRECTIVE_START_RE = re.compile(r"#[ \t]+(?:HELP|TYPE)(?:[ \t\r]|$)")
-_ESCAPE_RE = re.compile(r"\\(.)", re.S)
-_UNESCAPE = {"\\": "\\", '"': '"', "n": "\n"}
+    prometheus_client names a counter family without ``_total`` and its samples with it, and makes each sample
+    line that follows no ``# TYPE`` of its own an untyped family of one sample: so readers look samples up by
+    their printed name (`samples`), which is what a server prints whatever its TYPE lines say."""
 
+    metrics: list[Metric]
+    malformed: int  # lines of the wanted families that did not parse (skipped)
 
-class Sample(NamedTuple):
-    """One sample line: its metric name as printed (``x_bucket``, ``x_total``...), labels in printed order with
-    escapes resolved, and the value (``nan``, ``inf`` and ``-inf`` included). Timestamps and exemplars are
-    checked for form and dropped."""
+    def samples(self, name: str) -> list[Sample]:
+        """Every sample printed as ``name`` (``x``, ``x_total``, ``x_bucket``...), in exposition order."""
+        return [s for metric in self.metrics for s in metric.samples if s.name == name]
 
-    name: str
-    labels: tuple[tuple[str, str], ...]
-    value: float
-
-
-@dataclass(slots=True)
-class MetricFamily:
-    """The samples of one family, in exposition order. ``type`` is the declared ``# TYPE`` (``"untyped"`` when
-    none was declared); ``help`` the ``# HELP`` text with escapes resolved, or ``None``."""
-
-    name: str
-    type: str
-    help: str | None = None
-    samples: list[Sample] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Exposition:
-    """One parsed scrape: families by name, as the ``# TYPE`` lines name them, and the number of malformed lines.
-
-    ``malformed`` counts only lines that were examined: with a ``wanted`` filter, lines of other families are
-    skipped unparsed and are never counted. The caller owns the object; nothing else holds it.
-    """
-
-    families: dict[str, MetricFamily] = field(default_factory=dict)
-    malformed: int = 0
-
-    def get(self, name: str) -> MetricFamily | None:
-        """The family ``name``; a counter is also found under its other spelling (``x`` or ``x_total``), since
-        the 0.0.4 text format names counter families with ``_total`` and OpenMetrics names them without."""
-        family = self.families.get(name)
-        if family is not None:
-            return family
-        family = self.families.get(name[:-6] if name.endswith("_total") else name + "_total")
-        return family if family is not None and family.type == "counter" else None
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.get(name) is not None
-
-
-class _Wanted(NamedTuple):
-    lines: re.Pattern[str]  # finds the lines (samples, HELP, TYPE) whose name starts with a wanted prefix
-    exact: frozenset[str]
-    counter_alt: frozenset[str]  # the other spelling of each wanted name, accepted for counter families
+    def of_type(self, name: str, kind: str) -> list[Sample]:
+        """The samples of the families named ``name`` and declared ``kind`` (``histogram``...), in order."""
+        return [s for metric in self.metrics if metric.name == name and metric.type == kind for s in metric.samples]
 
 
 @lru_cache(maxsize=64)
-def _compile_wanted(wanted: frozenset[str]) -> _Wanted:
-    # Pure memo of a compiled regex per distinct wanted set (the picker uses one); it holds no scrape state.
-    alt = frozenset(w[:-6] if w.endswith("_total") else w + "_total" for w in wanted)
+def _wanted_lines(wanted: frozenset[str]) -> re.Pattern[str]:
+    # Pure memo of a compiled regex per distinct wanted set: it finds the lines (samples, HELP, TYPE) whose name
+    # starts with a wanted name, a counter's without its `_total`.
     prefixes = sorted({w[:-6] if w.endswith("_total") else w for w in wanted}, key=len, reverse=True)
     alternation = "|".join(re.escape(p) for p in prefixes) or "(?!)"
-    lines = re.compile(rf"\n(#[ \t]+(?:HELP|TYPE)[ \t]+(?:{alternation})[^\n]*|(?:{alternation})[^\n]*)")
-    return _Wanted(lines, wanted, alt)
+    return re.compile(rf"\n[ \t]*(#[ \t]+(?:HELP|TYPE)[ \t]+(?:{alternation})[^\n]*|(?:{alternation})[^\n]*)")
 
 
-def parse_exposition(text: str | bytes, wanted: Collection[str] | None = None) -> Exposition:
-    """Parse a Prometheus text exposition; never raises on bad input.
+def read_families(text: str | bytes, wanted: Collection[str]) -> Families:
+    """The families of ``text`` whose names start with one of ``wanted``, parsed by prometheus_client; never raises
+    on bad input.
 
-    ``wanted``: family names to keep (``None`` keeps all). A line is looked at only if its metric name starts
-    with a wanted name, a check done in C; a counter may be wanted as ``x`` or ``x_total`` alike. Sample names
-    map to their family through the declared types: ``x_bucket``/``x_sum``/``x_count`` to histogram ``x``,
-    ``x_total``/``x_created`` to counter ``x`` (OpenMetrics); a name with its own ``# TYPE`` line (as
-    prometheus_client's ``x_created`` gauges) is its own family. Malformed lines are skipped and counted. Bytes
-    that are not UTF-8 are decoded with U+FFFD replacements.
+    A regex picks those lines out first (in C), so the pure-Python parser sees only them: a vLLM exposition's
+    dozens of other families cost nothing. A line the parser refuses is skipped and counted in ``malformed``
+    (prometheus_client stops at the first; then each line is tried alone). Bytes that are not UTF-8 are decoded
+    with U+FFFD replacements.
     """
     if not isinstance(text, str):
         text = bytes(text).decode("utf-8", "replace")
-    if wanted is None:
-        return _parse_lines(text.split("\n"), None)
-    spec = _compile_wanted(wanted if isinstance(wanted, frozenset) else frozenset(wanted))
-    return _parse_lines(spec.lines.findall("\n" + text), spec)
+    lines = _wanted_lines(wanted if isinstance(wanted, frozenset) else frozenset(wanted)).findall("\n" + text)
+    try:
+        return Families(list(text_string_to_metric_families("\n".join(lines))), 0)
+    except ValueError:
+        pass
+    good = [line for line in lines if _parses(line)]
+    return Families(list(text_string_to_metric_families("\n".join(good))), len(lines) - len(good))
 
 
-def _parse_lines(lines: Iterable[str], wanted: _Wanted | None) -> Exposition:
-    expo = Exposition()
-    families = expo.families
-    types: dict[str, str] = {}
-    helps: dict[str, str] = {}
-    # sample name -> its family, or None when the family is not wanted; reset when a TYPE line arrives
-    resolved: dict[str, MetricFamily | None] = {}
-    malformed = 0
-    sample_match = _SAMPLE_RE.fullmatch
-    for line in lines:
-        if not line or line[0] == "#":
-            if line and not _comment(line, types, helps, families, resolved, wanted):
-                malformed += 1
-            continue
-        # Fast path: split at the first "} " (or blanks) and look the head up in a cache shared by all scrapes,
-        # since every server of a pool prints the same names and label sets scrape after scrape.
-        head, brace, tail = line.partition("} ")
-        if brace:
-            parts = tail.split() if "{" in head else []
-        elif "{" in line:
-            parts = []
-        else:
-            parts = line.split()
-            head = parts.pop(0) if parts else ""
-        parsed = _head(head) if parts else None
-        if parsed is not None and (len(parts) == 1 or parts[1] == "#" or len(parts) == 2 or parts[2] == "#"):
-            name, labels = parsed
-            valuetext = parts[0]
-            stamp = parts[1] if len(parts) > 1 and parts[1] != "#" else None
-        else:
-            m = sample_match(line)
-            checked = _labels(m.group(2)) if m is not None else None
-            if m is None or checked is None:
-                if not line.isspace():
-                    malformed += 1
-                continue
-            labels = checked
-            name, _, valuetext, stamp = m.groups()
-        try:
-            if "_" in valuetext:  # float() takes "1_000"; Prometheus does not
-                raise ValueError(valuetext)
-            value = float(valuetext)
-            if stamp is not None:
-                float(stamp)
-        except ValueError:
-            malformed += 1
-            continue
-        family = resolved.get(name)
-        if family is None:
-            if name in resolved:
-                continue
-            family = resolved[name] = _resolve(name, types, helps, families, wanted)
-            if family is None:
-                continue
-        family.samples.append(Sample(name, labels, value))
-    expo.malformed = malformed
-    return expo
-
-
-@lru_cache(maxsize=8192)
-def _head(head: str) -> tuple[str, tuple[tuple[str, str], ...]] | None:
-    """Name and labels of a sample line's head (``name{a="b"``); None if malformed. A pure memo: a pool's servers
-    print the same few hundred heads every scrape, so this parses each once."""
-    m = _HEAD_RE.fullmatch(head)
-    if m is None:
-        return None
-    labels = _labels(m.group(2))
-    return None if labels is None else (m.group(1), labels)
-
-
-def _labels(text: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The pairs of a label list already checked by a regex; None if a name repeats."""
-    if not text:
-        return ()
-    pairs = _PAIR_RE.findall(text)
-    if "\\" in text:
-        pairs = [(k, _ESCAPE_RE.sub(_unescape, v)) for k, v in pairs]
-    if len(pairs) > 1 and len({k for k, _ in pairs}) != len(pairs):
-        return None
-    return tuple(pairs)
-
-
-def _comment(
-    line: str,
-    types: dict[str, str],
-    helps: dict[str, str],
-    families: dict[str, MetricFamily],
-    resolved: dict[str, MetricFamily | None],
-    wanted: _Wanted | None,
-) -> bool:
-    """Record a HELP or TYPE line; False when it is malformed. Other comments are ignored."""
-    directive = _directive(line)
-    if isinstance(directive, bool):
-        return directive
-    kind, name, text = directive
-    if kind == "HELP":
-        helps[name] = text
-        family = families.get(name)
-        if family is not None:
-            family.help = text
-        return True
-    if name in types:
+def _parses(line: str) -> bool:
+    # A line's parse does not depend on the lines around it (the family it joins does, but that never raises).
+    try:
+        for _ in text_string_to_metric_families(line):
+            pass
+    except ValueError:
         return False
-    types[name] = text
-    resolved.clear()  # a late TYPE line may change where sample names already seen belong
-    if _accepts(name, text, wanted):
-        families[name] = MetricFamily(name, text, helps.get(name))
     return True
-
-
-@lru_cache(maxsize=4096)
-def _directive(line: str) -> tuple[str, str, str] | bool:
-    """A comment line as (``HELP``/``TYPE``, name, text); True for any other comment, False when malformed. A
-    pure memo, like :func:`_head`."""
-    m = _DIRECTIVE_RE.fullmatch(line)
-    if m is None or m.group(2) is None:
-        return _DIRECTIVE_START_RE.match(line) is None
-    kind, name, text = m.groups()
-    text = (text or "").rstrip("\r")
-    if kind == "TYPE":
-        text = text.strip(" \t")
-        return (kind, name, text) if text in _TYPES else False
-    return kind, name, _ESCAPE_RE.sub(_unescape, text) if "\\" in text else text
-
-
-def _resolve(
-    name: str,
-    types: dict[str, str],
-    helps: dict[str, str],
-    families: dict[str, MetricFamily],
-    wanted: _Wanted | None,
-) -> MetricFamily | None:
-    """The family a sample name belongs to, created if need be; None if that family is not wanted."""
-    family_name = name
-    if name not in types:
-        for suffix, kinds in _SUFFIXES:
-            if name.endswith(suffix) and types.get(name[: -len(suffix)]) in kinds:
-                family_name = name[: -len(suffix)]
-                break
-    family = families.get(family_name)
-    if family is not None:
-        return family
-    kind = types.get(family_name, "untyped")
-    if not _accepts(family_name, kind, wanted):
-        return None
-    family = families[family_name] = MetricFamily(family_name, kind, helps.get(family_name))
-    return family
-
-
-def _accepts(name: str, kind: str, wanted: _Wanted | None) -> bool:
-    return wanted is None or name in wanted.exact or (kind == "counter" and name in wanted.counter_alt)
-
-
-def _unescape(m: re.Match[str]) -> str:
-    c = m.group(1)
-    return _UNESCAPE.get(c, "\\" + c)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -382,27 +181,26 @@ _GAUGES_AND_COUNTERS = tuple(name for name in PICKER_METRICS if name not in _HIS
 
 
 def read_vllm(text: str | bytes, *, model: str | None = None, histograms: bool = True) -> VllmSnapshot:
-    """Read the picker's signals from one vLLM ``/metrics`` body; never raises on bad input.
+    """Read the picker's signals from one vLLM ``/metrics`` body with prometheus_client's parser; never raises on
+    bad input.
 
     With ``model``, samples whose ``model_name`` label names another model are ignored; samples without a
     ``model_name`` label (``cache_config_info``, ``lora_requests_info``) are server-wide and always read.
     ``histograms=False`` skips the latency histograms (their buckets are most of the parsing work; the
-    ``ttft``, ``e2e_latency`` and ``queue_time`` fields are then None): the 10 Hz scrape does without them.
+    ``ttft``, ``e2e_latency`` and ``queue_time`` fields are then None).
     """
-    expo = parse_exposition(text, PICKER_METRICS if histograms else _GAUGES_AND_COUNTERS)
+    found = read_families(text, PICKER_METRICS if histograms else _GAUGES_AND_COUNTERS)
+
+    def samples(name: str) -> list[Sample]:
+        return [s for s in found.samples(name) if _model_ok(s.labels, model)]
 
     def values(name: str) -> list[float] | None:
-        family = expo.get(name)
-        if family is None:
-            return None
-        names = (family.name, family.name + "_total") if family.type == "counter" else (family.name,)
-        found = [s.value for s in family.samples if s.name in names and _model_ok(s.labels, model)]
-        return found or None
+        return [float(s.value) for s in samples(name)] or None
 
     kv = _mean_fraction(values("vllm:kv_cache_usage_perc"))
     if kv is None:
         kv = _mean_fraction(values("vllm:gpu_cache_usage_perc"))
-    block_size, num_gpu_blocks = _cache_config(expo.get("vllm:cache_config_info"), model)
+    block_size, num_gpu_blocks = _cache_config([s.labels for s in samples("vllm:cache_config_info")])
     return VllmSnapshot(
         running=_count(values("vllm:num_requests_running")),
         waiting=_count(values("vllm:num_requests_waiting")),
@@ -412,21 +210,16 @@ def read_vllm(text: str | bytes, *, model: str | None = None, histograms: bool =
         prefix_cache_queries=_count(values("vllm:prefix_cache_queries_total")),
         prefix_cache_hits=_count(values("vllm:prefix_cache_hits_total")),
         num_preemptions=_count(values("vllm:num_preemptions_total")),
-        lora=_lora(expo.get("vllm:lora_requests_info"), model),
-        ttft=_histogram(expo.get("vllm:time_to_first_token_seconds"), model),
-        e2e_latency=_histogram(expo.get("vllm:e2e_request_latency_seconds"), model),
-        queue_time=_histogram(expo.get("vllm:request_queue_time_seconds"), model),
-        malformed=expo.malformed,
+        lora=_lora([(s.labels, float(s.value)) for s in samples("vllm:lora_requests_info")]),
+        ttft=_histogram(found, "vllm:time_to_first_token_seconds", model),
+        e2e_latency=_histogram(found, "vllm:e2e_request_latency_seconds", model),
+        queue_time=_histogram(found, "vllm:request_queue_time_seconds", model),
+        malformed=found.malformed,
     )
 
 
-def _model_ok(labels: tuple[tuple[str, str], ...], model: str | None) -> bool:
-    if model is None:
-        return True
-    for key, value in labels:
-        if key == "model_name":
-            return value == model
-    return True
+def _model_ok(labels: Mapping[str, str], model: str | None) -> bool:
+    return model is None or labels.get("model_name", model) == model
 
 
 def _count(values: list[float] | None) -> int | None:
@@ -447,16 +240,15 @@ def _mean_fraction(values: list[float] | None) -> float | None:
 
 
 def _positive_int(text: str | None) -> int | None:
-    if text is None or not text.isdigit():  # "None" is how vLLM prints an unset config value
+    # "None" is how vLLM prints an unset config value; only ASCII digits, as the fast reader's byte regexes read
+    if text is None or not (text.isascii() and text.isdigit()):
         return None
     n = int(text)
     return n if n > 0 else None
 
 
-def _cache_config(family: MetricFamily | None, model: str | None) -> tuple[int | None, int | None]:
-    if family is None:
-        return None, None
-    configs = [dict(s.labels) for s in family.samples if s.name == family.name and _model_ok(s.labels, model)]
+def _cache_config(configs: list[dict[str, str]]) -> tuple[int | None, int | None]:
+    """Block size (when every engine agrees) and GPU blocks (summed) from ``cache_config_info``'s label sets."""
     if not configs:
         return None, None
     sizes = {_positive_int(c.get("block_size")) for c in configs}
@@ -466,16 +258,13 @@ def _cache_config(family: MetricFamily | None, model: str | None) -> tuple[int |
     return block_size, num_gpu_blocks
 
 
-def _lora(family: MetricFamily | None, model: str | None) -> LoraInfo | None:
-    if family is None:
-        return None
+def _lora(samples: list[tuple[dict[str, str], float]]) -> LoraInfo | None:
+    """``lora_requests_info`` from its (labels, value) samples."""
     # The gauge is set to the current time on every engine step; the newest label set is the current state.
-    samples = [
-        s for s in family.samples if s.name == family.name and math.isfinite(s.value) and _model_ok(s.labels, model)
-    ]
-    if not samples:
+    timed = [(labels, value) for labels, value in samples if math.isfinite(value)]
+    if not timed:
         return None
-    labels = dict(max(samples, key=lambda s: s.value).labels)
+    labels = max(timed, key=lambda sample: sample[1])[0]
     if "running_lora_adapters" not in labels or "waiting_lora_adapters" not in labels:
         return None
     return LoraInfo(
@@ -485,31 +274,31 @@ def _lora(family: MetricFamily | None, model: str | None) -> LoraInfo | None:
     )
 
 
-def _histogram(family: MetricFamily | None, model: str | None) -> Histogram | None:
-    if family is None or family.type != "histogram":
-        return None
-    bucket_name, sum_name, count_name = family.name + "_bucket", family.name + "_sum", family.name + "_count"
-    # One series per label set without `le` (one per engine); they are added up when their bounds agree.
-    buckets: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
-    sums: dict[tuple[tuple[str, str], ...], list[float]] = {}
-    counts: dict[tuple[tuple[str, str], ...], list[float]] = {}
-    for name, labels, value in family.samples:
-        if model is not None and not _model_ok(labels, model):
+_SeriesKey = tuple[tuple[str, str], ...]  # a series' labels but `le`, sorted
+
+
+def _histogram(found: Families, name: str, model: str | None) -> Histogram | None:
+    """The histogram ``name`` (declared by a ``# TYPE`` line), its series (one per engine) added up when their
+    bounds agree; None when it is missing or broken."""
+    bucket_name, sum_name, count_name = name + "_bucket", name + "_sum", name + "_count"
+    buckets: dict[_SeriesKey, list[tuple[float, float]]] = {}
+    sums: dict[_SeriesKey, list[float]] = {}
+    counts: dict[_SeriesKey, list[float]] = {}
+    for sample in found.of_type(name, "histogram"):
+        labels, value = sample.labels, float(sample.value)
+        if not _model_ok(labels, model):
             continue
-        if name == bucket_name:
-            split = _split_le(labels)
-            if split is None:
+        if sample.name == bucket_name:
+            try:
+                bound = float(labels["le"])
+            except (KeyError, ValueError):
                 return None
-            key, bound = split
-            series = buckets.get(key)
-            if series is None:
-                buckets[key] = [(bound, value)]
-            else:
-                series.append((bound, value))
-        elif name == sum_name:
-            sums.setdefault(tuple(sorted(labels)), []).append(value)
-        elif name == count_name:
-            counts.setdefault(tuple(sorted(labels)), []).append(value)
+            key = tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
+            buckets.setdefault(key, []).append((bound, value))
+        elif sample.name == sum_name:
+            sums.setdefault(tuple(sorted(labels.items())), []).append(value)
+        elif sample.name == count_name:
+            counts.setdefault(tuple(sorted(labels.items())), []).append(value)
     if not buckets or buckets.keys() != sums.keys() or buckets.keys() != counts.keys():
         return None
     merged: Histogram | None = None
@@ -529,20 +318,6 @@ def _histogram(family: MetricFamily | None, model: str | None) -> Histogram | No
                 merged.count + one.count,
             )
     return merged
-
-
-@lru_cache(maxsize=4096)
-def _split_le(labels: tuple[tuple[str, str], ...]) -> tuple[tuple[tuple[str, str], ...], float] | None:
-    """A bucket's series key (its other labels, sorted) and its bound; None without a numeric ``le``. A pure memo:
-    label tuples come from :func:`_head`'s cache, the same few hundred every scrape."""
-    rest = [pair for pair in labels if pair[0] != "le"]
-    if len(rest) != len(labels) - 1:
-        return None
-    try:
-        bound = float(dict(labels)["le"])
-    except ValueError:
-        return None
-    return tuple(sorted(rest)), bound
 
 
 def _one_histogram(buckets: list[tuple[float, float]], sums: list[float], counts: list[float]) -> Histogram | None:
@@ -573,15 +348,17 @@ _SIGNAL_NAMES = {
     "lora": b"vllm:lora_requests_info",
 }
 _LORA = _SIGNAL_NAMES["lora"]
-_BLOCK_SIZE = re.compile(rb'[{,]block_size="(\d+)"')
-_NUM_BLOCKS = re.compile(rb'[{,]num_gpu_blocks="(\d+)"')
+# A label of the set (after "{" or ","; blanks allowed around "="). Digits only: a match cannot start inside another
+# label's value, since a quote there is escaped or closes that value.
+_BLOCK_SIZE = re.compile(rb'[{,][ \t]*block_size[ \t]*=[ \t]*"(\d+)"')
+_NUM_BLOCKS = re.compile(rb'[{,][ \t]*num_gpu_blocks[ \t]*=[ \t]*"(\d+)"')
 
 
 def _sample_lines(body: bytes, name: bytes) -> list[bytes]:
-    """The sample lines of metric ``name`` (exactly that name, labelled or not).
+    """The sample lines of metric ``name`` (exactly that name, labelled or not), each from the name on.
 
     The text format keeps a family's lines together, so this finds the first sample line and reads on while
-    lines carry the name.
+    lines carry the name (or are comments, which parsers skip).
     """
     start = _sample_start(body, name, 0)
     return [] if start < 0 else _lines_from(body, name, start)
@@ -597,53 +374,202 @@ def _sample_start(body: bytes, name: bytes, pos: int) -> int:
         if i < 0:
             return -1
         start = i - skip
-        if start >= 0 and (start == 0 or body[start - 1] == 10) and _is_sample(body, name, start):
-            return start
+        if start == 0 or (start > 0 and body[start - 1] == 10):  # what servers print: the name starts the line
+            if _is_sample(body, name, start):
+                return start
+        elif start > 0 and body[start - 1] in _BLANKS:  # parsers allow blanks before the name
+            line = start - 1
+            while line > 0 and body[line - 1] in _BLANKS:
+                line -= 1
+            if (line == 0 or body[line - 1] == 10) and _is_sample(body, name, start):
+                return line
         pos = i + 1 - skip
 
 
+_AFTER_NAME = (b"{", b" ", b"\t")  # what may follow a sample line's metric name
+_BLANKS = b" \t"
+# What `_line` tells of a line that holds no sample of the family: a comment or a blank line, which parsers skip;
+# the family's own TYPE line, which comes before its first sample; a line that ends the family's group.
+_SKIPPED, _TYPE, _OTHER = -1, -2, -3
+
+
 def _is_sample(body: bytes, name: bytes, start: int) -> bool:
-    """Whether a sample line of ``name`` begins at ``start``."""
-    return body.startswith(name, start) and body[start + len(name) : start + len(name) + 1] in (b"{", b" ")
+    """Whether a sample of ``name`` begins at ``start`` (the name, then a label set or blanks)."""
+    return body.startswith(name, start) and body[start + len(name) : start + len(name) + 1] in _AFTER_NAME
+
+
+def _line(body: bytes, name: bytes, start: int, end: int) -> int:
+    """What the line ``body[start:end]`` is to the group of family ``name``: where its sample of ``name`` begins
+    (after any blanks), else `_SKIPPED`, `_TYPE` or `_OTHER` (another family's sample, HELP or TYPE line)."""
+    first = start
+    while first < end and body[first] in _BLANKS:
+        first += 1
+    if _is_sample(body, name, first):
+        return first
+    if first == end or (first + 1 == end and body[first] == 13):  # blank ("\r" alone: a CRLF line's)
+        return _SKIPPED
+    if body[first] != 35:  # "#"
+        return _OTHER
+    # "#", blanks, HELP or TYPE, blanks, the family's name: without slicing the line (HELP texts are long)
+    keyword = first + 1
+    while keyword < end and body[keyword] in _BLANKS:
+        keyword += 1
+    kind = body[keyword : keyword + 4]
+    at = keyword + 4
+    if (kind != b"HELP" and kind != b"TYPE") or at >= end or body[at] not in _BLANKS:
+        return _SKIPPED  # a plain comment
+    while at < end and body[at] in _BLANKS:
+        at += 1
+    if at < end and not _owns(body, name, at):
+        return _OTHER
+    return _TYPE if kind == b"TYPE" else _SKIPPED
 
 
 def _lines_from(body: bytes, name: bytes, start: int) -> list[bytes]:
+    """The sample lines of ``name`` from the line beginning at ``start`` to the end of the family's group (comments
+    and blank lines within it are skipped, as parsers skip them)."""
+    return _group(body, name, start)[0]
+
+
+def _group(body: bytes, name: bytes, start: int) -> tuple[list[bytes], int]:
+    """`_lines_from`, and where the line that ended the group begins (``len(body)`` at the end)."""
     lines = []
     size = len(body)
-    while start < size and _is_sample(body, name, start):
-        end = body.find(b"\n", start)
-        end = size if end < 0 else end
-        lines.append(body[start:end])
+    while start < size:
+        if _is_sample(body, name, start):  # what servers print: the name at the start of the line
+            end = body.find(b"\n", start)
+            end = size if end < 0 else end
+            lines.append(body[start:end])
+        elif body.startswith(_HELP, start) or body.startswith(_TYPE_LINE, start):
+            if not _owns(body, name, start + 7):  # what servers print next: the next family's HELP or TYPE line
+                break
+            end = body.find(b"\n", start)
+            end = size if end < 0 else end
+        else:
+            end = body.find(b"\n", start)
+            end = size if end < 0 else end
+            first = _line(body, name, start, end)
+            if first >= 0:
+                lines.append(body[first:end])
+            elif first == _OTHER:
+                break
         start = end + 1
-    return lines
+    return lines, start
+
+
+_HELP, _TYPE_LINE = b"# HELP ", b"# TYPE "
+_NAME_ENDS = (b" ", b"\t", b"\r", b"\n", b"")
+
+
+def _owns(body: bytes, name: bytes, at: int) -> bool:
+    """Whether the HELP or TYPE line whose name begins at ``at`` is family ``name``'s (a counter's may name it
+    without ``_total``)."""
+    if body.startswith(name, at):
+        return body[at + len(name) : at + len(name) + 1] in _NAME_ENDS
+    if not name.endswith(b"_total"):
+        return False
+    base = name[:-6]
+    return body.startswith(base, at) and body[at + len(base) : at + len(base) + 1] in _NAME_ENDS
 
 
 def _sample_values(lines: list[bytes], name: bytes) -> list[float] | None:
     """The values of well-formed sample lines (a malformed line is skipped, as the parser skips it)."""
     values = []
     for line in lines:
-        if line[len(name) : len(name) + 1] == b"{":
-            brace = line.rfind(b"}")
-            if brace < 0:
-                continue
-            rest = line[brace + 1 :].split()
-        else:
-            rest = line[len(name) :].split()
-        if not 1 <= len(rest) <= 2:
-            continue
-        try:
-            values.append(float(rest[0]))
-        except ValueError:
-            continue
+        value = _value(line, name)
+        if value is not None:
+            values.append(value)
     return values or None
 
 
-def _lora_lines(lines: list[bytes]) -> LoraInfo | None:
-    """``vllm:lora_requests_info`` from its few sample lines, through the full parser (labels need it)."""
-    if not lines:
+def _value(line: bytes, name: bytes) -> float | None:
+    """The value of one sample line of ``name``; None if the line is malformed."""
+    if line[len(name) : len(name) + 1] == b"{":  # what servers print, without `_labels_span`'s call
+        brace = line.rfind(b"}")
+        if brace < 0:
+            return None
+        rest = line[brace + 1 :].split()
+    elif (span := _labels_span(line, name)) is None:
+        rest = line[len(name) :].split()
+    elif span[1] < 0:
         return None
-    text = b"# TYPE vllm:lora_requests_info gauge\n" + b"\n".join(lines) + b"\n"
-    return _lora(parse_exposition(text).get("vllm:lora_requests_info"), None)
+    else:
+        rest = line[span[1] + 1 :].split()
+    # float() takes "1_000", Prometheus does not (95: "_"; an int's `in` is far cheaper than a bytes' here)
+    if not 1 <= len(rest) <= 2 or 95 in rest[0] or 95 in rest[-1]:
+        return None
+    try:
+        if len(rest) == 2:
+            float(rest[1])  # the timestamp: checked, not kept
+        return float(rest[0])
+    except ValueError:
+        return None
+
+
+def _labels_span(line: bytes, name: bytes) -> tuple[int, int] | None:
+    """Where the label set of a sample line of ``name`` opens and closes (``{`` and ``}``), or None without one.
+    A label value may hold braces; the value after the set may not, so the last ``}`` closes it. A ``{`` without
+    a ``}`` gives (i, -1)."""
+    i = len(name)
+    if line[i : i + 1] != b"{":
+        i = len(line) - len(line[i:].lstrip(b" \t"))
+        if line[i : i + 1] != b"{":
+            return None
+    return i, line.rfind(b"}", i)
+
+
+_PAIR = re.compile(rb'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"([^"\\\n]*(?:\\.[^"\\\n]*)*)"')
+_ESCAPE = re.compile(rb"\\(.)", re.S)
+_UNESCAPED = {b"\\": b"\\", b'"': b'"', b"n": b"\n"}
+
+
+def _unescape(m: re.Match[bytes]) -> bytes:
+    return _UNESCAPED.get(m.group(1), m.group(0))  # other escapes stay as printed, as prometheus_client keeps them
+
+
+def read_samples(body: bytes | str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The (labels, value) of each sample line of metric ``name`` (exactly that name), in order, wherever in the
+    body: the fast reader's way to a family's labels, the same as prometheus_client's parser gives (the tests
+    compare them). Malformed lines are skipped; never raises on bad input. scorer/dcgm.py reads DCGM exporters
+    with it."""
+    if isinstance(body, str):
+        body = body.encode("utf-8", "replace")
+    metric = name.encode()
+    lines: list[bytes] = []
+    start = _sample_start(body, metric, 0)
+    while start >= 0:  # every group of the name, as a parser finds them (a family printed in pieces)
+        group, end = _group(body, metric, start)
+        lines += group
+        start = _sample_start(body, metric, end) if end < len(body) else -1
+    return _samples(lines, metric)
+
+
+def _samples(lines: list[bytes], name: bytes) -> list[tuple[dict[str, str], float]]:
+    """The (labels, value) of well-formed sample lines of ``name``."""
+    samples = []
+    for line in lines:
+        value = _value(line, name)
+        if value is None:
+            continue
+        span = _labels_span(line, name)
+        samples.append((dict(_label_pairs(line[span[0] + 1 : span[1]])) if span is not None else {}, value))
+    return samples
+
+
+@lru_cache(maxsize=4096)
+def _label_pairs(text: bytes) -> tuple[tuple[str, str], ...]:
+    """The (name, value) pairs of a label set's text, escapes resolved. A pure memo: a server prints the same
+    label sets scrape after scrape, only the values change."""
+    pairs = []
+    for key, raw in _PAIR.findall(text):
+        value = _ESCAPE.sub(_unescape, raw) if b"\\" in raw else raw
+        pairs.append((key.decode(), value.decode("utf-8", "replace")))
+    return tuple(pairs)
+
+
+def _lora_lines(lines: list[bytes]) -> LoraInfo | None:
+    """``vllm:lora_requests_info`` from its few sample lines (printed only by servers with LoRA enabled)."""
+    return _lora(_samples(lines, _LORA)) if lines else None
 
 
 def read_vllm_signals(body: bytes) -> VllmSnapshot:
@@ -726,11 +652,19 @@ class SignalReader:
         if at is not None:
             start = _sample_start(body, name, max(0, at - self.WINDOW))
             if start >= 0:  # found from the hint: step back to the family's first sample line, if need be
-                while start > 0:
-                    before = body.rfind(b"\n", 0, start - 1) + 1
-                    if not _is_sample(body, name, before):
+                line = start
+                while line > 0:
+                    before = body.rfind(b"\n", 0, line - 1) + 1
+                    if body.startswith(_TYPE_LINE, before) or (
+                        body.startswith(_HELP, before) and not _owns(body, name, before + 7)
+                    ):
+                        break  # what servers print before a family: its TYPE line (or the last one's HELP)
+                    kind = _line(body, name, before, line - 1)
+                    if kind >= 0:
+                        start = before
+                    elif kind != _SKIPPED:  # its TYPE line, or another family's: the group begins after it
                         break
-                    start = before
+                    line = before
         if start < 0:
             start = _sample_start(body, name, 0)
         if start < 0:

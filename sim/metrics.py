@@ -17,9 +17,10 @@ import math
 import numbers
 import re
 import time
-from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from itertools import accumulate
+
+from inferlb.otel.promhist import E2E_BOUNDS_S, TTFT_BOUNDS_S
+from inferlb.scorer.histogram import Histogram
 
 __all__ = ["CONTENT_TYPE", "FINISHED_REASONS", "VllmMetrics"]
 
@@ -29,19 +30,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
 """vLLM's ``finished_reason`` label values, in the order it prints them."""
 
-# Bucket bounds as vLLM 0.32 prints them (see tests/fixtures/vllm/).
-_TTFT_BUCKETS: tuple[float, ...] = (
-    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
-    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
-)
+# Bucket bounds as vLLM 0.32 prints them (see tests/fixtures/vllm/); the picker's own TTFT and E2E histograms use
+# vLLM's TTFT and latency bounds too.
+_TTFT_BUCKETS: tuple[float, ...] = TTFT_BOUNDS_S
 _ITL_BUCKETS: tuple[float, ...] = (
     *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75),
     *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
 )
-_LATENCY_BUCKETS: tuple[float, ...] = (
-    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0),
-    *(30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
-)
+_LATENCY_BUCKETS: tuple[float, ...] = E2E_BOUNDS_S
 
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
@@ -91,29 +87,16 @@ def _header(name: str, help_text: str, kind: str) -> str:
 
 
 class _Histogram:
-    """One histogram series; its text is rebuilt only after an observation."""
+    """One histogram series as vLLM prints it, counted in a `Histogram`; its text is rebuilt only after an
+    observation."""
 
-    __slots__ = (
-        "_bounds",
-        "_bucket_heads",
-        "_count_head",
-        "_counts",
-        "_created",
-        "_header",
-        "_sum_head",
-        "_text",
-        "count",
-        "sum",
-    )
+    __slots__ = ("_bucket_heads", "_count_head", "_created", "_header", "_sum_head", "_text", "counts")
 
     def __init__(self, name: str, help_text: str, bounds: Sequence[float], labels: Mapping[str, str], created: str):
-        self._bounds = tuple(bounds)
-        self._counts = [0] * (len(self._bounds) + 1)  # per bucket, not cumulative; the last one is +Inf
-        self.count = 0
-        self.sum = 0.0
+        self.counts = Histogram(bounds)
         self._header = _header(name, help_text, "histogram")
         self._bucket_heads = [
-            f"{name}_bucket{{{_labels({**labels, 'le': _go_float(b)})}}} " for b in (*self._bounds, math.inf)
+            f"{name}_bucket{{{_labels({**labels, 'le': _go_float(b)})}}} " for b in (*self.counts.bounds, math.inf)
         ]
         self._count_head = f"{name}_count{{{_labels(labels)}}} "
         self._sum_head = f"{name}_sum{{{_labels(labels)}}} "
@@ -123,16 +106,15 @@ class _Histogram:
         self._text: str | None = None
 
     def observe(self, value: float, times: int = 1) -> None:
-        self._counts[bisect_left(self._bounds, value)] += times  # `le`: a value on a bound counts in that bucket
-        self.count += times
-        self.sum += value * times
+        self.counts.observe_many(value, times)  # `le`: a value on a bound counts in that bucket
         self._text = None
 
     def render(self) -> str:
         if self._text is None:
-            lines = [head + _count(n) for head, n in zip(self._bucket_heads, accumulate(self._counts), strict=True)]
-            lines.append(self._count_head + _count(self.count))
-            lines.append(self._sum_head + _go_float(self.sum))
+            counts = self.counts
+            lines = [head + _count(n) for head, n in zip(self._bucket_heads, counts.cumulative(), strict=True)]
+            lines.append(self._count_head + _count(counts.count))
+            lines.append(self._sum_head + _go_float(counts.sum))
             self._text = self._header + "\n".join(lines) + "\n" + self._created
         return self._text
 

@@ -6,11 +6,12 @@ import json
 import re
 from pathlib import Path
 
-from inferlb.admin import prometheus_text
+from prometheus_client.parser import text_string_to_metric_families
+
+from inferlb.metrics import prometheus_text
 from inferlb.picker import create_picker
 from inferlb.procs import free_port
 from inferlb.scorer.config import parse_config
-from inferlb.scorer.promtext import parse_exposition
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
@@ -34,7 +35,7 @@ async def test_every_dashboard_query_names_a_metric_the_picker_exposes() -> None
     log.by_endpoint["10.0.0.1:8000", "max-score"] += 1
     log.refused[404] += 1
     log.shed["batch"] += 1
-    exposed = {s.name for family in parse_exposition(prometheus_text(picker)).families.values() for s in family.samples}
+    exposed = {s.name for family in text_string_to_metric_families(prometheus_text(picker)) for s in family.samples}
     missing = sorted(n for n in names if n not in exposed)
     assert not missing, f"the dashboard queries metrics the picker does not expose: {missing}"
     heatmaps = [p for p in dashboard["panels"] if p["type"] == "heatmap"]

@@ -8,12 +8,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.picker import create_picker
 from inferlb.procs import free_port
 from inferlb.scorer.config import load_config
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.promtext import parse_exposition
 from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
@@ -29,6 +30,11 @@ YAML = {**AUTH, "content-type": "application/yaml"}
 @pytest.fixture(autouse=True)
 def admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFERLB_TEST_ADMIN_TOKEN", TOKEN)
+
+
+def _families(text: str) -> dict[str, Metric]:
+    """/metrics by family name, as prometheus_client parses it (counters without ``_total``)."""
+    return {family.name: family for family in text_string_to_metric_families(text)}
 
 
 @pytest.fixture
@@ -98,12 +104,12 @@ async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, se
         assert config["signals"]["stale_after_s"] == 1.0 and config["admission"]["max_waiting"] == 16
         assert config["otel"]["latency_source"] == "spans" and config["classes"] == []
         assert config["default_class"]["name"] == "default"
-        metrics = parse_exposition((await client.get("/metrics")).text)
-        routed = sum(s.value for s in metrics.get("inferlb_decisions").samples)
+        metrics = _families((await client.get("/metrics")).text)
+        routed = sum(s.value for s in metrics["inferlb_decisions"].samples)
         assert routed == 5
-        assert metrics.get("inferlb_pick_seconds").type == "histogram"
-        assert {s.labels for s in metrics.get("inferlb_refused").samples} == {(("status", "404"),)}
-        assert all(s.value == 0 for s in metrics.get("inferlb_endpoint_stale").samples)
+        assert metrics["inferlb_pick_seconds"].type == "histogram"
+        assert [s.labels for s in metrics["inferlb_refused"].samples] == [{"status": "404"}]
+        assert all(s.value == 0 for s in metrics["inferlb_endpoint_stale"].samples)
 
 
 async def test_a_posted_config_applies_and_a_bad_one_is_refused(picker, servers):
@@ -177,8 +183,8 @@ async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(
             assert rows[1]["latency"]["e2e_p50"] == pytest.approx(1.5, rel=0.03)
             grid = (await client.get("/heatmap.json")).json()
             assert sum(map(sum, grid["count"])) == 60
-            metrics = parse_exposition((await client.get("/metrics")).text)
-            assert metrics.get("inferlb_endpoint_ttft_seconds").type == "histogram"
+            metrics = _families((await client.get("/metrics")).text)
+            assert metrics["inferlb_endpoint_ttft_seconds"].type == "histogram"
             assert metrics.get("inferlb_responses_timed") is not None
             assert metrics.get("inferlb_spans_received") is None  # no receiver, no span counters
 

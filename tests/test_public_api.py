@@ -49,7 +49,6 @@ PUBLIC = {
         "estimate_tokens",
         "load_config",
         "parse_config",
-        "parse_exposition",
         "parse_gpu_report",
         "read_vllm",
     ],

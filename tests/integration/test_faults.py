@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import grpc_serving
@@ -227,8 +228,9 @@ def test_the_access_log_ends_each_routed_requests_count(stack: LocalStack) -> No
         return [row["inflight_requests"] for row in rows]
 
     poll(lambda: counts() == [0, 0], what="in-flight counts back to zero")
-    metrics = httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text
-    ends = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if "request_ends_total{" in line}
-    assert ends['inferlb_request_ends_total{how="access_log"}'] >= 10
-    assert ends['inferlb_request_ends_total{how="expired"}'] == 0
-    assert "inferlb_requests_awaiting_end 0" in metrics
+    text = httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text
+    metrics = {family.name: family for family in text_string_to_metric_families(text)}
+    ends = {s.labels["how"]: s.value for s in metrics["inferlb_request_ends"].samples}
+    assert ends["access_log"] >= 10
+    assert ends["expired"] == 0
+    assert [s.value for s in metrics["inferlb_requests_awaiting_end"].samples] == [0]

@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.scorer.promtext import parse_exposition
 from inferlb.sim.replay import Shot, replay
 from inferlb.stack import LocalStack, StackOptions
 
@@ -23,6 +24,12 @@ pytestmark = pytest.mark.envoy
 
 MODEL = "m"
 SCALE = 2.0
+
+
+def _metrics(stack: LocalStack) -> dict[str, Metric]:
+    """The picker's /metrics by family name, as prometheus_client parses it (counters without ``_total``)."""
+    text = httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text
+    return {family.name: family for family in text_string_to_metric_families(text)}
 
 
 def test_server_spans_are_joined_and_their_p99_matches_the_servers_logs(tmp_path: Path) -> None:
@@ -51,10 +58,10 @@ def test_server_spans_are_joined_and_their_p99_matches_the_servers_logs(tmp_path
                 break
             assert time.monotonic() < deadline, f"only {counted} of {expected} spans arrived"
             time.sleep(0.2)
-        metrics = parse_exposition(httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text)
+        metrics = _metrics(stack)
 
-    outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics.get("inferlb_spans_received").samples}
-    ttft = metrics.get("inferlb_endpoint_ttft_seconds")
+    outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics["inferlb_spans_received"].samples}
+    ttft = metrics["inferlb_endpoint_ttft_seconds"]
     assert ttft.type == "histogram"
     assert sum(s.value for s in ttft.samples if s.name.endswith("_count")) == expected
     # Every span joined through the trace id the picker injected, none through the fallback.
@@ -115,8 +122,8 @@ def test_envoy_spans_reach_the_receiver_and_server_spans_still_join(tmp_path: Pa
             assert response.status_code == 200
         deadline = time.monotonic() + 20
         while True:
-            metrics = parse_exposition(httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text)
-            outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics.get("inferlb_spans_received").samples}
+            metrics = _metrics(stack)
+            outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics["inferlb_spans_received"].samples}
             joined = outcomes["joined_by_trace"] + outcomes["joined_by_resource"]
             if joined >= 10 and outcomes["envoy"] >= 10:
                 break
@@ -154,9 +161,9 @@ def test_without_spans_the_filter_times_responses_from_the_stream(tmp_path: Path
             assert time.monotonic() < deadline, rows
             time.sleep(0.1)
         grid = httpx.get(f"{stack.picker_admin_url}/heatmap.json", timeout=5).json()
-        metrics = parse_exposition(httpx.get(f"{stack.picker_admin_url}/metrics", timeout=5).text)
+        metrics = _metrics(stack)
         envoy = stack.envoy_counters("http.inferlb.ext_proc.")
-    outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics.get("inferlb_responses_timed").samples}
+    outcomes = {dict(s.labels)["outcome"]: s.value for s in metrics["inferlb_responses_timed"].samples}
     assert outcomes["ttft"] == len(shots) and outcomes["unknown_endpoint"] == outcomes["not_ok"] == 0
     assert envoy["http.inferlb.ext_proc.streams_failed"] == 0
     clients: dict[str, list[float]] = {}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import html
+import importlib.resources
 import json
 import math
 import random
 import struct
 import threading
+import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -21,18 +24,17 @@ from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from inferlb.cli import main
 from inferlb.otel.heatmap import (
     DEFAULT_LATENCY_BOUNDS,
     HeatmapAggregator,
-    HeatmapSpanExporter,
     add_otlp_request,
     load_otlp_json_lines,
 )
-from inferlb.otel.render import render_html, render_json, render_png
+from inferlb.otel.render import PAGE_TEMPLATE, render_html, render_json, render_png
 from inferlb.sim.spans import RequestSpans
 
 T0 = 1_700_000_000.0  # a bucket boundary for 10 s buckets
@@ -266,41 +268,6 @@ def record(spans: RequestSpans, end_s: float, ttft_s: float) -> None:
     )
 
 
-def test_span_exporter_feeds_the_emulators_spans_with_an_sdk_provider() -> None:
-    aggregator = HeatmapAggregator()
-    exporter = HeatmapSpanExporter(aggregator)
-    provider = vllm_provider(exporter)
-    spans = RequestSpans(provider)
-    record(spans, T0 + 1, 0.25)
-    record(spans, T0 + 11, 0.5)
-    tracer = provider.get_tracer("test")
-    tracer.start_span("http.request").end()  # not an LLM request: ignored
-    span = tracer.start_span(
-        "custom", attributes={"gen_ai.latency.time_to_first_token": 0.3, "gen_ai.latency.e2e": 1.0}
-    )
-    span.set_attribute("inferlb.endpoint", "10.0.0.8:9000")  # names its endpoint itself
-    span.end(end_time=int((T0 + 2) * 1e9))
-    spans.shutdown()
-    grid = aggregator.grid()
-    assert grid["endpoints"] == ["10.0.0.7:8000", "10.0.0.8:9000"]
-    assert grid["p95_ttft_s"] == [[0.25, 0.5], [0.3, None]]
-    assert exporter.failures == 0
-    exporter.shutdown()  # a second shutdown is harmless
-    assert exporter.export([]) is SpanExportResult.FAILURE
-
-
-def test_span_exporter_counts_spans_without_an_endpoint_and_unreadable_ones() -> None:
-    aggregator = HeatmapAggregator()
-    exporter = HeatmapSpanExporter(aggregator)
-    provider = vllm_provider(exporter, address=None)
-    record(RequestSpans(provider), T0, 0.1)
-    assert aggregator.unattributed == 1
-    assert exporter.export([cast(Any, object())]) is SpanExportResult.SUCCESS
-    assert exporter.failures == 1
-    assert exporter.force_flush() is True
-    provider.shutdown()
-
-
 def kv(key: str, value: Any) -> common_pb2.KeyValue:
     if isinstance(value, int):
         return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(int_value=value))
@@ -473,6 +440,16 @@ def test_html_is_self_contained_and_embeds_the_data() -> None:
     assert "const REFRESH_S = 5;" in page and 'const JSON_URL = "heatmap.json";' in page
     static = render_html(grid, refresh_s=None, json_url=None)
     assert "const REFRESH_S = null;" in static
+
+
+def test_the_page_template_ships_with_the_package() -> None:
+    # The page is read from the installed package (pyproject's package-data for inferlb.otel), not from the tree.
+    assert importlib.resources.files("inferlb.otel").joinpath(PAGE_TEMPLATE).is_file()
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert "*.j2" in pyproject["tool"]["setuptools"]["package-data"]["inferlb.otel"]
+    title = 'a "quoted" <title> & more'
+    page = render_html(filled().grid(), title=title)
+    assert page.count(html.escape(title)) == 2 and page.endswith("</html>\n")
 
 
 def test_json_round_trips() -> None:

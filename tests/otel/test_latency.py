@@ -5,13 +5,14 @@ the fleet's as an endpoint's evidence ages (tests/otel/test_latency_drift.py clo
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferlb.otel.latency import QUANTILES, EndpointLatency, Ewma, LogBuckets, LogHistogram, WindowedQuantiles
+from inferlb.otel.latency import QUANTILES, EndpointLatency, LogBuckets
 
 BAD_VALUES = [math.nan, math.inf, -math.inf, 0.0, -0.0, -1.5]
 
@@ -83,7 +84,18 @@ def test_invalid_layouts_say_what_to_fix(kwargs: dict[str, float], message: str)
         LogBuckets(**kwargs)
 
 
-# --- LogHistogram ---
+# --- quantiles and window (one endpoint) ---
+
+
+def one(buckets: LogBuckets | None = None, **kwargs: float) -> EndpointLatency:
+    """One endpoint's statistics on a fake clock, by default over a window longer than any test."""
+    options: dict[str, Any] = {"window_s": 1e9, "clock": FakeClock(), **kwargs}
+    return EndpointLatency(1, buckets=buckets, **options)
+
+
+def ttft_quantiles(latency: EndpointLatency, now: float | None = None) -> tuple[float, ...]:
+    arrays = latency.arrays(now)
+    return tuple(float(arrays[f"ttft_{key}"][0]) for key in ("p50", "p95", "p99"))
 
 
 @pytest.mark.parametrize(
@@ -98,172 +110,69 @@ def test_invalid_layouts_say_what_to_fix(kwargs: dict[str, float], message: str)
 )
 def test_quantiles_within_the_bound_of_numpy(seed: int, n: int, mu: float, sigma: float) -> None:
     values = np.random.default_rng(seed).lognormal(mu, sigma, n).clip(1e-4, 1e4)
-    histogram = LogHistogram()
+    latency = one()
     for value in values.tolist():
-        histogram.add(value)
-    qs = (0.0, 0.01, 0.25, 0.5, 0.9, 0.95, 0.99, 0.999, 1.0)
-    assert histogram.count == n
-    assert_within_bound(histogram.quantiles(qs), exact_quantiles(values, qs), histogram.buckets)
-    assert histogram.quantile(0.99) == histogram.quantiles((0.99,))[0]
+        latency.observe(0, value, None)
+    assert latency.arrays()["count"].tolist() == [n]
+    assert_within_bound(ttft_quantiles(latency), exact_quantiles(values, QUANTILES), latency.buckets)
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     values=st.lists(st.floats(1e-4, 1e4), min_size=1, max_size=300),
-    q=st.floats(0.0, 1.0),
     width=st.sampled_from([0.01, 0.05, 0.2]),
 )
-def test_any_quantile_is_within_the_bound(values: list[float], q: float, width: float) -> None:
+def test_any_values_quantiles_are_within_the_bound(values: list[float], width: float) -> None:
     buckets = LogBuckets(relative_width=width)
-    histogram = LogHistogram(buckets)
+    latency = one(buckets)
     for value in values:
-        histogram.add(value)
-    assert_within_bound(histogram.quantiles((q,)), exact_quantiles(np.asarray(values), (q,)), buckets)
+        latency.observe(0, value, None)
+    assert_within_bound(ttft_quantiles(latency), exact_quantiles(np.asarray(values), QUANTILES), buckets)
 
 
 def test_out_of_range_values_are_clamped() -> None:
-    histogram = LogHistogram()
-    histogram.add(1e-9)
-    assert histogram.quantile(0.5) == histogram.buckets.midpoints[0]
-    histogram.clear()
-    histogram.add(1e9)
-    assert histogram.quantile(0.5) == histogram.buckets.midpoints[-1]
-
-
-def test_rejected_values_are_counted_not_added() -> None:
-    histogram = LogHistogram()
-    for value in BAD_VALUES:
-        histogram.add(value)
-    assert (histogram.count, histogram.rejected) == (0, len(BAD_VALUES))
-    assert int(histogram.counts.sum()) == 0
-    assert math.isnan(histogram.quantile(0.5))
-    histogram.add(0.5)
-    assert (histogram.count, histogram.rejected) == (1, len(BAD_VALUES))
-
-
-def test_empty_histogram_quantiles_are_nan() -> None:
-    assert all(math.isnan(q) for q in LogHistogram().quantiles())
-
-
-@pytest.mark.parametrize("q", [pytest.param(-0.1, id="negative"), pytest.param(1.5, id="above-one"), math.nan])
-def test_quantile_outside_0_1_is_an_error(q: float) -> None:
-    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
-        LogHistogram().quantile(q)
-
-
-def test_merge_equals_adding_everything_to_one() -> None:
-    values = np.random.default_rng(7).lognormal(0.0, 1.0, 1000).tolist()
-    a, b, both = LogHistogram(), LogHistogram(), LogHistogram()
-    for i, value in enumerate(values):
-        (a if i % 3 else b).add(value)
-        both.add(value)
-    b.add(math.nan)
-    a.merge(b)
-    assert np.array_equal(a.counts, both.counts)
-    assert (a.count, a.rejected) == (1000, 1)
-    assert a.quantiles() == both.quantiles()
-
-
-def test_merge_needs_the_same_layout() -> None:
-    with pytest.raises(ValueError, match="different layouts"):
-        LogHistogram().merge(LogHistogram(LogBuckets(relative_width=0.1)))
-
-
-def test_clear_forgets_everything() -> None:
-    histogram = LogHistogram()
-    histogram.add(1.0)
-    histogram.add(-1.0)
-    histogram.clear()
-    assert (histogram.count, histogram.rejected, int(histogram.counts.sum())) == (0, 0, 0)
-
-
-def test_histogram_memory_is_fixed() -> None:
-    histogram = LogHistogram()
-    before = histogram.nbytes
-    assert before == histogram.buckets.size * 8
-    for value in np.geomspace(1e-7, 1e7, 100_000).tolist():
-        histogram.add(value)
-    assert histogram.counts.shape == (histogram.buckets.size,)
-    assert histogram.counts.dtype == np.int64
-    assert histogram.nbytes == before
-    assert histogram.count == 100_000
-    with pytest.raises(ValueError, match="read-only"):
-        histogram.counts[0] = 1
-
-
-# --- WindowedQuantiles ---
+    low, high = one(), one()
+    low.observe(0, 1e-9, None)
+    high.observe(0, 1e9, None)
+    assert ttft_quantiles(low) == (float(low.buckets.midpoints[0]),) * 3
+    assert ttft_quantiles(high) == (float(high.buckets.midpoints[-1]),) * 3
 
 
 def test_values_expire_a_window_after_their_slice_starts() -> None:
     clock = FakeClock(1000.0)  # a slice boundary: slices are 10 s
-    window = WindowedQuantiles(window_s=60, slices=6, clock=clock)
-    window.add(0.1)
+    latency = EndpointLatency(1, window_s=60, slices=6, clock=clock)
+    latency.observe(0, 0.1, None)
     clock.now = 1009.9
-    window.add(0.1)
+    latency.observe(0, 0.1, None)
     clock.now = 1059.9
-    assert window.count() == 2
-    assert window.quantiles((0.5,))[0] == pytest.approx(0.1, rel=window.buckets.max_relative_error)
+    assert latency.arrays()["count"].tolist() == [2]
+    assert ttft_quantiles(latency)[0] == pytest.approx(0.1, rel=latency.buckets.max_relative_error)
     clock.now = 1060.0
-    assert window.count() == 0
-    assert all(math.isnan(q) for q in window.quantiles())
+    assert latency.arrays()["count"].tolist() == [0]
+    assert all(math.isnan(q) for q in ttft_quantiles(latency))
 
 
 def test_only_the_expired_slices_are_dropped() -> None:
-    window = WindowedQuantiles(window_s=60, slices=6, clock=FakeClock())
+    latency = EndpointLatency(1, window_s=60, slices=6, clock=FakeClock())
     for _ in range(10):
-        window.add(0.1, now=1000.0)
+        latency.observe(0, 0.1, None, now=1000.0)
     for _ in range(10):
-        window.add(2.0, now=1030.0)
-    assert window.count(now=1059.0) == 20
-    p50, p99 = window.quantiles((0.5, 0.99), now=1065.0)
-    assert window.count(now=1065.0) == 10
-    assert p50 == pytest.approx(2.0, rel=window.buckets.max_relative_error)
+        latency.observe(0, 2.0, None, now=1030.0)
+    assert latency.arrays(now=1059.0)["count"].tolist() == [20]
+    p50, _, p99 = ttft_quantiles(latency, now=1065.0)
+    assert latency.arrays(now=1065.0)["count"].tolist() == [10]
+    assert p50 == pytest.approx(2.0, rel=latency.buckets.max_relative_error)
     assert p99 == p50
-    assert window.count(now=1000.0 + 10_000) == 0  # a long silence clears the whole ring
-
-
-def test_window_matches_a_histogram_of_the_values_it_holds() -> None:
-    rng = np.random.default_rng(11)
-    window = WindowedQuantiles(window_s=30, slices=3, clock=FakeClock())
-    histogram = LogHistogram()
-    times = np.sort(rng.uniform(0.0, 100.0, 2000))
-    values = rng.lognormal(0.0, 1.0, 2000)
-    for t, value in zip(times.tolist(), values.tolist(), strict=True):
-        window.add(value, now=t)
-        if t >= 80.0:  # slices of 10 s: at t=100 the window holds [80, 110)
-            histogram.add(value)
-    assert window.count(now=100.0) == histogram.count
-    assert window.quantiles((0.1, 0.5, 0.9), now=100.0) == histogram.quantiles((0.1, 0.5, 0.9))
+    assert latency.arrays(now=1000.0 + 10_000)["count"].tolist() == [0]  # a long silence clears the whole ring
 
 
 def test_time_never_runs_backwards() -> None:
-    window = WindowedQuantiles(window_s=60, slices=6, clock=FakeClock())
-    window.add(1.0, now=1100.0)
-    window.add(1.0, now=1000.0)  # counts in the newest slice, not in one long expired
-    assert window.count(now=1100.0) == 2
-    assert window.count(now=1000.0) == 2
-    assert window.count(now=1160.0) == 0
-
-
-def test_window_rejects_bad_values() -> None:
-    window = WindowedQuantiles(clock=FakeClock())
-    for value in BAD_VALUES:
-        window.add(value)
-    assert (window.count(), window.rejected) == (0, len(BAD_VALUES))
-
-
-def test_window_memory_is_fixed() -> None:
-    clock = FakeClock(0.0)
-    window = WindowedQuantiles(window_s=60, slices=6, clock=clock)
-    before = window.nbytes
-    assert before == 6 * window.buckets.size * 8
-    rng = np.random.default_rng(3)
-    for t in range(0, 3600, 2):
-        clock.now = float(t)
-        for value in rng.lognormal(0.0, 2.0, 20).tolist():
-            window.add(value)
-    assert window.nbytes == before
-    assert window.count() <= 20 * 30
+    latency = EndpointLatency(1, window_s=60, slices=6, clock=FakeClock())
+    latency.observe(0, 1.0, None, now=1100.0)
+    latency.observe(0, 1.0, None, now=1000.0)  # counts in the newest slice, not in one long expired
+    assert latency.arrays(now=1100.0)["count"].tolist() == [2]
+    assert latency.arrays(now=1000.0)["count"].tolist() == [2]
+    assert latency.arrays(now=1160.0)["count"].tolist() == [0]
 
 
 @pytest.mark.parametrize(
@@ -273,21 +182,18 @@ def test_window_memory_is_fixed() -> None:
         pytest.param({"window_s": math.inf}, "window_s must be", id="infinite-window"),
         pytest.param({"slices": 0}, "slices must be", id="no-slices"),
         pytest.param({"slices": 2.5}, "slices must be", id="fractional-slices"),
+        pytest.param({"half_life_s": 0.0}, "half_life_s must be", id="zero-half-life"),
+        pytest.param({"half_life_s": -1.0}, "half_life_s must be", id="negative-half-life"),
+        pytest.param({"half_life_s": math.nan}, "half_life_s must be", id="nan-half-life"),
+        pytest.param({"half_life_s": math.inf}, "half_life_s must be", id="infinite-half-life"),
     ],
 )
 def test_invalid_windows(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        WindowedQuantiles(**kwargs)
+        EndpointLatency(1, **kwargs)
 
 
-# --- Ewma ---
-
-
-def test_ewma_is_nan_until_the_first_sample() -> None:
-    ewma = Ewma(half_life_s=10, clock=FakeClock())
-    assert math.isnan(ewma.value)
-    ewma.add(3.0)
-    assert ewma.value == 3.0
+# --- the EWMA (one endpoint: its estimate is its own mean) ---
 
 
 @pytest.mark.parametrize(
@@ -302,50 +208,27 @@ def test_ewma_is_nan_until_the_first_sample() -> None:
     ],
 )
 def test_ewma_weights_halve_every_half_life(samples: list[tuple[float, float]], expected: float) -> None:
-    ewma = Ewma(half_life_s=10)
+    latency = one(half_life_s=10)
     for value, now in samples:
-        ewma.add(value, now)
-    assert ewma.value == pytest.approx(expected, rel=1e-6)
+        latency.observe(0, value, None, now=now)
+    assert latency.arrays(now=1000.0)["ttft_ewma"][0] == pytest.approx(expected, rel=1e-6)
 
 
 def test_ewma_decays_by_time_not_by_sample_count() -> None:
     rng = np.random.default_rng(5)
     times = np.sort(rng.uniform(0.0, 60.0, 500))
     values = rng.lognormal(0.0, 1.0, 500)
-    ewma = Ewma(half_life_s=7.5)
+    latency = one(half_life_s=7.5)
     for value, now in zip(values.tolist(), times.tolist(), strict=True):
-        ewma.add(value, now)
-    weights = 0.5 ** ((times[-1] - times) / 7.5)
-    assert ewma.value == pytest.approx(float((weights * values).sum() / weights.sum()), rel=1e-9)
+        latency.observe(0, value, None, now=now)
+    assert latency.arrays(now=60.0)["ttft_ewma"][0] == pytest.approx(ewma(times, values, 7.5, 60.0)[0], rel=1e-9)
 
 
-def test_ewma_rejects_bad_values() -> None:
-    ewma = Ewma(clock=FakeClock())
-    ewma.add(2.0)
-    for value in BAD_VALUES:
-        ewma.add(value)
-    assert (ewma.value, ewma.rejected) == (2.0, len(BAD_VALUES))
-
-
-def test_ewma_weight_is_the_evidence_decayed_to_now() -> None:
-    clock = FakeClock(0.0)
-    ewma = Ewma(half_life_s=10, clock=clock)
-    assert ewma.weight() == 0.0
-    ewma.add(2.0, now=0.0)
-    ewma.add(4.0, now=0.0)
-    assert ewma.weight() == 2.0
-    clock.now = 30.0
-    assert ewma.weight() == pytest.approx(2.0 / 8)  # three half-lives without samples
-    assert ewma.value == 3.0  # the mean does not move with time; only the evidence behind it fades
-    assert ewma.weight(now=-5.0) == 2.0  # a time before the latest sample counts as that sample's
-    ewma.add(1.0)
-    assert ewma.weight() == pytest.approx(2.0 / 8 + 1.0)
-
-
-@pytest.mark.parametrize("half_life_s", [0.0, -1.0, math.nan, math.inf])
-def test_invalid_half_life(half_life_s: float) -> None:
-    with pytest.raises(ValueError, match="half_life_s must be"):
-        Ewma(half_life_s)
+def ewma(times: np.ndarray, values: np.ndarray, half_life_s: float, now: float) -> tuple[float, float]:
+    """The definition: the mean of ``values`` weighted by ``2 ** (-(now - t) / half_life_s)``, and the weights'
+    sum (the evidence behind it, as of ``now``)."""
+    weights = 0.5 ** ((now - times) / half_life_s)
+    return float((weights * values).sum() / weights.sum()), float(weights.sum())
 
 
 # --- EndpointLatency ---
@@ -382,42 +265,51 @@ def test_a_metric_without_data_has_nan_quantiles_and_the_fleets_estimate() -> No
     assert arrays["e2e_ewma"].tolist() == [4.0] * 3
 
 
-def shrunk(ewmas: list[Ewma], now: float, prior_weight: float = 1.0) -> np.ndarray:
-    """The estimates `EndpointLatency` publishes, from one `Ewma` per endpoint (each with a value in the window)."""
-    values = np.array([e.value for e in ewmas])
-    weights = np.array([e.weight(now) for e in ewmas])
+def shrunk(own: list[tuple[float, float]], prior_weight: float = 1.0) -> np.ndarray:
+    """The estimates `EndpointLatency` publishes, from each endpoint's own (mean, evidence) (each with a value in
+    the window)."""
+    values = np.array([value for value, _ in own])
+    weights = np.array([weight for _, weight in own])
     fleet = (weights * values).sum() / weights.sum()
     return np.asarray((weights * values + prior_weight * fleet) / (weights + prior_weight))
 
 
-def test_statistics_match_the_building_blocks() -> None:
+def test_statistics_match_their_definitions() -> None:
+    """Quantiles: the midpoint of the bucket of the nearest-rank value among those in the window's slices; the
+    estimate: each endpoint's time-decayed mean shrunk toward the fleet's by its evidence."""
     clock = FakeClock(0.0)
     latency = EndpointLatency(5, window_s=30, half_life_s=5, slices=3, clock=clock)
-    windows = [[WindowedQuantiles(30, 3, clock) for _ in range(5)] for _ in range(2)]
-    ewmas = [[Ewma(5, clock=clock) for _ in range(5)] for _ in range(2)]
+    seen: list[tuple[float, int, float, float]] = []  # (time, endpoint, ttft, e2e)
     rng = np.random.default_rng(9)
     for step in range(3000):
         clock.now = step * 0.03
         endpoint = int(rng.integers(0, 5))
         ttft, e2e = float(rng.lognormal(-2.0, 0.5)), float(rng.lognormal(1.0, 0.7))
         latency.observe(endpoint, ttft, e2e)
-        for m, value in enumerate((ttft, e2e)):
-            windows[m][endpoint].add(value)
-            ewmas[m][endpoint].add(value)
+        seen.append((clock.now, endpoint, ttft, e2e))
         if step % 700 == 0:
             latency.arrays()  # reads in between must not change the result
     clock.now += 7.0  # the estimates change without samples too: the evidence fades
     arrays = latency.arrays()
+    buckets = latency.buckets
+    oldest = math.floor(clock.now / 10.0) - 2  # slices of 10 s: the window holds the newest three
     for m, metric in enumerate(("ttft", "e2e")):
+        own = []
         for endpoint in range(5):
-            expected = windows[m][endpoint].quantiles(QUANTILES)
-            got = tuple(arrays[f"{metric}_{key}"][endpoint] for key in ("p50", "p95", "p99"))
-            assert got == expected
-        assert arrays[f"{metric}_ewma"] == pytest.approx(shrunk(ewmas[m], clock.now), rel=1e-9)
+            mine = [(t, v[m]) for t, e, *v in seen if e == endpoint]
+            window = sorted(v for t, v in mine if math.floor(t / 10.0) >= oldest)
+            expected = []
+            for q in QUANTILES:
+                rank = max(1, math.ceil(len(window) * q))
+                expected.append(float(buckets.midpoints[buckets.index(window[rank - 1])]))
+            assert [arrays[f"{metric}_{key}"][endpoint] for key in ("p50", "p95", "p99")] == expected
+            times, values = (np.array(column) for column in zip(*mine, strict=True))
+            own.append(ewma(times, values, 5.0, clock.now))
+        assert arrays[f"{metric}_ewma"] == pytest.approx(shrunk(own), rel=1e-9)
         # With ~90 samples of evidence each, the shrinkage moves an estimate by about 1% of its distance to the fleet.
-        own = np.array([e.value for e in ewmas[m]])
-        assert arrays[f"{metric}_ewma"] == pytest.approx(own, rel=0.02)
-    assert arrays["count"].tolist() == [windows[0][e].count() for e in range(5)]
+        assert arrays[f"{metric}_ewma"] == pytest.approx([value for value, _ in own], rel=0.02)
+    counts = [sum(1 for t, e, *_ in seen if e == i and math.floor(t / 10.0) >= oldest) for i in range(5)]
+    assert arrays["count"].tolist() == counts
 
 
 def healthy_fleet(latency: EndpointLatency, start: float, end: float) -> None:
@@ -487,11 +379,11 @@ def test_an_endpoint_whose_samples_left_the_window_reads_the_fleets_estimate() -
 
 def test_one_endpoint_reads_its_own_ewma() -> None:
     latency = EndpointLatency(1, half_life_s=10, clock=FakeClock())
-    ewma = Ewma(10)
-    for t, value in ((0.0, 1.0), (5.0, 3.0), (40.0, 2.0)):
+    samples = ((0.0, 1.0), (5.0, 3.0), (40.0, 2.0))
+    for t, value in samples:
         latency.observe(0, value, None, now=t)
-        ewma.add(value, now=t)
-    assert latency.arrays(now=55.0)["ttft_ewma"][0] == pytest.approx(ewma.value, rel=1e-12)
+    times, values = (np.array(column) for column in zip(*samples, strict=True))
+    assert latency.arrays(now=55.0)["ttft_ewma"][0] == pytest.approx(ewma(times, values, 10.0, 55.0)[0], rel=1e-12)
 
 
 @pytest.mark.parametrize(

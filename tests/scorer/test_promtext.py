@@ -1,22 +1,29 @@
-"""Tests for scorer/promtext.py: the Prometheus text reader and the vLLM snapshot built on it."""
+"""Tests for scorer/promtext.py: the families read through prometheus_client's parser, the vLLM snapshot built on
+them, and the fast reader held to the same values on real, emulated and generated expositions."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
+from inferlb.scorer import promtext
 from inferlb.scorer.promtext import (
     PICKER_METRICS,
-    Exposition,
     Histogram,
     LoraInfo,
-    Sample,
     SignalReader,
     VllmSnapshot,
-    parse_exposition,
+    read_families,
+    read_samples,
     read_vllm,
     read_vllm_signals,
 )
@@ -26,180 +33,7 @@ FULL = FIXTURES / "vllm-0.32.0-cpu-metrics.txt"
 QUEUED = FIXTURES / "vllm-0.32.0-cpu-metrics-queued.txt"
 
 
-def _samples(expo: Exposition) -> dict[str, list[Sample]]:
-    return {name: family.samples for name, family in expo.families.items()}
-
-
-# ---- parse_exposition ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "samples", "malformed"),
-    [
-        pytest.param("", {}, 0, id="empty"),
-        pytest.param("\n\n  \n", {}, 0, id="blank-lines"),
-        pytest.param("x 1", {"x": [Sample("x", (), 1.0)]}, 0, id="no-labels"),
-        pytest.param("x{} 1", {"x": [Sample("x", (), 1.0)]}, 0, id="empty-labels"),
-        pytest.param(
-            'x{a="1",b="two"} 2.5',
-            {"x": [Sample("x", (("a", "1"), ("b", "two")), 2.5)]},
-            0,
-            id="labels-in-printed-order",
-        ),
-        pytest.param('x{ a = "1" , } 2', {"x": [Sample("x", (("a", "1"),), 2.0)]}, 0, id="blanks-trailing-comma"),
-        pytest.param(
-            r'x{a="q\"b\\c\nd"} 1',
-            {"x": [Sample("x", (("a", 'q"b\\c\nd'),), 1.0)]},
-            0,
-            id="label-escapes",
-        ),
-        pytest.param(
-            'x{a="} {b=\\"c\\"}"} 1', {"x": [Sample("x", (("a", '} {b="c"}'),), 1.0)]}, 0, id="brace-in-value"
-        ),
-        pytest.param('x{a="1"}\t7', {"x": [Sample("x", (("a", "1"),), 7.0)]}, 0, id="tab-separator"),
-        pytest.param("x 1\r\ny 2\r\n", {"x": [Sample("x", (), 1.0)], "y": [Sample("y", (), 2.0)]}, 0, id="crlf"),
-        pytest.param("x 1 1700000000000", {"x": [Sample("x", (), 1.0)]}, 0, id="timestamp-ms"),
-        pytest.param('x{a="b"} -3 -1', {"x": [Sample("x", (("a", "b"),), -3.0)]}, 0, id="negative-timestamp"),
-        pytest.param("x 1 1700000000.5", {"x": [Sample("x", (), 1.0)]}, 0, id="timestamp-openmetrics-seconds"),
-        pytest.param(
-            '# TYPE h histogram\nh_bucket{le="0.5"} 2 # {trace_id="a b"} 0.3 1700000000.1\nh_bucket{le="+Inf"} 3',
-            {"h": [Sample("h_bucket", (("le", "0.5"),), 2.0), Sample("h_bucket", (("le", "+Inf"),), 3.0)]},
-            0,
-            id="exemplar",
-        ),
-        pytest.param(
-            'x 1 # {t="1"} 2\ny 5 10 # {} 1',
-            {"x": [Sample("x", (), 1.0)], "y": [Sample("y", (), 5.0)]},
-            0,
-            id="exemplar-no-labels",
-        ),
-        pytest.param(
-            "a +Inf\nb -Inf\nc Inf",
-            {"a": [Sample("a", (), math.inf)], "b": [Sample("b", (), -math.inf)], "c": [Sample("c", (), math.inf)]},
-            0,
-            id="infinities",
-        ),
-        pytest.param(
-            "x 1e3\ny -0.5e-2", {"x": [Sample("x", (), 1000.0)], "y": [Sample("y", (), -0.005)]}, 0, id="exponent"
-        ),
-        pytest.param(
-            'x} 1\nx{a=1} 2\nx{a="1" 3\nx 1_000\nx 1 2 3\nx\n{a="b"} 1\n9x 1\nx abc\nx 1 abc\nx{a="1",a="2"} 1',
-            {},
-            11,
-            id="malformed-samples-counted",
-        ),
-        pytest.param(
-            "# TYPE x bogus\n# TYPE\n# HELP\n# TYPE 9x gauge\n# just a comment\n# EOF\n# HELPER text",
-            {},
-            4,
-            id="malformed-directives-counted",
-        ),
-        pytest.param(
-            "good 1\nbad{ 2\nalso_good 3",
-            {"good": [Sample("good", (), 1.0)], "also_good": [Sample("also_good", (), 3.0)]},
-            1,
-            id="bad-line-among-good",
-        ),
-    ],
-)
-def test_parse_samples(text: str, samples: dict[str, list[Sample]], malformed: int) -> None:
-    expo = parse_exposition(text)
-    assert _samples(expo) == samples
-    assert expo.malformed == malformed
-
-
-def test_nan_value() -> None:
-    (sample,) = parse_exposition("x NaN").families["x"].samples
-    assert math.isnan(sample.value)
-
-
-@pytest.mark.parametrize(
-    "data",
-    [
-        pytest.param(b'x{a="\xff\xfe"} 1\n', id="invalid-bytes"),
-        pytest.param(bytearray(b'x{a="\xc3"} 1\n'), id="truncated-sequence"),
-        pytest.param(memoryview(b'x{a="\xff\xfe"} 1\n'), id="memoryview"),
-    ],
-)
-def test_bytes_that_are_not_utf8_are_replaced(data: bytes) -> None:
-    expo = parse_exposition(data)
-    (sample,) = expo.families["x"].samples
-    assert set(dict(sample.labels)["a"]) == {"\ufffd"}
-    assert expo.malformed == 0
-
-
-def test_utf8_bytes_decode() -> None:
-    (sample,) = parse_exposition('x{a="é✓"} 1'.encode()).families["x"].samples
-    assert sample.labels == (("a", "é✓"),)
-
-
-def test_types_and_help_are_recorded() -> None:
-    expo = parse_exposition(
-        "# HELP g A gauge.\\nSecond line, a backslash: \\\\.\n# TYPE g gauge\ng 1\n"
-        "# TYPE c_total counter\nc_total 2\n# HELP u no type\nu 3\n"
-    )
-    assert {name: (f.type, f.help) for name, f in expo.families.items()} == {
-        "g": ("gauge", "A gauge.\nSecond line, a backslash: \\."),
-        "c_total": ("counter", None),
-        "u": ("untyped", "no type"),
-    }
-
-
-def test_declared_family_without_samples_exists() -> None:
-    expo = parse_exposition("# TYPE lonely gauge\n")
-    assert expo.families["lonely"].type == "gauge"
-    assert expo.families["lonely"].samples == []
-
-
-def test_duplicate_type_is_malformed_and_the_first_wins() -> None:
-    expo = parse_exposition("# TYPE x gauge\n# TYPE x counter\nx 1")
-    assert expo.families["x"].type == "gauge"
-    assert expo.malformed == 1
-
-
-def test_histogram_suffixes_map_to_their_family() -> None:
-    expo = parse_exposition(
-        '# TYPE h histogram\nh_bucket{le="1"} 1\nh_bucket{le="+Inf"} 2\nh_count 2\nh_sum 1.5\nh_created 1.7e9\n'
-    )
-    assert list(expo.families) == ["h"]
-    assert [s.name for s in expo.families["h"].samples] == ["h_bucket", "h_bucket", "h_count", "h_sum", "h_created"]
-
-
-def test_openmetrics_counter_suffixes_map_to_their_family() -> None:
-    expo = parse_exposition("# TYPE c counter\nc_total 3\nc_created 1.7e9\n# EOF\n")
-    assert list(expo.families) == ["c"]
-    assert [s.name for s in expo.families["c"].samples] == ["c_total", "c_created"]
-    assert expo.get("c_total") is expo.families["c"]
-
-
-def test_prometheus_client_created_gauges_are_their_own_families() -> None:
-    expo = parse_exposition(
-        "# TYPE c_total counter\nc_total 3\n# TYPE c_created gauge\nc_created 1.7e9\n"
-        '# TYPE h histogram\nh_bucket{le="+Inf"} 0\nh_count 0\nh_sum 0\n# TYPE h_created gauge\nh_created 1.7e9\n'
-    )
-    assert {name: f.type for name, f in expo.families.items()} == {
-        "c_total": "counter",
-        "c_created": "gauge",
-        "h": "histogram",
-        "h_created": "gauge",
-    }
-    assert expo.get("c") is expo.families["c_total"]
-
-
-def test_suffix_of_a_gauge_is_not_mapped() -> None:
-    expo = parse_exposition("# TYPE g gauge\ng_total 1\ng_bucket 2")
-    assert set(expo.families) == {"g", "g_total", "g_bucket"}
-    assert expo.families["g_total"].type == "untyped"
-
-
-def test_get_other_spelling_only_for_counters() -> None:
-    expo = parse_exposition("# TYPE g gauge\ng 1\n# TYPE c_total counter\nc_total 1")
-    assert expo.get("g_total") is None
-    assert expo.get("c") is expo.families["c_total"]
-    assert "c" in expo
-    assert "nope" not in expo
-    assert 3 not in expo
-
+# ---- read_families -----------------------------------------------------------------------------------------
 
 _WANTED_TEXT = """\
 # HELP keep_me A gauge.
@@ -214,71 +48,80 @@ other 4
 other{broken 5
 # TYPE om_counter counter
 om_counter_total 6
-om_counter_created 1.7e9
 # TYPE pc_counter_total counter
 pc_counter_total 7
-# TYPE pc_counter_created gauge
-pc_counter_created 1.7e9
 # TYPE hist histogram
 hist_bucket{le="+Inf"} 8
 hist_count 8
 hist_sum 9
+untyped_one{x="y"} 10
 """
 
 
 @pytest.mark.parametrize(
-    ("wanted", "families"),
+    ("wanted", "name", "values"),
     [
-        pytest.param(["keep_me"], {"keep_me": [1.0, 2.0]}, id="prefix-sharing-family-skipped"),
-        pytest.param(("other",), {"other": [4.0]}, id="tuple"),
-        pytest.param({"om_counter_total"}, {"om_counter": [6.0, 1.7e9]}, id="openmetrics-counter-as-_total"),
-        pytest.param(frozenset({"pc_counter"}), {"pc_counter_total": [7.0]}, id="text-counter-without-_total"),
-        pytest.param(["pc_counter_total"], {"pc_counter_total": [7.0]}, id="text-counter-exact"),
-        pytest.param(["hist"], {"hist": [8.0, 8.0, 9.0]}, id="histogram"),
-        pytest.param([], {}, id="nothing"),
-        pytest.param(["absent"], {}, id="absent"),
-        pytest.param(["a.b*c"], {}, id="regex-characters"),
+        pytest.param(["keep_me"], "keep_me", [1.0, 2.0], id="gauge"),
+        pytest.param(["om_counter_total"], "om_counter_total", [6.0], id="counter-typed-without-_total"),
+        pytest.param(["pc_counter"], "pc_counter_total", [7.0], id="counter-typed-with-_total"),
+        pytest.param(["hist"], "hist_count", [8.0], id="histogram-count"),
+        pytest.param(["untyped_one"], "untyped_one", [10.0], id="no-type-line"),
+        pytest.param(["keep_me"], "other", [], id="not-wanted"),
+        pytest.param(["a.b*c"], "keep_me", [], id="regex-characters"),
     ],
 )
-def test_wanted_filters_families(wanted: list[str], families: dict[str, list[float]]) -> None:
-    expo = parse_exposition(_WANTED_TEXT, wanted)
-    assert {name: [s.value for s in f.samples] for name, f in expo.families.items()} == families
+def test_read_families_finds_samples_by_their_printed_name(wanted: list[str], name: str, values: list[float]) -> None:
+    assert [s.value for s in read_families(_WANTED_TEXT, wanted).samples(name)] == values
 
 
-def test_wanted_keeps_types_and_help() -> None:
-    family = parse_exposition(_WANTED_TEXT, ["keep_me"]).families["keep_me"]
-    assert (family.type, family.help) == ("gauge", "A gauge.")
+def test_read_families_keeps_the_declared_types() -> None:
+    found = read_families(_WANTED_TEXT, ["hist", "keep_me"])
+    assert [s.name for s in found.of_type("hist", "histogram")] == ["hist_bucket", "hist_count", "hist_sum"]
+    assert found.of_type("hist", "gauge") == []
+    assert {m.name: m.type for m in found.metrics if m.name.startswith("keep")} == {
+        "keep_me": "gauge",
+        "keep_me_not_this": "gauge",
+    }
 
 
-def test_wanted_does_not_examine_other_families() -> None:
-    assert parse_exposition(_WANTED_TEXT).malformed == 1
-    assert parse_exposition(_WANTED_TEXT, ["keep_me"]).malformed == 0
-    assert parse_exposition(_WANTED_TEXT, ["other"]).malformed == 1
+def test_read_families_skips_and_counts_only_the_wanted_malformed_lines() -> None:
+    assert read_families(_WANTED_TEXT, ["keep_me"]).malformed == 0
+    found = read_families(_WANTED_TEXT, ["other"])
+    assert (found.malformed, [s.value for s in found.samples("other")]) == (1, [4.0])
+    bad = 'x 1\nx{a="1" 2\nx 1_000\nx abc\nx{a="1",a="2"} 3\nx 4 5\n# TYPE x\n'
+    found = read_families(bad, ["x"])
+    assert (found.malformed, [s.value for s in found.samples("x")]) == (5, [1.0, 4.0])
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(b'x{a="\xff\xfe"} 1\n', id="invalid-bytes"),
+        pytest.param(bytearray(b'x{a="\xc3"} 1\n'), id="truncated-sequence"),
+        pytest.param(memoryview(b'x{a="\xff\xfe"} 1\n'), id="memoryview"),
+    ],
+)
+def test_read_families_replaces_bytes_that_are_not_utf8(data: bytes) -> None:
+    found = read_families(data, ["x"])
+    (sample,) = found.samples("x")
+    assert set(sample.labels["a"]) == {"\ufffd"}
+    assert found.malformed == 0
 
 
 @pytest.mark.parametrize("path", [FULL, QUEUED], ids=["full", "queued"])
-def test_fixture_parses_cleanly_with_and_without_filter(path: Path) -> None:
-    data = path.read_bytes()
-    everything = parse_exposition(data)
-    assert everything.malformed == 0
-    assert len(everything.families) > 80
-    picked = parse_exposition(data, PICKER_METRICS)
-    assert picked.malformed == 0
-    for name, family in picked.families.items():
-        assert name in PICKER_METRICS
-        assert family.samples == everything.families[name].samples
-        assert family.type == everything.families[name].type
-
-
-@pytest.mark.parametrize("path", [FULL, QUEUED], ids=["full", "queued"])
-def test_fixture_has_every_picker_metric_but_the_old_and_the_lora_ones(path: Path) -> None:
-    expo = parse_exposition(path.read_text(), PICKER_METRICS)
+def test_the_fixtures_have_every_picker_metric_but_the_old_and_the_lora_ones(path: Path) -> None:
+    found = read_families(path.read_text(), PICKER_METRICS)
+    assert found.malformed == 0
     # vLLM 0.32 dropped gpu_cache_usage_perc; lora_requests_info exists only when LoRA is enabled, and these
     # servers were started without it.
-    assert {name for name in PICKER_METRICS if name not in expo} == {
-        "vllm:gpu_cache_usage_perc",
-        "vllm:lora_requests_info",
+    histograms = {"vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"}
+    histograms.add("vllm:request_queue_time_seconds")
+    missing = {
+        name
+        for name in PICKER_METRICS
+        if not (found.of_type(name, "histogram") if name in histograms else found.samples(name))
     }
+    assert missing == {"vllm:gpu_cache_usage_perc", "vllm:lora_requests_info"}
 
 
 # ---- read_vllm ----------------------------------------------------------------------------------------------
@@ -545,6 +388,50 @@ def test_the_fast_signal_reader_agrees_with_the_parser(body: bytes) -> None:
         assert _collected(reader.read(body)) == _collected(fast)
 
 
+@pytest.mark.parametrize(
+    ("body", "running", "block_size"),
+    [
+        # Each of these the fast reader once read otherwise than prometheus_client (found by the generated test).
+        pytest.param(b"vllm:num_requests_running 2\n# a comment\nvllm:num_requests_running 3\n", 5, None, id="comment"),
+        pytest.param(b"vllm:num_requests_running\t4\n", 4, None, id="tab-after-name"),
+        pytest.param(b'vllm:num_requests_running {engine="0"} 4\n', 4, None, id="blank-before-labels"),
+        pytest.param(b"  vllm:num_requests_running 4\n", 4, None, id="indented"),
+        pytest.param(b"vllm:num_requests_running 1_000\n", None, None, id="underscore-value"),
+        pytest.param(b"vllm:num_requests_running 4 abc\n", None, None, id="bad-timestamp"),
+        pytest.param(
+            b'vllm:cache_config_info{ block_size = "16" , num_gpu_blocks="9",} 1\n', None, 16, id="blanks-in-labels"
+        ),
+    ],
+)
+def test_the_fast_reader_reads_lines_as_prometheus_client_does(
+    body: bytes, running: int | None, block_size: int | None
+) -> None:
+    fast = read_vllm_signals(body)
+    assert (fast.running, fast.block_size) == (running, block_size)
+    assert fast == dataclasses.replace(read_vllm(body, histograms=False), malformed=0)
+    assert _collected(SignalReader().read(body)) == _collected(fast)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(FULL, id="vllm"),
+        pytest.param(QUEUED, id="vllm-queued"),
+        pytest.param(FIXTURES.parent / "dcgm" / "dcgm-exporter-h100x2-k8s.txt", id="dcgm"),
+    ],
+)
+def test_read_samples_gives_every_series_as_prometheus_client_does(path: Path) -> None:
+    body = path.read_bytes()
+    parsed = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples]
+    names = {s.name for s in parsed}
+    assert len(names) > 20
+    for name in names:
+        expected = [(s.labels, float(s.value)) for s in parsed if s.name == name]
+        # prometheus_client adds `_total` to the samples of a counter whose TYPE line names it without
+        printed = name if re.search(rf"^{re.escape(name)}[{{ ]", body.decode(), re.M) else name.removesuffix("_total")
+        assert read_samples(body, printed) == expected, name
+
+
 def _collected(snap: VllmSnapshot) -> dict[str, object]:
     """The fields the metrics collector uses."""
     return {
@@ -590,3 +477,118 @@ def test_the_collectors_reader_finds_a_family_whose_first_lines_precede_the_wind
     reader = SignalReader()
     reader.read(b"# x\n" + b"y" * len(family) + b'\nvllm:num_requests_running{engine="399"} 399\n')
     assert reader.read(body).running == sum(range(400))
+
+
+# ---- the fast reader against prometheus_client, on generated expositions -----------------------------------
+
+# The families the fast reader reads, and how a server types them; then look-alikes it must not read.
+_FAST_FAMILIES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries_total": "counter",
+    "vllm:prefix_cache_hits_total": "counter",
+    "vllm:num_preemptions_total": "counter",
+    "vllm:cache_config_info": "gauge",
+    "vllm:lora_requests_info": "gauge",
+}
+_LOOKALIKES = {
+    "vllm:num_requests_running_extra": "gauge",
+    "vllm:kv_cache_usage_perc_max": "gauge",
+    "vllm:prefix_cache_hits_created": "gauge",
+    "vllm:num_requests": "gauge",
+    "process_open_fds": "gauge",
+}
+_LABEL_NAMES = ("engine", "model_name", "a", "le_extra", "_hidden")
+_LABEL_TEXT = st.text(alphabet=st.sampled_from('ab c,{}="\\\n=é✓0123456789'), max_size=8)
+_NUMBER = st.one_of(
+    st.integers(min_value=-3, max_value=10**7).map(str),
+    st.integers(min_value=0, max_value=10**6).map(lambda n: f"{n}.0"),
+    st.floats(allow_nan=True, allow_infinity=True).map(floatToGoString),
+    st.sampled_from(["NaN", "+Inf", "-Inf", "Inf", "1e3", "2.5E-1", "-0.0", "0.25"]),
+)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+@st.composite
+def _labels(draw: st.DrawFn, family: str) -> dict[str, str]:
+    labels = {n: draw(_LABEL_TEXT) for n in draw(st.lists(st.sampled_from(_LABEL_NAMES), unique=True, max_size=3))}
+    if family == "vllm:cache_config_info":
+        for key in ("block_size", "num_gpu_blocks"):
+            if draw(st.booleans()) or key == "block_size":
+                labels[key] = draw(st.sampled_from(["16", "128", "0", "None", "007", "1e3", ""]))
+    if family == "vllm:lora_requests_info":
+        adapters = st.lists(st.sampled_from(["sql", "chat", "a,b", 'q"t', "x\\y"]), max_size=3).map(",".join)
+        for key in ("running_lora_adapters", "waiting_lora_adapters", "max_lora"):
+            if draw(st.integers(0, 4)):
+                labels[key] = draw(adapters) if key != "max_lora" else draw(st.sampled_from(["2", "None", "08"]))
+    return labels
+
+
+@st.composite
+def _family_lines(draw: st.DrawFn, family: str, kind: str) -> list[str]:
+    typed = family.removesuffix("_total") if kind == "counter" and draw(st.booleans()) else family
+    header = []
+    if draw(st.booleans()):
+        header.append(f"# HELP {family} {_escape(draw(_LABEL_TEXT))}")
+    if draw(st.integers(0, 3)):
+        header.append(f"# TYPE {typed} {kind}")
+    header = draw(st.permutations(header))
+    lines = list(header)
+    for _ in range(draw(st.integers(0, 4))):
+        labels = draw(_labels(family))
+        equals, comma = draw(st.sampled_from([("=", ","), ("=", ", "), (" = ", " , ")]))
+        pairs = comma.join(f'{k}{equals}"{_escape(v)}"' for k, v in labels.items())
+        if pairs and draw(st.integers(0, 5)) == 0:
+            pairs += ","  # a trailing comma
+        labelled = pairs or draw(st.booleans())
+        head = family + (draw(st.sampled_from(["", "", " "])) + "{" + pairs + "}" if labelled else "")
+        line = head + draw(st.sampled_from([" ", "  ", "\t"])) + draw(_NUMBER)
+        if draw(st.integers(0, 4)) == 0:
+            line += " " + str(draw(st.integers(min_value=-(10**12), max_value=2 * 10**12)))
+        lines.append(draw(st.sampled_from(["", "", "", " ", "\t "])) + line + draw(st.sampled_from(["", "", " "])))
+        if draw(st.integers(0, 6)) == 0:
+            lines.append(draw(st.sampled_from(["# a comment", "#", "# HELPER text", "", "  # indented", " "])))
+    return lines
+
+
+@st.composite
+def _expositions(draw: st.DrawFn) -> bytes:
+    every = {**_FAST_FAMILIES, **_LOOKALIKES}
+    names = draw(st.lists(st.sampled_from(sorted(every)), unique=True, max_size=len(every)))
+    lines = []
+    for name in names:
+        if draw(st.integers(0, 4)) == 0:
+            lines.append(draw(st.sampled_from(["# a comment between families", ""])))
+        lines += draw(_family_lines(name, every[name]))
+    text = draw(st.sampled_from(["\n", "\r\n"])).join(lines) + draw(st.sampled_from(["\n", "", "\n# EOF\n"]))
+    return text.encode()
+
+
+def _same(a: list[float] | None, b: list[float]) -> bool:
+    if a is None:
+        return not b
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b, strict=True))
+
+
+@given(_expositions())
+@settings(max_examples=int(os.environ.get("PROMTEXT_EXAMPLES", 300)), deadline=None)
+def test_the_fast_reader_reads_what_prometheus_client_parses(body: bytes) -> None:
+    parsed = list(text_string_to_metric_families(body.decode()))
+    for name in _FAST_FAMILIES:
+        samples = [s for family in parsed for s in family.samples if s.name == name]
+        # The reader's own per-family values, beneath the snapshot that combines them; and every label.
+        found = promtext._sample_values(promtext._sample_lines(body, name.encode()), name.encode())
+        assert _same(found, [float(s.value) for s in samples]), name
+        read = read_samples(body, name)
+        assert [labels for labels, _ in read] == [s.labels for s in samples], name
+        assert _same([value for _, value in read], [float(s.value) for s in samples]), name
+    fast = read_vllm_signals(body)
+    assert fast == read_vllm(body, histograms=False)
+    reader = SignalReader()
+    for _ in range(2):
+        assert _collected(reader.read(body)) == _collected(fast)

@@ -1,5 +1,5 @@
-"""Tests for sim/metrics.py: the emulator's /metrics, checked against real vLLM 0.32 output with the picker's parser,
-both as rendered and as a running emulator serves it over HTTP."""
+"""Tests for sim/metrics.py: the emulator's /metrics, checked against real vLLM 0.32 output with prometheus_client's
+parser and the picker's readers, both as rendered and as a running emulator serves it over HTTP."""
 
 from __future__ import annotations
 
@@ -9,16 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.procs import free_port
-from inferlb.scorer.promtext import (
-    PICKER_METRICS,
-    Exposition,
-    MetricFamily,
-    parse_exposition,
-    read_vllm,
-    read_vllm_signals,
-)
+from inferlb.scorer.promtext import PICKER_METRICS, read_vllm, read_vllm_signals
 from inferlb.sim.fleet import serving
 from inferlb.sim.metrics import CONTENT_TYPE, FINISHED_REASONS, VllmMetrics, _go_float
 from inferlb.sim.profiles import get_profile
@@ -75,11 +70,24 @@ def _active() -> VllmMetrics:
     return metrics
 
 
-def _values(expo: Exposition, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """(sample name, labels) -> value for the family ``name``."""
-    family = expo.get(name)
-    assert family is not None, name
-    return {(s.name, s.labels): s.value for s in family.samples}
+def _families(body: bytes | str) -> dict[str, Metric]:
+    """An exposition's families by name, as prometheus_client parses them (counters named without ``_total``)."""
+    families = list(text_string_to_metric_families(body.decode() if isinstance(body, bytes) else body))
+    assert len({f.name for f in families}) == len(families), "a family printed in more than one group"
+    return {f.name: f for f in families}
+
+
+def _absent(families: dict[str, Metric]) -> set[str]:
+    """The picker's metrics (samples as printed, histograms by family) that ``families`` lacks."""
+    printed = {s.name for family in families.values() for s in family.samples}
+    return {name for name in PICKER_METRICS if name not in printed and name not in families}
+
+
+def _values(families: dict[str, Metric], name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, labels in printed order) -> value for the family ``name`` (a counter's with or without
+    ``_total``)."""
+    family = families[name.removesuffix("_total")]
+    return {(s.name, tuple(s.labels.items())): s.value for s in family.samples}
 
 
 _LABELS = (("engine", "0"), ("model_name", "tiny-llama"))
@@ -103,8 +111,7 @@ def test_read_vllm_reads_back_what_was_recorded() -> None:
 
 
 def test_counters_and_other_histograms() -> None:
-    expo = parse_exposition(_active().render())
-    assert expo.malformed == 0
+    expo = _families(_active().render())
     success = {dict(labels)["finished_reason"]: v for (_, labels), v in _values(expo, "vllm:request_success").items()}
     assert success == {"stop": 1, "length": 2, "abort": 0, "error": 0, "repetition": 0}
     assert list(success) == list(FINISHED_REASONS)
@@ -114,72 +121,71 @@ def test_counters_and_other_histograms() -> None:
     assert itl["vllm:inter_token_latency_seconds_count", _LABELS] == 99
     assert itl["vllm:inter_token_latency_seconds_sum", _LABELS] == pytest.approx(0.99)
     assert itl["vllm:inter_token_latency_seconds_bucket", (("engine", "0"), ("le", "0.01"), _LABELS[1])] == 99
-    prompt = expo.families["vllm:request_prompt_tokens"].samples
-    assert [(dict(s.labels).get("le"), s.value) for s in prompt if s.name.endswith("_bucket")][4:7] == [
+    prompt = expo["vllm:request_prompt_tokens"].samples
+    assert [(s.labels.get("le"), s.value) for s in prompt if s.name.endswith("_bucket")][4:7] == [
         ("20.0", 1.0),
         ("50.0", 1.0),
         ("100.0", 1.0),
     ]
     for name in ("vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"):
-        count = [s.value for s in expo.families[name].samples if s.name == name + "_count"]
+        count = [s.value for s in expo[name].samples if s.name == name + "_count"]
         assert count == [3.0]
 
 
-def _label_names(family: MetricFamily) -> dict[str, set[tuple[str, ...]]]:
+def _label_names(family: Metric) -> dict[str, set[tuple[str, ...]]]:
     """Per sample name, the label-name sequences (in printed order) its samples carry."""
     names: dict[str, set[tuple[str, ...]]] = {}
     for sample in family.samples:
-        names.setdefault(sample.name, set()).add(tuple(k for k, _ in sample.labels))
+        names.setdefault(sample.name, set()).add(tuple(sample.labels))
     return names
 
 
-def _bucket_bounds(family: MetricFamily) -> list[str]:
-    return [dict(s.labels)["le"] for s in family.samples if s.name == family.name + "_bucket"]
+def _bucket_bounds(family: Metric) -> list[str]:
+    return [s.labels["le"] for s in family.samples if s.name == family.name + "_bucket"]
 
 
 @pytest.mark.parametrize("fixture", FIXTURE_FILES)
 def test_emulator_matches_real_vllm(fixture: str) -> None:
-    real = parse_exposition((FIXTURES / fixture).read_bytes())
-    emulated = parse_exposition(_active().render())
-    assert real.malformed == emulated.malformed == 0
+    real = _families((FIXTURES / fixture).read_bytes())
+    emulated = _families(_active().render())
 
     # Every picker metric is there in both, but for the pre-0.10 name and LoRA info (absent from both fixtures:
     # their servers ran without LoRA; the emulator has no LoRA).
     expected_absent = {"vllm:gpu_cache_usage_perc", "vllm:lora_requests_info"}
     for expo in (real, emulated):
-        assert {name for name in PICKER_METRICS if name not in expo} == expected_absent
+        assert _absent(expo) == expected_absent
 
-    common = set(real.families) & set(emulated.families)
+    common = set(real) & set(emulated)
     wanted = {
-        "vllm:request_success_total",
-        "vllm:prompt_tokens_total",
-        "vllm:generation_tokens_total",
+        "vllm:request_success",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
         "vllm:inter_token_latency_seconds",
         "vllm:request_prefill_time_seconds",
         "vllm:request_decode_time_seconds",
         "vllm:request_prompt_tokens",
         "vllm:request_generation_tokens",
-    } | (set(PICKER_METRICS) - expected_absent)
+    } | {name.removesuffix("_total") for name in set(PICKER_METRICS) - expected_absent}
     assert wanted <= common
-    assert set(emulated.families) <= set(real.families), "the emulator prints nothing vLLM does not"
+    assert set(emulated) <= set(real), "the emulator prints nothing vLLM does not"
     for name in sorted(common):
-        mine, theirs = emulated.families[name], real.families[name]
-        assert (mine.type, mine.help) == (theirs.type, theirs.help), name
+        mine, theirs = emulated[name], real[name]
+        assert (mine.type, mine.documentation) == (theirs.type, theirs.documentation), name
         assert _label_names(mine) == _label_names(theirs), name
         if mine.type == "histogram":
             assert _bucket_bounds(mine) == _bucket_bounds(theirs), name
 
 
 def test_family_order_follows_vllm() -> None:
-    real = list(parse_exposition((FIXTURES / FIXTURE_FILES[0]).read_bytes()).families)
-    emulated = list(parse_exposition(_active().render()).families)
+    real = list(_families((FIXTURES / FIXTURE_FILES[0]).read_bytes()))
+    emulated = list(_families(_active().render()))
     assert [name for name in real if name in emulated] == emulated
 
 
 def test_cache_config_info_values() -> None:
-    family = parse_exposition(_active().render()).families["vllm:cache_config_info"]
+    family = _families(_active().render())["vllm:cache_config_info"]
     (sample,) = family.samples
-    labels = dict(sample.labels)
+    labels = sample.labels
     assert sample.value == 1.0
     assert labels["block_size"] == "128"
     assert labels["num_gpu_blocks"] == "8192"
@@ -190,17 +196,17 @@ def test_cache_config_info_values() -> None:
 
 def test_extra_cache_config_and_engine() -> None:
     metrics = _metrics(engine="3", extra_cache_config={"gpu_memory_utilization": "0.95", "new_label": "x"})
-    expo = parse_exposition(metrics.render())
-    labels = dict(expo.families["vllm:cache_config_info"].samples[0].labels)
+    expo = _families(metrics.render())
+    labels = expo["vllm:cache_config_info"].samples[0].labels
     assert (labels["gpu_memory_utilization"], labels["new_label"], labels["engine"]) == ("0.95", "x", "3")
     assert list(labels) == sorted(labels)
-    running = expo.families["vllm:num_requests_running"].samples[0]
-    assert running.labels == (("engine", "3"), ("model_name", "tiny-llama"))
+    running = expo["vllm:num_requests_running"].samples[0]
+    assert list(running.labels.items()) == [("engine", "3"), ("model_name", "tiny-llama")]
 
 
 def test_max_model_len_sizes_token_buckets() -> None:
-    expo = parse_exposition(_metrics(max_model_len=32768).render())
-    bounds = _bucket_bounds(expo.families["vllm:request_generation_tokens"])
+    expo = _families(_metrics(max_model_len=32768).render())
+    bounds = _bucket_bounds(expo["vllm:request_generation_tokens"])
     assert bounds[-3:] == ["10000.0", "20000.0", "+Inf"]
 
 
@@ -373,9 +379,7 @@ async def test_a_running_emulators_metrics_read_as_real_vllms(source: str) -> No
     full = await _scrape_emulator()
     expected_absent = {"vllm:gpu_cache_usage_perc", "vllm:lora_requests_info"}
     for name, body in [("emulator", full), *real]:
-        expo = parse_exposition(body)
-        assert expo.malformed == 0, name
-        assert {m for m in PICKER_METRICS if m not in expo} == expected_absent, name
+        assert _absent(_families(body)) == expected_absent, name
         snap = read_vllm(body)
         assert snap.malformed == 0, name
         missing = [field for field in READ_FIELDS if getattr(snap, field) is None]

@@ -20,7 +20,7 @@ import pytest
 
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.pool import Pool
-from inferlb.scorer.promtext import parse_exposition, read_vllm, read_vllm_signals
+from inferlb.scorer.promtext import read_families, read_vllm, read_vllm_signals
 from inferlb.scorer.signals import Signals
 from inferlb.stack import LocalStack
 
@@ -35,9 +35,9 @@ _KV_TOKENS_LOGGED = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
 def _cache_config(server: VllmServer) -> dict[str, str]:
-    family = parse_exposition(server.metrics(), ["vllm:cache_config_info"]).get("vllm:cache_config_info")
-    assert family is not None, f"{server.address} prints no vllm:cache_config_info"
-    (sample,) = family.samples
+    samples = read_families(server.metrics(), ["vllm:cache_config_info"]).samples("vllm:cache_config_info")
+    assert samples, f"{server.address} prints no vllm:cache_config_info"
+    (sample,) = samples
     return dict(sample.labels)
 
 
@@ -123,8 +123,8 @@ def _send(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[int, s
 
 
 def _successes(server: VllmServer) -> float:
-    family = parse_exposition(server.metrics(), ["vllm:request_success_total"]).get("vllm:request_success_total")
-    return 0.0 if family is None else sum(s.value for s in family.samples if s.name.endswith("_total"))
+    found = read_families(server.metrics(), ["vllm:request_success_total"])
+    return float(sum(s.value for s in found.samples("vllm:request_success_total")))
 
 
 def test_a_burst_through_the_gateway_is_answered_by_both_servers(

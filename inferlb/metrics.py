@@ -1,0 +1,351 @@
+"""The picker's own Prometheus metrics (``GET /metrics`` of the admin API), through prometheus_client.
+
+`PickerCollector` is a prometheus_client custom collector: at scrape time it reads the counters the picker keeps
+anyway (the decision log, the scrape and scorer error counts, the receiver's, the leases' and the filter's stats,
+the latency histograms) and yields them as metric families. Nothing is counted twice and nothing on the request
+path changes: the counters stay plain integers and `Histogram` objects, and prometheus_client only formats them.
+
+Each admin app has a `CollectorRegistry` of its own (`picker_registry`), never the process-global one, so that two
+pickers in one process (the tests make many) each expose their own.
+
+The counters belong to the picker's event loop, and building and formatting the families is pure Python at
+tenths of a millisecond per endpoint (the per-endpoint histograms have two dozen buckets each): too long a pause
+for the loop that routes. So `scrape` copies the counters there (`Readings.take`, a few µs per endpoint) and runs
+`generate_latest` on a worker thread, where the collector builds the families from that copy.
+
+The families: decisions by endpoint and reason, refusals by status, shed requests by class, pick latency, scrape
+errors, staleness and metrics age per endpoint, in-flight requests, scorer errors, the OTLP receiver's span
+outcomes and refusals, TTFT and E2E histograms per endpoint, responses timed on the stream, request ends, and
+config reloads (deploy/grafana-dashboard.json and tests/test_deploy.py use the names).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from inferlb.scorer.histogram import Histogram
+
+if TYPE_CHECKING:
+    from inferlb.filter.observe import ObserveStats
+    from inferlb.filter.requestend import LeaseStats
+    from inferlb.otel.receiver import ReceiverStats
+    from inferlb.picker import PickerProcess
+
+__all__ = [
+    "CONTENT_TYPE",
+    "PickerCollector",
+    "Readings",
+    "families",
+    "histogram_family",
+    "picker_registry",
+    "prometheus_text",
+    "scrape",
+]
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+"""What ``/metrics`` answers with: the text format `generate_latest` writes (0.0.4)."""
+
+
+@lru_cache(maxsize=64)
+def _les(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    # A pure memo of the `le` label values, as prometheus_client's own Histogram prints them.
+    return (*(floatToGoString(b) for b in bounds), "+Inf")
+
+
+def histogram_family(
+    name: str, help_text: str, label_names: Sequence[str], series: Iterable[tuple[Sequence[str], Histogram]]
+) -> HistogramMetricFamily:
+    """A histogram family with one series per (label values, `Histogram`): cumulative buckets, ``_count``, ``_sum``."""
+    family = HistogramMetricFamily(name, help_text, labels=label_names)
+    for labels, histogram in series:
+        family.add_metric(labels, list(zip(_les(histogram.bounds), histogram.cumulative(), strict=True)), histogram.sum)
+    return family
+
+
+def _counter(
+    name: str, help_text: str, label_names: Sequence[str], rows: Iterable[tuple[Sequence[str], float]]
+) -> Metric:
+    family = CounterMetricFamily(name, help_text, labels=label_names)
+    for labels, value in rows:
+        family.add_metric(labels, value)
+    return family
+
+
+def _gauge(
+    name: str, help_text: str, label_names: Sequence[str], rows: Iterable[tuple[Sequence[str], float]]
+) -> Metric:
+    family = GaugeMetricFamily(name, help_text, labels=label_names)
+    for labels, value in rows:
+        family.add_metric(labels, value)
+    return family
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Readings:
+    """Everything ``/metrics`` shows of one picker, copied (`take`) on its event loop so that another thread may
+    build the families from it (`families`) while the loop goes on counting."""
+
+    decisions: dict[tuple[str, str], int]  # (endpoint, reason) -> requests routed
+    refused: dict[int, int]  # HTTP status -> requests
+    shed: dict[str, int]  # request class -> requests
+    pick_s: Histogram
+    addresses: list[str]  # the engine's pool
+    scrape_errors: list[int] | None  # per endpoint; None without a metrics collector
+    stale: list[bool]
+    ages_s: list[float]
+    inflight: list[int]
+    scorer_errors: dict[str, int]
+    reloads: int
+    receiver: ReceiverStats | None = None
+    latency: tuple[list[str], list[Histogram], list[Histogram]] | None = None  # span pool, TTFT and E2E
+    timed: ObserveStats | None = None  # with otel.latency_source: stream
+    leases: LeaseStats | None = None
+    awaiting_end: int = 0
+
+    @classmethod
+    def take(cls, picker: PickerProcess) -> Readings:
+        """Copy ``picker``'s counters; call on its event loop (a few µs per endpoint)."""
+        log = picker.service.decisions
+        engine = picker.engine
+        addresses = [e.address for e in engine.pool]
+        errors = picker.collector.stats.errors if picker.collector is not None else None
+        now = time.monotonic()
+        readings = cls(
+            decisions=dict(log.by_endpoint),
+            refused=dict(log.refused),
+            shed=dict(log.shed),
+            pick_s=log.pick_s.copy(),
+            addresses=addresses,
+            scrape_errors=None if errors is None else [errors.get(a, 0) for a in addresses],
+            stale=engine.signals.stale(now).tolist(),
+            ages_s=engine.signals.snapshot.age(now).tolist(),
+            inflight=engine.inflight.requests.tolist(),
+            scorer_errors=dict(engine.scorer_errors),
+            reloads=picker.reloads,
+        )
+        spans, leases = picker.spans, picker.service.leases
+        extra: dict[str, Any] = {}
+        if spans is not None:
+            if spans.receiver is not None:
+                extra["receiver"] = copy.copy(spans.receiver.stats)
+            histograms = spans.histograms
+            extra["latency"] = (
+                [e.address for e in spans.pool],
+                [h.copy() for h in histograms.ttft],
+                [h.copy() for h in histograms.e2e],
+            )
+            if spans.config.latency_source == "stream":
+                extra["timed"] = copy.copy(picker.service.observe_stats)
+        if leases is not None:
+            extra["leases"], extra["awaiting_end"] = copy.copy(leases.stats), len(leases)
+        return dataclasses.replace(readings, **extra) if extra else readings
+
+
+def families(readings: Readings) -> Iterator[Metric]:
+    """The metric families of ``readings``, in the order ``/metrics`` prints them."""
+    r = readings
+    yield _counter(
+        "inferlb_decisions_total",
+        "Requests routed, by endpoint and why that one (see Decision.reason).",
+        ("endpoint", "reason"),
+        sorted(r.decisions.items()),
+    )
+    yield _counter(
+        "inferlb_refused_total",
+        "Requests refused, by HTTP status.",
+        ("status",),
+        [((str(status),), n) for status, n in sorted(r.refused.items())],
+    )
+    yield _counter(
+        "inferlb_shed_total",
+        "Requests shed by admission control, by request class.",
+        ("class",),
+        [((name,), n) for name, n in sorted(r.shed.items())],
+    )
+    yield histogram_family("inferlb_pick_seconds", "Time one decision took.", (), [((), r.pick_s)])
+    yield _counter(
+        "inferlb_scrape_errors_total",
+        "Failed metrics scrapes, by endpoint.",
+        ("endpoint",),
+        [] if r.scrape_errors is None else [((a,), n) for a, n in zip(r.addresses, r.scrape_errors, strict=True)],
+    )
+    yield _gauge(
+        "inferlb_endpoint_stale",
+        "1 when an endpoint's metrics are stale (treated as saturated).",
+        ("endpoint",),
+        [((a,), int(stale)) for a, stale in zip(r.addresses, r.stale, strict=True)],
+    )
+    yield _gauge(
+        "inferlb_metrics_age_seconds",
+        "Seconds since an endpoint's last successful scrape (+Inf: never).",
+        ("endpoint",),
+        [((a,), age) for a, age in zip(r.addresses, r.ages_s, strict=True)],
+    )
+    yield _gauge(
+        "inferlb_inflight_requests",
+        "Requests the picker sent to an endpoint that have not finished.",
+        ("endpoint",),
+        [((a,), n) for a, n in zip(r.addresses, r.inflight, strict=True)],
+    )
+    yield _counter(
+        "inferlb_scorer_errors_total",
+        "Scorer failures (each scored neutral for that request).",
+        ("scorer",),
+        [((name,), n) for name, n in sorted(r.scorer_errors.items())],
+    )
+    if r.receiver is not None:
+        yield from _receiver(r.receiver)
+    if r.latency is not None:
+        addresses, ttft, e2e = r.latency
+        yield histogram_family(
+            "inferlb_endpoint_ttft_seconds",
+            "Time to first token per endpoint, from the servers' spans.",
+            ("endpoint",),
+            [((a,), h) for a, h in zip(addresses, ttft, strict=True)],
+        )
+        yield histogram_family(
+            "inferlb_endpoint_e2e_seconds",
+            "End-to-end latency per endpoint, from the servers' spans.",
+            ("endpoint",),
+            [((a,), h) for a, h in zip(addresses, e2e, strict=True)],
+        )
+    if r.timed is not None:
+        timed = r.timed
+        outcomes = {
+            "ttft": timed.ttft,
+            "e2e": timed.e2e,
+            "not_ok": timed.not_ok,
+            "unknown_endpoint": timed.unknown_endpoint,
+            "unfinished": timed.unfinished,
+        }
+        yield _counter(
+            "inferlb_responses_timed_total",
+            "Responses the filter timed or not (otel.latency_source: stream).",
+            ("outcome",),
+            [((outcome,), n) for outcome, n in outcomes.items()],
+        )
+    if r.leases is not None:
+        leases = r.leases
+        yield _counter(
+            "inferlb_request_ends_total",
+            "Routed requests whose end came, by how (access_log: Envoy's entry; expired: none came within "
+            "inflight.max_age_s; evicted: the oldest, to make room).",
+            ("how",),
+            [(("access_log",), leases.ended), (("expired",), leases.expired), (("evicted",), leases.evicted)],
+        )
+        yield _counter(
+            "inferlb_access_log_unmatched_total",
+            "Access-log entries for no request this picker holds.",
+            (),
+            [((), leases.unknown_entries)],
+        )
+        yield _gauge(
+            "inferlb_requests_awaiting_end",
+            "Routed requests whose end has not been reported yet.",
+            (),
+            [((), r.awaiting_end)],
+        )
+    yield _counter(
+        "inferlb_config_reloads_total", "Configurations applied since start (file or API).", (), [((), r.reloads)]
+    )
+
+
+def _receiver(stats: ReceiverStats) -> Iterator[Metric]:
+    outcomes = {
+        "joined_by_trace": stats.joined_by_trace,
+        "joined_by_resource": stats.joined_by_resource,
+        "unjoined": stats.unjoined,
+        "envoy": stats.envoy_spans,
+        "malformed": stats.malformed,
+        "other": stats.spans - stats.llm_spans - stats.envoy_spans,
+        "duplicate": stats.duplicate,
+        "unverified": stats.unverified,
+        "out_of_bounds": stats.out_of_bounds,
+        "rate_limited": stats.rate_limited,
+        "over_limit": stats.over_limit,
+        "dropped": stats.dropped_spans,
+    }
+    yield _counter(
+        "inferlb_spans_received_total",
+        "Spans the OTLP receiver took, by what became of them.",
+        ("outcome",),
+        [((outcome,), n) for outcome, n in outcomes.items()],
+    )
+    yield _counter(
+        "inferlb_span_requests_dropped_total",
+        "OTLP export requests refused whole because the picker was behind.",
+        (),
+        [((), stats.dropped_requests)],
+    )
+    refusals = {
+        "untrusted_sender": stats.untrusted_sender,
+        "unauthenticated": stats.unauthenticated,
+        "invalid": stats.invalid_requests,
+    }
+    yield _counter(
+        "inferlb_span_requests_refused_total",
+        "OTLP export requests the receiver refused whole, by reason.",
+        ("reason",),
+        [((reason,), n) for reason, n in refusals.items()],
+    )
+    yield _counter(
+        "inferlb_span_receiver_restarts_total",
+        "Times the OTLP receiver process was started again after it died.",
+        (),
+        [((), stats.restarts)],
+    )
+
+
+# The readings a scrape in progress took on the event loop, for the collector running on its worker thread
+# (asyncio.to_thread runs the function in a copy of the caller's context). Each scrape has its own context.
+_TAKEN: ContextVar[tuple[PickerProcess, Readings] | None] = ContextVar("inferlb_metrics_taken", default=None)
+
+
+class PickerCollector(Collector):
+    """Yields one picker's metric families. In a `scrape`, from the readings it took on the event loop; called
+    directly (``generate_latest`` on the loop, as `prometheus_text` does), from readings taken then. Everything is
+    reached through ``picker`` at each scrape, so a reload that swaps the engine or the pool is followed."""
+
+    def __init__(self, picker: PickerProcess) -> None:
+        self.picker = picker
+
+    def collect(self) -> Iterator[Metric]:
+        taken = _TAKEN.get()
+        readings = taken[1] if taken is not None and taken[0] is self.picker else Readings.take(self.picker)
+        yield from families(readings)
+
+
+def picker_registry(picker: PickerProcess) -> CollectorRegistry:
+    """A registry of its own for one picker's admin app, holding its `PickerCollector`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PickerCollector(picker))
+    return registry
+
+
+async def scrape(registry: CollectorRegistry, picker: PickerProcess) -> bytes:
+    """``generate_latest(registry)`` for ``picker``'s registry: its counters are copied here, on the event loop,
+    and the families are built and formatted on a worker thread."""
+    token = _TAKEN.set((picker, Readings.take(picker)))
+    try:
+        return await asyncio.to_thread(generate_latest, registry)
+    finally:
+        _TAKEN.reset(token)
+
+
+def prometheus_text(picker: PickerProcess) -> str:
+    """The picker's metrics in the Prometheus text format, read and formatted here (the caller's thread must be
+    allowed to read the picker's counters: its event loop's)."""
+    return generate_latest(picker_registry(picker)).decode()

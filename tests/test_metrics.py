@@ -1,0 +1,211 @@
+"""Tests for inferlb/metrics.py: the picker's /metrics through prometheus_client, parsed back with its parser."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from inferlb.admin import create_admin_app
+from inferlb.metrics import histogram_family, picker_registry, prometheus_text, scrape
+from inferlb.picker import PickerProcess, create_picker
+from inferlb.procs import free_port
+from inferlb.scorer.config import parse_config
+from inferlb.scorer.histogram import Histogram
+
+ENDPOINTS = ("10.0.0.1:8000", "10.0.0.2:8000")
+
+# What dashboards and rules read: every family the picker exposes, with its type.
+ALWAYS = {
+    "inferlb_decisions": "counter",
+    "inferlb_refused": "counter",
+    "inferlb_shed": "counter",
+    "inferlb_pick_seconds": "histogram",
+    "inferlb_scrape_errors": "counter",
+    "inferlb_endpoint_stale": "gauge",
+    "inferlb_metrics_age_seconds": "gauge",
+    "inferlb_inflight_requests": "gauge",
+    "inferlb_scorer_errors": "counter",
+    "inferlb_config_reloads": "counter",
+}
+WITH_SPANS = {"inferlb_endpoint_ttft_seconds": "histogram", "inferlb_endpoint_e2e_seconds": "histogram"}
+WITH_RECEIVER = {
+    "inferlb_spans_received": "counter",
+    "inferlb_span_requests_dropped": "counter",
+    "inferlb_span_requests_refused": "counter",
+    "inferlb_span_receiver_restarts": "counter",
+}
+WITH_STREAM = {"inferlb_responses_timed": "counter"}
+WITH_LEASES = {
+    "inferlb_request_ends": "counter",
+    "inferlb_access_log_unmatched": "counter",
+    "inferlb_requests_awaiting_end": "gauge",
+}
+
+
+def _picker(**extra: Any) -> PickerProcess:
+    """A picker that is never started: its counters are there to read."""
+    return create_picker(
+        parse_config(
+            {
+                "listen": f"127.0.0.1:{free_port()}",
+                "admin": f"127.0.0.1:{free_port()}",
+                "pool": {"endpoints": [{"address": a} for a in ENDPOINTS]},
+                **extra,
+            }
+        )
+    )
+
+
+def _families(text: str) -> dict[str, Metric]:
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _values(family: Metric, sample_name: str | None = None) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for s in family.samples
+        if s.name == (sample_name or family.name + ("_total" if family.type == "counter" else ""))
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        pytest.param({"inflight": {"end": "stream"}}, ALWAYS, id="no-otel-no-access-log"),
+        pytest.param(
+            {"otel": {"latency_source": "stream"}},
+            {**ALWAYS, **WITH_SPANS, **WITH_STREAM, **WITH_LEASES},
+            id="stream-and-access-log",
+        ),
+        pytest.param(
+            {"otel": {"receiver": f"127.0.0.1:{free_port()}"}},
+            {**ALWAYS, **WITH_SPANS, **WITH_RECEIVER, **WITH_LEASES},
+            id="receiver",
+        ),
+    ],
+)
+async def test_every_family_has_its_name_type_and_help(extra: dict[str, Any], expected: dict[str, str]) -> None:
+    families = _families(prometheus_text(_picker(**extra)))
+    assert {name: f.type for name, f in families.items()} == expected
+    assert all(f.documentation for f in families.values())
+
+
+async def test_counters_read_the_pickers_own_counts_at_scrape_time() -> None:
+    picker = _picker(otel={"receiver": f"127.0.0.1:{free_port()}"})
+    log = picker.service.decisions
+    log.by_endpoint[ENDPOINTS[0], "max-score"] += 3
+    log.by_endpoint[ENDPOINTS[1], 'odd "reason"\\\n'] += 1
+    log.refused[429] += 2
+    log.shed["batch"] += 1
+    picker.engine.scorer_errors["kv-cache"] += 4
+    registry = picker_registry(picker)
+    families = _families(prometheus_text(picker))
+    decisions = _values(families["inferlb_decisions"])
+    assert decisions == {
+        (("endpoint", ENDPOINTS[0]), ("reason", "max-score")): 3,
+        (("endpoint", ENDPOINTS[1]), ("reason", 'odd "reason"\\\n')): 1,
+    }
+    assert _values(families["inferlb_refused"]) == {(("status", "429"),): 2}
+    assert _values(families["inferlb_shed"]) == {(("class", "batch"),): 1}
+    assert _values(families["inferlb_scorer_errors"]) == {(("scorer", "kv-cache"),): 4}
+    assert _values(families["inferlb_config_reloads"]) == {(): 0}
+    never = {(("endpoint", a),): math.inf for a in ENDPOINTS}
+    assert _values(families["inferlb_metrics_age_seconds"]) == never
+    assert _values(families["inferlb_inflight_requests"]) == {(("endpoint", a),): 0 for a in ENDPOINTS}
+    spans = _values(families["inferlb_spans_received"])
+    assert set(spans) == {
+        (("outcome", o),)
+        for o in (
+            "joined_by_trace",
+            "joined_by_resource",
+            "unjoined",
+            "envoy",
+            "malformed",
+            "other",
+            "duplicate",
+            "unverified",
+            "out_of_bounds",
+            "rate_limited",
+            "over_limit",
+            "dropped",
+        )
+    }
+    # Read again, the same registry sees what changed since: nothing is cached or counted twice.
+    log.refused[429] += 1
+    again = {f.name: f for f in registry.collect()}
+    assert _values(again["inferlb_refused"]) == {(("status", "429"),): 3}
+
+
+async def test_histograms_are_cumulative_with_sum_and_count() -> None:
+    picker = _picker(otel={"latency_source": "stream"})
+    for seconds in (3e-6, 1e-5, 2e-5, 0.5):
+        picker.service.decisions.pick_s.observe(seconds)
+    assert picker.spans is not None
+    picker.spans.histograms.observe(1, 0.05, 1.2)
+    picker.spans.histograms.observe(1, 3000.0, None)
+    families = _families(prometheus_text(picker))
+    pick = families["inferlb_pick_seconds"]
+    buckets = {s.labels["le"]: s.value for s in pick.samples if s.name.endswith("_bucket")}
+    assert list(buckets)[:3] == ["1e-05", "2.5e-05", "5e-05"]
+    assert (buckets["1e-05"], buckets["2.5e-05"], buckets["0.01"], buckets["+Inf"]) == (2, 3, 3, 4)
+    assert _values(pick, "inferlb_pick_seconds_count") == {(): 4}
+    assert _values(pick, "inferlb_pick_seconds_sum")[()] == pytest.approx(0.500033)
+    ttft = families["inferlb_endpoint_ttft_seconds"]
+    counts = _values(ttft, "inferlb_endpoint_ttft_seconds_count")
+    assert counts == {(("endpoint", ENDPOINTS[0]),): 0, (("endpoint", ENDPOINTS[1]),): 2}
+    second = [s for s in ttft.samples if s.name.endswith("_bucket") and s.labels["endpoint"] == ENDPOINTS[1]]
+    assert [(s.labels["le"], s.value) for s in second][6:9] == [("0.08", 1), ("0.1", 1), ("0.25", 1)]
+    assert (second[-2].value, second[-1].labels["le"], second[-1].value) == (1, "+Inf", 2)
+
+
+def test_a_histogram_family_of_several_series() -> None:
+    a, b = Histogram((1.0, 2.0)), Histogram((1.0, 2.0))
+    a.observe(1.0)
+    b.observe(5.0)
+    family = histogram_family("x_seconds", "X.", ("k",), [(("a",), a), (("b",), b)])
+    rows = [(s.name, s.labels, s.value) for s in family.samples]
+    assert rows[:5] == [
+        ("x_seconds_bucket", {"k": "a", "le": "1.0"}, 1),
+        ("x_seconds_bucket", {"k": "a", "le": "2.0"}, 1),
+        ("x_seconds_bucket", {"k": "a", "le": "+Inf"}, 1),
+        ("x_seconds_count", {"k": "a"}, 1),
+        ("x_seconds_sum", {"k": "a"}, 1.0),
+    ]
+    assert [s.value for s in family.samples[5:]] == [0, 0, 1, 1, 5.0]
+
+
+async def test_two_pickers_each_have_their_own_registry() -> None:
+    one, two = _picker(), _picker()
+    one.service.decisions.refused[404] += 1
+    first, second = picker_registry(one), picker_registry(two)
+    assert first is not second
+    refused = [{f.name: f for f in r.collect()}["inferlb_refused"] for r in (first, second)]
+    assert [len(f.samples) for f in refused] == [1, 0]
+
+
+async def test_the_admin_app_serves_the_text_format() -> None:
+    picker = _picker(inflight={"end": "stream"})
+    picker.service.decisions.by_endpoint[ENDPOINTS[0], "max-score"] += 1
+    transport = httpx.ASGITransport(app=create_admin_app(picker))
+    async with httpx.AsyncClient(transport=transport, base_url=f"http://{picker.config.admin}") as client:
+        response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert 'inferlb_decisions_total{endpoint="10.0.0.1:8000",reason="max-score"} 1.0' in response.text
+    assert set(_families(response.text)) == set(ALWAYS)
+
+
+async def test_a_scrape_formats_on_a_worker_thread_what_it_read_on_the_loop() -> None:
+    picker = _picker(otel={"latency_source": "stream"})
+    picker.service.decisions.refused[503] += 1
+    registry = picker_registry(picker)
+    body = await scrape(registry, picker)
+    assert body.decode() == prometheus_text(picker)
+    # What the scrape read is its own: counting on afterwards changes the next scrape only.
+    picker.service.decisions.refused[503] += 1
+    assert _values(_families((await scrape(registry, picker)).decode())["inferlb_refused"]) == {(("status", "503"),): 2}
