@@ -146,7 +146,8 @@ def _row(job: DesJob, result: SimResult) -> dict[str, Any]:
             ttft_s=r.ttft_s,
             e2e_s=r.e2e_s,
             output_tokens=r.output_tokens,
-            error=r.error,
+            error=None if r.error == "shed" else r.error,
+            shed=r.error == "shed",  # admission control refused it (PresetPolicy's Refuse), as a 429 live
         )
         for r in result.records
     ]

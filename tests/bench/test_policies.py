@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RoundRobin
+from inferlb.scorer.classes import Classifier, RequestClass
 from inferlb.sim.des import Arrival, FleetView, simulate
 from inferlb.sim.profiles import get_profile
 
@@ -71,3 +72,15 @@ def test_a_preset_decides_through_the_engine_and_learns_latency_from_finished_re
     assert len({r.server for r in result.records}) == 3
     assert np.isfinite(policy.signals.snapshot.ttft_s).all()  # the latency scorer had data
     assert policy.decide_cpu_s > 0
+
+
+def test_a_class_that_sheds_is_refused_past_saturation_and_reaches_no_server() -> None:
+    profiles = [H100] * 2
+    batch = RequestClass("batch", on_saturation="shed")
+    policy = PresetPolicy("least-request", profiles, seed=0, classifier=Classifier(default=batch))
+    burst = [Arrival(str(i), i * 0.0005, 6000, 8) for i in range(80)]
+    result = simulate(burst, policy, profiles, seed=0, on_finish=policy.finished)
+    shed = [r for r in result.records if r.error == "shed"]
+    assert shed and len(shed) == policy.refused and policy.held == 0
+    assert {r.server for r in shed} == {-1} and policy.decisions == 80 - len(shed)
+    assert policy.inflight.total() == 0
