@@ -133,6 +133,8 @@ def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str,
     # a request held for capacity is presented again at every tick of the wait queue.
     cpu_s = getattr(policy, "decide_cpu_s", timed.cpu_s)
     row["picker_cpu_us"] = round(cpu_s / max(getattr(policy, "decisions", timed.calls), 1) * 1e6, 1)
+    if isinstance(policy, PresetPolicy):  # admission control: requests held for capacity, and those that waited out
+        row["held"], row["waited_out"] = policy.held, policy.waited_out
     row["wall_s"] = round(result.wall_s, 2)
     row["_ttft_s"] = [r.ttft_s for r in result.records if r.error is None and r.ttft_s is not None]
     return row
