@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
-from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any
 
@@ -93,7 +92,7 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
     if body.startswith(_BOM):
         body = body[len(_BOM) :]  # RFC 8259 lets a parser ignore a byte order mark; orjson refuses it
     if len(body) < _GC_PAUSE_MIN_BYTES:
-        return replace(features, **_read(body))
+        return features.with_body(*_read(body))
     # orjson runs no Python code and _read makes no reference cycles, so nothing collectable appears meanwhile;
     # the collector, triggered by the allocations, would only scan the growing document again and again (most of
     # the cost of a body of many small lists). The document must be gone before it runs again: an error's
@@ -110,11 +109,12 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
             gc.enable()
     if refused is not None:
         raise refused
-    return replace(features, **found)
+    return features.with_body(*found)
 
 
-def _read(body: bytes) -> dict[str, Any]:
-    """``apply_body`` on a body within its size limit: the features the body gives."""
+def _read(body: bytes) -> tuple[str, bool, int | None, int, int, tuple[int, ...]]:
+    """``apply_body`` on a body within its size limit: the features the body gives, in the order of
+    `RequestFeatures.with_body` (model, stream, max_tokens, prompt_chars, prompt_tokens, prefix_hashes)."""
     doc, tokens = parse_body(body)
     if not isinstance(doc, dict):
         raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(doc)}")
@@ -124,37 +124,36 @@ def _read(body: bytes) -> dict[str, Any]:
         raise MalformedRequestError("missing required field 'model'")
     if not isinstance(model, str) or not model:
         raise MalformedRequestError(f"field 'model' must be a non-empty string, not {_json_type(model)}")
-    features: dict[str, Any] = {"model": model}
 
     stream = doc.get("stream", False)
     if not isinstance(stream, bool):
         raise MalformedRequestError(f"field 'stream' must be a boolean, not {_json_type(stream)}")
-    features["stream"] = stream
 
+    max_tokens = None
     for name in ("max_tokens", "max_completion_tokens"):
         value = doc.get(name)
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise MalformedRequestError(f"field {name!r} must be a non-negative integer, not {shown(value)}")
-        features["max_tokens"] = value
+        max_tokens = value
         break
 
+    chars, prompt_tokens = 0, 0
+    hashes: tuple[int, ...] = ()
     if "messages" in doc:
         chars, rendered = _messages_text(doc["messages"])
-        features["prompt_chars"] = chars
-        features["prompt_tokens"] = estimate_tokens(chars)
-        features["prefix_hashes"] = text_block_hashes(rendered, seed=hash(model))
+        prompt_tokens = estimate_tokens(chars)
+        hashes = text_block_hashes(rendered, seed=hash(model))
     elif tokens is not None:  # doc["prompt"] is the placeholder of the ids _parse counted
-        features["prompt_tokens"] = tokens.count
-        features["prefix_hashes"] = () if tokens.head is None else token_block_hashes(tokens.head, seed=hash(model))
+        prompt_tokens = tokens.count
+        hashes = () if tokens.head is None else token_block_hashes(tokens.head, seed=hash(model))
     elif "prompt" in doc:
         prompt = doc["prompt"]
         chars, token_ids = _prompt_size(prompt)
-        features["prompt_chars"] = chars
-        features["prompt_tokens"] = token_ids if token_ids is not None else estimate_tokens(chars)
-        features["prefix_hashes"] = _prompt_hashes(prompt, seed=hash(model))
-    return features
+        prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
+        hashes = _prompt_hashes(prompt, seed=hash(model))
+    return model, stream, max_tokens, chars, prompt_tokens, hashes
 
 
 def _prompt_size(prompt: Any) -> tuple[int, int | None]:

@@ -141,12 +141,16 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # traceparent we set on the upstream request with its own: the server's span then carries Envoy's trace
         # id, so the join remembers that one too.
         envoy_trace = _envoy_trace_id(context) if self.trace_join is not None else None
+        # gRPC's request iterator is an async generator. Left suspended when the stream ends at the decision, it
+        # would be closed later by the event loop's async-generator finalizer (a wake-up through the loop's
+        # self-pipe and a task per request): closed here instead, at the cost of one resumption.
+        messages = aiter(request_iterator)
         try:
-            async for message in request_iterator:
+            async for message in messages:
                 if message.observability_mode:
                     timer = self.response_timer
                     if timer is not None:
-                        await time_response(message, request_iterator, self._endpoints, timer, self.observe_stats)
+                        await time_response(message, messages, self._endpoints, timer, self.observe_stats)
                     return
                 kind = message.WhichOneof("request")
                 if decided or kind not in ("request_headers", "request_body"):
@@ -201,6 +205,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         finally:
             if lease is not None:
                 lease.release()
+            aclose = getattr(messages, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     async def _admit(self, features: RequestFeatures) -> tuple[RequestFeatures, RequestError | None, bool]:
         """The request with its class, and: a refusal (shed, 429), or None to go ahead, after waiting up to its

@@ -109,9 +109,14 @@ class Admission:
         state = self.state
         signals = state.signals
         now = signals.clock() if now is None else now
-        over = state.saturation.over(signals, state.inflight)
+        saturation = state.saturation
         if now <= signals.all_fresh_until:  # the usual case: every endpoint is fresh
-            return bool(over.any() and over[candidates].all())
+            return saturation.any_over(signals, state.inflight) and bool(
+                saturation.over(signals, state.inflight)[candidates].all()
+            )
+        if now > signals.any_fresh_until:  # nothing is fresh: nothing is known
+            return False
+        over = saturation.over(signals, state.inflight)
         fresh = signals.fresh_until[candidates] >= now
         if not fresh.any():
             return False

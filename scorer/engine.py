@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 NEUTRAL_SCORE = 0.5
 
+# numpy's float64 dtype is one object: an identity test is half the cost of comparing dtypes (a float64 array whose
+# dtype is another object, if numpy ever makes one, is only converted to itself).
+_FLOAT64 = np.dtype(np.float64)
+
 # Decisions over at most this many candidates keep every candidate's scores (`Decision.per_scorer`), for the
 # decision log's rankings; beyond it memory stays bounded and only the chosen endpoint's scores are kept.
 RANKED_UP_TO_CANDIDATES = 64
@@ -196,11 +200,32 @@ class Engine:
                 raise NoEndpointError(f"no endpoint left after filter {flt.name!r}")
         per_scorer = []
         totals: np.ndarray | None = None
+        owned = False  # whether totals is an array of the engine's own, to add into in place
+        shape = candidates.shape
         for name, scorer, weight, bounded in self._scorers:
-            scores = self._run_scorer(scorer, bounded, request, candidates)
+            # The call and its checks inline: on a small pool they cost more than the scoring itself.
+            try:
+                scores = scorer.score(request, state, candidates)
+                if type(scores) is not np.ndarray or scores.dtype is not _FLOAT64:
+                    scores = np.asarray(scores, dtype=np.float64)
+                if scores.shape != shape:
+                    raise ValueError(f"returned shape {scores.shape}, expected {shape}")
+                if not bounded:
+                    # fmax/fmin (not clip) so that a NaN, from a scorer dividing by zero say, becomes 0 instead of
+                    # poisoning the sum; they are also several times cheaper than clip on small arrays.
+                    scores = np.fmin(np.fmax(scores, 0.0), 1.0)
+            except Exception:
+                scores = self._failed(scorer, len(candidates))
             per_scorer.append((name, scores))
             weighted = scores if weight == 1.0 else weight * scores
-            totals = weighted if totals is None else totals + weighted
+            if totals is None:
+                totals = weighted
+                owned = weighted is not scores
+            elif owned:
+                totals += weighted  # the same sums, in the same order, without a new array each time
+            else:
+                totals = totals + weighted
+                owned = True
         if totals is None:
             totals = np.zeros(len(candidates))
         profile = self.profile
@@ -219,7 +244,7 @@ class Engine:
         elif (
             signals.scraped_any
             and (now := signals.clock()) > signals.all_fresh_until
-            and not (signals.fresh_until[candidates] >= now).any()
+            and (now > signals.any_fresh_until or not (signals.fresh_until[candidates] >= now).any())
         ):
             reason = "no-fresh-metrics"
         else:
@@ -235,22 +260,8 @@ class Engine:
             prefill,
         )
 
-    def _run_scorer(
-        self, scorer: Scorer, bounded: bool, request: RequestFeatures, candidates: np.ndarray
-    ) -> np.ndarray:
-        try:
-            scores = scorer.score(request, self.state, candidates)
-            if type(scores) is not np.ndarray or scores.dtype != np.float64:
-                scores = np.asarray(scores, dtype=np.float64)
-            if scores.shape != candidates.shape:
-                raise ValueError(f"returned shape {scores.shape}, expected {candidates.shape}")
-            if bounded:
-                return scores
-            # fmax/fmin (not clip) so that a NaN, from a scorer dividing by zero say, becomes 0 instead of
-            # poisoning the sum; they are also several times cheaper than clip on small arrays.
-            return np.fmin(np.fmax(scores, 0.0), 1.0)
-        except Exception:
-            if not self.scorer_errors[scorer.name]:
-                logger.exception("scorer %r failed; scoring it neutral (logged once per scorer)", scorer.name)
-            self.scorer_errors[scorer.name] += 1
-            return np.full(len(candidates), NEUTRAL_SCORE)
+    def _failed(self, scorer: Scorer, count: int) -> np.ndarray:
+        if not self.scorer_errors[scorer.name]:
+            logger.exception("scorer %r failed; scoring it neutral (logged once per scorer)", scorer.name)
+        self.scorer_errors[scorer.name] += 1
+        return np.full(count, NEUTRAL_SCORE)

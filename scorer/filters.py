@@ -28,7 +28,7 @@ class StalenessFilter:
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         signals = state.signals
         now = signals.clock()
-        if now <= signals.all_fresh_until:  # the usual case: every endpoint scraped recently
+        if now <= signals.all_fresh_until or now > signals.any_fresh_until:  # all fresh, or none: keep all
             return candidates
         return _keep(candidates, signals.fresh_until[candidates] >= now)
 
@@ -42,10 +42,10 @@ class SaturationFilter:
     name = "saturation"
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        over = state.saturation.over(state.signals, state.inflight)
-        if not over.any():
+        saturation = state.saturation
+        if not saturation.any_over(state.signals, state.inflight):
             return candidates
-        return _keep(candidates, ~over[candidates])
+        return _keep(candidates, ~saturation.over(state.signals, state.inflight)[candidates])
 
 
 class MemoryFitFilter:

@@ -124,7 +124,7 @@ class InFlightTokensScorer:
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         tokens = state.inflight.tokens[candidates]  # integers, never unknown: `fewer_is_better` without the NaNs
-        return 1.0 / (1.0 + (tokens - tokens.min()) / self.unit)
+        return 1.0 / (1.0 + (tokens - tokens[tokens.argmin()]) / self.unit)  # argmin: cheaper than min()
 
 
 class GpuUtilScorer(_SnapshotScorer):
@@ -196,10 +196,15 @@ class TtftPredictor:
 
     def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
         self._match = getattr(prefix_match, "match", None)
+        # A PrefixIndex also says how deep the best match goes: 0 spares the work for a prompt nobody holds.
+        self._match_depth = getattr(prefix_match, "match_depth", None)
         self.block_tokens = block_tokens
         self.guard = guard
         self._for: Snapshot | None = None
         self._tokens_per_s = np.zeros(0)
+        # The rates of the last candidates seen, and those candidates (reset with the snapshot).
+        self._rates = np.zeros(0)
+        self._rates_for: np.ndarray | None = None
         # The last prediction, for prefill: the request, its state, candidates and uncached tokens per candidate.
         self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray] | None = None
 
@@ -211,19 +216,34 @@ class TtftPredictor:
                 known = np.isfinite(rate) & (rate > 0)
             self._tokens_per_s = np.where(known, rate, DEFAULT_PREFILL_TOKENS_PER_S)
             self._for = snapshot
+            self._rates_for = None
         # At least one token: a request whose prompt is unknown (a headers-only route) still ranks endpoints by
         # the work queued there, instead of scoring every one 0 when some endpoint is idle.
         prompt = float(max(request.prompt_tokens, 1))
         own: float | np.ndarray = prompt  # this request's tokens to prefill, per candidate where they differ
         hashes = request.prefix_hashes
-        if self._match is not None and hashes:
+        cached = None
+        if not hashes:
+            pass
+        elif self._match_depth is not None:
+            counts, deepest = self._match_depth(hashes)
+            if deepest:
+                cached = counts[candidates] * self.block_tokens
+        elif self._match is not None:
             cached = self._match(hashes)[candidates] * self.block_tokens
-            if cached.any():
-                load = state.inflight.requests[candidates]
-                cached[load > self.guard * (load.sum() / len(load) + 1.0)] = 0
-                own = np.maximum(prompt - np.minimum(cached, request.prompt_tokens - 1), 1.0)
+        if cached is not None and cached.any():
+            load = state.inflight.requests[candidates]
+            bar = self.guard * (np.add.reduce(load) / len(load) + 1.0)  # load.sum() without its wrapper
+            if load[load.argmax()] > bar:  # only then is there a candidate to deny its cache (argmax: cheap)
+                cached[load > bar] = 0
+            # At least one token stays to prefill: the cached part is at most prompt_tokens - 1, and the prompt at
+            # least prompt_tokens, so the difference is at least 1 (no floor needed).
+            own = prompt - np.minimum(cached, request.prompt_tokens - 1)
         self._last = (request, state, candidates, own)
-        rates = self._tokens_per_s[candidates]
+        if candidates is not self._rates_for:  # the candidates array is usually the pool's, the same every time
+            self._rates = self._tokens_per_s[candidates]
+            self._rates_for = candidates
+        rates = self._rates
         return (state.inflight.pending_prefill(candidates, rates) + own) / rates
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
@@ -236,10 +256,14 @@ class TtftPredictor:
         _, _, candidates, own = last
         self._last = None
         if isinstance(own, np.ndarray):
-            position = np.flatnonzero(candidates == endpoint)
-            if not len(position):
-                return None
-            own = float(own[position[0]])
+            # Candidates are ascending (filters keep the pool's order): a binary search, checked, finds it.
+            position = int(candidates.searchsorted(endpoint))
+            if position >= len(candidates) or candidates[position] != endpoint:
+                found = np.flatnonzero(candidates == endpoint)  # a filter of a plugin's own may reorder them
+                if not len(found):
+                    return None
+                position = int(found[0])
+            own = float(own[position])
         return own, float(self._tokens_per_s[endpoint])
 
 
@@ -255,7 +279,9 @@ class PredictedTTFTScorer:
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         cost = self.predictor.seconds(request, state, candidates)
-        return cost.min() / np.maximum(cost, 1e-12)
+        least = cost[cost.argmin()]  # argmin: cheaper than min()
+        # The floor keeps a zero cost from dividing by zero; above it, it changes nothing and is skipped.
+        return least / (cost if least >= 1e-12 else np.maximum(cost, 1e-12))
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
         return self.predictor.prefill(request, endpoint)

@@ -185,11 +185,15 @@ class PrefixAffinityScorer:
         self.guard = guard
         self.record_errors = 0
         self._fitted_for: object | None = None
+        self._neutral = np.zeros(0)
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         hashes = request.prefix_hashes
-        if not hashes:
-            return np.full(len(candidates), NEUTRAL_SCORE)
+        if not hashes:  # every request of a headers-only route: the same read-only array each time
+            if len(self._neutral) != len(candidates):
+                self._neutral = np.full(len(candidates), NEUTRAL_SCORE)
+                self._neutral.setflags(write=False)
+            return self._neutral
         index = self.index
         if index.size != len(state.pool):
             raise ValueError(f"the prefix index has {index.size} endpoints, the pool {len(state.pool)}")
@@ -203,7 +207,9 @@ class PrefixAffinityScorer:
         scores = counts[candidates] / len(hashes)
         load = state.inflight.requests[candidates]
         # sum / len rather than mean(): a third of the cost on small arrays.
-        scores[load > self.guard * (load.sum() / len(load) + 1.0)] = 0.0
+        bar = self.guard * (np.add.reduce(load) / len(load) + 1.0)  # what load.sum() calls, without its wrapper
+        if load[load.argmax()] > bar:  # only then is there a candidate to zero (argmax: cheaper than max())
+            scores[load > bar] = 0.0
         return scores
 
     def on_pick(self, request: RequestFeatures, endpoint: int) -> None:

@@ -69,13 +69,8 @@ class Router:
         """Classify ``request`` and say whether it goes ahead, is shed or waits: it waits or is shed (as its class
         says) when every endpoint that could serve it is saturated."""
         request_class = self.classifier.classify(request)
-        request = replace(
-            request,
-            request_class=request_class.name,
-            priority=request_class.priority,
-            ttft_slo_s=request_class.ttft_slo_s,
-            pool_mask=self.admission.pool_mask(request_class),
-        )
+        pool_mask = self.admission.pool_mask(request_class)
+        request = request.classified(request_class.name, request_class.priority, request_class.ttft_slo_s, pool_mask)
         try:
             candidates = self.pool.model_indices(request.model)
         except RoutingError:

@@ -37,16 +37,37 @@ class Saturation:
         # Per endpoint, the InFlight.sent count past which it is saturated: -inf when the scrape already says so,
         # +inf when its queue is unknown or the scrape did not note what had been sent.
         self._limit = np.zeros(0)
-        self._over_at: tuple[Snapshot, int] | None = None
+        # The last answer: for which snapshot and counters, at which decision count, and for how many decisions
+        # more it holds (see `over`).
+        self._over_for: tuple[Snapshot, InFlight] | None = None
+        self._over_at = 0
+        self._holds_for = -math.inf
         self._over = np.zeros(0, dtype=bool)
+        self._any = False
 
     def over(self, signals: Signals, inflight: InFlight) -> np.ndarray:
-        """Per endpoint of the pool: saturated now. Computed once per (scrape, decision): admission and the filter
-        of one request share it."""
+        """Per endpoint of the pool: saturated now (read-only). Computed again only when it may have changed, so
+        that admission and the filter of one request, and requests in a row, share it."""
+        self._refresh(signals, inflight)
+        return self._over
+
+    def any_over(self, signals: Signals, inflight: InFlight) -> bool:
+        """Whether any endpoint of the pool is saturated now (``over(...).any()``, computed with it)."""
+        self._refresh(signals, inflight)
+        return self._any
+
+    def _refresh(self, signals: Signals, inflight: InFlight) -> None:
         snapshot = signals.snapshot
-        at = (snapshot, inflight.decisions)
-        if self._over_at is not None and self._over_at[0] is snapshot and self._over_at[1] == at[1]:
-            return self._over
+        cached = self._over_for
+        # Every decision adds one to one endpoint's `InFlight.sent` and nothing else changes it, so an endpoint
+        # under its limit by h requests stays under it for h more decisions; over it, it stays over.
+        if (
+            cached is not None
+            and cached[0] is snapshot
+            and cached[1] is inflight
+            and inflight.decisions - self._over_at <= self._holds_for
+        ):
+            return
         if snapshot is not self._for:  # once per scrape, not once per pick
             room = np.where(np.isnan(snapshot.waiting), math.inf, self.max_waiting - snapshot.waiting)
             base = snapshot.sent_at_scrape
@@ -54,6 +75,12 @@ class Saturation:
                 limit = room + np.where(np.isnan(base), math.inf, base)
             self._limit = np.where(snapshot.over(self.max_waiting, self.max_kv_usage), -math.inf, limit)
             self._for = snapshot
-        self._over = inflight.sent > self._limit
-        self._over_at = at
-        return self._over
+        sent = inflight.sent
+        over = sent > self._limit
+        over.setflags(write=False)
+        self._over = over
+        self._any = bool(over.any())
+        # The fewest requests by which an endpoint is under its limit (inf: none can reach one).
+        self._holds_for = float(np.minimum.reduce(self._limit - sent, where=~over, initial=math.inf))
+        self._over_for = (snapshot, inflight)
+        self._over_at = inflight.decisions

@@ -140,6 +140,9 @@ class Signals:
         fresh.setflags(write=False)
         self.fresh_until = fresh
         self.all_fresh_until = float(fresh.min()) if len(fresh) else math.inf
+        # Until when some endpoint's is: after that moment nothing is fresh (no scraper, or every scrape failing),
+        # which a pick also learns from one comparison.
+        self.any_fresh_until = float(fresh.max()) if len(fresh) else -math.inf
         # Whether any endpoint was ever scraped: without a scraper nothing is fresh, and that is no news.
         self.scraped_any = bool((~np.isnan(snapshot.scraped_at)).any())
         self.snapshot = snapshot

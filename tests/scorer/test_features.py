@@ -1,0 +1,70 @@
+"""Tests for RequestFeatures' two updates (scorer/features.py): each gives what `dataclasses.replace` gives."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from inferlb.scorer.features import RequestFeatures
+
+# Every field set, and set apart from its default and from every other field.
+FULL = RequestFeatures(
+    path="/v1/completions",
+    method="POST",
+    request_id="r1",
+    model="m",
+    stream=True,
+    max_tokens=7,
+    prompt_chars=11,
+    prompt_tokens=3,
+    prefix_hashes=(5, 6),
+    session_key="s",
+    class_hint="hint",
+    traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    request_class="old",
+    pool_mask=np.array([True, False]),
+    priority=4,
+    ttft_slo_s=0.25,
+)
+
+
+def _fields(features: RequestFeatures) -> dict[str, object]:
+    return {f.name: getattr(features, f.name) for f in dataclasses.fields(features)}
+
+
+def test_with_body_sets_the_body_fields_and_keeps_the_rest() -> None:
+    got = FULL.with_body("other", False, None, 99, 25, (1, 2, 3))
+    expected = dataclasses.replace(
+        FULL, model="other", stream=False, max_tokens=None, prompt_chars=99, prompt_tokens=25, prefix_hashes=(1, 2, 3)
+    )
+    assert _fields(got) == _fields(expected)
+
+
+def test_classified_sets_the_class_fields_and_keeps_the_rest() -> None:
+    mask = np.array([False, True])
+    got = FULL.classified("interactive", 2, None, mask)
+    expected = dataclasses.replace(FULL, request_class="interactive", priority=2, ttft_slo_s=None, pool_mask=mask)
+    assert _fields(got) == _fields(expected)
+
+
+def test_the_updates_name_every_field() -> None:
+    """A field added to RequestFeatures must be added to both updates (they pass every field by position)."""
+    assert [f.name for f in dataclasses.fields(RequestFeatures)] == [
+        "path",
+        "method",
+        "request_id",
+        "model",
+        "stream",
+        "max_tokens",
+        "prompt_chars",
+        "prompt_tokens",
+        "prefix_hashes",
+        "session_key",
+        "class_hint",
+        "traceparent",
+        "request_class",
+        "pool_mask",
+        "priority",
+        "ttft_slo_s",
+    ]
