@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import resource
+import subprocess
 import sys
 import time
 from collections import deque
@@ -26,7 +28,7 @@ import numpy as np
 import orjson
 
 from inferlb.bench.report import header, table, write
-from inferlb.bench.stats import percentile, rounded
+from inferlb.bench.stats import median, percentile, rounded
 from inferlb.filter.request import apply_body
 from inferlb.procs import ManagedProcess, free_port, http_ok
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
@@ -197,13 +199,86 @@ async def _probe(engine: Engine, request: RequestFeatures, seconds: float) -> di
     }
 
 
+# One A/B measurement, run in this interpreter and in another checkout's: the default preset's pick (decide and
+# the in-flight lease, as pick_latency times it) at each size, printed as JSON {size: p50 µs}. It uses only names
+# every revision of this module has had since the pick benchmark began.
+_AB_CODE = """
+import json, sys, time
+from collections import deque
+import numpy as np
+from inferlb.bench.pick import SIZES, _fleet, _requests
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.presets import build_profile
+decisions = int(sys.argv[1])
+rng = np.random.default_rng(1)
+requests = _requests(512, rng)
+out = {}
+for n in SIZES:
+    pool, signals = _fleet(n, rng)
+    engine = Engine(pool, build_profile("default", np.random.default_rng(2), size=n), signals=signals)
+    held, times = deque(), np.empty(decisions)
+    for k in range(decisions):
+        request = requests[k % len(requests)]
+        start = time.perf_counter_ns()
+        decision = engine.decide(request)
+        held.append(engine.inflight.acquire(decision.endpoint.index, request.prompt_tokens))
+        times[k] = time.perf_counter_ns() - start
+        if len(held) > 4 * n:
+            held.popleft().release()
+    out[n] = float(np.percentile(times[decisions // 10 :] / 1000, 50))
+print(json.dumps(out))
+"""
+
+
+def against(python: str, rounds: int, decisions: int) -> dict[str, Any]:
+    """The default preset's pick p50 here and with another checkout's interpreter ``python``, in alternation,
+    ``rounds`` times each: the median of each side's rounds per size, and the ratio."""
+    sides: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
+    for _ in range(rounds):
+        for side, exe in (("other", python), ("this", sys.executable)):
+            done = subprocess.run(
+                [exe, "-c", _AB_CODE, str(decisions)], capture_output=True, text=True, check=True, cwd="/"
+            )
+            sides[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"{side} {sides[side][-1]}", flush=True)
+    rows = []
+    for n in SIZES:
+        this = round(median([r[str(n)] for r in sides["this"]]) or 0.0, 1)
+        other = round(median([r[str(n)] for r in sides["other"]]) or 0.0, 1)
+        rows.append({"endpoints": n, "this_p50_us": this, "other_p50_us": other, "ratio": round(this / other, 3)})
+    return {"other_python": python, "rounds": rounds, "decisions": decisions, "rows": rows, "raw": sides}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--quick", action="store_true", help="2,000 decisions per preset and size; 64 endpoints")
+    parser.add_argument(
+        "--against",
+        metavar="PYTHON",
+        help="instead: the default preset's pick here against another checkout's interpreter (its venv's python, "
+        "with inferlb installed from that checkout), in alternation; writes pick-against.{json,md}",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: runs per side")
 
 
 def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.against:
+        result = {**header(args.command), **against(args.against, args.rounds, 2_000 if args.quick else 5_000)}
+        lines = [
+            "# The default preset's pick against another revision",
+            "",
+            f"{result['date']}; `{result['command']}`; {result['machine']}. `Engine.decide` and the in-flight lease,"
+            f" p50 µs, the median of {args.rounds} runs per side in alternation; other: `{args.against}`.",
+            "",
+            *table(
+                ["endpoints", "this p50 µs", "other p50 µs", "this / other"],
+                ([r["endpoints"], r["this_p50_us"], r["other_p50_us"], r["ratio"]] for r in result["rows"]),
+                "rrrr",
+            ),
+        ]
+        write(args.out, "pick-against", result, "\n".join(lines) + "\n")
+        return 0
     picks = pick_latency(2_000 if args.quick else 20_000)
     scrape = scrape_cost(64 if args.quick else 256, 3.0 if args.quick else 10.0, args.out)
     print(f"scrape {scrape}", flush=True)
