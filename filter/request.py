@@ -68,7 +68,7 @@ def features_from_headers(
             found["session_key"] = header_text(header) or None
         if key == class_header:
             found["class_hint"] = header_text(header) or None
-    return RequestFeatures(**found)
+    return RequestFeatures.of(found)
 
 
 def header_text(header: Any) -> str:

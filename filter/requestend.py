@@ -24,10 +24,12 @@ from dataclasses import dataclass
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import Message
 
 from inferlb.scorer.inflight import Lease
 
-__all__ = ["ACCESS_LOG_SERVICE", "AccessLogReceiver", "LeaseStats", "OpenLeases"]
+__all__ = ["ACCESS_LOG_SERVICE", "AccessLogReceiver", "LeaseStats", "OpenLeases", "add_to_server"]
 
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 DEFAULT_MAX_AGE_S = 900.0
@@ -148,23 +150,22 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     """Envoy's gRPC access-log service: each HTTP entry ends the held lease of its request id.
 
     Envoy keeps one stream open per worker and sends entries in batches; the handler does O(1) work per entry
-    on the routing event loop. ``leases`` is read on every message, so a reload may replace it; while it gives
-    None (the service counts requests by their streams instead), entries change nothing. `close` ends
-    every open stream (the picker is stopping: Envoy then reconnects to whichever picker listens next), so that
-    these long-lived streams do not hold the server's shutdown for its whole grace period.
+    on the routing event loop, and reads of each entry only its request id (`add_to_server` registers it with a
+    parser that skips the rest). ``leases`` is read on every message, so a reload may replace it; while it gives
+    None (the service counts requests by their streams instead), entries change nothing. `close` ends every
+    open stream (the picker is stopping: Envoy then reconnects to whichever picker listens next), so that these
+    long-lived streams do not hold the server's shutdown for its whole grace period.
     """
 
     def __init__(self, leases: Callable[[], OpenLeases | None]) -> None:
         self._leases = leases
-        self._closing: asyncio.Event | None = None
+        self._streams: set[asyncio.Task[object]] = set()
+        self._closed = False
 
     def close(self) -> None:
-        self._closed_event().set()
-
-    def _closed_event(self) -> asyncio.Event:
-        if self._closing is None:
-            self._closing = asyncio.Event()
-        return self._closing
+        self._closed = True
+        for task in list(self._streams):
+            task.cancel()
 
     async def StreamAccessLogs(
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
@@ -172,24 +173,66 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         leases = self._leases()
         if leases is not None:
             leases.stats.log_streams += 1
-        messages = aiter(request_iterator)
-        closing = asyncio.ensure_future(self._closed_event().wait())
+        # The stream's own task: `close` cancels it. Waiting on each message and on a closing event at once would
+        # cost a task and an asyncio.wait per message.
+        task = asyncio.current_task()
+        if task is not None and not self._closed:
+            self._streams.add(task)
         try:
-            while True:
-                following = asyncio.ensure_future(anext(messages))
-                await asyncio.wait((following, closing), return_when=asyncio.FIRST_COMPLETED)
-                if not following.done():
-                    following.cancel()
-                    break
-                try:
-                    message = following.result()
-                except StopAsyncIteration:
-                    break
-                leases = self._leases()
-                if leases is None:
-                    continue
-                for entry in message.http_logs.log_entry:
-                    leases.finish(entry.request.request_id)
+            if not self._closed:
+                async for message in request_iterator:
+                    leases = self._leases()
+                    if leases is None:
+                        continue
+                    for entry in message.http_logs.log_entry:
+                        leases.finish(entry.request.request_id)
+        except asyncio.CancelledError:
+            if not self._closed or task is None:
+                raise
+            task.uncancel()  # cancelled by close(): the stream ends as if Envoy had closed it
         finally:
-            closing.cancel()
+            if task is not None:
+                self._streams.discard(task)
         return als_pb2.StreamAccessLogsResponse()
+
+
+def _request_ids_message() -> type[Message]:
+    """A message type that reads a `StreamAccessLogsMessage` as far as its HTTP entries' request ids and skips
+    everything else Envoy sends (addresses, timings, headers sizes, metadata: ~450 bytes an entry), which the
+    full type would build objects for. Field numbers come from the real descriptors."""
+    http_logs = als_pb2.StreamAccessLogsMessage.DESCRIPTOR.fields_by_name["http_logs"]
+    log_entry = http_logs.message_type.fields_by_name["log_entry"]
+    request = log_entry.message_type.fields_by_name["request"]
+    request_id = request.message_type.fields_by_name["request_id"]
+    package = "inferlb.request_end"
+    file = descriptor_pb2.FileDescriptorProto(name="inferlb/request_end.proto", package=package, syntax="proto3")
+    field = descriptor_pb2.FieldDescriptorProto
+    for name, member, number, repeated, of in (
+        ("Request", "request_id", request_id.number, False, None),
+        ("Entry", "request", request.number, False, "Request"),
+        ("Entries", "log_entry", log_entry.number, True, "Entry"),
+        ("Message", "http_logs", http_logs.number, False, "Entries"),
+    ):
+        added = file.message_type.add(name=name).field.add(
+            name=member,
+            number=number,
+            label=field.LABEL_REPEATED if repeated else field.LABEL_OPTIONAL,
+            type=field.TYPE_MESSAGE if of else field.TYPE_STRING,
+        )
+        if of:
+            added.type_name = f".{package}.{of}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Message"))
+
+
+def add_to_server(receiver: AccessLogReceiver, server: grpc.aio.Server) -> None:
+    """Serve ``receiver`` on ``server`` as Envoy's ``AccessLogService``, its messages read by request id only."""
+    handler = grpc.stream_unary_rpc_method_handler(
+        receiver.StreamAccessLogs,
+        request_deserializer=_request_ids_message().FromString,
+        response_serializer=als_pb2.StreamAccessLogsResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(ACCESS_LOG_SERVICE, {"StreamAccessLogs": handler}),)
+    )

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
-from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,6 +43,7 @@ from inferlb.filter.observe import ObserveStats, time_response
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_header
 from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
+from inferlb.filter.requestend import add_to_server as add_access_log_service
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.classes import Classifier
@@ -52,7 +52,7 @@ from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import RoutingError, shown
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
-from inferlb.scorer.router import Router
+from inferlb.scorer.router import Admit, Router
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         return
                     replies = self.replies.body
                 decided = True
-                features, refusal, saturated = await self._admit(features)
+                admit = self.router.admit(features)
+                features = admit.request
+                refusal, saturated = None, False
+                if admit.verdict != "go":  # shed, or wait for capacity: the only awaiting on the way
+                    refusal, saturated = await self._not_admitted(admit)
                 if refusal is not None:
                     if self.route_spans is not None:
                         self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
@@ -209,20 +213,15 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             if aclose is not None:
                 await aclose()
 
-    async def _admit(self, features: RequestFeatures) -> tuple[RequestFeatures, RequestError | None, bool]:
-        """The request with its class, and: a refusal (shed, 429), or None to go ahead, after waiting up to its
-        class's ``max_wait_s`` for capacity when every endpoint it could use is saturated; then whether it goes
-        though still saturated (it waited out)."""
-        router = self.router
-        admit = router.admit(features)
+    async def _not_admitted(self, admit: Admit) -> tuple[RequestError | None, bool]:
+        """For a request admission did not let go ahead at once: a refusal (shed, 429), or None to go ahead after
+        waiting up to its class's ``max_wait_s`` for capacity; then whether it goes though still saturated (it
+        waited out)."""
         features = admit.request
-        if admit.verdict == "go":
-            return features, None, False
         request_class = admit.request_class
         if admit.verdict == "shed":
             self.decisions.shed[request_class.name] += 1
             return (
-                features,
                 OverloadedError(
                     f"every endpoint that serves {shown(features.model)} is saturated and requests of class "
                     f"{request_class.name!r} are shed under load; retry after {request_class.retry_after_s} s",
@@ -231,10 +230,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 False,
             )
         self.stats.waited += 1
-        if await router.wait(admit):
-            return features, None, False
+        if await self.router.wait(admit):
+            return None, False
         self.stats.waited_out += 1  # no capacity came: route to the best of the saturated anyway
-        return features, None, True
+        return None, True
 
     def _route(
         self,
@@ -326,7 +325,7 @@ class PickerServer:
         )
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(service, self._server)
         self._access_logs = AccessLogReceiver(lambda: service.leases)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self._access_logs, self._server)
+        add_access_log_service(self._access_logs, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port: int | None = None
 

@@ -13,8 +13,9 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry, HTTPRequestProperties
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, ProcessingRequest
+from google.protobuf import text_format
 
-from inferlb.filter.requestend import OpenLeases
+from inferlb.filter.requestend import OpenLeases, _request_ids_message
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.inflight import InFlight
 
@@ -40,6 +41,29 @@ def test_a_lease_ends_when_its_request_id_is_reported() -> None:
     assert not leases.finish("never-routed")
     assert (leases.stats.ended, leases.stats.unknown_entries) == (1, 2)
     assert leases.finish("b") and inflight.tokens.tolist() == [0, 0] and len(leases) == 0
+
+
+def test_the_access_log_parser_reads_the_request_ids_of_what_envoy_sends() -> None:
+    """Envoy's entries carry far more than the request id (this one is shaped like Envoy 1.40's); the receiver's
+    parser reads the ids, in order, and skips the rest, however it is laid out."""
+    entry = HTTPAccessLogEntry()
+    text_format.Parse(
+        'common_properties { downstream_remote_address { socket_address { address: "127.0.0.1" port_value: 46052 } }'
+        ' start_time { seconds: 1796170706 } duration { nanos: 6951367 } upstream_cluster: "inferlb_picked"'
+        ' metadata { filter_metadata { key: "envoy.lb" value { fields { key: "x-gateway-destination-endpoint"'
+        ' value { string_value: "127.0.0.1:26663" } } } } } route_name: "picked" stream_id: "s" }'
+        ' protocol_version: HTTP11 request { request_method: POST path: "/v1/completions" user_agent: "u"'
+        ' request_headers_bytes: 369 } response { response_code { value: 200 } response_code_details: "via_upstream" }',
+        entry,
+    )
+    message = als_pb2.StreamAccessLogsMessage()
+    message.identifier.log_name = "inferlb.request_end"
+    for request_id in ("r1", "r2", ""):
+        added = message.http_logs.log_entry.add()
+        added.CopyFrom(entry)
+        added.request.request_id = request_id
+    parsed = _request_ids_message().FromString(message.SerializeToString())
+    assert [e.request.request_id for e in parsed.http_logs.log_entry] == ["r1", "r2", ""]
 
 
 def test_a_repeated_request_id_ends_one_lease_per_report() -> None:

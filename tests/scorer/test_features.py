@@ -1,10 +1,12 @@
-"""Tests for RequestFeatures' two updates (scorer/features.py): each gives what `dataclasses.replace` gives."""
+"""Tests for RequestFeatures' builders (scorer/features.py): each gives what the constructor or
+`dataclasses.replace` gives, and what it gives is as frozen."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+import pytest
 
 from inferlb.scorer.features import RequestFeatures
 
@@ -48,8 +50,31 @@ def test_classified_sets_the_class_fields_and_keeps_the_rest() -> None:
     assert _fields(got) == _fields(expected)
 
 
-def test_the_updates_name_every_field() -> None:
-    """A field added to RequestFeatures must be added to both updates (they pass every field by position)."""
+def test_of_gives_what_the_constructor_gives() -> None:
+    fields = {"path": "/v1/embeddings", "request_id": "r2", "session_key": "s"}
+    assert _fields(RequestFeatures.of(fields)) == _fields(RequestFeatures(**fields))
+    assert _fields(RequestFeatures.of({})) == _fields(RequestFeatures())
+
+
+@pytest.mark.parametrize(
+    "built",
+    [
+        pytest.param(lambda: RequestFeatures.of({"path": "/p"}), id="of"),
+        pytest.param(lambda: FULL.with_body("m", False, None, 1, 1, ()), id="with_body"),
+        pytest.param(lambda: FULL.classified("c", 0, None, None), id="classified"),
+    ],
+)
+def test_what_the_builders_give_is_frozen_and_replaceable(built: object) -> None:
+    features = built()  # type: ignore[operator]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        features.path = "/other"
+    assert dataclasses.replace(features, path="/other").path == "/other"
+    assert features == dataclasses.replace(features)
+
+
+def test_the_builders_know_every_field() -> None:
+    """A field added to RequestFeatures needs a default (`of` fills the rest from the defaults), and the two
+    updates set the fields listed here."""
     assert [f.name for f in dataclasses.fields(RequestFeatures)] == [
         "path",
         "method",
