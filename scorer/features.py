@@ -154,28 +154,32 @@ class RequestFeatures:
         prefix_hashes: tuple[int, ...],
     ) -> RequestFeatures:
         """These features with what the request's body says."""
-        new = object.__new__(RequestFeatures)
-        values = new.__dict__
-        values.update(self.__dict__)
-        values["model"] = model
-        values["stream"] = stream
-        values["max_tokens"] = max_tokens
-        values["prompt_chars"] = prompt_chars
-        values["prompt_tokens"] = prompt_tokens
-        values["prefix_hashes"] = prefix_hashes
-        return new
+        return self._copy(
+            {
+                "model": model,
+                "stream": stream,
+                "max_tokens": max_tokens,
+                "prompt_chars": prompt_chars,
+                "prompt_tokens": prompt_tokens,
+                "prefix_hashes": prefix_hashes,
+            }
+        )
 
     def classified(
         self, request_class: str, priority: int, ttft_slo_s: float | None, pool_mask: Any
     ) -> RequestFeatures:
         """These features with the request's class and what it sets."""
+        return self._copy(
+            {"request_class": request_class, "priority": priority, "ttft_slo_s": ttft_slo_s, "pool_mask": pool_mask}
+        )
+
+    def _copy(self, changes: dict[str, Any]) -> RequestFeatures:
+        """A new object with these fields and ``changes`` (what the constructor would build, without its one
+        frozen-attribute call per field)."""
         new = object.__new__(RequestFeatures)
         values = new.__dict__
         values.update(self.__dict__)
-        values["request_class"] = request_class
-        values["priority"] = priority
-        values["ttft_slo_s"] = ttft_slo_s
-        values["pool_mask"] = pool_mask
+        values.update(changes)
         return new
 
 
