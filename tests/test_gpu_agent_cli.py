@@ -16,9 +16,8 @@ from inferlb.cli import main
 from inferlb.procs import free_port
 
 from .scorer.fakenvml import (
-    NVML_ERROR_DRIVER_NOT_LOADED,
-    NVML_ERROR_LIBRARY_NOT_FOUND,
     FakeNvml,
+    nvml_missing,
 )
 
 FAKE_DIR = Path(__file__).parent / "scorer"
@@ -34,15 +33,7 @@ def no_nvml_line(reason: str) -> str:
 @pytest.mark.parametrize(
     ("fake", "reason"),
     [
-        pytest.param(
-            FakeNvml(init_error=NVML_ERROR_LIBRARY_NOT_FOUND),
-            "nvmlInit failed: NVML Shared Library Not Found",
-            id="no-libnvidia-ml",
-        ),
-        pytest.param(
-            FakeNvml(init_error=NVML_ERROR_DRIVER_NOT_LOADED), "nvmlInit failed: Driver Not Loaded", id="no-driver"
-        ),
-        pytest.param(FakeNvml(gpus=[]), "NVML found no GPU", id="no-gpu"),
+        *nvml_missing(),
     ],
 )
 def test_no_nvml_exits_3_with_one_line(

@@ -28,12 +28,11 @@ from inferlb.scorer.gpustate import GpuInfo, GpuReport, parse_gpu_report
 from .conftest import until
 from .scorer.fakenvml import (
     H100_TOTAL,
-    NVML_ERROR_DRIVER_NOT_LOADED,
     NVML_ERROR_GPU_IS_LOST,
-    NVML_ERROR_LIBRARY_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
     FakeGpu,
     FakeNvml,
+    nvml_missing,
 )
 
 FAST_S = 0.01  # sampling interval for the app tests: changes show up within a few milliseconds
@@ -98,15 +97,7 @@ def test_read_nvml_maps_each_gpu(
 @pytest.mark.parametrize(
     ("fake", "reason"),
     [
-        pytest.param(
-            FakeNvml(init_error=NVML_ERROR_LIBRARY_NOT_FOUND),
-            "nvmlInit failed: NVML Shared Library Not Found",
-            id="no-libnvidia-ml",
-        ),
-        pytest.param(
-            FakeNvml(init_error=NVML_ERROR_DRIVER_NOT_LOADED), "nvmlInit failed: Driver Not Loaded", id="no-driver"
-        ),
-        pytest.param(FakeNvml(gpus=[]), "NVML found no GPU", id="no-gpu"),
+        *nvml_missing(),
         pytest.param(
             FakeNvml(failures={"nvmlDeviceGetUUID": NVML_ERROR_GPU_IS_LOST}),
             "NVML could not list the GPUs: GPU is lost",

@@ -10,6 +10,9 @@ from __future__ import annotations
 import threading
 import types
 from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
 
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
@@ -165,3 +168,18 @@ class FakeNvml:
             self.hang.wait(10)
         gpu = self._gpu(handle)
         return _Memory(total=gpu.total, free=gpu.total - gpu.used, used=gpu.used)
+
+
+def nvml_missing() -> list[Any]:
+    """Test cases (fresh fakes each call) where NVML cannot be used at all, with the reason the agent gives."""
+    return [
+        pytest.param(
+            FakeNvml(init_error=NVML_ERROR_LIBRARY_NOT_FOUND),
+            "nvmlInit failed: NVML Shared Library Not Found",
+            id="no-libnvidia-ml",
+        ),
+        pytest.param(
+            FakeNvml(init_error=NVML_ERROR_DRIVER_NOT_LOADED), "nvmlInit failed: Driver Not Loaded", id="no-driver"
+        ),
+        pytest.param(FakeNvml(gpus=[]), "NVML found no GPU", id="no-gpu"),
+    ]
