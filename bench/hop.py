@@ -53,7 +53,8 @@ COMPLETION = json.dumps(
 @dataclass(frozen=True, slots=True)
 class Variant:
     name: str
-    gateway: str  # which stack serves it: "envoy" (no picker), "noop", "inferlb", "inferlb-timed", "inferlb-held"
+    # which stack serves it: "envoy" (no picker), "noop", "inferlb", "inferlb-rr", "inferlb-timed", "inferlb-held"
+    gateway: str
     path: str
     body: bool
 
@@ -65,6 +66,10 @@ VARIANTS = (
     Variant("envoy-rr body", "envoy", "/v1/completions", True),
     Variant("noop body", "noop", "/v1/completions", True),
     Variant("inferlb body", "inferlb", "/v1/completions", True),
+    # The round-robin preset: the whole routing path (parse, admission, lease, access-log end, decision log) with
+    # the cheapest pick, to split inferlb's CPU over the floor into that path and the default preset's scoring.
+    Variant("inferlb rr headers", "inferlb-rr", "/v1/embeddings", False),
+    Variant("inferlb rr body", "inferlb-rr", "/v1/completions", True),
     # otel.latency_source: stream: a second, observing ext_proc stream per request times the response.
     Variant("inferlb body timed", "inferlb-timed", "/v1/completions", True),
     # inflight.end: stream: the routing stream stays open for the whole request (no access log), the behaviour
@@ -107,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         "headers": micro.per_request_us(micro.make_service(args.backends, POLICY), with_body=False),
         "body": micro.per_request_us(micro.make_service(args.backends, POLICY), with_body=True),
         "decide": {n: micro.decide_us(n, POLICY) for n in (8, 64, 1024)},
+        "decide_cold": {policy: micro.decide_cold_us(policy) for policy in ("round-robin", "least-request", POLICY)},
     }
 
     backends = _start_backends(args.backends, workdir)
@@ -122,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         stacks["noop"] = LocalStack(replace(common, envoy=no_log, picker_command=noop), workdir / "noop")
         ours = replace(common, envoy=no_log, policy=POLICY, picker_log_level="warning")
         stacks["inferlb"] = LocalStack(ours, workdir / "inferlb")
+        stacks["inferlb-rr"] = LocalStack(replace(ours, policy="round-robin"), workdir / "inferlb-rr")
         stacks["inferlb-timed"] = LocalStack(replace(ours, latency_source="stream"), workdir / "inferlb-timed")
         held = replace(ours, picker_config={"inflight": {"end": "stream"}})
         stacks["inferlb-held"] = LocalStack(held, workdir / "inferlb-held")
@@ -281,6 +288,46 @@ def _machine(command: str, started: datetime) -> dict[str, Any]:
     }
 
 
+def _split(
+    by: dict[tuple[str, int], dict[str, Any]],
+    concurrencies: list[int],
+    policy: str,
+    cold: dict[str, float] | None,
+) -> list[str]:
+    """Where inferlb's picker CPU over the floor goes: the routing path (what the round-robin preset costs over
+    the floor) and the scoring of ``policy`` (what it costs over round-robin). Empty for runs without the
+    round-robin variants."""
+    rows = []
+    for c in concurrencies:
+        for kind in ("headers", "body"):
+            floor, rr, ours = (by.get((name, c)) for name in (f"noop {kind}", f"inferlb rr {kind}", f"inferlb {kind}"))
+            if not (floor and rr and ours and floor["picker_cpu_us"] and rr["picker_cpu_us"] and ours["picker_cpu_us"]):
+                continue
+            base, path, full = floor["picker_cpu_us"], rr["picker_cpu_us"], ours["picker_cpu_us"]
+            added = [f"{path - base:+.0f}", f"{full - path:+.0f}"]
+            rows.append([c, kind, f"{base:.0f}", *added, f"{path / base:.2f}x", f"{full / base:.2f}x"])
+    if not rows:
+        return []
+    out = ["", "## Where inferlb's picker CPU over the floor goes (same run)", ""]
+    out += [
+        "The round-robin preset runs the whole routing path (parse, admission, lease, access-log end, decision",
+        f"log) with the cheapest pick; what `{policy}` costs beyond it is its filters and scorers.",
+        "",
+    ]
+    head = ["concurrency", "request", "floor µs/req", "routing path µs", f"{policy} scoring µs", "round-robin/floor"]
+    out += table([*head, f"{policy}/floor"], rows, "rlrrrrr")
+    if cold:
+        out += [
+            "",
+            "Under load the picker shares its core with Envoy and the load, so each pick runs with its caches cold:",
+            "`Engine.decide` + the in-flight count on 4 endpoints, p50 µs, with the CPU caches evicted before each",
+            "pick (`micro.decide_cold_us`; the warm figures are in the next section):",
+            "",
+        ]
+        out += table(["preset", "caches evicted µs"], ([p, f"{us:.1f}"] for p, us in cold.items()), "lr")
+    return out
+
+
 def _markdown(results: dict[str, Any]) -> str:
     meta, own, rows = results["meta"], results["own_work"], results["rows"]
     policy = meta.get("policy", "least-request")  # the preset of the results made before the key
@@ -329,6 +376,7 @@ def _markdown(results: dict[str, Any]) -> str:
     out += ["", f"## inferlb ({policy}) against the floor (same run)", ""]
     head = ["concurrency", "request", "picker CPU inferlb/noop", "p50 added vs Envoy alone: noop, inferlb (ms)"]
     out += table(head, floor_rows, "rlrl")
+    out += _split(by, concurrencies, policy, own.get("decide_cold"))
     out += ["", "## What timing responses in the filter costs (otel.latency_source: stream, same run)", ""]
     out += [
         "The picker times each response from a second ext_proc stream that Envoy feeds in observability mode",

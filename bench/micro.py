@@ -11,6 +11,7 @@ import time
 import timeit
 from collections.abc import AsyncIterator, Callable
 
+import numpy as np
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
@@ -97,6 +98,31 @@ def per_request_us(service: ExtProcService, with_body: bool, rounds: int = 40, n
         return best
 
     return asyncio.run(measure())
+
+
+EVICT_BYTES = 8 << 20  # more than this machine's L2 (4 MiB a core): touching it pushes the picker's code and data out
+
+
+def decide_cold_us(policy: str, endpoints: int = 4, n: int = 2000) -> float:
+    """p50 µs of one ``Engine.decide`` + in-flight acquire/release when the CPU caches have just been evicted (one
+    byte of every cache line of `EVICT_BYTES` touched before each), as in a picker that shares its core with Envoy
+    and the load: under load every request runs this way, so this, not the warm figure, is what a pick costs there.
+    """
+    service = make_service(endpoints, policy)
+    engine = service.engine
+    features = RequestFeatures(model="bench-model", prompt_tokens=300, max_tokens=64)
+    evict = np.zeros(EVICT_BYTES, dtype=np.uint8)
+    timings = []
+    clock: Callable[[], int] = time.perf_counter_ns
+    for _ in range(n):
+        evict[::64] += 1
+        start = clock()
+        decision = engine.decide(features)
+        engine.inflight.acquire(decision.endpoint.index, 364).release()
+        timings.append(clock() - start)
+    p50 = percentiles(timings, (50,), method="higher")[50]
+    assert p50 is not None, "n >= 1 timings"
+    return p50 / 1000
 
 
 def decide_us(endpoints: int, policy: str, n: int = 20000) -> tuple[float, float]:

@@ -22,7 +22,8 @@ def results() -> dict[str, Any]:
 
 def test_the_inferlb_variants_run_the_default_preset() -> None:
     assert POLICY == "default"
-    assert {v.gateway for v in VARIANTS} == {"envoy", "noop", "inferlb", "inferlb-timed", "inferlb-held"}
+    gateways = {v.gateway for v in VARIANTS}
+    assert gateways == {"envoy", "noop", "inferlb", "inferlb-rr", "inferlb-timed", "inferlb-held"}
 
 
 def test_cpu_ratio_to_floor_is_each_variant_over_the_noop_picker(results: dict[str, Any]) -> None:
@@ -51,3 +52,30 @@ def test_the_report_shows_the_ratios(results: dict[str, Any]) -> None:
     assert "| 1 | headers | 1.28x | +0.81, +1.10 |" in text
     assert "| 64 | body | 1.39x |" in text
     assert text.count("| 16 | inferlb body |") == 1
+
+
+def test_the_report_splits_the_extra_cpu_into_the_routing_path_and_the_scoring(results: dict[str, Any]) -> None:
+    # That run had no round-robin variants: give it some, between the floor and the preset it measured.
+    rows = results["rows"]
+    by = {(r["variant"], r["concurrency"]): r for r in rows}
+    for c in (1, 16, 64):
+        for kind in ("headers", "body"):
+            floor, ours = by[(f"noop {kind}", c)]["picker_cpu_us"], by[(f"inferlb {kind}", c)]["picker_cpu_us"]
+            rr = dict(by[(f"inferlb {kind}", c)], variant=f"inferlb rr {kind}", picker_cpu_us=(floor + ours) / 2)
+            rows.append(rr)
+    results["own_work"]["decide_cold"] = {"round-robin": 26.0, "default": 83.7}
+    text = _markdown(results)
+
+    assert "## Where inferlb's picker CPU over the floor goes (same run)" in text
+    floor, ours = by[("noop body", 64)]["picker_cpu_us"], by[("inferlb body", 64)]["picker_cpu_us"]
+    half = (ours - floor) / 2
+    row = (
+        f"| 64 | body | {floor:.0f} | {half:+.0f} | {half:+.0f} | {(floor + half) / floor:.2f}x | {ours / floor:.2f}x |"
+    )
+    assert row in text
+    assert "| default | 83.7 |" in text
+    assert "inferlb rr body" in cpu_ratio_to_floor(rows)
+
+
+def test_a_run_without_the_round_robin_variants_has_no_split(results: dict[str, Any]) -> None:
+    assert "Where inferlb's picker CPU" not in _markdown(results)
