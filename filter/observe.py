@@ -28,11 +28,15 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
 from inferlb.filter.request import header_text
 
-__all__ = ["OBSERVED_HEADERS", "ObserveStats", "time_response"]
+__all__ = ["OBSERVED_HEADERS", "ObserveStats", "RequestOutcome", "time_response"]
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # What Envoy mirrors to the picker on the observing streams, and nothing else.
-OBSERVED_HEADERS = (DESTINATION_HEADER, ":status", "content-type")
+# x-request-id ties the measurement to its request, for the experiment arm the request was routed in.
+OBSERVED_HEADERS = (DESTINATION_HEADER, ":status", "content-type", "x-request-id")
+
+# What an experiment is told of one observed response: (request id, TTFT s, E2E s, failed).
+RequestOutcome = Callable[[str, float | None, float | None, bool], None]
 
 
 @dataclass(slots=True)
@@ -53,9 +57,11 @@ async def time_response(
     observe: Callable[[int, float | None, float | None], None],
     stats: ObserveStats,
     clock: Callable[[], float] = time.monotonic,
+    outcome: RequestOutcome | None = None,
 ) -> None:
     """Read one observing stream, starting with its ``first`` message, until there is a measurement to give
-    ``observe(endpoint, ttft_s, e2e_s)`` or nothing to measure; then return, which ends the stream."""
+    ``observe(endpoint, ttft_s, e2e_s)`` or nothing to measure; then return, which ends the stream. ``outcome``,
+    if given, is told of the request (by its ``x-request-id``): its measurement, or that it failed (a 5xx)."""
     started = clock()
     if first.WhichOneof("request") != "request_headers":
         stats.unknown_endpoint += 1
@@ -64,13 +70,17 @@ async def time_response(
     if endpoint is None:
         stats.unknown_endpoint += 1
         return
+    request_id = _header(first.request_headers, "x-request-id") if outcome is not None else None
     streamed = False
     async for message in messages:
         kind = message.WhichOneof("request")
         if kind == "response_headers":
             headers = message.response_headers
-            if _header(headers, ":status") != "200":
+            status = _header(headers, ":status")
+            if status != "200":
                 stats.not_ok += 1
+                if outcome is not None and request_id and (status or "").startswith("5"):
+                    outcome(request_id, None, None, True)
                 return
             streamed = (_header(headers, "content-type") or "").lower().startswith("text/event-stream")
         elif kind == "response_body":
@@ -79,12 +89,14 @@ async def time_response(
                     break
                 continue
             elapsed = clock() - started
+            ttft, e2e = (elapsed, None) if streamed else (None, elapsed)
             if streamed:
                 stats.ttft += 1
-                observe(endpoint, elapsed, None)
             else:
                 stats.e2e += 1
-                observe(endpoint, None, elapsed)
+            observe(endpoint, ttft, e2e)
+            if outcome is not None and request_id:
+                outcome(request_id, ttft, e2e, False)
             return
     stats.unfinished += 1
 

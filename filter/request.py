@@ -45,15 +45,20 @@ _NONE = type(None)
 
 
 def features_from_headers(
-    headers: Iterable[Any], session_header: str | None = None, class_header: str | None = None
+    headers: Iterable[Any],
+    session_header: str | None = None,
+    class_header: str | None = None,
+    experiment_headers: frozenset[str] = frozenset(),
 ) -> RequestFeatures:
     """Features from Envoy's ``HeaderValue`` list (``key`` and ``raw_value``); no body has been read.
 
     ``session_header`` names (in lower case, as Envoy sends header names) the header whose value becomes
     ``session_key``; an empty value counts as absent, and a repeated header's last value wins. ``class_header``
-    likewise fills ``class_hint``, which request-class rules may match.
+    likewise fills ``class_hint``, which request-class rules may match. The ``experiment_headers`` present go into
+    ``headers`` (name -> value), which experiments assign by.
     """
     found: dict[str, Any] = {}
+    tagged: dict[str, str] | None = None
     for header in headers:
         key = header.key
         if key == ":path":
@@ -68,6 +73,10 @@ def features_from_headers(
             found["session_key"] = header_text(header) or None
         if key == class_header:
             found["class_hint"] = header_text(header) or None
+        if experiment_headers and key in experiment_headers:
+            if tagged is None:
+                tagged = found["headers"] = {}
+            tagged[key] = header_text(header)
     return RequestFeatures.of(found)
 
 

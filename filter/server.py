@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,7 +39,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferlb.filter.errors import MalformedRequestError, OverloadedError, RequestError, from_routing_error
-from inferlb.filter.observe import ObserveStats, time_response
+from inferlb.filter.observe import ObserveStats, RequestOutcome, time_response
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_header
 from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
@@ -50,6 +50,7 @@ from inferlb.scorer.classes import Classifier
 from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import RoutingError, shown
+from inferlb.scorer.experiments import Experiments
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
 from inferlb.scorer.router import Admit, Router
@@ -95,14 +96,18 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         trace_join: TraceJoin | None = None,
         route_spans: RouteSpans | None = None,
         leases: OpenLeases | None = None,
+        experiments: Experiments | None = None,
+        experiment_headers: Iterable[str] = (),
     ) -> None:
         for name, value in (("session_header", session_header), ("class_header", class_header)):
             if value is not None and (not value or value != value.strip()):
                 raise ValueError(f"{name} must be a header name such as 'x-session-id', not {value!r}")
-        self.router = Router(engine, classifier)
+        self.router = Router(engine, classifier, experiments=experiments)
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header.lower() if session_header is not None else None
         self.class_header = class_header.lower() if class_header is not None else None
+        # The headers experiments assign by: read from each request (Envoy forwards them) into its features.
+        self.experiment_headers = frozenset(h.lower() for h in experiment_headers)
         # With a join, every routed request gets a W3C traceparent (continuing the client's trace if it sent one)
         # and its trace id is remembered with the endpoint, so the server's span can be matched to the decision.
         self.trace_join = trace_join
@@ -150,7 +155,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 if message.observability_mode:
                     timer = self.response_timer
                     if timer is not None:
-                        await time_response(message, messages, self._endpoints, timer, self.observe_stats)
+                        experiments = self.router.experiments
+                        outcome = None if experiments is None else _outcome_of(experiments)
+                        await time_response(
+                            message, messages, self._endpoints, timer, self.observe_stats, outcome=outcome
+                        )
                     return
                 kind = message.WhichOneof("request")
                 if decided or kind not in ("request_headers", "request_body"):
@@ -159,7 +168,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     continue
                 if kind == "request_headers":
                     headers = message.request_headers
-                    features = features_from_headers(headers.headers.headers, self.session_header, self.class_header)
+                    features = features_from_headers(
+                        headers.headers.headers, self.session_header, self.class_header, self.experiment_headers
+                    )
                     wants_body = message.protocol_config.request_body_mode in _BUFFERED
                     if wants_body and not headers.end_of_stream:
                         yield CONTINUE["request_headers"]
@@ -253,7 +264,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 spans.refused(features, error.status, error.type, started_ns)
             return self._refuse(error), None
         decision = routed.decision
-        self.decisions.record(features.request_id, features.model, decision, routed.pick_s)
+        arm = routed.arm
+        label = None if arm is None else (arm.experiment, arm.name)
+        self.decisions.record(features.request_id, features.model, decision, routed.pick_s, label)
         index = decision.endpoint.index
         self.stats.routed += 1
         join = self.trace_join
@@ -273,6 +286,18 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     def _refuse(self, error: RequestError) -> ProcessingResponse:
         self.stats.refused[error.status] += 1
         return error_reply(error)
+
+
+def _outcome_of(experiments: Experiments) -> RequestOutcome:
+    """What an observed response tells ``experiments``: a streamed answer's first token (its TTFT; the request's
+    end comes with it, since the stream is measured no further), another's full body (E2E), or a failure."""
+
+    def outcome(request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
+        if ttft_s is not None:
+            experiments.first_token(request_id, ttft_s)
+        experiments.outcome(request_id, failed=failed, e2e_s=e2e_s)
+
+    return outcome
 
 
 def _envoy_trace_id(context: grpc.aio.ServicerContext) -> bytes | None:

@@ -6,6 +6,8 @@
 | ``GET /readyz`` | 200 once the gRPC server serves and the first metrics round is in; else 503 |
 | ``GET /endpoints`` | each endpoint's latest signals, their age, staleness, last scrape error, in-flight counts |
 | ``GET /decisions?limit=N`` | recent decisions, newest first: reason, each scorer's score, the best candidates' |
+| ``GET /experiments`` | each experiment: arms, weights, per-arm counts and latency quantiles, each treatment's |
+|  | comparison with the control (difference, always-valid interval, verdict), weight history |
 | ``GET /config`` | the configuration in force |
 | ``POST /config`` | a new configuration (YAML or JSON body), validated then applied without dropping a request; |
 |  | an invalid one is refused (400) and the old one stays |
@@ -188,6 +190,16 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
                 # A reload may have changed the pool since: then the index is all that is known.
                 row["endpoint"] = endpoints[index].address if index < len(endpoints) else f"#{index}"
         return JSONResponse({"decisions": entries})
+
+    @app.get("/experiments")
+    async def experiments() -> Response:
+        running = picker.service.router.experiments
+        return JSONResponse(
+            {
+                "experiments": [] if running is None else running.describe(),
+                "unattributed_outcomes": 0 if running is None else running.unattributed,
+            }
+        )
 
     @app.get("/config")
     async def get_config() -> dict[str, Any]:

@@ -130,6 +130,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
                 *FORWARD_HEADERS,
                 *(h.lower() for h in options.forward_headers),
                 *filter(None, [config.session_header, config.class_header]),
+                *config.experiment_headers,  # experiments assign by them
             }
         ),
     )

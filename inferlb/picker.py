@@ -34,6 +34,7 @@ from inferlb.scorer.config import Config, load_config, parse_config
 from inferlb.scorer.credentials import Credential
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.experiments import Experiments
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
@@ -215,7 +216,10 @@ class PickerProcess:
             inflight, signals = InFlight(len(pool)), Signals(len(pool), stale_after_s=config.signals.stale_after_s)
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool))
         engine = Engine(pool, profile, inflight, signals, _saturation(config))
-        router = Router(engine, Classifier(config.classes, config.default_class))
+        experiments = _experiments(config, engine, self.rng)
+        if experiments is not None:
+            experiments.adopt(self.service.router.experiments)
+        router = Router(engine, Classifier(config.classes, config.default_class), experiments=experiments)
         # From here on nothing can fail: swap everything between two requests.
         self.admin_credential = credential
         if self.service.leases is not None:
@@ -224,6 +228,7 @@ class PickerProcess:
         self.service.max_body_bytes = config.max_body_bytes
         self.service.session_header = config.session_header
         self.service.class_header = config.class_header
+        self.service.experiment_headers = frozenset(config.experiment_headers)
         if self.spans is not None:
             self.spans.rebind(pool, signals, keep=same_pool, config=config.otel)
             self.service.trace_join = _trace_join(config, self.spans)
@@ -298,6 +303,13 @@ def _collectors(
     return collector, gpu
 
 
+def _experiments(config: Config, engine: Engine, rng: np.random.Generator | None) -> Experiments | None:
+    """The config's experiments over ``engine``'s pool and state, or None without any."""
+    if not config.experiments:
+        return None
+    return Experiments.over(engine, config.experiments, config.profile_spec, rng)
+
+
 def create_picker(
     config: Config, *, rng: np.random.Generator | None = None, config_path: Path | None = None
 ) -> PickerProcess:
@@ -313,6 +325,8 @@ def create_picker(
         class_header=config.class_header,
         classifier=Classifier(config.classes, config.default_class),
         leases=OpenLeases(max_age_s=config.inflight.max_age_s) if config.inflight.end == "access-log" else None,
+        experiments=_experiments(config, engine, rng),
+        experiment_headers=config.experiment_headers,
     )
     collector, gpu = _collectors(config, pool, signals, engine.inflight)
     spans = None

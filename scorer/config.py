@@ -51,6 +51,7 @@ from inferlb.scorer.address import format_address, parse_address, parse_authorit
 from inferlb.scorer.classes import ClassRule, RequestClass
 from inferlb.scorer.credentials import TokenSource
 from inferlb.scorer.errors import ConfigError, shown
+from inferlb.scorer.experiments import ArmSpec, ExperimentSpec
 from inferlb.scorer.networks import (
     DEFAULT_ALLOWED_NETWORKS,
     DEFAULT_NETWORKS,
@@ -491,6 +492,61 @@ class ProfileFile(Model):
         return self
 
 
+class ArmFile(Model):
+    """One arm of an experiment: a name, the profile it routes with (a preset or a profile of this file), and its
+    share of the experiment's traffic (a step of 0.001; ignored when the experiment assigns by header)."""
+
+    name: Text = Field(description="the arm's name")
+    profile: Text = Field(description="a preset or a profile of this file")
+    weight: Annotated[float, number(ge=0, le=1)] = 0.0
+
+
+class ScopeFile(Model):
+    """Which requests an experiment covers (all given conditions; none: every request)."""
+
+    models: tuple[Text, ...] = ()
+    classes: tuple[Text, ...] = ()
+    paths: tuple[Text, ...] = ()
+
+
+_EXPERIMENT = ExperimentSpec("", (ArmSpec("a", "default", 0.5), ArmSpec("b", "default", 0.5)))  # the defaults
+
+
+class ExperimentFile(Model):
+    """One entry of ``experiments`` (see scorer/experiments.py): arms (the first is the control), how requests are
+    assigned (``weight``, ``hash`` of ``header``, or ``header`` whose ``values`` name arms), its ``scope``, and the
+    sequential test's settings."""
+
+    name: Text = Field(description="the experiment's name")
+    arms: tuple[ArmFile, ...] = Field(description="two or more arms; the first is the control")
+    assign: Annotated[str, one_of("weight", "hash", "header")] = _EXPERIMENT.assign
+    header: HeaderName = None
+    values: dict[Text, Text] = Field(default_factory=dict)
+    scope: ScopeFile = Field(default_factory=ScopeFile)
+    alpha: Annotated[float, number(ge=0.001, le=0.5)] = _EXPERIMENT.alpha
+    min_samples: Annotated[int, integer(ge=2, le=10_000_000)] = _EXPERIMENT.min_samples
+    latency_tau: Annotated[float, number(ge=0.001, le=10)] = _EXPERIMENT.latency_tau
+    error_tau: Annotated[float, number(ge=0.0001, le=1)] = _EXPERIMENT.error_tau
+    window_s: Annotated[float, number(ge=1, le=86400)] = _EXPERIMENT.window_s
+
+    def spec(self) -> ExperimentSpec:
+        return ExperimentSpec(
+            self.name,
+            tuple(ArmSpec(a.name, a.profile, a.weight) for a in self.arms),
+            assign=self.assign,
+            header=self.header,
+            values=dict(self.values),
+            models=frozenset(self.scope.models),
+            classes=frozenset(self.scope.classes),
+            paths=self.scope.paths,
+            alpha=self.alpha,
+            min_samples=self.min_samples,
+            latency_tau=self.latency_tau,
+            error_tau=self.error_tau,
+            window_s=self.window_s,
+        )
+
+
 class ConfigFile(Model):
     """The picker's configuration file (see the README's Configuration section)."""
 
@@ -511,6 +567,7 @@ class ConfigFile(Model):
     default_class: Text | None = None
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     otel: OtelConfig = Field(default_factory=OtelConfig)
+    experiments: tuple[ExperimentFile, ...] = ()
     pool: PoolFile = Field(description="a mapping with a list 'endpoints'")
 
     @model_validator(mode="after")
@@ -541,6 +598,29 @@ class ConfigFile(Model):
         if self.default_class is not None and self.default_class not in names:
             listed = ", ".join(names) or "none"
             raise invalid(f" {self.default_class!r} is not one of the classes ({listed})", "default_class")
+        seen: set[str] = set()
+        for i, experiment in enumerate(self.experiments):
+            if experiment.name in seen:
+                raise invalid(f" {experiment.name!r} repeats an earlier experiment", "experiments", i, "name")
+            seen.add(experiment.name)
+            for j, arm in enumerate(experiment.arms):
+                if arm.profile not in PRESET_NAMES and arm.profile not in self.profiles:
+                    known = ", ".join([*PRESET_NAMES, *self.profiles])
+                    raise invalid(
+                        f" must be a preset or a profile of this file ({known}); got {shown(arm.profile)}",
+                        "experiments",
+                        i,
+                        "arms",
+                        j,
+                        "profile",
+                    )
+            for k, name in enumerate(experiment.scope.classes):
+                if name not in names and name != "default":
+                    raise invalid(f" {name!r} is not a request class", "experiments", i, "scope", "classes", k)
+            try:
+                experiment.spec()
+            except ValueError as exc:
+                raise invalid(f": {exc}", "experiments", i) from None
         return self
 
 
@@ -569,10 +649,18 @@ class Config:
     inflight: InflightConfig = field(default_factory=InflightConfig)
     admin_auth: AdminAuthConfig = field(default_factory=AdminAuthConfig)
     drain_s: float = DEFAULT_DRAIN_S
+    experiments: tuple[ExperimentSpec, ...] = ()
 
-    def profile_spec(self) -> ProfileSpec | str:
-        """The spec of the chosen policy: a profile of this file, else the preset's name."""
-        return self.profiles.get(self.policy, self.policy)
+    def profile_spec(self, name: str | None = None) -> ProfileSpec | str:
+        """The spec of the chosen policy (or of the profile ``name``): a profile of this file, else the preset's
+        name."""
+        name = self.policy if name is None else name
+        return self.profiles.get(name, name)
+
+    @property
+    def experiment_headers(self) -> tuple[str, ...]:
+        """The headers the experiments assign by, which Envoy must forward to the picker."""
+        return tuple(sorted({e.header for e in self.experiments if e.header}))
 
 
 def load_config(path: str | Path) -> Config:
@@ -631,4 +719,5 @@ def parse_config(data: Any) -> Config:
         inflight=doc.inflight,
         admin_auth=doc.admin_auth.config(),
         drain_s=doc.drain_s,
+        experiments=tuple(e.spec() for e in doc.experiments),
     )

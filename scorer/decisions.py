@@ -30,14 +30,24 @@ class DecisionLog:
     """Recent decisions (at most ``capacity``) and totals since start. One event loop; not thread-safe."""
 
     def __init__(self, capacity: int = 1024) -> None:
-        self._recent: deque[tuple[float, str, str | None, Decision | None, int, float]] = deque(maxlen=capacity)
+        self._recent: deque[tuple[float, str, str | None, Decision | None, int, float, tuple[str, str] | None]] = deque(
+            maxlen=capacity
+        )
         self.by_endpoint: Counter[tuple[str, str]] = Counter()  # (endpoint, reason) -> decisions
         self.refused: Counter[int] = Counter()  # HTTP status -> requests refused
         self.shed: Counter[str] = Counter()  # request class -> requests shed by admission control
         self.pick_s = Histogram(PICK_BUCKETS_S)  # seconds each decision took
 
-    def record(self, request_id: str, model: str | None, decision: Decision, pick_s: float) -> None:
-        self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], model, decision, 0, pick_s))
+    def record(
+        self,
+        request_id: str,
+        model: str | None,
+        decision: Decision,
+        pick_s: float,
+        arm: tuple[str, str] | None = None,
+    ) -> None:
+        """A routed request; ``arm``: (experiment, arm) when an experiment covered it."""
+        self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], model, decision, 0, pick_s, arm))
         self.by_endpoint[decision.endpoint.address, decision.reason] += 1
         self.pick_s.observe(pick_s)
 
@@ -45,15 +55,17 @@ class DecisionLog:
         # A refused request's model and id are the client's: keep a bounded head of each, or a flood of 4 MiB
         # model names would hold capacity * 4 MiB here.
         cut = None if model is None else model[:MAX_KEPT_CHARS]
-        self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], cut, None, status, 0.0))
+        self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], cut, None, status, 0.0, None))
         self.refused[status] += 1
 
     def recent(self, limit: int = 100) -> list[dict[str, Any]]:
         """The last ``limit`` decisions, newest first, with each scorer's score for the chosen endpoint and, for
         pools of up to `RANKED_UP_TO_CANDIDATES` candidates, the best `RANKING_LENGTH` candidates with theirs."""
         out = []
-        for at, request_id, model, decision, status, pick_s in list(self._recent)[-limit:][::-1]:
+        for at, request_id, model, decision, status, pick_s, arm in list(self._recent)[-limit:][::-1]:
             entry: dict[str, Any] = {"time": at, "request_id": request_id, "model": model}
+            if arm is not None:
+                entry["experiment"], entry["arm"] = arm
             if decision is None:
                 entry.update(outcome="refused", status=status)
             else:

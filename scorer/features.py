@@ -7,7 +7,7 @@ block hashes (``text_block_hashes``, ``token_block_hashes``) that prefix-cache a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +128,8 @@ class RequestFeatures:
     pool_mask: Any = None  # numpy bool array over the pool: the endpoints the request's class may use
     priority: int = 0  # the class's priority: among requests waiting for capacity, higher goes first
     ttft_slo_s: float | None = None  # the class's time-to-first-token objective
+    # The headers experiments assign by (name in lower case -> value), read only where an experiment asks.
+    headers: Mapping[str, str] | None = None
 
     # Every request is built two or three times (from headers, with its body, with its class). A frozen
     # dataclass's __init__ sets its fields one object.__setattr__ call at a time, a fifth of the whole cost of

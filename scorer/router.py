@@ -6,6 +6,7 @@
    queue on its virtual clock) and then goes ahead, as ``saturated`` if its wait ran out.
 3. `Router.route`: the profile's decision (`Engine.decide`) and the request's in-flight lease, which counts it,
    its prompt tokens and its prefill backlog on the chosen endpoint until `Lease.release` at the request's end.
+   A request that an experiment covers (`scorer.experiments`) is decided by its arm's engine, on the same state.
 
 Nothing here does I/O; time is the routing core's clock (``engine.signals.clock``), so a test or the simulator
 runs it on a clock of its own. One event loop.
@@ -23,6 +24,7 @@ import numpy as np
 from inferlb.scorer.classes import Admission, Classifier, RequestClass, WaitQueue
 from inferlb.scorer.engine import Decision, Engine
 from inferlb.scorer.errors import RoutingError
+from inferlb.scorer.experiments import Arm, Experiments
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
 
@@ -50,15 +52,23 @@ class Routed:
     decision: Decision
     lease: Lease
     pick_s: float
+    arm: Arm | None = None  # the experiment arm the request was assigned to, if an experiment covers it
 
 
 class Router:
     """Admission, decision and lease for one pool and profile (``engine``); a config reload builds a new one."""
 
     def __init__(
-        self, engine: Engine, classifier: Classifier | None = None, *, poll_s: float = ADMISSION_POLL_S
+        self,
+        engine: Engine,
+        classifier: Classifier | None = None,
+        *,
+        poll_s: float = ADMISSION_POLL_S,
+        experiments: Experiments | None = None,
     ) -> None:
         self.engine = engine
+        # Requests an experiment covers route with their arm's engine (which shares this engine's state).
+        self.experiments = experiments if experiments else None
         self.pool = engine.pool
         self.classifier = classifier or Classifier()
         self.admission = Admission(engine.state)
@@ -81,6 +91,9 @@ class Router:
             return Admit("go", request, request_class)
         if request_class.on_saturation == "shed":
             self.shed[request_class.name] += 1
+            experiments = self.experiments
+            if experiments is not None and (arm := experiments.assign(request)) is not None:
+                experiments.shed(arm)
             return Admit("shed", request, request_class, candidates)
         return Admit("wait", request, request_class, candidates)
 
@@ -93,7 +106,9 @@ class Router:
     def route(self, request: RequestFeatures, *, saturated: bool = False) -> Routed:
         """Decide and count the request in flight. ``saturated``: it waited as long as its class allows and no
         capacity came (the decision's reason says so). Raises ``RoutingError`` when no endpoint can serve it."""
-        engine = self.engine
+        experiments = self.experiments
+        arm = experiments.assign(request) if experiments is not None else None
+        engine = self.engine if arm is None else arm.engine
         started = time.perf_counter()
         decision = engine.decide(request)
         if saturated:
@@ -101,4 +116,6 @@ class Router:
         # The prompt is the work a request brings before its first token: what the in-flight token count and the
         # predicted-TTFT scorer weigh.
         lease = engine.inflight.acquire(decision.endpoint.index, request.prompt_tokens, decision.prefill)
-        return Routed(decision, lease, time.perf_counter() - started)
+        if arm is not None and experiments is not None:
+            experiments.routed(request.request_id, arm)
+        return Routed(decision, lease, time.perf_counter() - started, arm)

@@ -178,7 +178,7 @@ def test_stream_timing_adds_an_observing_filter_that_envoy_never_waits_for() -> 
         "STREAMED",
     )
     patterns = {p["exact"] for p in observe["forward_rules"]["allowed_headers"]["patterns"]}
-    assert patterns == {"x-gateway-destination-endpoint", ":status", "content-type"}
+    assert patterns == {"x-gateway-destination-endpoint", ":status", "content-type", "x-request-id"}
     # Spans (the default) or no picker: no observing filter.
     for config, options in ((CONFIG, EnvoyOptions()), (STREAM_TIMED, EnvoyOptions(picker=False))):
         names = [f["name"] for f in hcm(yaml.safe_load(render_bootstrap(config, options)))["http_filters"]]

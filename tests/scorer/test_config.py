@@ -119,7 +119,8 @@ ERRORS = [
     pytest.param(
         _doc(polcy="round-robin"),
         r"^config: unknown key 'polcy' \(allowed: admin, admin_auth, admission, class_header, classes, default_class, "
-        r"drain_s, inflight, listen, max_body_bytes, otel, policy, pool, profiles, session_header, signals\)$",
+        r"drain_s, experiments, inflight, listen, max_body_bytes, otel, policy, pool, profiles, session_header, "
+        r"signals\)$",
         id="unknown-top-key",
     ),
     pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
@@ -959,7 +960,7 @@ def _at(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
             (),
             "config",
             "admin, admin_auth, admission, class_header, classes, default_class, drain_s, "
-            "inflight, listen, max_body_bytes, otel, policy, pool, profiles, session_header, signals",
+            "experiments, inflight, listen, max_body_bytes, otel, policy, pool, profiles, session_header, signals",
             id="top",
         ),
         pytest.param(("pool",), "pool", "allowed_networks, endpoints", id="pool"),

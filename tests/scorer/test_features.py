@@ -92,4 +92,5 @@ def test_the_builders_know_every_field() -> None:
         "pool_mask",
         "priority",
         "ttft_slo_s",
+        "headers",
     ]

@@ -1,0 +1,156 @@
+"""Experiments in the routing core: assignment, scope, the arms' engines in the routing unit, outcomes, reloads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inferlb.scorer.config import ConfigError, parse_config
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec, histogram_quantile
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.histogram import Histogram
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+from inferlb.scorer.router import Router
+
+POOL = {"endpoints": [{"address": f"10.0.0.{i}:8000", "models": ["m"]} for i in range(1, 5)]}
+
+
+def _router(*specs: ExperimentSpec, seed: int = 1) -> Router:
+    config = parse_config({"policy": "default", "pool": POOL})
+    engine = Engine(Pool(config.endpoints), build_profile("default", np.random.default_rng(seed), size=4))
+    experiments = Experiments.over(engine, specs, config.profile_spec, np.random.default_rng(seed))
+    return Router(engine, experiments=experiments)
+
+
+def _ab(**kw: object) -> ExperimentSpec:
+    arms = (ArmSpec("control", "round-robin", 0.8), ArmSpec("treatment", "default", 0.2))
+    return ExperimentSpec("ab", arms, **kw)  # type: ignore[arg-type]
+
+
+def _route(router: Router, request: RequestFeatures) -> tuple[str | None, str]:
+    routed = router.route(router.admit(request).request)
+    routed.lease.release()
+    return (None if routed.arm is None else routed.arm.name), routed.decision.profile
+
+
+def test_weights_split_traffic_and_each_arm_routes_with_its_profile() -> None:
+    router = _router(_ab())
+    seen = [_route(router, RequestFeatures(model="m", request_id=str(i))) for i in range(5000)]
+    treated = sum(arm == "treatment" for arm, _ in seen)
+    assert 0.18 < treated / len(seen) < 0.22
+    assert {(arm, profile) for arm, profile in seen} == {("control", "round-robin"), ("treatment", "default")}
+    arms = router.experiments.running["ab"].arms  # type: ignore[union-attr]
+    assert [a.outcomes.requests for a in arms] == [len(seen) - treated, treated]
+
+
+def test_arms_share_the_pools_in_flight_counts() -> None:
+    router = _router(_ab())
+    leases = [router.route(RequestFeatures(model="m", request_id=str(i))).lease for i in range(40)]
+    assert router.engine.inflight.requests.sum() == 40  # whichever arm counted them
+    for lease in leases:
+        lease.release()
+    assert router.engine.inflight.requests.sum() == 0
+
+
+def test_hash_assignment_keeps_a_user_in_one_arm_and_agrees_across_processes() -> None:
+    spec = _ab(assign="hash", header="x-user")
+    one, other = _router(spec, seed=1), _router(spec, seed=2)  # different random streams: the hash decides
+    for user in ("alice", "bob", "carol", "dave", "erin"):
+        request = RequestFeatures(model="m", headers={"x-user": user})
+        arms = {_route(router, request)[0] for router in (one, other) for _ in range(5)}
+        assert len(arms) == 1
+    users = [RequestFeatures(model="m", headers={"x-user": f"u{i}"}) for i in range(4000)]
+    share = sum(_route(one, r)[0] == "treatment" for r in users) / len(users)
+    assert 0.17 < share < 0.23
+
+
+def test_header_assignment_names_the_arm_and_everyone_else_is_control() -> None:
+    router = _router(_ab(assign="header", header="x-canary", values={"true": "treatment"}))
+    assert _route(router, RequestFeatures(model="m", headers={"x-canary": "true"}))[0] == "treatment"
+    assert _route(router, RequestFeatures(model="m", headers={"x-canary": "no"}))[0] == "control"
+    assert _route(router, RequestFeatures(model="m"))[0] == "control"
+
+
+def test_a_request_outside_the_scope_routes_with_the_pools_policy() -> None:
+    router = _router(_ab(paths=("/v1/chat/",)))
+    assert _route(router, RequestFeatures(model="m", path="/v1/completions")) == (None, "default")
+    assert _route(router, RequestFeatures(model="m", path="/v1/chat/completions"))[0] in ("control", "treatment")
+
+
+def test_outcomes_reach_the_arm_of_their_request_and_compare_arms() -> None:
+    spec = _ab(min_samples=50)
+    router = _router(spec)
+    experiments = router.experiments
+    assert experiments is not None
+    rng = np.random.default_rng(0)
+    for i in range(3000):
+        arm, _ = _route(router, RequestFeatures(model="m", request_id=f"r{i}"))
+        ttft = rng.lognormal(np.log(0.2 if arm == "control" else 0.1), 0.3)  # the treatment twice as fast
+        experiments.first_token(f"r{i}", ttft)
+        experiments.outcome(f"r{i}", failed=False, e2e_s=ttft + 1.0)
+    experiments.outcome("never-routed", failed=True)
+    described = experiments.describe()[0]
+    ttft = described["comparisons"]["life"]["treatment"]["ttft"]
+    assert ttft["verdict"] == "better" and ttft["high"] < 0
+    assert ttft["low"] < np.log(0.5) < ttft["high"]  # the interval holds the true log-ratio
+    assert described["comparisons"]["life"]["treatment"]["errors"]["verdict"] == "no difference yet"
+    control = described["arms"][0]
+    assert control["finished"] == control["requests"] and control["error_rate"] == 0.0
+    assert control["ttft_s"]["p50"] == pytest.approx(0.2, rel=0.1)
+    assert experiments.unattributed == 1
+
+
+def test_remembered_requests_are_bounded() -> None:
+    router = _router(_ab())
+    assert router.experiments is not None
+    router.experiments.capacity = 10
+    for i in range(100):
+        _route(router, RequestFeatures(model="m", request_id=f"r{i}"))
+    assert len(router.experiments._open) == 10
+    router.experiments.outcome("r0", failed=False)
+    assert router.experiments.unattributed == 1
+
+
+def test_a_reload_with_the_same_experiment_keeps_its_outcomes() -> None:
+    spec = _ab()
+    before = _router(spec)
+    _route(before, RequestFeatures(model="m", request_id="kept"))
+    after = _router(spec)
+    assert after.experiments is not None
+    after.experiments.adopt(before.experiments)
+    assert sum(a.outcomes.requests for a in after.experiments.running["ab"].arms) == 1
+    after.experiments.outcome("kept", failed=True)
+    assert after.experiments.unattributed == 0
+
+
+def test_weights_are_steps_of_a_tenth_of_a_percent_summing_to_one() -> None:
+    ExperimentSpec("fine", (ArmSpec("a", "default", 0.999), ArmSpec("b", "default", 0.001)))
+    with pytest.raises(ValueError, match=r"step of 0\.001"):
+        ExperimentSpec("x", (ArmSpec("a", "default", 0.9995), ArmSpec("b", "default", 0.0005)))
+    with pytest.raises(ValueError, match=r"sum to 0\.9,"):
+        ExperimentSpec("x", (ArmSpec("a", "default", 0.5), ArmSpec("b", "default", 0.4)))
+
+
+def test_the_config_section_is_validated_with_the_fields_place() -> None:
+    arms = [{"name": "a", "profile": "round-robin", "weight": 0.5}, {"name": "b", "profile": "default", "weight": 0.5}]
+    config = parse_config(
+        {"pool": POOL, "experiments": [{"name": "e", "arms": arms, "assign": "hash", "header": "X-User"}]}
+    )
+    assert config.experiments[0].header == "x-user" and config.experiment_headers == ("x-user",)
+    bad = [dict(arms[0]), {"name": "b", "profile": "nope", "weight": 0.5}]
+    with pytest.raises(ConfigError, match=r"experiments\[0\]\.arms\[1\]\.profile must be a preset"):
+        parse_config({"pool": POOL, "experiments": [{"name": "e", "arms": bad}]})
+    with pytest.raises(ConfigError, match=r"experiments\[0\].*needs the header"):
+        parse_config({"pool": POOL, "experiments": [{"name": "e", "arms": arms, "assign": "header"}]})
+    with pytest.raises(ConfigError, match=r"experiments\[0\]: unknown key .colour."):
+        parse_config({"pool": POOL, "experiments": [{"name": "e", "arms": arms, "colour": "red"}]})
+
+
+def test_histogram_quantiles_interpolate_inside_a_bucket() -> None:
+    h = Histogram((1.0, 2.0, 4.0))
+    for v in (0.5, 1.5, 1.5, 3.0):
+        h.observe(v)
+    assert histogram_quantile(h, 0.5) == pytest.approx(1.5)
+    assert histogram_quantile(Histogram((1.0,)), 0.5) is None
