@@ -39,7 +39,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferlb.filter.errors import MalformedRequestError, OverloadedError, RequestError, from_routing_error
-from inferlb.filter.observe import ObserveStats, RequestOutcome, time_response
+from inferlb.filter.observe import ObserveStats, time_response
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_header
 from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
@@ -156,7 +156,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     timer = self.response_timer
                     if timer is not None:
                         experiments = self.router.experiments
-                        outcome = None if experiments is None else _outcome_of(experiments)
+                        outcome = None if experiments is None else experiments.observed
                         await time_response(
                             message, messages, self._endpoints, timer, self.observe_stats, outcome=outcome
                         )
@@ -286,18 +286,6 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     def _refuse(self, error: RequestError) -> ProcessingResponse:
         self.stats.refused[error.status] += 1
         return error_reply(error)
-
-
-def _outcome_of(experiments: Experiments) -> RequestOutcome:
-    """What an observed response tells ``experiments``: a streamed answer's first token (its TTFT; the request's
-    end comes with it, since the stream is measured no further), another's full body (E2E), or a failure."""
-
-    def outcome(request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
-        if ttft_s is not None:
-            experiments.first_token(request_id, ttft_s)
-        experiments.outcome(request_id, failed=failed, e2e_s=e2e_s)
-
-    return outcome
 
 
 def _envoy_trace_id(context: grpc.aio.ServicerContext) -> bytes | None:

@@ -508,5 +508,12 @@ class Experiments:
         if not failed and e2e_s is not None:
             outcomes.e2e.add(e2e_s, self.clock())
 
+    def observed(self, request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
+        """What the filter's timing of a response says (``filter.observe.RequestOutcome``): a streamed answer's first
+        token (its TTFT; it is measured no further, so that is its end), another's full body (E2E), or a failure."""
+        if ttft_s is not None:
+            self.first_token(request_id, ttft_s)
+        self.outcome(request_id, failed=failed, e2e_s=e2e_s)
+
     def describe(self) -> list[dict[str, Any]]:
         return [e.describe() for e in self.running.values()]

@@ -191,3 +191,22 @@ async def test_without_a_timer_observing_streams_are_closed_at_once() -> None:
         assert service.observe_stats.ttft == 0 and service.stats.routed == 0
     finally:
         await server.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "told"),
+    [
+        ("200", "text/event-stream", [("r-1", 0.25, None, False)]),  # streamed: its first token
+        ("200", "application/json", [("r-1", None, 0.25, False)]),  # whole: its body
+        ("503", "application/json", [("r-1", None, None, True)]),  # a 5xx is a failure
+        ("429", "application/json", []),  # a refusal is neither latency nor a server failure
+    ],
+)
+async def test_the_outcome_is_told_by_request_id(status: str, content_type: str, told: list[object]) -> None:
+    first = _headers({"x-gateway-destination-endpoint": ENDPOINTS[1], "x-request-id": "r-1"})
+    rest = _aiter([response(status, content_type), _chunk(b"data: x")], [0])
+    outcomes: list[object] = []
+    await time_response(
+        first, rest, POOL, lambda *m: None, ObserveStats(), Clock(0.25), outcome=lambda *o: outcomes.append(o)
+    )
+    assert outcomes == told
