@@ -51,7 +51,7 @@ from inferlb.scorer.address import format_address, parse_address, parse_authorit
 from inferlb.scorer.classes import ClassRule, RequestClass
 from inferlb.scorer.credentials import TokenSource
 from inferlb.scorer.errors import ConfigError, shown
-from inferlb.scorer.experiments import ArmSpec, ExperimentSpec
+from inferlb.scorer.experiments import ArmSpec, ExperimentSpec, GuardSpec, endpoint_masks
 from inferlb.scorer.networks import (
     DEFAULT_ALLOWED_NETWORKS,
     DEFAULT_NETWORKS,
@@ -499,6 +499,29 @@ class ArmFile(Model):
     name: Text = Field(description="the arm's name")
     profile: Text = Field(description="a preset or a profile of this file")
     weight: Annotated[float, number(ge=0, le=1)] = 0.0
+    endpoints: dict[Text, Text] = Field(
+        default_factory=dict, description="a release arm's endpoints: the pool's endpoints with all these labels"
+    )
+
+
+_GUARD = GuardSpec()
+
+
+class GuardFile(Model):
+    """An experiment's guard rail (see `scorer.experiments.GuardSpec`): a treatment arm that breaches a bound has its
+    weight cut, and is rolled back at the ``max_breaches``-th breach."""
+
+    max_error_rate: Annotated[float, number(ge=0, le=1)] = _GUARD.max_error_rate
+    max_ttft_p99_ratio: Annotated[float | None, number(ge=1, le=1000)] = _GUARD.max_ttft_p99_ratio
+    min_requests: Annotated[int, integer(ge=1, le=1_000_000)] = _GUARD.min_requests
+    cut: Annotated[float, number(ge=0, le=0.99)] = _GUARD.cut
+    max_breaches: Annotated[int, integer(ge=1, le=100)] = _GUARD.max_breaches
+    check_s: Annotated[float, number(ge=0.1, le=3600)] = _GUARD.check_s
+
+    def spec(self) -> GuardSpec:
+        return GuardSpec(
+            self.max_error_rate, self.max_ttft_p99_ratio, self.min_requests, self.cut, self.max_breaches, self.check_s
+        )
 
 
 class ScopeFile(Model):
@@ -528,11 +551,14 @@ class ExperimentFile(Model):
     latency_tau: Annotated[float, number(ge=0.001, le=10)] = _EXPERIMENT.latency_tau
     error_tau: Annotated[float, number(ge=0.0001, le=1)] = _EXPERIMENT.error_tau
     window_s: Annotated[float, number(ge=1, le=86400)] = _EXPERIMENT.window_s
+    guard: GuardFile | None = None
+    ramp: tuple[Annotated[float, number(ge=0.001, le=1)], ...] = ()
+    ramp_step_s: Annotated[float, number(ge=1, le=86400)] = _EXPERIMENT.ramp_step_s
 
     def spec(self) -> ExperimentSpec:
         return ExperimentSpec(
             self.name,
-            tuple(ArmSpec(a.name, a.profile, a.weight) for a in self.arms),
+            tuple(ArmSpec(a.name, a.profile, a.weight, dict(a.endpoints)) for a in self.arms),
             assign=self.assign,
             header=self.header,
             values=dict(self.values),
@@ -544,6 +570,9 @@ class ExperimentFile(Model):
             latency_tau=self.latency_tau,
             error_tau=self.error_tau,
             window_s=self.window_s,
+            guard=None if self.guard is None else self.guard.spec(),
+            ramp=self.ramp,
+            ramp_step_s=self.ramp_step_s,
         )
 
 
@@ -618,7 +647,7 @@ class ConfigFile(Model):
                 if name not in names and name != "default":
                     raise invalid(f" {name!r} is not a request class", "experiments", i, "scope", "classes", k)
             try:
-                experiment.spec()
+                endpoint_masks(experiment.spec().arms, [e.labels for e in self.pool.endpoints])
             except ValueError as exc:
                 raise invalid(f": {exc}", "experiments", i) from None
         return self

@@ -10,6 +10,18 @@ which requests it covers (models, request classes, path prefixes; empty: all). A
 * ``header``: a header's value names the arm (``x-canary: true`` -> ``canary``); any other value, or none, goes
   to the control.
 
+An arm is a *policy arm* (a scheduling profile over the same endpoints) or a *release arm*: ``endpoints``, a label
+selector, gives it the endpoints whose labels match (another server build, a new model version: a grey release).
+While an experiment with release arms runs, the endpoints they select serve only their arms' requests: its other
+arms, and every request it does not cover, route among the rest.
+
+A *guard rail* (`GuardSpec`) watches each treatment arm against the control and cuts the arm's weight when it
+misbehaves (by default: an error rate above 2% -> weight x 0.3; the third breach sets it to 0 and marks the
+experiment rolled back); a *ramp* steps a treatment's weight up on a schedule while the guard finds nothing.
+Both judge the outcomes since the last change of weight, so that one bad spell is judged once. Every change is
+kept in the experiment's history with its reason, logged, and told to `Experiments.listeners` (the picker
+exports it as a metric and a span event).
+
 `Experiments` holds the running ones; the routing unit (`scorer.router.Router`) asks it for a request's arm and
 routes with the arm's engine. Every arm's engine shares the pool's in-flight counts, signals and saturation rule,
 so each arm sees the load the others put on the servers. A request is in at most one experiment: the first, in
@@ -24,9 +36,11 @@ for their quantiles, and counts of requests, errors and sheds: memory per arm is
 from __future__ import annotations
 
 import hashlib
+import itertools
+import logging
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,11 +61,19 @@ __all__ = [
     "ArmSpec",
     "ExperimentSpec",
     "Experiments",
+    "GuardSpec",
     "RunningExperiment",
+    "WeightChange",
+    "comparison_json",
+    "endpoint_masks",
 ]
+
+logger = logging.getLogger(__name__)
 
 Assign = Literal["weight", "hash", "header"]
 WEIGHT_STEP = 0.001  # the finest share an arm can have: 0.1%
+HISTORY = 1000  # weight changes an experiment keeps (the counts of changes by kind are kept whole)
+P99_MIN_SAMPLES = 100  # TTFTs on each side, since the last change, before the guard compares p99s
 
 # Upper bounds of the per-arm latency histograms, seconds (5 ms .. 10 min, ~12% apart: quantiles to ~6%).
 LATENCY_BUCKETS_S = tuple(round(0.005 * 1.12**i, 6) for i in range(int(math.log(600 / 0.005, 1.12)) + 1))
@@ -59,12 +81,57 @@ LATENCY_BUCKETS_S = tuple(round(0.005 * 1.12**i, 6) for i in range(int(math.log(
 
 @dataclass(frozen=True, slots=True)
 class ArmSpec:
-    """One arm: its ``name``, the scheduling ``profile`` it routes with (a preset or a profile of the config) and
-    its ``weight`` (a share of the experiment's traffic)."""
+    """One arm: its ``name``, the scheduling ``profile`` it routes with (a preset or a profile of the config), its
+    ``weight`` (a share of the experiment's traffic) and, for a release arm, ``endpoints``: the labels (all of them)
+    of the endpoints it routes to."""
 
     name: str
     profile: str
     weight: float
+    endpoints: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GuardSpec:
+    """When a treatment arm's outcomes since its weight last changed breach a bound, its weight is cut to ``cut`` x
+    what it was (in steps of 0.1%), the rest going to the control; at the ``max_breaches``-th breach, or when the cut
+    leaves less than one step (always, for arms assigned by header), to 0, and the experiment is rolled back.
+
+    The bounds: an error rate above ``max_error_rate``; a TTFT p99 above ``max_ttft_p99_ratio`` x the control's over
+    the same time (None: not judged). An arm is judged once it has ``min_requests`` finished requests since the
+    change, or sooner once more than ``max_error_rate x min_requests`` of them failed (its error rate over
+    ``min_requests`` is then a breach whatever the rest do); the p99s once both arms have that many TTFTs, and at
+    least `P99_MIN_SAMPLES` (fewer, and a p99 is a maximum). At most every ``check_s``."""
+
+    max_error_rate: float = 0.02
+    max_ttft_p99_ratio: float | None = 2.0
+    min_requests: int = 50
+    cut: float = 0.3
+    max_breaches: int = 3
+    check_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class WeightChange:
+    """One change of an experiment's weights or state: when (wall clock), the weights after it, which arm it was
+    about (None: all), its kind (``started``, ``ramp``, ``cut``, ``rolled-back``, ``set``, ``paused``, ``resumed``,
+    ``stopped``) and why."""
+
+    experiment: str
+    time: float
+    weights: Mapping[str, float]
+    arm: str | None
+    kind: str
+    reason: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "weights": dict(self.weights),
+            "arm": self.arm,
+            "kind": self.kind,
+            "reason": self.reason,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +153,9 @@ class ExperimentSpec:
     latency_tau: float = 0.1
     error_tau: float = 0.01
     window_s: float = 300.0
+    guard: GuardSpec | None = None
+    ramp: tuple[float, ...] = ()  # the treatment's weights, step by step (two arms only); starts at the first
+    ramp_step_s: float = 60.0  # at least this long at each step, and as long as the guard needs to judge it
 
     def __post_init__(self) -> None:
         if len(self.arms) < 2:
@@ -93,21 +163,36 @@ class ExperimentSpec:
         names = [a.name for a in self.arms]
         if len(set(names)) != len(names):
             raise ValueError(f"experiment {self.name!r}: arm names repeat ({', '.join(names)})")
-        if self.assign != "header":
+        if self.assign != "header" and not self.ramp:  # a ramp sets the weights
             check_weights(self.name, [a.weight for a in self.arms])
         if self.assign in ("hash", "header") and not self.header:
             raise ValueError(f"experiment {self.name!r}: assign {self.assign!r} needs the header it reads")
         unknown = sorted(set(self.values.values()) - set(names))
         if unknown:
             raise ValueError(f"experiment {self.name!r}: values name arms it does not have: {', '.join(unknown)}")
+        if self.ramp:
+            if len(self.arms) != 2 or self.assign == "header":
+                raise ValueError(f"experiment {self.name!r}: a ramp needs two arms assigned by weight or hash")
+            check_weights(self.name, self.ramp, total=False)
+            if any(b <= a for a, b in itertools.pairwise(self.ramp)) or self.ramp[-1] > 1:
+                raise ValueError(f"experiment {self.name!r}: the ramp's weights must increase: {self.ramp}")
+
+    @property
+    def starting_weights(self) -> dict[str, float]:
+        """The arms' weights when the experiment starts: as configured, or the ramp's first step."""
+        if self.ramp:
+            return {self.arms[0].name: round(1 - self.ramp[0], 6), self.arms[1].name: self.ramp[0]}
+        if self.assign == "header" and abs(sum(a.weight for a in self.arms) - 1) > 1e-9:  # weights unused there
+            return {a.name: 1.0 if a is self.arms[0] else 0.0 for a in self.arms}
+        return {a.name: a.weight for a in self.arms}
 
 
-def check_weights(experiment: str, weights: Sequence[float]) -> None:
-    """ValueError unless ``weights`` are steps of 0.1% in [0, 1] that sum to 1."""
+def check_weights(experiment: str, weights: Sequence[float], *, total: bool = True) -> None:
+    """ValueError unless ``weights`` are steps of 0.1% in [0, 1] that sum to 1 (``total``)."""
     for w in weights:
         if not (0 <= w <= 1) or abs(w / WEIGHT_STEP - round(w / WEIGHT_STEP)) > 1e-6:
             raise ValueError(f"experiment {experiment!r}: weight {w!r} is not a step of 0.001 in [0, 1]")
-    if abs(sum(weights) - 1) > 1e-9:
+    if total and abs(sum(weights) - 1) > 1e-9:
         raise ValueError(f"experiment {experiment!r}: the arms' weights sum to {sum(weights):g}, not 1")
 
 
@@ -181,6 +266,7 @@ class ArmOutcomes:
         self.requests = 0  # routed to this arm
         self.shed = 0  # refused by admission control while assigned to it
         self.finished = 0  # with a reported outcome
+        self.failed = 0  # of which failed
         self.errors = Moments()  # 1 per failed request, 0 per good one: the mean is the error rate
         self.ttft = _Latency(window_s, now)
         self.e2e = _Latency(window_s, now)
@@ -188,20 +274,63 @@ class ArmOutcomes:
 
 @dataclass(slots=True)
 class Arm:
-    """An arm of a running experiment: its spec, the engine it routes with, and its outcomes."""
+    """An arm of a running experiment: its spec, the engine it routes with, its outcomes, and the endpoints it may
+    use (a bool mask over the pool; None: any)."""
 
     experiment: str
     spec: ArmSpec
     engine: Engine
     outcomes: ArmOutcomes
+    mask: np.ndarray | None = None
 
     @property
     def name(self) -> str:
         return self.spec.name
 
 
+class _Mark:
+    """An arm's cumulative outcomes at its experiment's last change of weight: what the guard judges is the rest."""
+
+    __slots__ = ("failed", "finished", "ttft")
+
+    def __init__(self, outcomes: ArmOutcomes) -> None:
+        self.finished = outcomes.finished
+        self.failed = outcomes.failed
+        self.ttft = outcomes.ttft.histogram.counts[:]
+
+    def ttft_since(self, outcomes: ArmOutcomes) -> Histogram:
+        now = outcomes.ttft.histogram
+        since = Histogram(LATENCY_BUCKETS_S)
+        since.counts = [a - b for a, b in zip(now.counts, self.ttft, strict=True)]
+        since.count = sum(since.counts)
+        return since
+
+
+def endpoint_masks(arms: Sequence[ArmSpec], labels: Sequence[Mapping[str, str]]) -> list[np.ndarray | None]:
+    """Per arm, the endpoints it routes to (``labels``: each endpoint's, in the pool's order), or None for any:
+    a release arm's are those its selector matches; when an experiment has release arms, its other arms get the
+    endpoints no release arm selects. ValueError when a selector matches nothing, or nothing is left for the rest."""
+    selected: list[np.ndarray | None] = []
+    for arm in arms:
+        if not arm.endpoints:
+            selected.append(None)
+            continue
+        mask = np.array([all(own.get(k) == v for k, v in arm.endpoints.items()) for own in labels], dtype=bool)
+        if not mask.any():
+            raise ValueError(f"arm {arm.name!r}: no endpoint of the pool has the labels {dict(arm.endpoints)}")
+        selected.append(mask)
+    masks = [m for m in selected if m is not None]
+    if not masks:
+        return selected
+    rest = ~np.logical_or.reduce(masks)
+    if not rest.any() and any(m is None for m in selected):
+        raise ValueError("the release arms select every endpoint of the pool: none is left for the other arms")
+    return [rest if m is None else m for m in selected]
+
+
 class RunningExperiment:
-    """One experiment with its arms' engines and outcomes; `assign` says which arm a request goes to."""
+    """One experiment with its arms' engines and outcomes; `assign` says which arm a request goes to, and `check`
+    runs the guard rail and the ramp. ``labels``: the pool's endpoints' labels, for release arms."""
 
     def __init__(
         self,
@@ -209,24 +338,71 @@ class RunningExperiment:
         engines: Mapping[str, Engine],
         rng: np.random.Generator,
         clock: Callable[[], float],
+        labels: Sequence[Mapping[str, str]] = (),
+        tell: Callable[[WeightChange], None] | None = None,
     ) -> None:
         self.spec = spec
         self.clock = clock
         self.started_at = clock()
         self.paused = False
+        self.stopped = False
+        self.rolled_back = False
+        masks: list[np.ndarray | None] = [None] * len(spec.arms)
+        if any(a.endpoints for a in spec.arms):
+            try:
+                masks = endpoint_masks(spec.arms, labels)
+            except ValueError as exc:
+                raise ValueError(f"experiment {spec.name!r}: {exc}") from None
         self.arms = tuple(
-            Arm(spec.name, a, engines[a.profile], ArmOutcomes(spec.window_s, self.started_at)) for a in spec.arms
+            Arm(spec.name, a, engines[a.profile], ArmOutcomes(spec.window_s, self.started_at), mask)
+            for a, mask in zip(spec.arms, masks, strict=True)
         )
+        # The endpoints only this experiment's release arms may use, while it runs.
+        release = [arm.mask for arm in self.arms if arm.spec.endpoints and arm.mask is not None]
+        self.reserved = np.logical_or.reduce(release) if release else None
         self._by_name = {a.name: a for a in self.arms}
         self._rng = rng
         self._draws = np.empty(0)
         self._cursor = 0
         self._cumulative: list[float] = []
-        self.set_weights({a.name: a.weight for a in spec.arms})
         self._salt = spec.name.encode() + b"\0"
-        self.history: list[dict[str, Any]] = [
-            {"time": time.time(), "weights": self.weights(), "reason": "started"},
-        ]
+        self._tell = tell
+        self.history: deque[WeightChange] = deque(maxlen=HISTORY)
+        self.changes: Counter[tuple[str, str]] = Counter()  # (arm or "", kind) -> changes of weight
+        self.breaches: dict[str, int] = {a.name: 0 for a in self.arms}
+        self._marks: dict[str, _Mark] = {}
+        self._changed_at = self.started_at
+        self._next_check = self.started_at
+        self.set_weights(spec.starting_weights, kind="started", reason="the experiment started")
+
+    @property
+    def state(self) -> str:
+        if self.rolled_back:
+            return "rolled back"
+        if self.stopped:
+            return "stopped"
+        return "paused" if self.paused else "running"
+
+    def control(self, action: str, weights: Mapping[str, float] | None = None) -> None:
+        """An operator's action: ``pause`` (the requests it covers route as the rest do, outcomes so far kept;
+        ``resume`` undoes it),
+        ``stop`` (the same, until ``start``), ``start`` (from the starting weights, the guard's count of breaches
+        reset: also after a roll-back) or ``weights`` (set ``weights``). ValueError for anything else."""
+        if action == "weights":
+            if weights is None:
+                raise ValueError("action 'weights' needs the arms' weights")
+            self.set_weights(weights, reason="set by the operator")
+        elif action in ("pause", "resume", "stop"):
+            self.paused = action != "resume"
+            self.stopped = action == "stop"
+            done = {"pause": "paused", "resume": "resumed", "stop": "stopped"}[action]
+            self.set_weights(self.weights(), kind=done, reason=f"{done} by the operator")
+        elif action == "start":
+            self.paused = self.stopped = self.rolled_back = False
+            self.breaches = {a.name: 0 for a in self.arms}
+            self.set_weights(self.spec.starting_weights, kind="started", reason="started by the operator")
+        else:
+            raise ValueError(f"unknown action {action!r}: pause, resume, stop, start or weights")
 
     def weights(self) -> dict[str, float]:
         previous = 0.0
@@ -236,20 +412,119 @@ class RunningExperiment:
             previous = edge
         return out
 
-    def set_weights(self, weights: Mapping[str, float], reason: str | None = None) -> None:
-        """New weights for the arms (by name; every arm, summing to 1); ValueError otherwise."""
+    def set_weights(
+        self,
+        weights: Mapping[str, float],
+        *,
+        kind: str = "set",
+        reason: str = "set by the operator",
+        arm: str | None = None,
+    ) -> None:
+        """New weights for the arms (by name; every arm, summing to 1); ValueError otherwise. The change is kept in
+        the history (``kind``, ``reason``, the ``arm`` it was about), and the guard judges from here on."""
         if set(weights) != set(self._by_name):
             raise ValueError(f"weights must name every arm of {self.spec.name!r}: {', '.join(self._by_name)}")
         check_weights(self.spec.name, [weights[a.name] for a in self.arms])
         total = 0.0
         cumulative = []
-        for arm in self.arms:
-            total += weights[arm.name]
+        for one in self.arms:
+            total += weights[one.name]
             cumulative.append(total)
         cumulative[-1] = 1.0
         self._cumulative = cumulative
-        if reason is not None:
-            self.history.append({"time": time.time(), "weights": self.weights(), "reason": reason})
+        self._changed_at = self.clock()
+        self._marks = {one.name: _Mark(one.outcomes) for one in self.arms}
+        change = WeightChange(self.spec.name, time.time(), self.weights(), arm, kind, reason)
+        self.history.append(change)
+        self.changes[arm or "", kind] += 1
+        if kind != "started":
+            log = logger.warning if kind in ("cut", "rolled-back") else logger.info
+            log("experiment %r: %s %s: %s -> weights %s", self.spec.name, kind, arm or "", reason, change.weights)
+        if self._tell is not None:
+            self._tell(change)
+
+    def _move(self, arm: Arm, weight: float, kind: str, reason: str) -> None:
+        """Set ``arm``'s weight, the control taking up (or giving) the difference."""
+        weights = self.weights()
+        control = self.arms[0].name
+        weights[control] = round(weights[control] + weights[arm.name] - weight, 6)
+        weights[arm.name] = weight
+        self.set_weights(weights, kind=kind, reason=reason, arm=arm.name)
+
+    def check(self) -> None:
+        """The guard rail and the ramp, at most every ``guard.check_s`` (called as outcomes arrive): a treatment arm
+        whose outcomes since the last change breach a bound is cut, or rolled back; otherwise a ramp whose step has
+        lasted ``ramp_step_s``, and been judged, steps up."""
+        spec = self.spec
+        guard = spec.guard
+        if (guard is None and not spec.ramp) or self.paused or self.rolled_back:
+            return
+        now = self.clock()
+        if now < self._next_check:
+            return
+        guard = guard or GuardSpec()
+        self._next_check = now + guard.check_s
+        control = self.arms[0]
+        for arm in self.arms[1:]:
+            weight = self.weights()[arm.name]
+            if weight <= 0 and spec.assign != "header":  # by header, an arm's weight says nothing of its traffic
+                continue
+            mark = self._marks[arm.name]
+            finished = arm.outcomes.finished - mark.finished
+            # Failures that a full sample's error rate would show as a breach whatever the rest does: judged now.
+            spent = (
+                spec.guard is not None and arm.outcomes.failed - mark.failed > guard.max_error_rate * guard.min_requests
+            )
+            if finished < guard.min_requests and not spent:
+                continue
+            breach = self._breach(guard, arm, control, finished) if spec.guard is not None else None
+            if breach is not None:
+                self.breaches[arm.name] += 1
+                cut = math.floor(round(weight * guard.cut / WEIGHT_STEP, 6)) * WEIGHT_STEP
+                if self.breaches[arm.name] >= guard.max_breaches or cut < WEIGHT_STEP:
+                    self.rolled_back = True
+                    self._move(arm, 0.0, "rolled-back", f"{breach} (breach {self.breaches[arm.name]})")
+                    return
+                self._move(arm, round(cut, 6), "cut", f"{breach} (breach {self.breaches[arm.name]})")
+                return
+            if spec.ramp and now - self._changed_at >= spec.ramp_step_s:
+                higher = [w for w in spec.ramp if w > weight + 1e-9]
+                if higher:
+                    self._move(arm, higher[0], "ramp", f"{finished} requests since the last change within bounds")
+                    return
+
+    def _breach(self, guard: GuardSpec, arm: Arm, control: Arm, finished: int) -> str | None:
+        mark = self._marks[arm.name]
+        failed = arm.outcomes.failed - mark.failed
+        rate = failed / max(finished, guard.min_requests)  # at least a full sample's worth of requests
+        if rate > guard.max_error_rate:
+            return f"{failed} of {finished} requests failed, over {guard.max_error_rate:.1%} of {guard.min_requests}"
+        ratio = guard.max_ttft_p99_ratio
+        if ratio is None:
+            return None
+        own = mark.ttft_since(arm.outcomes)
+        base = self._marks[control.name].ttft_since(control.outcomes)
+        least = max(guard.min_requests, P99_MIN_SAMPLES)
+        if own.count < least or base.count < least:
+            return None
+        own_p99, base_p99 = histogram_quantile(own, 0.99), histogram_quantile(base, 0.99)
+        if own_p99 is not None and base_p99 is not None and own_p99 > ratio * base_p99:
+            return f"TTFT p99 {own_p99:.3g} s over {ratio:g} x the control's {base_p99:.3g} s"
+        return None
+
+    def continue_from(self, old: RunningExperiment) -> None:
+        """Take over ``old``'s outcomes, weights, state and history (the same experiment, before a reload)."""
+        for arm, old_arm in zip(self.arms, old.arms, strict=True):
+            arm.outcomes = old_arm.outcomes
+        self._cumulative = old._cumulative
+        self._marks, self._changed_at, self._next_check = old._marks, old._changed_at, old._next_check
+        self.paused, self.stopped, self.rolled_back = old.paused, old.stopped, old.rolled_back
+        self.breaches, self.started_at, self.history, self.changes = (
+            old.breaches,
+            old.started_at,
+            old.history,
+            old.changes,
+        )
 
     def covers(self, request: RequestFeatures) -> bool:
         spec = self.spec
@@ -261,9 +536,9 @@ class RunningExperiment:
 
     def assign(self, request: RequestFeatures) -> Arm:
         spec = self.spec
-        if spec.assign == "header":
+        if spec.assign == "header":  # weights do not apply: a guard's breach acts when it rolls the arm back
             named = spec.values.get((request.headers or {}).get(spec.header or "", ""))
-            return self._by_name[named] if named is not None else self.arms[0]
+            return self._by_name[named] if named is not None and not self.rolled_back else self.arms[0]
         key = (request.headers or {}).get(spec.header or "") if spec.assign == "hash" else None
         if key:
             digest = hashlib.blake2b(self._salt + key.encode(), digest_size=8).digest()
@@ -321,11 +596,13 @@ class RunningExperiment:
                 {
                     "name": arm.name,
                     "profile": arm.spec.profile,
+                    "endpoints": dict(arm.spec.endpoints),
                     "requests": o.requests,
                     "finished": o.finished,
                     "shed": o.shed,
                     "error_rate": o.errors.mean if o.errors.count else None,
                     "ttft_s": _quantiles(o.ttft.histogram),
+                    "ttft_cdf": histogram_cdf(o.ttft.histogram),
                     "e2e_s": _quantiles(o.e2e.histogram),
                     "ttft_s_window": _quantiles(o.ttft.window.histogram(now)),
                     "e2e_s_window": _quantiles(o.e2e.window.histogram(now)),
@@ -333,7 +610,7 @@ class RunningExperiment:
             )
         return {
             "name": self.spec.name,
-            "state": "paused" if self.paused else "running",
+            "state": self.state,
             "assign": self.spec.assign,
             "header": self.spec.header,
             "control": self.arms[0].name,
@@ -344,12 +621,13 @@ class RunningExperiment:
             "arms": arms,
             "comparisons": {
                 scope: {
-                    arm: {metric: _comparison(c) for metric, c in metrics.items()}
+                    arm: {metric: comparison_json(c) for metric, c in metrics.items()}
                     for arm, metrics in self.comparisons(window=scope == "window").items()
                 }
                 for scope in ("life", "window")
             },
-            "history": list(self.history),
+            "breaches": dict(self.breaches),
+            "history": [change.as_json() for change in self.history],
         }
 
 
@@ -357,7 +635,9 @@ def _quantiles(h: Histogram) -> dict[str, float | None]:
     return {f"p{q}": histogram_quantile(h, q / 100) for q in (50, 90, 99)}
 
 
-def _comparison(c: Comparison) -> dict[str, Any]:
+def comparison_json(c: Comparison) -> dict[str, Any]:
+    """A comparison as JSON (an infinite bound as None)."""
+
     def finite(x: float) -> float | None:
         return x if math.isfinite(x) else None
 
@@ -370,6 +650,22 @@ def _comparison(c: Comparison) -> dict[str, Any]:
         "control_count": c.control_count,
         "treatment_count": c.treatment_count,
     }
+
+
+def histogram_cdf(h: Histogram) -> list[tuple[float, float]]:
+    """(upper bound, share of values at or below it) for the buckets from the first with values to the first
+    that holds them all: the CDF of ``h`` at its bucket bounds (empty when ``h`` is)."""
+    if not h.count:
+        return []
+    out = []
+    seen = 0
+    for bound, count in zip(h.bounds, h.counts, strict=False):
+        seen += count
+        if seen:
+            out.append((bound, round(seen / h.count, 6)))
+        if seen == h.count:
+            break
+    return out
 
 
 def histogram_quantile(h: Histogram, q: float) -> float | None:
@@ -404,15 +700,21 @@ class Experiments:
         clock: Callable[[], float] = time.monotonic,
         capacity: int = 1 << 16,
         max_age_s: float = 900.0,
+        labels: Sequence[Mapping[str, str]] = (),
     ) -> None:
         rng = rng if rng is not None else np.random.default_rng()
         self.clock = clock
+        # Told of every change of weight after the start (the picker: a metric and a span event); must not raise.
+        self.listeners: list[Callable[[WeightChange], None]] = []
         self.running: dict[str, RunningExperiment] = {}
         for spec in specs:
             if spec.name in self.running:
                 raise ValueError(f"experiment {spec.name!r} is configured twice")
             engines = {a.profile: engine_for(a.profile) for a in spec.arms}
-            self.running[spec.name] = RunningExperiment(spec, engines, rng, clock)
+            self.running[spec.name] = RunningExperiment(spec, engines, rng, clock, labels, self._tell)
+        reserved = [e.reserved for e in self.running.values() if e.reserved is not None]
+        # The endpoints a request no experiment assigns may use (None: any): all but the release arms'.
+        self.outside: np.ndarray | None = ~np.logical_or.reduce(reserved) if reserved else None
         self.capacity = capacity
         self.max_age_s = max_age_s
         self._open: OrderedDict[str, tuple[float, Arm]] = OrderedDict()
@@ -436,7 +738,12 @@ class Experiments:
                 built[name] = Engine(engine.pool, profile, engine.inflight, engine.signals, engine.saturation)
             return built[name]
 
-        return cls(specs, engine_for, rng=rng, clock=engine.signals.clock)
+        labels = [endpoint.labels for endpoint in engine.pool.endpoints]
+        return cls(specs, engine_for, rng=rng, clock=engine.signals.clock, labels=labels)
+
+    def _tell(self, change: WeightChange) -> None:
+        for listener in self.listeners:
+            listener(change)
 
     def adopt(self, previous: Experiments | None) -> None:
         """Carry over from ``previous`` (the experiments before a config reload) every experiment configured the same
@@ -447,10 +754,7 @@ class Experiments:
             old = previous.running.get(name)
             if old is None or old.spec != experiment.spec:
                 continue
-            for arm, old_arm in zip(experiment.arms, old.arms, strict=True):
-                arm.outcomes = old_arm.outcomes
-            experiment.set_weights(old.weights())
-            experiment.paused, experiment.started_at, experiment.history = old.paused, old.started_at, old.history
+            experiment.continue_from(old)
         self._open = OrderedDict(
             (rid, (at, found))
             for rid, (at, held) in previous._open.items()
@@ -463,6 +767,10 @@ class Experiments:
 
     def __bool__(self) -> bool:
         return bool(self.running)
+
+    def owns(self, arm: Arm) -> bool:
+        """Whether ``arm`` is one of these experiments' (not of the experiments before a reload)."""
+        return self._arm(arm.experiment, arm.name) is arm
 
     def assign(self, request: RequestFeatures) -> Arm | None:
         """The arm ``request`` goes to, or None when no running experiment covers it."""
@@ -502,11 +810,14 @@ class Experiments:
         if held is None:
             self.unattributed += 1
             return
-        outcomes = held[1].outcomes
+        arm = held[1]
+        outcomes = arm.outcomes
         outcomes.finished += 1
+        outcomes.failed += failed
         outcomes.errors.add(1.0 if failed else 0.0)
         if not failed and e2e_s is not None:
             outcomes.e2e.add(e2e_s, self.clock())
+        self.running[arm.experiment].check()
 
     def observed(self, request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
         """What the filter's timing of a response says (``filter.observe.RequestOutcome``): a streamed answer's first

@@ -130,6 +130,7 @@ class RequestFeatures:
     ttft_slo_s: float | None = None  # the class's time-to-first-token objective
     # The headers experiments assign by (name in lower case -> value), read only where an experiment asks.
     headers: Mapping[str, str] | None = None
+    arm: Any = None  # the experiment arm admission assigned the request to (`scorer.experiments.Arm`), if any
 
     # Every request is built two or three times (from headers, with its body, with its class). A frozen
     # dataclass's __init__ sets its fields one object.__setattr__ call at a time, a fifth of the whole cost of
@@ -174,6 +175,10 @@ class RequestFeatures:
         return self._copy(
             {"request_class": request_class, "priority": priority, "ttft_slo_s": ttft_slo_s, "pool_mask": pool_mask}
         )
+
+    def assigned(self, arm: Any, pool_mask: Any) -> RequestFeatures:
+        """These features with the experiment arm they were assigned (None: none) and the endpoints it leaves."""
+        return self._copy({"arm": arm, "pool_mask": pool_mask})
 
     def _copy(self, changes: dict[str, Any]) -> RequestFeatures:
         """A new object with these fields and ``changes`` (what the constructor would build, without its one

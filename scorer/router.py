@@ -6,7 +6,8 @@
    queue on its virtual clock) and then goes ahead, as ``saturated`` if its wait ran out.
 3. `Router.route`: the profile's decision (`Engine.decide`) and the request's in-flight lease, which counts it,
    its prompt tokens and its prefill backlog on the chosen endpoint until `Lease.release` at the request's end.
-   A request that an experiment covers (`scorer.experiments`) is decided by its arm's engine, on the same state.
+   A request that an experiment covers (`scorer.experiments`) is assigned its arm by `Router.admit`, and decided
+   by the arm's engine, on the same state, among the arm's endpoints.
 
 Nothing here does I/O; time is the routing core's clock (``engine.signals.clock``), so a test or the simulator
 runs it on a clock of its own. One event loop.
@@ -81,6 +82,15 @@ class Router:
         request_class = self.classifier.classify(request)
         pool_mask = self.admission.pool_mask(request_class)
         request = request.classified(request_class.name, request_class.priority, request_class.ttft_slo_s, pool_mask)
+        experiments = self.experiments
+        arm = None
+        if experiments is not None:
+            # Its arm is drawn once, here: the arm's endpoints bound where it may wait for room and be routed.
+            arm = experiments.assign(request)
+            mask = experiments.outside if arm is None else arm.mask
+            if mask is not None:
+                pool_mask = mask if pool_mask is None else pool_mask & mask
+            request = request.assigned(arm, pool_mask)
         try:
             candidates = self.pool.model_indices(request.model)
         except RoutingError:
@@ -91,8 +101,7 @@ class Router:
             return Admit("go", request, request_class)
         if request_class.on_saturation == "shed":
             self.shed[request_class.name] += 1
-            experiments = self.experiments
-            if experiments is not None and (arm := experiments.assign(request)) is not None:
+            if experiments is not None and arm is not None:
                 experiments.shed(arm)
             return Admit("shed", request, request_class, candidates)
         return Admit("wait", request, request_class, candidates)
@@ -106,8 +115,10 @@ class Router:
     def route(self, request: RequestFeatures, *, saturated: bool = False) -> Routed:
         """Decide and count the request in flight. ``saturated``: it waited as long as its class allows and no
         capacity came (the decision's reason says so). Raises ``RoutingError`` when no endpoint can serve it."""
+        arm: Arm | None = request.arm  # assigned by `admit`
         experiments = self.experiments
-        arm = experiments.assign(request) if experiments is not None else None
+        if arm is not None and (experiments is None or not experiments.owns(arm)):
+            arm = None  # admitted before a reload that ended its experiment: it routes as the rest do now
         engine = self.engine if arm is None else arm.engine
         started = time.perf_counter()
         decision = engine.decide(request)

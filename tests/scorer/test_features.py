@@ -62,6 +62,7 @@ def test_of_gives_what_the_constructor_gives() -> None:
         pytest.param(lambda: RequestFeatures.of({"path": "/p"}), id="of"),
         pytest.param(lambda: FULL.with_body("m", False, None, 1, 1, ()), id="with_body"),
         pytest.param(lambda: FULL.classified("c", 0, None, None), id="classified"),
+        pytest.param(lambda: FULL.assigned(None, None), id="assigned"),
     ],
 )
 def test_what_the_builders_give_is_frozen_and_replaceable(built: object) -> None:
@@ -93,4 +94,5 @@ def test_the_builders_know_every_field() -> None:
         "priority",
         "ttft_slo_s",
         "headers",
+        "arm",
     ]

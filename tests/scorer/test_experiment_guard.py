@@ -1,0 +1,286 @@
+"""Release arms (endpoints by label), the guard rail that cuts and rolls back a misbehaving arm, and the ramp."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inferlb.scorer.config import ConfigError, parse_config
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.experiments import (
+    P99_MIN_SAMPLES,
+    ArmSpec,
+    Experiments,
+    ExperimentSpec,
+    GuardSpec,
+    WeightChange,
+    endpoint_masks,
+)
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+from inferlb.scorer.router import Router
+from inferlb.scorer.signals import Signals
+
+LABELS = [{"version": "stable"}] * 3 + [{"version": "canary"}]
+POOL = {
+    "endpoints": [
+        {"address": f"10.0.0.{i + 1}:8000", "models": ["m"], "labels": labels} for i, labels in enumerate(LABELS)
+    ]
+}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _router(*specs: ExperimentSpec, clock: Clock | None = None) -> Router:
+    config = parse_config({"policy": "least-request", "pool": POOL})
+    clock = clock or Clock()
+    pool = Pool(config.endpoints)
+    engine = Engine(
+        pool, build_profile("least-request", np.random.default_rng(0), size=4), signals=Signals(4, clock=clock)
+    )
+    experiments = Experiments.over(engine, specs, config.profile_spec, np.random.default_rng(0))
+    return Router(engine, experiments=experiments)
+
+
+def _canary(weight: float = 0.5, **kw: object) -> ExperimentSpec:
+    arms = (
+        ArmSpec("stable", "least-request", round(1 - weight, 6)),
+        ArmSpec("canary", "least-request", weight, {"version": "canary"}),
+    )
+    return ExperimentSpec("release", arms, **kw)  # type: ignore[arg-type]
+
+
+def _send(router: Router, n: int, start: int = 0, **features: object) -> list[tuple[str | None, int]]:
+    """Route ``n`` requests, ending each at once; (arm, endpoint) of each."""
+    out = []
+    for i in range(start, start + n):
+        routed = router.route(router.admit(RequestFeatures(model="m", request_id=f"r{i}", **features)).request)  # type: ignore[arg-type]
+        routed.lease.release()
+        out.append((None if routed.arm is None else routed.arm.name, routed.decision.endpoint.index))
+    return out
+
+
+def _finish(
+    router: Router, routed: list[tuple[str | None, int]], start: int, failing: float, ttft: float = 0.1
+) -> None:
+    """Report outcomes for requests r{start}..: the canary's fail at the given share (every k-th)."""
+    experiments = router.experiments
+    assert experiments is not None
+    every = round(1 / failing) if failing else 0
+    canary = 0
+    for i, (arm, _) in enumerate(routed, start):
+        failed = False
+        if arm == "canary":
+            canary += 1
+            failed = bool(every) and canary % every == 0
+        if not failed:
+            experiments.first_token(f"r{i}", ttft)
+        experiments.outcome(f"r{i}", failed=failed, e2e_s=None if failed else ttft * 2)
+
+
+def test_a_release_arm_routes_to_its_labelled_endpoints_and_nothing_else_does() -> None:
+    router = _router(
+        _canary(),
+        ExperimentSpec("other", (ArmSpec("a", "default", 0.5), ArmSpec("b", "default", 0.5)), models=frozenset({"x"})),
+    )
+    routed = _send(router, 400)
+    by_arm: dict[str | None, set[int]] = {}
+    for arm, endpoint in routed:
+        by_arm.setdefault(arm, set()).add(endpoint)
+    assert by_arm == {"canary": {3}, "stable": {0, 1, 2}}
+    # A request outside the experiment's scope stays off the canary too.
+    scoped = _router(ExperimentSpec("release", _canary().arms, paths=("/v1/completions",)))
+    outside = _send(scoped, 100, path="/v1/embeddings")
+    assert {arm for arm, _ in outside} == {None} and {endpoint for _, endpoint in outside} == {0, 1, 2}
+
+
+def test_selectors_are_checked_against_the_pool() -> None:
+    with pytest.raises(ValueError, match="no endpoint of the pool has the labels"):
+        endpoint_masks([ArmSpec("a", "default", 0.5), ArmSpec("b", "default", 0.5, {"version": "v9"})], LABELS)
+    everything = [
+        ArmSpec("a", "default", 0.5),
+        ArmSpec("b", "default", 0.5, {"version": "stable"}),
+        ArmSpec("c", "default", 0.0, {"version": "canary"}),
+    ]
+    with pytest.raises(ValueError, match="none is left for the other arms"):
+        endpoint_masks(everything, LABELS)
+    experiment = {
+        "name": "e",
+        "arms": [
+            {"name": "a", "profile": "default", "weight": 0.5},
+            {"name": "b", "profile": "default", "weight": 0.5, "endpoints": {"version": "v9"}},
+        ],
+    }
+    with pytest.raises(ConfigError, match=r"experiments\[0\].*no endpoint of the pool has the labels"):
+        parse_config({"pool": POOL, "experiments": [experiment]})
+
+
+def test_an_erroring_canary_is_cut_then_rolled_back_and_each_change_is_told() -> None:
+    clock = Clock()
+    told: list[WeightChange] = []
+    router = _router(_canary(0.5, guard=GuardSpec(min_requests=20, check_s=1.0)), clock=clock)
+    experiments = router.experiments
+    assert experiments is not None
+    experiments.listeners.append(told.append)
+    experiment = experiments.running["release"]
+    weights = []
+    start = 0
+    for _ in range(12):
+        clock.now += 1.5
+        batch = _send(router, 200, start)
+        _finish(router, batch, start, failing=0.1)
+        start += 200
+        weights.append(experiment.weights()["canary"])
+        if experiment.rolled_back:
+            break
+    assert [c.kind for c in told] == ["cut", "cut", "rolled-back"]
+    assert [c.weights["canary"] for c in told] == [0.15, 0.045, 0.0]
+    assert experiment.state == "rolled back" and experiment.breaches["canary"] == 3
+    assert all("failed, over 2.0%" in c.reason for c in told)
+    # Rolled back: nothing more goes to the canary, and its endpoint stays reserved (no one else uses it).
+    assert {endpoint for _, endpoint in _send(router, 200, start)} == {0, 1, 2}
+    described = experiment.describe()
+    assert [h["kind"] for h in described["history"]] == ["started", "cut", "cut", "rolled-back"]
+
+
+def test_a_few_failures_are_judged_before_the_full_sample() -> None:
+    """With min_requests 20 and 2%, the first failure already is a breach: the guard does not wait for 20."""
+    clock = Clock()
+    router = _router(_canary(0.5, guard=GuardSpec(min_requests=20, check_s=0.0)), clock=clock)
+    experiment = router.experiments.running["release"]  # type: ignore[union-attr]
+    batch = _send(router, 10)
+    canary = [i for i, (arm, _) in enumerate(batch) if arm == "canary"]
+    experiments = router.experiments
+    assert experiments is not None
+    experiments.outcome(f"r{canary[0]}", failed=True)
+    assert experiment.weights()["canary"] == 0.15
+
+
+def test_a_healthy_canary_is_not_cut_and_a_slow_one_is_by_its_p99() -> None:
+    clock = Clock()
+    guard = GuardSpec(min_requests=20, check_s=1.0, max_ttft_p99_ratio=1.5)
+    healthy = _router(_canary(0.5, guard=guard), clock=clock)
+    for k in range(5):
+        clock.now += 2
+        _finish(healthy, _send(healthy, 400, k * 400), k * 400, failing=0.0)
+    assert healthy.experiments.running["release"].history[-1].kind == "started"  # type: ignore[union-attr]
+
+    clock = Clock()
+    slow = _router(_canary(0.5, guard=guard), clock=clock)
+    experiments = slow.experiments
+    assert experiments is not None
+    batch = _send(slow, 2 * P99_MIN_SAMPLES + 300)
+    for i, (arm, _) in enumerate(batch):
+        experiments.first_token(f"r{i}", 0.5 if arm == "canary" else 0.1)
+        clock.now += 0.01
+        experiments.outcome(f"r{i}", failed=False, e2e_s=1.0)
+    change = experiments.running["release"].history[-1]
+    assert change.kind == "cut" and "TTFT p99" in change.reason
+
+
+def test_the_p99_is_not_judged_on_a_handful_of_requests() -> None:
+    clock = Clock()
+    router = _router(_canary(0.5, guard=GuardSpec(min_requests=20, check_s=0.0)), clock=clock)
+    experiments = router.experiments
+    assert experiments is not None
+    batch = _send(router, 60)  # ~30 a side: over min_requests, under P99_MIN_SAMPLES
+    for i, (arm, _) in enumerate(batch):
+        experiments.first_token(f"r{i}", 5.0 if arm == "canary" else 0.1)
+        experiments.outcome(f"r{i}", failed=False)
+    assert experiments.running["release"].history[-1].kind == "started"
+
+
+def test_the_ramp_steps_up_on_schedule_while_the_guard_finds_nothing() -> None:
+    clock = Clock()
+    spec = _canary(0.0, ramp=(0.05, 0.2, 0.5), ramp_step_s=30.0, guard=GuardSpec(min_requests=20, check_s=1.0))
+    router = _router(spec, clock=clock)
+    experiment = router.experiments.running["release"]  # type: ignore[union-attr]
+    assert experiment.weights() == {"stable": 0.95, "canary": 0.05}
+    seen = []
+    start = 0
+    for _ in range(100):
+        clock.now += 1.0
+        batch = _send(router, 50, start)
+        _finish(router, batch, start, failing=0.0)
+        start += 50
+        seen.append((clock.now, experiment.weights()["canary"]))
+    steps = [(t, w) for (t, w), (_, before) in zip(seen[1:], seen, strict=False) if w != before]
+    assert [w for _, w in steps] == [0.2, 0.5]
+    assert [t for t, _ in steps] == [30.0, 60.0]  # each step held ramp_step_s
+
+
+def test_header_assignment_sends_everyone_to_the_control_once_rolled_back() -> None:
+    clock = Clock()
+    arms = (ArmSpec("stable", "least-request", 0.0), ArmSpec("canary", "least-request", 0.0, {"version": "canary"}))
+    spec = ExperimentSpec(
+        "release",
+        arms,
+        assign="header",
+        header="x-canary",
+        values={"true": "canary"},
+        guard=GuardSpec(min_requests=5, check_s=0.0, max_breaches=1),
+    )
+    router = _router(spec, clock=clock)
+    headers = {"x-canary": "true"}
+    batch = _send(router, 10, headers=headers)
+    assert {arm for arm, _ in batch} == {"canary"}
+    _finish(router, batch, 0, failing=0.5)
+    assert router.experiments.running["release"].rolled_back  # type: ignore[union-attr]
+    assert {arm for arm, _ in _send(router, 10, 10, headers=headers)} == {"stable"}
+
+
+def test_a_reload_keeps_the_guards_state() -> None:
+    clock = Clock()
+    spec = _canary(0.5, guard=GuardSpec(min_requests=20, check_s=0.0))
+    before = _router(spec, clock=clock)
+    _finish(before, _send(before, 100), 0, failing=0.1)
+    old = before.experiments.running["release"]  # type: ignore[union-attr]
+    assert old.breaches["canary"] >= 1
+    after = _router(spec, clock=clock)
+    assert after.experiments is not None
+    after.experiments.adopt(before.experiments)
+    new = after.experiments.running["release"]
+    assert (new.weights(), new.breaches, new.history) == (old.weights(), old.breaches, old.history)
+
+
+def test_ramps_and_guards_in_the_config() -> None:
+    experiment = {
+        "name": "release",
+        "arms": [
+            {"name": "stable", "profile": "default"},
+            {"name": "canary", "profile": "default", "endpoints": {"version": "canary"}},
+        ],
+        "ramp": [0.01, 0.05, 0.25],
+        "ramp_step_s": 120,
+        "guard": {"max_error_rate": 0.05, "min_requests": 30},
+    }
+    config = parse_config({"pool": POOL, "experiments": [experiment]})
+    (spec,) = config.experiments
+    assert spec.ramp == (0.01, 0.05, 0.25) and spec.ramp_step_s == 120
+    assert spec.guard == GuardSpec(max_error_rate=0.05, min_requests=30)
+    assert spec.starting_weights == {"stable": 0.99, "canary": 0.01}
+    bad = {**experiment, "ramp": [0.05, 0.01]}
+    with pytest.raises(ConfigError, match="must increase"):
+        parse_config({"pool": POOL, "experiments": [bad]})
+    three = {**experiment, "arms": [*experiment["arms"], {"name": "x", "profile": "default"}]}  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="a ramp needs two arms"):
+        parse_config({"pool": POOL, "experiments": [three]})
+
+
+def test_a_request_admitted_before_a_reload_routes_with_the_new_experiments() -> None:
+    before = _router(_canary(0.5))
+    admitted = [before.admit(RequestFeatures(model="m", request_id=f"r{i}")).request for i in range(50)]
+    assert {a.arm.name for a in admitted if a.arm is not None} == {"stable", "canary"}
+    after = _router(_canary(0.5))  # a reload: new experiments, new arms
+    for request in admitted:
+        routed = after.route(request)
+        routed.lease.release()
+        assert routed.arm is None and routed.decision.profile == "least-request"
+    assert sum(arm.outcomes.requests for arm in after.experiments.running["release"].arms) == 0  # type: ignore[union-attr]
