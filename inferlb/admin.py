@@ -7,7 +7,10 @@
 | ``GET /endpoints`` | each endpoint's latest signals, their age, staleness, last scrape error, in-flight counts |
 | ``GET /decisions?limit=N`` | recent decisions, newest first: reason, each scorer's score, the best candidates' |
 | ``GET /experiments`` | each experiment: arms, weights, per-arm counts and latency quantiles, each treatment's |
-|  | comparison with the control (difference, always-valid interval, verdict), weight history |
+|  | comparison with the control (difference, always-valid interval, verdict), weight history; a browser |
+|  | (``Accept: text/html``) gets the page of it, with TTFT CDFs and the weights over time |
+| ``POST /experiments/NAME`` | ``{"action": A}``, A one of pause, resume, stop, start; or ``"weights"`` with |
+|  | ``"weights": {arm: share}``; answers the experiment as ``GET /experiments`` shows it |
 | ``GET /config`` | the configuration in force |
 | ``POST /config`` | a new configuration (YAML or JSON body), validated then applied without dropping a request; |
 |  | an invalid one is refused (400) and the old one stays |
@@ -23,6 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import importlib.resources
+import json
 import math
 import tempfile
 import time
@@ -30,6 +36,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jinja2
 import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -37,7 +44,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from inferlb.adminguard import AdminGuard
 from inferlb.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from inferlb.metrics import picker_registry, scrape
-from inferlb.otel.render import render_html, render_json, render_png
+from inferlb.otel.render import render_html, render_json, render_png, script_json
 from inferlb.scorer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -192,14 +199,39 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
         return JSONResponse({"decisions": entries})
 
     @app.get("/experiments")
-    async def experiments() -> Response:
+    async def experiments(request: Request) -> Response:
         running = picker.service.router.experiments
-        return JSONResponse(
-            {
-                "experiments": [] if running is None else running.describe(),
-                "unattributed_outcomes": 0 if running is None else running.unattributed,
-            }
-        )
+        shown = {
+            "experiments": [] if running is None else running.describe(),
+            "unattributed_outcomes": 0 if running is None else running.unattributed,
+        }
+        if "text/html" in request.headers.get("accept", ""):  # a browser: the page, which then fetches the JSON
+            return HTMLResponse(experiments_page(shown, json_url="experiments", refresh_s=5.0))
+        return JSONResponse(shown)
+
+    @app.post("/experiments/{name}")
+    async def control_experiment(name: str, request: Request) -> Response:
+        running = picker.service.router.experiments
+        experiment = None if running is None else running.running.get(name)
+        if experiment is None:
+            return _error(404, f"no experiment {name!r} is configured")
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError as exc:
+            return _error(400, f"not valid JSON: {exc}")
+        if not isinstance(body, dict) or not isinstance(body.get("action"), str):
+            return _error(400, 'a JSON object with "action": pause, resume, stop, start or weights')
+        weights = body.get("weights")
+        if weights is not None and not (
+            isinstance(weights, dict)
+            and all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights.values())
+        ):
+            return _error(400, '"weights" must map arm names to numbers')
+        try:
+            experiment.control(body["action"], weights)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return JSONResponse(experiment.describe())
 
     @app.get("/config")
     async def get_config() -> dict[str, Any]:
@@ -249,6 +281,21 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
         return Response(await scrape(registry, picker), media_type=METRICS_CONTENT_TYPE)
 
     return app
+
+
+def experiments_page(shown: Mapping[str, Any], *, json_url: str | None, refresh_s: float | None) -> str:
+    """The ``/experiments`` page: self-contained HTML (inline CSS and JS, ``shown`` embedded as JSON) with each
+    experiment's arms, comparisons, per-arm TTFT CDFs and weight history; every ``refresh_s`` it fetches
+    ``json_url`` (relative to the page) and redraws."""
+    return _experiments_template().render(
+        data=script_json(dict(shown)), json_url=script_json(json_url), refresh_s=script_json(refresh_s)
+    )
+
+
+@functools.cache
+def _experiments_template() -> jinja2.Template:
+    text = importlib.resources.files("inferlb").joinpath("experiments.html.j2").read_text(encoding="utf-8")
+    return jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False).from_string(text)
 
 
 def _png_bytes(grid: dict[str, Any]) -> bytes:

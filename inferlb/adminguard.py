@@ -39,7 +39,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/heatmap", "/heatmap.json", "/heatmap.png"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/heatmap", "/heatmap.json", "/heatmap.png", "/experiments"})
 """Routes anyone who passes the Host check may read: they change nothing and hold no secrets."""
 BODY_TYPES = frozenset({"application/json", "application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"})
 """The content types a state-changing request may carry."""

@@ -1,5 +1,6 @@
 """The ``inferlb`` command: serve (the picker), envoy-config, demo, sim (emulated inference servers), gpu-agent
-(this node's GPUs from NVML over HTTP), heatmap (the latency heatmap of a file of spans)."""
+(this node's GPUs from NVML over HTTP), heatmap (the latency heatmap of a file of spans), experiment report (an
+experiment's verdicts from a file of spans)."""
 
 from __future__ import annotations
 
@@ -162,6 +163,23 @@ def _parser() -> argparse.ArgumentParser:
     heatmap.add_argument("--html", type=Path, metavar="OUT.html", help="also write a self-contained HTML page")
     heatmap.set_defaults(run=_heatmap)
 
+    experiment = sub.add_parser(
+        "experiment", help="experiments between routing policies, offline: `inferlb experiment report --from FILE`"
+    )
+    actions = experiment.add_subparsers(dest="action", required=True, metavar="ACTION")
+    report = actions.add_parser(
+        "report",
+        help="each experiment's arms and verdicts from an OTLP/JSON lines file of spans",
+        description="Join the picker's inferlb.route spans (experiment, arm) with the servers' llm_request spans "
+        "(TTFT, E2E, errors) by trace id and run the live experiments' sequential test on them.",
+    )
+    report.add_argument("--from", dest="source", required=True, type=Path, metavar="FILE", help="OTLP/JSON lines")
+    report.add_argument("--control", help="the control arm (default: the arm of each experiment's first request)")
+    report.add_argument("--alpha", type=float, default=0.05, help="false-verdict rate allowed (default 0.05)")
+    report.add_argument("--min-samples", type=int, default=200, help="requests per arm before a verdict (200)")
+    report.add_argument("--json", type=Path, metavar="OUT.json", help="also write the report as JSON")
+    report.set_defaults(run=_experiment_report)
+
     # Everything after `bench`, options included, is the bench harness's to parse (prefix_chars leaves none to
     # this parser), so that building this parser never imports the benchmarks.
     bench = sub.add_parser(
@@ -258,6 +276,38 @@ def _gpu_agent(args: argparse.Namespace) -> int:
         asyncio.run(serve_agent(create_agent_app(reader, interval_s=args.interval_s), args.listen))
     finally:
         reader.close()
+    return 0
+
+
+def _experiment_report(args: argparse.Namespace) -> int:
+    import json
+
+    from inferlb.otel.experimentreport import experiment_report
+    from inferlb.otel.heatmap import load_otlp_json_lines
+
+    if not (0 < args.alpha < 1) or args.min_samples < 2:
+        raise ValueError("--alpha must be in (0, 1) and --min-samples at least 2")
+    report = experiment_report(
+        load_otlp_json_lines(args.source), control=args.control, alpha=args.alpha, min_samples=args.min_samples
+    )
+    if not report["experiments"]:
+        raise ValueError(f"{args.source}: no inferlb.route span names an experiment and an arm")
+    for experiment in report["experiments"]:
+        print(f"experiment {experiment['name']} (control: {experiment['control']})")
+        for arm in experiment["arms"]:
+            p50, p99 = arm["ttft_s"]["p50"], arm["ttft_s"]["p99"]
+            rate = "-" if arm["error_rate"] is None else f"{arm['error_rate']:.2%}"
+            ttft = "-" if p50 is None else f"{p50:.3g} / {p99:.3g} s"
+            print(
+                f"  {arm['name']}: {arm['requests']} requests, {arm['finished']} with an outcome, errors {rate}, "
+                f"TTFT p50 / p99 {ttft}"
+            )
+        for arm, metrics in experiment["comparisons"].items():
+            for metric, c in metrics.items():
+                interval = "" if c["low"] is None else f" [{c['low']:+.4f}, {c['high']:+.4f}]"
+                print(f"  {arm} vs {experiment['control']}, {metric}: {c['difference']:+.4f}{interval}: {c['verdict']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0
 
 

@@ -16,7 +16,8 @@ for the loop that routes. So `scrape` copies the counters there (`Readings.take`
 The families: decisions by endpoint and reason, refusals by status, shed requests by class, pick latency, scrape
 errors, staleness and metrics age per endpoint, in-flight requests, scorer errors, the OTLP receiver's span
 outcomes and refusals, TTFT and E2E histograms per endpoint, responses timed on the stream, request ends, and
-config reloads (deploy/grafana-dashboard.json and tests/test_deploy.py use the names).
+config reloads, and per experiment arm its weight, requests, outcomes, failures, sheds and changes of weight
+(deploy/grafana-dashboard.json and tests/test_deploy.py use the names).
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ class Readings:
     timed: ObserveStats | None = None  # with otel.latency_source: stream
     leases: LeaseStats | None = None
     awaiting_end: int = 0
+    # Per experiment arm: (experiment, arm) -> (weight, requests, finished, failed, shed); and changes of weight by
+    # (experiment, arm or "", kind).
+    arms: dict[tuple[str, str], tuple[float, int, int, int, int]] = dataclasses.field(default_factory=dict)
+    weight_changes: dict[tuple[str, str, str], int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def take(cls, picker: PickerProcess) -> Readings:
@@ -151,6 +156,17 @@ class Readings:
                 extra["timed"] = copy.copy(picker.service.observe_stats)
         if leases is not None:
             extra["leases"], extra["awaiting_end"] = copy.copy(leases.stats), len(leases)
+        experiments = picker.service.router.experiments
+        if experiments is not None:
+            arms, changes = {}, {}
+            for name, experiment in experiments.running.items():
+                weights = experiment.weights()
+                for arm in experiment.arms:
+                    o = arm.outcomes
+                    arms[name, arm.name] = (weights[arm.name], o.requests, o.finished, o.failed, o.shed)
+                for (arm_name, kind), n in experiment.changes.items():
+                    changes[name, arm_name, kind] = n
+            extra["arms"], extra["weight_changes"] = arms, changes
         return dataclasses.replace(readings, **extra) if extra else readings
 
 
@@ -261,6 +277,31 @@ def families(readings: Readings) -> Iterator[Metric]:
     yield _counter(
         "inferlb_config_reloads_total", "Configurations applied since start (file or API).", (), [((), r.reloads)]
     )
+    if r.arms:
+        labels = ("experiment", "arm")
+        arms = sorted(r.arms.items())
+        yield _gauge(
+            "inferlb_experiment_weight",
+            "Each experiment arm's share of its traffic.",
+            labels,
+            [(k, v[0]) for k, v in arms],
+        )
+        for i, (what, help_text) in enumerate(
+            (
+                ("requests", "Requests routed by each experiment arm."),
+                ("finished", "Requests of each experiment arm whose outcome came."),
+                ("failed", "Requests of each experiment arm that failed (5xx, reset)."),
+                ("shed", "Requests of each experiment arm shed by admission control."),
+            ),
+            start=1,
+        ):
+            yield _counter(f"inferlb_experiment_{what}_total", help_text, labels, [(k, v[i]) for k, v in arms])
+        yield _counter(
+            "inferlb_experiment_weight_changes_total",
+            "Changes of an experiment's weights or state, by arm (empty: all) and kind (ramp, cut, rolled-back, ...).",
+            ("experiment", "arm", "kind"),
+            sorted(r.weight_changes.items()),
+        )
 
 
 def _receiver(stats: ReceiverStats) -> Iterator[Metric]:

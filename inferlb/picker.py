@@ -34,7 +34,7 @@ from inferlb.scorer.config import Config, load_config, parse_config
 from inferlb.scorer.credentials import Credential
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
-from inferlb.scorer.experiments import Experiments
+from inferlb.scorer.experiments import Experiments, WeightChange
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
@@ -225,6 +225,7 @@ class PickerProcess:
         if self.service.leases is not None:
             self.service.leases.max_age_s = config.inflight.max_age_s
         self.service.swap_router(router)
+        _export_changes(self.service)
         self.service.max_body_bytes = config.max_body_bytes
         self.service.session_header = config.session_header
         self.service.class_header = config.class_header
@@ -310,6 +311,19 @@ def _experiments(config: Config, engine: Engine, rng: np.random.Generator | None
     return Experiments.over(engine, config.experiments, config.profile_spec, rng)
 
 
+def _export_changes(service: ExtProcService) -> None:
+    """Each change of an experiment's weights becomes a span event, where the picker exports spans."""
+    experiments = service.router.experiments
+    if experiments is None:
+        return
+
+    def export(change: WeightChange) -> None:
+        if service.route_spans is not None:
+            service.route_spans.weight_changed(change)
+
+    experiments.listeners.append(export)
+
+
 def create_picker(
     config: Config, *, rng: np.random.Generator | None = None, config_path: Path | None = None
 ) -> PickerProcess:
@@ -339,6 +353,7 @@ def create_picker(
         protocol = "grpc" if config.otel.exporter == "otlp-grpc" else "http/protobuf"
         provider = create_tracer_provider(config.otel.export_endpoint, protocol=protocol, service_name="inferlb")
         service.route_spans = RouteSpans(provider)
+    _export_changes(service)
     picker = PickerProcess(
         config,
         engine,

@@ -20,7 +20,7 @@ from typing import Any
 
 import jinja2
 
-__all__ = ["render_html", "render_json", "render_png"]
+__all__ = ["render_html", "render_json", "render_png", "script_json"]
 
 PAGE_TEMPLATE = "heatmap.html.j2"
 """The HTML page's template, beside this module (package data of ``inferlb.otel``)."""
@@ -223,9 +223,9 @@ def render_html(
         raise ValueError(f"refresh_s must be seconds > 0 or None; got {refresh_s!r}")
     return _page().render(
         title=html.escape(title),
-        data=_script_json(dict(grid)),
-        refresh_s=_script_json(refresh_s),
-        json_url=_script_json(json_url),
+        data=script_json(dict(grid)),
+        refresh_s=script_json(refresh_s),
+        json_url=script_json(json_url),
     )
 
 
@@ -238,7 +238,7 @@ def _page() -> jinja2.Template:
     return env.from_string(text)
 
 
-def _script_json(value: Any) -> str:
+def script_json(value: Any) -> str:
     """JSON that is safe inside a <script> element: no '<', '>' or '&' that could end it or open a comment."""
     text = json.dumps(value, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")

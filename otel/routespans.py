@@ -1,9 +1,10 @@
 """The picker's own span per routed request: ``inferlb.route``.
 
 Each span records the decision (endpoint, profile, request class, every scorer's score for the chosen endpoint,
-the prompt-token estimate) or the refusal (status, shed), continues the client's W3C trace when it sent one,
-and is the parent of the server's span: the traceparent injected upstream names this span. The tracer provider
-is passed in (never the global one); with none configured the picker makes no spans at all.
+the prompt-token estimate, the experiment and arm) or the refusal (status, shed), continues the client's W3C
+trace when it sent one, and is the parent of the server's span: the traceparent injected upstream names this span.
+A change of an experiment's weights is an ``inferlb.experiment`` span of its own, with the change as an event.
+The tracer provider is passed in (never the global one); with none configured the picker makes no spans at all.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from inferlb.scorer.engine import Decision
+from inferlb.scorer.experiments import WeightChange
 from inferlb.scorer.features import RequestFeatures
 
-__all__ = ["ROUTE_SPAN", "RouteSpans"]
+__all__ = ["EXPERIMENT_SPAN", "ROUTE_SPAN", "WEIGHT_CHANGE_EVENT", "RouteSpans"]
 
 logger = logging.getLogger(__name__)
 
 ROUTE_SPAN = "inferlb.route"
+EXPERIMENT_SPAN = "inferlb.experiment"
+WEIGHT_CHANGE_EVENT = "inferlb.experiment.weight_change"
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -70,6 +74,25 @@ class RouteSpans:
         except Exception:
             self._failed()
 
+    def weight_changed(self, change: WeightChange) -> None:
+        """An ``inferlb.experiment`` span with one event, ``inferlb.experiment.weight_change``, for a change of an
+        experiment's weights (a ramp step, a guard's cut or roll-back, an operator's action)."""
+        try:
+            attributes: dict[str, Any] = {
+                "inferlb.experiment": change.experiment,
+                "inferlb.change.kind": change.kind,
+                "inferlb.change.reason": change.reason,
+                **{f"inferlb.weight.{arm}": weight for arm, weight in change.weights.items()},
+            }
+            if change.arm is not None:
+                attributes["inferlb.arm"] = change.arm
+            span = self.tracer.start_span(EXPERIMENT_SPAN, context=Context(), kind=trace_api.SpanKind.INTERNAL)
+            span.add_event(WEIGHT_CHANGE_EVENT, attributes)
+            span.set_attributes(attributes)
+            span.end()
+        except Exception:
+            self._failed()
+
     def _start(self, features: RequestFeatures, started_ns: int) -> Any:
         parent = Context()
         if features.traceparent:
@@ -81,6 +104,10 @@ class RouteSpans:
             attributes["inferlb.request_class"] = features.request_class
         if features.request_id:
             attributes["inferlb.request_id"] = features.request_id
+        arm = features.arm
+        if arm is not None:
+            attributes["inferlb.experiment"] = arm.experiment
+            attributes["inferlb.arm"] = arm.name
         return self.tracer.start_span(
             ROUTE_SPAN, context=parent, kind=trace_api.SpanKind.INTERNAL, start_time=started_ns, attributes=attributes
         )

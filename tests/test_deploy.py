@@ -27,6 +27,15 @@ async def test_every_dashboard_query_names_a_metric_the_picker_exposes() -> None
             "admin": f"127.0.0.1:{free_port()}",
             "otel": {"receiver": f"127.0.0.1:{free_port()}"},
             "pool": {"endpoints": [{"address": "10.0.0.1:8000"}, {"address": "10.0.0.2:8000"}]},
+            "experiments": [
+                {
+                    "name": "ab",
+                    "arms": [
+                        {"name": "a", "profile": "default", "weight": 0.5},
+                        {"name": "b", "profile": "round-robin", "weight": 0.5},
+                    ],
+                }
+            ],
         }
     )
     picker = create_picker(config)

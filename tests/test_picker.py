@@ -199,3 +199,70 @@ def _write(tmp_path: Path, doc: dict) -> Path:
     path = tmp_path / "picker.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
+
+
+async def test_experiments_are_shown_steered_by_the_operator_only_and_counted_in_metrics(servers, tmp_path: Path):
+    doc = document(servers)
+    doc["pool"]["endpoints"][2]["labels"] = {"version": "canary"}
+    doc["experiments"] = [
+        {
+            "name": "release",
+            "arms": [
+                {"name": "stable", "profile": "kv-aware", "weight": 0.5},
+                {"name": "canary", "profile": "least-request", "weight": 0.5, "endpoints": {"version": "canary"}},
+            ],
+        }
+    ]
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    await picker.start()
+    try:
+        router = picker.service.router
+        for i in range(40):
+            admitted = router.admit(RequestFeatures(model="m", request_id=f"r{i}", prompt_tokens=10)).request
+            picker.service._route(admitted, ((None,) * 3))
+        async with httpx.AsyncClient(base_url=f"http://{picker.config.admin}", timeout=5) as client:
+            # Only the operator steers traffic: no token, no change.
+            refused = await client.post(
+                "/experiments/release", json={"action": "weights", "weights": {"stable": 0, "canary": 1}}
+            )
+            assert refused.status_code == 401
+            client.headers.update(AUTH)
+            (shown,) = (await client.get("/experiments")).json()["experiments"]
+            assert shown["weights"] == {"stable": 0.5, "canary": 0.5}
+            requests = {arm["name"]: arm["requests"] for arm in shown["arms"]}
+            assert sum(requests.values()) == 40 and min(requests.values()) > 0
+            assert [a["endpoints"] for a in shown["arms"]] == [{}, {"version": "canary"}]
+            assert (await client.post("/experiments/nope", json={"action": "pause"})).status_code == 404
+            bad = await client.post("/experiments/release", json={"action": "explode"})
+            assert bad.status_code == 400 and "unknown action" in bad.text
+            bad = await client.post("/experiments/release", json={"action": "weights", "weights": {"stable": 0.7}})
+            assert bad.status_code == 400 and "every arm" in bad.text
+            moved = await client.post(
+                "/experiments/release", json={"action": "weights", "weights": {"stable": 0.9, "canary": 0.1}}
+            )
+            assert moved.status_code == 200 and moved.json()["weights"] == {"stable": 0.9, "canary": 0.1}
+            paused = (await client.post("/experiments/release", json={"action": "pause"})).json()
+            assert paused["state"] == "paused" and [h["kind"] for h in paused["history"]] == [
+                "started",
+                "set",
+                "paused",
+            ]
+            metrics = _families((await client.get("/metrics")).text)
+            by_arm = {s.labels["arm"]: s.value for s in metrics["inferlb_experiment_requests"].samples}
+            assert by_arm == {"stable": requests["stable"], "canary": requests["canary"]}
+            weights = {s.labels["arm"]: s.value for s in metrics["inferlb_experiment_weight"].samples}
+            assert weights == {"stable": 0.9, "canary": 0.1}
+            changes = {
+                (s.labels["arm"], s.labels["kind"]): s.value
+                for s in metrics["inferlb_experiment_weight_changes"].samples
+            }
+            assert changes == {("", "started"): 1, ("", "set"): 1, ("", "paused"): 1}
+        # Paused: covered requests route as the rest do, and the canary's endpoint stays reserved for its arm.
+        for i in range(20):
+            admitted = router.admit(RequestFeatures(model="m", request_id=f"p{i}", prompt_tokens=10)).request
+            assert admitted.arm is None
+            reply, lease = picker.service._route(admitted, tuple(range(3)))
+            assert reply != 2
+            lease.release()
+    finally:
+        await picker.stop(0.5)

@@ -88,3 +88,43 @@ async def test_a_refused_request_gets_an_error_span(traced):
 def test_otel_config_errors(otel, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({"otel": otel, "pool": {"endpoints": [{"address": "10.0.0.1:80"}]}})
+
+
+def test_experiment_arms_and_weight_changes_reach_the_spans() -> None:
+    import numpy as np
+
+    from inferlb.otel.routespans import EXPERIMENT_SPAN, WEIGHT_CHANGE_EVENT
+    from inferlb.scorer.engine import Engine
+    from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec
+    from inferlb.scorer.features import RequestFeatures
+    from inferlb.scorer.pool import Pool
+    from inferlb.scorer.presets import build_profile
+    from inferlb.scorer.router import Router
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spans = RouteSpans(provider)
+    config = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:8000"}, {"address": "10.0.0.2:8000"}]}})
+    engine = Engine(Pool(config.endpoints), build_profile("default", np.random.default_rng(0), size=2))
+    spec = ExperimentSpec("ab", (ArmSpec("control", "round-robin", 0.5), ArmSpec("treatment", "default", 0.5)))
+    experiments = Experiments.over(engine, [spec], config.profile_spec, np.random.default_rng(0))
+    experiments.listeners.append(spans.weight_changed)
+    router = Router(engine, experiments=experiments)
+    request = router.admit(RequestFeatures(model="m", request_id="r1")).request
+    routed = router.route(request)
+    spans.routed(request, routed.decision, 0)
+    experiments.running["ab"].control("weights", {"control": 0.9, "treatment": 0.1})
+    route, change = exporter.get_finished_spans()
+    assert route.attributes["inferlb.experiment"] == "ab"
+    assert route.attributes["inferlb.arm"] == routed.arm.name  # type: ignore[union-attr]
+    assert change.name == EXPERIMENT_SPAN
+    (event,) = change.events
+    assert event.name == WEIGHT_CHANGE_EVENT
+    assert dict(event.attributes) == {
+        "inferlb.experiment": "ab",
+        "inferlb.change.kind": "set",
+        "inferlb.change.reason": "set by the operator",
+        "inferlb.weight.control": 0.9,
+        "inferlb.weight.treatment": 0.1,
+    }
