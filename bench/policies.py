@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from inferlb.otel.latency import EndpointLatency
 from inferlb.scorer.classes import Classifier, Waiter
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import Engine
+from inferlb.scorer.experiments import Experiments, ExperimentSpec
 from inferlb.scorer.features import PREFIX_BLOCK_TOKENS, RequestFeatures
 from inferlb.scorer.inflight import InFlight, Lease
 from inferlb.scorer.pool import Pool
@@ -122,9 +123,14 @@ class PresetPolicy:
         classifier: Classifier | None = None,
         saturation: Saturation | None = None,
         poll_s: float = ADMISSION_POLL_S,
+        experiments: Sequence[ExperimentSpec] = (),
+        labels: Sequence[Mapping[str, str]] | None = None,
     ) -> None:
         n = len(profiles)
-        endpoints = [EndpointConfig(f"10.0.{i // 250}.{i % 250 + 1}:8000", frozenset({MODEL})) for i in range(n)]
+        endpoints = [
+            EndpointConfig(f"10.0.{i // 250}.{i % 250 + 1}:8000", frozenset({MODEL}), dict(labels[i]) if labels else {})
+            for i in range(n)
+        ]
         self.pool = Pool(endpoints)
         self._now = 0.0  # the simulator's clock at the current decision
 
@@ -135,7 +141,13 @@ class PresetPolicy:
         self.inflight = InFlight(n, clock=clock)
         profile = build_profile(preset, np.random.default_rng(seed), size=n)
         self.engine = Engine(self.pool, profile, self.inflight, self.signals, saturation)
-        self.router = Router(self.engine, classifier, poll_s=poll_s)
+        # Experiments run as live: their arms' engines share this state, their statistics run on this clock.
+        self.experiments = (
+            Experiments.over(self.engine, experiments, lambda name: name, np.random.default_rng(seed + 1))
+            if experiments
+            else None
+        )
+        self.router = Router(self.engine, classifier, poll_s=poll_s, experiments=self.experiments)
         self.latency = EndpointLatency(n, window_s=60.0, half_life_s=half_life_s)
         total = np.array([p.gpu_memory_bytes * p.gpu_count for p in profiles], dtype=float)
         # What never changes: the KV cache's size, and GPU memory (vLLM pre-allocates its share at start-up).
@@ -221,6 +233,16 @@ class PresetPolicy:
         if record.error is None:
             self.latency.observe(record.server, record.ttft_s, record.e2e_s, now=now)
             self._latency_dirty = True
+        if self.experiments is not None:
+            self._now = now
+            self.report(self.experiments, record)
+
+    def report(self, experiments: Experiments, record: RequestRecord) -> None:
+        """Tell the experiments a request's outcome, as the filter's timing of its response does live."""
+        failed = record.error is not None and record.error != "shed"
+        if not failed and record.ttft_s is not None:
+            experiments.first_token(record.id, record.ttft_s)
+        experiments.outcome(record.id, failed=failed, e2e_s=record.e2e_s)
 
     def _sync(self, view: FleetView) -> None:
         """Publish a snapshot when a scrape or a latency changed (the collectors' work)."""

@@ -37,13 +37,13 @@ from inferlb.sim.replay import Shot, replay
 from inferlb.sim.traces import load_trace, prompt_text
 from inferlb.stack import start_sim
 
-__all__ = ["add_arguments", "des_speed", "live_cost", "run"]
+__all__ = ["add_arguments", "des_speed", "live_cost", "run", "traces_dir"]
 
 PROFILE = "h100-llama3.1-8b"
 MODEL = "bench-model"
 
 
-def _traces_dir(given: Path | None) -> Path:
+def traces_dir(given: Path | None) -> Path:
     if given is not None:
         return given
     env = os.environ.get("INFERLB_TRACES_DIR")
@@ -145,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    traces = _traces_dir(args.traces)
+    traces = traces_dir(args.traces)
     if not (traces / "mooncake_conversation_trace.jsonl").exists():
         print(
             f"inferlb bench sim: error: no traces in {traces}; give --traces DIR or set INFERLB_TRACES_DIR",

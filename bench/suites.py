@@ -57,6 +57,7 @@ SUITES: Mapping[str, Suite] = MappingProxyType(
             Suite("external", "the gateway under guidellm, beside the servers' and Envoy's figures"),
             Suite("resilience", "what faults cost the clients: picker and server kills, span flood, soak"),
             Suite("bodycost", "what the worst request bodies cost the picker's parser"),
+            Suite("experiments", "A/B tests between policies: false verdicts, power, grey releases that roll back"),
         )
     }
 )

@@ -1,0 +1,24 @@
+"""Experiments through real Envoy and emulated servers: on a shared-prefix workload, ``default`` against
+``round-robin`` is found better on TTFT (with the right sign), and ``default`` against ``default`` is found
+nothing. The benchmark's own code runs it (`bench.experiments.ab_through_envoy`) with a smaller budget and a
+stricter alpha, so that an A/A verdict by chance is rarer than 1 run in 100."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferlb.bench.experiments import ab_through_envoy
+
+pytestmark = pytest.mark.envoy
+
+
+@pytest.mark.timeout(300)
+def test_default_beats_round_robin_on_ttft_and_an_a_a_finds_nothing() -> None:
+    result = ab_through_envoy(quick=True, alpha=0.01)
+    ab, aa = result["ab"], result["aa"]
+    assert ab["client_errors"] == 0 and aa["client_errors"] == 0
+    assert ab["verdict"] == "better", ab
+    assert ab["ttft_log_difference"] < 0 and ab["ttft_interval"][1] < 0  # default's TTFT is lower
+    assert ab["requests_to_verdict"] <= result["budget"]
+    assert sum(arm["requests"] for arm in ab["arms"].values()) == ab["sent"]  # every request counted in an arm
+    assert aa["verdict"] is None and aa["sent"] == result["budget"] // 2
