@@ -21,6 +21,8 @@ the simulator's on its virtual clock (`bench.policies.PresetPolicy`), the live p
 4. **A/B through Envoy** (live, unless ``--skip-live``): four emulated servers behind Envoy and the picker, a
    shared-prefix workload, ``round-robin`` (control) against ``default``, then ``default`` against ``default``:
    the requests until the TTFT verdict, and whether the A/A run stayed silent.
+5. **Grey release through Envoy** (live): five emulated servers, the fifth the canary pool failing 10% of its
+   requests by the emulator's fault injection, then healthy; the JSON's ``canary_*`` keys come from this run.
 
 Writes ``experiments.json`` (``aa_runs``, ``aa_false_verdicts``, ``ab_requests_to_verdict``, ``canary_cut_after_s``,
 ``canary_failed_requests`` and the detail) and ``experiments.md``.
@@ -35,6 +37,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
@@ -55,7 +58,17 @@ from inferlb.sim.profiles import get_profile
 from inferlb.sim.replay import Shot, replay
 from inferlb.stack import LocalStack, StackOptions
 
-__all__ = ["Fleet", "aa_study", "ab_through_envoy", "add_arguments", "power_study", "release", "run", "watched_run"]
+__all__ = [
+    "Fleet",
+    "aa_study",
+    "ab_through_envoy",
+    "add_arguments",
+    "live_canary",
+    "power_study",
+    "release",
+    "run",
+    "watched_run",
+]
 
 PROFILE = "h100-llama3.1-8b"
 SERVERS = 4
@@ -264,7 +277,9 @@ def release(fleet: Fleet, spec: ExperimentSpec, faulty: bool) -> dict[str, Any]:
     experiment = policy.experiments.running["canary"]
     first_cut = next((at for at, c in changes if c.kind in ("cut", "rolled-back")), None)
     rolled = next((at for at, c in changes if c.kind == "rolled-back"), None)
-    steps = [{"at_s": round(at, 1), "weight": c.weights["canary"], "kind": c.kind} for at, c in changes]
+    steps = [
+        {"at_s": round(at, 1), "weight": c.weights["canary"], "kind": c.kind, "reason": c.reason} for at, c in changes
+    ]
     return {
         "faulty": faulty,
         "rate_rps": round(fleet.rate_rps, 3),
@@ -353,7 +368,7 @@ def ab_through_envoy(*, quick: bool = False, alpha: float = 0.05) -> dict[str, A
     """`round-robin` against `default`, then `default` against `default`, through real Envoy and emulated
     servers on the shared-prefix workload (see the module's docstring). ``quick``: a smaller budget and minimum
     sample, and a test tuned to large differences (``latency_tau`` 0.5: the test's)."""
-    budget = 600 if quick else 1600
+    budget = 800 if quick else 1600
     min_samples = 50 if quick else 200
     tau = 0.5 if quick else 0.1
     out: dict[str, Any] = {
@@ -395,6 +410,84 @@ def ab_through_envoy(*, quick: bool = False, alpha: float = 0.05) -> dict[str, A
     return out
 
 
+LIVE_CANARY_RAMP = (0.05, 0.1, 0.2)
+LIVE_CANARY_STEP_S = 10.0
+
+
+async def _canary_traffic(stack: LocalStack, seconds: float, rate_rps: float) -> dict[str, Any]:
+    """Streamed requests with prompts of their own at ``rate_rps`` for ``seconds``, then the experiment's state."""
+    rng = random.Random(5)
+    shots: list[Shot] = []
+    t = 0.0
+    while t < seconds:
+        t += rng.expovariate(rate_rps)
+        prompt = f"request {len(shots)}: " + "p" * rng.randrange(200, 2000)
+        shots.append(Shot(f"c{len(shots)}", t, stack.gateway_url, LIVE_MODEL, prompt, 16))
+    started = time.time()  # the weight changes are dated by the wall clock
+    records = await replay(shots, timeout_s=120)
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.get(f"{stack.picker_admin_url}/experiments", headers=stack.admin_headers)
+        response.raise_for_status()
+    (experiment,) = response.json()["experiments"]
+    return {"records": records, "experiment": experiment, "started": started}
+
+
+def live_canary(*, faulty: bool, seconds: float = 60.0) -> dict[str, Any]:
+    """A grey release through Envoy: five emulated servers, the fifth the canary pool (``version: canary``), which
+    fails `CANARY_FAULT_RATE` of its requests when ``faulty`` (the emulator's own fault injection); the canary arm
+    ramps `LIVE_CANARY_RAMP`, `LIVE_CANARY_STEP_S` a step, behind the default guard rail."""
+    experiment = {
+        "name": "canary",
+        "arms": [
+            {"name": "stable", "profile": "default"},
+            {"name": "canary", "profile": "default", "endpoints": {"version": "canary"}},
+        ],
+        "ramp": list(LIVE_CANARY_RAMP),
+        "ramp_step_s": LIVE_CANARY_STEP_S,
+        "guard": {"min_requests": CANARY_MIN_REQUESTS, "check_s": CANARY_CHECK_S},
+    }
+    options = StackOptions(
+        backends=SERVERS + 1,
+        models=(LIVE_MODEL,),
+        policy="default",
+        latency_source="stream",
+        sim_args=("--fault", f"{SERVERS}:error_rate={CANARY_FAULT_RATE}") if faulty else (),
+        endpoint_labels=(*({"version": "stable"},) * SERVERS, {"version": "canary"}),
+        picker_config={"experiments": [experiment]},
+    )
+    with tempfile.TemporaryDirectory(prefix="inferlb-canary-") as tmp, LocalStack(options, Path(tmp)) as stack:
+        canary = stack.endpoints[SERVERS]
+        seen = asyncio.run(_canary_traffic(stack, seconds, LIVE_RATE_RPS))
+    records, shown = seen["records"], seen["experiment"]
+    started = seen["started"]
+    changes = [
+        {
+            "at_s": round(c["time"] - started, 1),
+            "weight": c["weights"]["canary"],
+            "kind": c["kind"],
+            "reason": c["reason"],
+        }
+        for c in shown["history"][1:]
+    ]
+    cut = next((c["at_s"] for c in changes if c["kind"] in ("cut", "rolled-back")), None)
+    rolled = next((c["at_s"] for c in changes if c["kind"] == "rolled-back"), None)
+    failed = [r for r in records if r.error is not None or r.status >= 500]
+    return {
+        "faulty": faulty,
+        "seconds": seconds,
+        "rate_rps": LIVE_RATE_RPS,
+        "requests": len(records),
+        "canary_requests": sum(r.server == canary for r in records),
+        "canary_failed_requests": sum(r.server == canary for r in failed),
+        "failed_elsewhere": sum(r.server != canary for r in failed),
+        "first_cut_after_s": cut,
+        "rolled_back_after_s": rolled,
+        "final_weight": shown["weights"]["canary"],
+        "state": shown["state"],
+        "changes": changes,
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for the results")
     parser.add_argument("--traces", type=Path, default=None, help="the traces directory (default: ../shared/traces)")
@@ -425,13 +518,20 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_live:
         print("A/B and A/A through Envoy ...", flush=True)
         live = ab_through_envoy(quick=quick)
+        print("grey release through Envoy ...", flush=True)
+        live["canary"] = {
+            "faulty": live_canary(faulty=True, seconds=30.0 if quick else 90.0),
+            "healthy": live_canary(faulty=False, seconds=30.0 if quick else 90.0),
+        }
     report.update(
         {
             "aa_runs": aa["runs"],
             "aa_false_verdicts": aa["false_verdict_runs"],
             "ab_requests_to_verdict": None if live is None else live["ab"]["requests_to_verdict"],
-            "canary_cut_after_s": canary["faulty"]["first_cut_after_s"],
-            "canary_failed_requests": canary["faulty"]["canary_failed_requests"],
+            # Through Envoy, with the emulator's fault injection, where the live part ran; else the simulator's.
+            "canary_cut_after_s": (live or {}).get("canary", canary)["faulty"]["first_cut_after_s"],
+            "canary_failed_requests": (live or {}).get("canary", canary)["faulty"]["canary_failed_requests"],
+            "canary_source": "envoy" if live else "simulator",
             "aa": aa,
             "power": power,
             "canary": canary,
@@ -509,16 +609,43 @@ def _markdown(r: dict[str, Any]) -> str:
         "",
         f"- Canary failing {CANARY_FAULT_RATE:.0%} of its requests: first cut after",
         f"  **{faulty['first_cut_after_s']} s**,"
-        f"  rolled back after {faulty['rolled_back_after_s']} s; **{faulty['canary_failed_requests']} client requests",
+        f" rolled back after {faulty['rolled_back_after_s']} s; **{faulty['canary_failed_requests']} client requests",
         f"  failed on the canary** of {faulty['canary_requests']} it got ({faulty['requests']} in all).",
         f"  Changes: {_changes(faulty['changes'])}. The run: {faulty['duration_s']} s at {faulty['rate_rps']} req/s.",
         f"- Healthy canary: final weight {healthy['final_weight']:.0%} ({healthy['state']});",
         f"  changes: {_changes(healthy['changes'])}.",
+        *(
+            [f"  Its cuts: {'; '.join(c['reason'] for c in healthy['changes'] if c['kind'] == 'cut')}."]
+            if any(c["kind"] == "cut" and "reason" in c for c in healthy["changes"])
+            else []
+        ),
+        "",
+        "A canary pool of one server has no choice of server where the control's requests are spread over four by",
+        "load, so at the same share of traffic its TTFT tail is longer: the p99 bound must be sized to the pools.",
         "",
     ]
     live = r.get("live")
     if live:
         out += ["## A/B through Envoy", "", *live["markdown"], ""]
+        faulty, healthy = live["canary"]["faulty"], live["canary"]["healthy"]
+        out += [
+            "## Grey release through Envoy",
+            "",
+            f"{SERVERS + 1} emulated servers behind Envoy and the picker, the last the canary pool; {LIVE_RATE_RPS:g}",
+            f"req/s of streamed requests for {faulty['seconds']:g} s; ramp",
+            f"{' -> '.join(f'{w:.0%}' for w in LIVE_CANARY_RAMP)}, at least {LIVE_CANARY_STEP_S:g} s a step, the same",
+            "guard as above. Seconds are wall time from the first request.",
+            "",
+            f"- Canary failing {CANARY_FAULT_RATE:.0%} of its requests (`inferlb sim --fault`): first cut after",
+            f"  **{faulty['first_cut_after_s']} s**, rolled back after {faulty['rolled_back_after_s']} s;",
+            f"  **{faulty['canary_failed_requests']} client requests failed on the canary** of",
+            f"  {faulty['canary_requests']} it got ({faulty['requests']} in all, {faulty['failed_elsewhere']} failed",
+            f"  elsewhere). Changes: {_changes(faulty['changes'])}.",
+            f"- Healthy canary: final weight {healthy['final_weight']:.0%} ({healthy['state']}), client errors",
+            f"  {healthy['canary_failed_requests'] + healthy['failed_elsewhere']};",
+            f"  changes: {_changes(healthy['changes'])}.",
+            "",
+        ]
     return "\n".join(out)
 
 

@@ -53,6 +53,7 @@ class StackOptions:
     # On SIGTERM the picker keeps answering this long; 0 here, so that stopping a local stack takes no time.
     picker_drain_s: float = 0.0
     picker_config: Mapping[str, Any] = field(default_factory=dict)  # more keys of the picker's YAML
+    endpoint_labels: tuple[Mapping[str, str], ...] = ()  # the pool's endpoints' labels, in order (default none)
 
 
 def start_sim(addresses: Sequence[str], log_path: Path, *args: str) -> ManagedProcess:
@@ -133,6 +134,10 @@ class LocalStack:
 
     def _endpoint(self, address: str) -> dict[str, Any]:
         entry: dict[str, Any] = {"address": address, "models": list(self.options.models)}
+        labels = self.options.endpoint_labels
+        index = self.endpoints.index(address)
+        if index < len(labels) and labels[index]:
+            entry["labels"] = dict(labels[index])
         if not self.options.servers:  # emulated servers show their GPUs at /gpu, in the GPU agent's schema
             entry["gpu"] = {"url": f"http://{address}/gpu"}
         return entry

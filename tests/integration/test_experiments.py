@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from inferlb.bench.experiments import ab_through_envoy
+from inferlb.bench.experiments import LIVE_CANARY_RAMP, ab_through_envoy, live_canary
 
 pytestmark = pytest.mark.envoy
 
@@ -22,3 +22,14 @@ def test_default_beats_round_robin_on_ttft_and_an_a_a_finds_nothing() -> None:
     assert ab["requests_to_verdict"] <= result["budget"]
     assert sum(arm["requests"] for arm in ab["arms"].values()) == ab["sent"]  # every request counted in an arm
     assert aa["verdict"] is None and aa["sent"] == result["budget"] // 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_canary_that_fails_requests_is_cut_through_envoy() -> None:
+    """The emulator's own fault injection: the canary server fails 10% of its requests; the picker sees the 5xx
+    on the response stream and the guard cuts the canary's weight. Only the canary's requests fail."""
+    result = live_canary(faulty=True, seconds=60.0)  # ~60 canary requests: some fail (1 - 0.9^60 > 0.998)
+    assert result["first_cut_after_s"] is not None and result["first_cut_after_s"] < 60.0
+    assert result["failed_elsewhere"] == 0 and 1 <= result["canary_failed_requests"] <= result["canary_requests"]
+    assert result["final_weight"] < LIVE_CANARY_RAMP[0]
