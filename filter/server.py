@@ -280,7 +280,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             trace_id, traceparent = traced
         if join is not None:
             # One decision, one span: Envoy's trace id (with Envoy's tracing on) is an alias of the same decision.
-            join.record(trace_id, index, also=envoy_trace)
+            join.record(trace_id, index, also=envoy_trace, request_id=features.request_id)
         return with_header(replies[index], "traceparent", traceparent), routed.lease
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:

@@ -311,6 +311,20 @@ def _experiments(config: Config, engine: Engine, rng: np.random.Generator | None
     return Experiments.over(engine, config.experiments, config.profile_spec, rng)
 
 
+def _span_outcomes(service: ExtProcService, spans: SpanLoop | None) -> None:
+    """With ``otel.latency_source: spans``, each server span joined to a decision tells the request's experiment arm
+    its TTFT and E2E (with ``stream``, the filter's timing of the response does)."""
+    if spans is None or spans.receiver is None or not spans.from_spans:
+        return
+
+    def outcome(request_id: str, ttft_s: float | None, e2e_s: float | None) -> None:
+        experiments = service.router.experiments  # read at each span: a reload may replace them
+        if experiments is not None:
+            experiments.observed(request_id, ttft_s, e2e_s, False)
+
+    spans.receiver.joiner.outcome = outcome
+
+
 def _export_changes(service: ExtProcService) -> None:
     """Each change of an experiment's weights becomes a span event, where the picker exports spans."""
     experiments = service.router.experiments
@@ -349,6 +363,7 @@ def create_picker(
         service.trace_join = _trace_join(config, spans)
         if config.otel.latency_source == "stream":
             service.response_timer = spans.observe_response
+        _span_outcomes(service, spans)
     if config.otel.exporter != "none" and config.otel.export_endpoint is not None:
         protocol = "grpc" if config.otel.exporter == "otlp-grpc" else "http/protobuf"
         provider = create_tracer_provider(config.otel.export_endpoint, protocol=protocol, service_name="inferlb")

@@ -34,10 +34,10 @@ Observe = Callable[[int, float | None, float | None], None]
 
 
 class _Decision:
-    __slots__ = ("at", "endpoint", "partner")
+    __slots__ = ("at", "endpoint", "partner", "request_id")
 
-    def __init__(self, endpoint: int, at: float, partner: bytes | None) -> None:
-        self.endpoint, self.at, self.partner = endpoint, at, partner
+    def __init__(self, endpoint: int, at: float, partner: bytes | None, request_id: str = "") -> None:
+        self.endpoint, self.at, self.partner, self.request_id = endpoint, at, partner, request_id
 
 
 class TraceJoin:
@@ -69,22 +69,28 @@ class TraceJoin:
         self.expired = 0
         """Decisions forgotten because no span came within ``max_age_s`` (only grows)."""
 
-    def record(self, trace_id: bytes, endpoint: int, also: bytes | None = None) -> None:
+    def record(self, trace_id: bytes, endpoint: int, also: bytes | None = None, request_id: str = "") -> None:
         """A decision for ``endpoint`` whose server span will carry ``trace_id``, or ``also`` if given (Envoy's
-        trace id, when Envoy's tracer may replace ours): the first span with either consumes both."""
+        trace id, when Envoy's tracer may replace ours): the first span with either consumes both. ``request_id``:
+        the request's (for experiments' outcomes; "" if it has none)."""
         now = self.clock()
         self._expire(now)
         keys = (trace_id,) if also is None or also == trace_id else (trace_id, also)
         for key in keys:
             self._forget(key)
             self._joined.pop(key, None)
-            self._map[key] = _Decision(endpoint, now, next((k for k in keys if k != key), None))
+            self._map[key] = _Decision(endpoint, now, next((k for k in keys if k != key), None), request_id)
         while len(self._map) > self.capacity:
             self._map.popitem(last=False)
             self.evicted += 1
 
     def consume(self, trace_id: bytes) -> int | None:
         """The endpoint of ``trace_id``'s decision, which is then forgotten; None if there is none (any more)."""
+        taken = self.take(trace_id)
+        return None if taken is None else taken[0]
+
+    def take(self, trace_id: bytes) -> tuple[int, str] | None:
+        """`consume`, with the decision's request id: (endpoint, request id)."""
         decision = self._map.pop(trace_id, None)
         if decision is None:
             return None
@@ -98,7 +104,7 @@ class TraceJoin:
         self._joined.move_to_end(trace_id)
         while len(self._joined) > self._remember:
             self._joined.popitem(last=False)
-        return decision.endpoint
+        return decision.endpoint, decision.request_id
 
     def joined(self, trace_id: bytes) -> bool:
         """Whether a span with ``trace_id`` joined within the last ``max_age_s`` (a second one is a duplicate)."""
@@ -225,6 +231,8 @@ class SpanJoiner:
     ) -> None:
         self.stats, self.heatmap = stats, heatmap
         self.by_name = by_name  # rule (b); a reload may change it
+        # Told (request id, TTFT, E2E) of each span joined by trace to a decision with a request id (experiments).
+        self.outcome: Callable[[str, float | None, float | None], None] | None = None
         self.rebind(observe, endpoints, join)
 
     def rebind(self, observe: Observe, endpoints: Sequence[str], join: TraceJoin) -> None:
@@ -237,9 +245,12 @@ class SpanJoiner:
     def add(self, sender: IPAddress | None, record: SpanRecord) -> None:
         """One record sent from ``sender`` (None: unknown, so no endpoint's own host)."""
         stats = self.stats
-        endpoint = self.join.consume(record.trace_id) if record.trace_id is not None else None
+        taken = self.join.take(record.trace_id) if record.trace_id is not None else None
+        endpoint = None if taken is None else taken[0]
         if endpoint is not None and endpoint < len(self.addresses):
             stats.joined_by_trace += 1
+            if self.outcome is not None and taken is not None and taken[1]:
+                self.outcome(taken[1], record.ttft_s, record.e2e_s)
         else:
             named = self._index.get(record.server) if record.server is not None else None
             if named is not None and self.by_name and sender is not None and self._hosts[named] == sender:

@@ -28,7 +28,8 @@ so each arm sees the load the others put on the servers. A request is in at most
 the config's order, whose scope covers it.
 
 Outcomes reach the arm through its request id (`Experiments.outcome`): the time to first token, the end-to-end
-time, and whether the request failed (a 5xx, or a reset). Each arm keeps, over the experiment's life and over the
+time, and whether the request failed (a 5xx, or a reset), from the filter's timing of the response or from the
+server's span joined to the decision. Each arm keeps, over the experiment's life and over the
 last ``window_s``, the moments of log-TTFT and log-E2E (for the sequential test of `scorer.sequential`), histograms
 for their quantiles, and counts of requests, errors and sheds: memory per arm is fixed, whatever the traffic.
 """

@@ -266,3 +266,38 @@ async def test_experiments_are_shown_steered_by_the_operator_only_and_counted_in
             lease.release()
     finally:
         await picker.stop(0.5)
+
+
+async def test_with_span_latency_the_servers_spans_are_the_experiments_outcomes(tmp_path: Path):
+    from inferlb.otel.spanwire import SpanRecord
+
+    doc = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+        "otel": {"receiver": f"127.0.0.1:{free_port()}"},
+        "pool": {"endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}, {"address": "10.0.0.2:8000"}]},
+        "experiments": [
+            {
+                "name": "ab",
+                "arms": [
+                    {"name": "a", "profile": "default", "weight": 0.5},
+                    {"name": "b", "profile": "round-robin", "weight": 0.5},
+                ],
+            }
+        ],
+    }
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    router, replies = picker.service.router, picker.service.replies.headers
+    traces = []
+    for i in range(40):
+        trace = f"{i + 1:032x}"
+        features = RequestFeatures(model="m", request_id=f"r{i}", traceparent=f"00-{trace}-{1:016x}-01")
+        _, lease = picker.service._route(router.admit(features).request, replies)
+        lease.release()
+        traces.append(bytes.fromhex(trace))
+    joiner = picker.spans.receiver.joiner
+    for trace in traces:
+        joiner.add(None, SpanRecord(trace, None, 0.25, 1.0, 1_700_000_000.0))
+    arms = router.experiments.running["ab"].arms
+    assert sum(arm.outcomes.ttft.moments.count for arm in arms) == 40
+    assert sum(arm.outcomes.finished for arm in arms) == 40 and router.experiments.unattributed == 0

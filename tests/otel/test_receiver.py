@@ -32,7 +32,11 @@ def make(
 ) -> tuple[SpanJoiner, list[tuple[int, float | None, float | None]]]:
     seen: list[tuple[int, float | None, float | None]] = []
     joiner = SpanJoiner(
-        lambda e, t, x: seen.append((e, t, x)), ENDPOINTS, join or TraceJoin(), ReceiverStats(), by_name=by_name
+        lambda e, t, x: seen.append((e, t, x)),
+        ENDPOINTS,
+        join if join is not None else TraceJoin(),
+        ReceiverStats(),
+        by_name=by_name,
     )
     return joiner, seen
 
@@ -208,3 +212,19 @@ def test_memory_levels_off_when_spans_join() -> None:
     assert len(heatmap.grid()["times"]) <= heatmap.max_buckets
     settled = [size for minute, size in sizes.items() if minute > 10]
     assert max(settled) - min(settled) < 64 * 1024, sizes
+
+
+def test_a_span_joined_by_trace_tells_its_requests_outcome_and_one_joined_by_name_does_not() -> None:
+    join = TraceJoin()
+    joiner, seen = make(join)
+    told: list[tuple[str, float | None, float | None]] = []
+    joiner.outcome = lambda rid, ttft, e2e: told.append((rid, ttft, e2e))
+    join.record(TRACE, 1, request_id="req-1")
+    join.record(b"\x08" * 16, 0)  # a decision without a request id
+    joiner.add(None, record(TRACE, ttft=0.3))
+    joiner.add(None, record(b"\x08" * 16))
+    joiner.add(ip("10.0.0.1"), record(None, ENDPOINTS[0]))  # joined by name: no request to tell of
+    assert told == [("req-1", 0.3, 1.5)]
+    assert [e for e, _, _ in seen] == [1, 0, 0]
+    joiner.add(None, record(TRACE))  # a duplicate tells nothing more
+    assert len(told) == 1
