@@ -432,10 +432,12 @@ async def _canary_traffic(stack: LocalStack, seconds: float, rate_rps: float) ->
     return {"records": records, "experiment": experiment, "started": started}
 
 
-def live_canary(*, faulty: bool, seconds: float = 60.0) -> dict[str, Any]:
+def live_canary(*, faulty: bool, seconds: float = 60.0, latency_source: str = "stream") -> dict[str, Any]:
     """A grey release through Envoy: five emulated servers, the fifth the canary pool (``version: canary``), which
     fails `CANARY_FAULT_RATE` of its requests when ``faulty`` (the emulator's own fault injection); the canary arm
-    ramps `LIVE_CANARY_RAMP`, `LIVE_CANARY_STEP_S` a step, behind the default guard rail."""
+    ramps `LIVE_CANARY_RAMP`, `LIVE_CANARY_STEP_S` a step, behind the default guard rail. ``latency_source``: the
+    picker's outcomes from its timing of the responses (``stream``), or from the servers' spans and, for failures,
+    Envoy's access log (``spans``)."""
     experiment = {
         "name": "canary",
         "arms": [
@@ -450,7 +452,8 @@ def live_canary(*, faulty: bool, seconds: float = 60.0) -> dict[str, Any]:
         backends=SERVERS + 1,
         models=(LIVE_MODEL,),
         policy="default",
-        latency_source="stream",
+        latency_source=latency_source,
+        spans=latency_source == "spans",
         sim_args=("--fault", f"{SERVERS}:error_rate={CANARY_FAULT_RATE}") if faulty else (),
         endpoint_labels=(*({"version": "stable"},) * SERVERS, {"version": "canary"}),
         picker_config={"experiments": [experiment]},

@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
@@ -29,7 +30,15 @@ from google.protobuf.message import Message
 
 from inferlb.scorer.inflight import Lease
 
-__all__ = ["ACCESS_LOG_SERVICE", "AccessLogReceiver", "LeaseStats", "OpenLeases", "add_to_server"]
+__all__ = [
+    "ACCESS_LOG_SERVICE",
+    "FAILURE_FLAGS",
+    "AccessLogReceiver",
+    "LeaseStats",
+    "OpenLeases",
+    "add_to_server",
+    "failed",
+]
 
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 DEFAULT_MAX_AGE_S = 900.0
@@ -157,8 +166,14 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     long-lived streams do not hold the server's shutdown for its whole grace period.
     """
 
-    def __init__(self, leases: Callable[[], OpenLeases | None]) -> None:
+    def __init__(
+        self,
+        leases: Callable[[], OpenLeases | None],
+        failures: Callable[[], Callable[[str], None] | None] | None = None,
+    ) -> None:
         self._leases = leases
+        # Read on every message, like ``leases``: what to tell of each failed request's id (experiments), if anything.
+        self._failures = failures
         self._streams: set[asyncio.Task[object]] = set()
         self._closed = False
 
@@ -184,8 +199,11 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                     leases = self._leases()
                     if leases is None:
                         continue
+                    tell = self._failures() if self._failures is not None else None
                     for entry in message.http_logs.log_entry:
                         leases.finish(entry.request.request_id)
+                        if tell is not None and failed(entry):
+                            tell(entry.request.request_id)
         except asyncio.CancelledError:
             if not self._closed or task is None:
                 raise
@@ -196,38 +214,76 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         return als_pb2.StreamAccessLogsResponse()
 
 
+# What makes an entry a failed request, to experiments: a 5xx, or Envoy's flags for an upstream that reset, failed,
+# timed out or closed mid-way (`ResponseFlags`). A client that went away is not the server's failure.
+FAILURE_FLAGS = (
+    "upstream_request_timeout",
+    "local_reset",
+    "upstream_remote_reset",
+    "upstream_connection_failure",
+    "upstream_connection_termination",
+)
+
+
 def _request_ids_message() -> type[Message]:
-    """A message type that reads a `StreamAccessLogsMessage` as far as its HTTP entries' request ids and skips
-    everything else Envoy sends (addresses, timings, headers sizes, metadata: ~450 bytes an entry), which the
-    full type would build objects for. Field numbers come from the real descriptors."""
-    http_logs = als_pb2.StreamAccessLogsMessage.DESCRIPTOR.fields_by_name["http_logs"]
+    """A message type that reads a `StreamAccessLogsMessage` as far as its HTTP entries' request ids, response codes
+    and the failure flags (`FAILURE_FLAGS`), and skips everything else Envoy sends (addresses, timings, headers
+    sizes, metadata: ~450 bytes an entry), which the full type would build objects for. Field numbers come from
+    the real descriptors."""
+    message = als_pb2.StreamAccessLogsMessage.DESCRIPTOR
+    http_logs = message.fields_by_name["http_logs"]
     log_entry = http_logs.message_type.fields_by_name["log_entry"]
-    request = log_entry.message_type.fields_by_name["request"]
+    entry = log_entry.message_type
+    request, response, common = (entry.fields_by_name[n] for n in ("request", "response", "common_properties"))
     request_id = request.message_type.fields_by_name["request_id"]
+    response_code = response.message_type.fields_by_name["response_code"]
+    response_flags = common.message_type.fields_by_name["response_flags"]
+    flags = response_flags.message_type.fields_by_name
+    field = descriptor_pb2.FieldDescriptorProto
+    string, uint32, boolean = field.TYPE_STRING, field.TYPE_UINT32, field.TYPE_BOOL
+    # message -> its fields: (name, number, repeated, a scalar type or the name of a message type here)
+    layout: dict[str, list[tuple[str, int, bool, int | str]]] = {
+        "Message": [("http_logs", http_logs.number, False, "Entries")],
+        "Entries": [("log_entry", log_entry.number, True, "Entry")],
+        "Entry": [
+            ("request", request.number, False, "Request"),
+            ("response", response.number, False, "Response"),
+            ("common_properties", common.number, False, "Common"),
+        ],
+        "Request": [("request_id", request_id.number, False, string)],
+        "Response": [("response_code", response_code.number, False, "Code")],
+        "Code": [("value", 1, False, uint32)],  # google.protobuf.UInt32Value
+        "Common": [("response_flags", response_flags.number, False, "Flags")],
+        "Flags": [(name, flags[name].number, False, boolean) for name in FAILURE_FLAGS],
+    }
     package = "inferlb.request_end"
     file = descriptor_pb2.FileDescriptorProto(name="inferlb/request_end.proto", package=package, syntax="proto3")
-    field = descriptor_pb2.FieldDescriptorProto
-    for name, member, number, repeated, of in (
-        ("Request", "request_id", request_id.number, False, None),
-        ("Entry", "request", request.number, False, "Request"),
-        ("Entries", "log_entry", log_entry.number, True, "Entry"),
-        ("Message", "http_logs", http_logs.number, False, "Entries"),
-    ):
-        added = file.message_type.add(name=name).field.add(
-            name=member,
-            number=number,
-            label=field.LABEL_REPEATED if repeated else field.LABEL_OPTIONAL,
-            type=field.TYPE_MESSAGE if of else field.TYPE_STRING,
-        )
-        if of:
-            added.type_name = f".{package}.{of}"
+    for name, members in layout.items():
+        added = file.message_type.add(name=name)
+        for member, number, repeated, kind in members:
+            one = added.field.add(
+                name=member, number=number, label=field.LABEL_REPEATED if repeated else field.LABEL_OPTIONAL
+            )
+            if isinstance(kind, str):
+                one.type, one.type_name = field.TYPE_MESSAGE, f".{package}.{kind}"
+            else:
+                one.type = kind
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Message"))
 
 
+def failed(entry: Any) -> bool:
+    """Whether an entry (of `_request_ids_message`) is of a failed request: a 5xx, or a failure flag."""
+    if entry.response.response_code.value >= 500:
+        return True
+    flags = entry.common_properties.response_flags
+    return any(getattr(flags, name) for name in FAILURE_FLAGS)
+
+
 def add_to_server(receiver: AccessLogReceiver, server: grpc.aio.Server) -> None:
-    """Serve ``receiver`` on ``server`` as Envoy's ``AccessLogService``, its messages read by request id only."""
+    """Serve ``receiver`` on ``server`` as Envoy's ``AccessLogService``, its messages read as far as request ids and
+    failures only."""
     handler = grpc.stream_unary_rpc_method_handler(
         receiver.StreamAccessLogs,
         request_deserializer=_request_ids_message().FromString,

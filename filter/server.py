@@ -127,6 +127,14 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     def engine(self) -> Engine:
         return self.router.engine
 
+    def failure_listener(self) -> Callable[[str], None] | None:
+        """What Envoy's access log tells of a failed request (a 5xx, a reset): its experiment arm's outcome, unless
+        the response stream already tells it (``otel.latency_source: stream`` times every response)."""
+        experiments = self.router.experiments
+        if experiments is None or self.response_timer is not None:
+            return None
+        return experiments.failed
+
     def swap_router(self, router: Router) -> None:
         """Route with ``router`` from now on (a config reload). Streams that already hold a lease release it into
         the old engine's counters; a request between its headers and its body, or waiting for capacity, is
@@ -337,7 +345,7 @@ class PickerServer:
             ]
         )
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(service, self._server)
-        self._access_logs = AccessLogReceiver(lambda: service.leases)
+        self._access_logs = AccessLogReceiver(lambda: service.leases, service.failure_listener)
         add_access_log_service(self._access_logs, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port: int | None = None

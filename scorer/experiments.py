@@ -820,6 +820,11 @@ class Experiments:
             outcomes.e2e.add(e2e_s, self.clock())
         self.running[arm.experiment].check()
 
+    def failed(self, request_id: str) -> None:
+        """A routed request failed (Envoy's access log: a 5xx or a reset). Nothing if its outcome already came."""
+        if request_id in self._open:
+            self.outcome(request_id, failed=True)
+
     def observed(self, request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
         """What the filter's timing of a response says (``filter.observe.RequestOutcome``): a streamed answer's first
         token (its TTFT; it is measured no further, so that is its end), another's full body (E2E), or a failure."""

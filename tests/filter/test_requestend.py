@@ -225,3 +225,56 @@ async def test_stopping_ends_envoys_open_access_log_streams() -> None:
     await asyncio.wait_for(server.stop(grace=600), 30)
     await asyncio.wait_for(call, 30)
     await channel.close()
+
+
+def test_the_parser_reads_response_codes_and_the_failure_flags() -> None:
+    from inferlb.filter.requestend import failed
+
+    message = als_pb2.StreamAccessLogsMessage()
+    for text in (
+        'request { request_id: "ok" } response { response_code { value: 200 } }',
+        'request { request_id: "5xx" } response { response_code { value: 503 } }',
+        'request { request_id: "reset" } response { response_code { value: 200 } }'
+        " common_properties { response_flags { upstream_remote_reset: true } }",
+        'request { request_id: "client-left" } common_properties { response_flags { downstream_remote_reset: true } }',
+        'request { request_id: "429" } response { response_code { value: 429 } }',
+    ):
+        text_format.Parse(text, message.http_logs.log_entry.add())
+    parsed = _request_ids_message().FromString(message.SerializeToString())
+    assert [e.request.request_id for e in parsed.http_logs.log_entry if failed(e)] == ["5xx", "reset"]
+
+
+async def test_failed_requests_in_the_access_log_are_their_experiment_arms_outcomes() -> None:
+    from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec
+    from inferlb.scorer.features import RequestFeatures
+
+    engine = make_engine()
+    spec = ExperimentSpec("ab", (ArmSpec("a", engine.profile.name, 0.5), ArmSpec("b", "round-robin", 0.5)))
+    experiments = Experiments.over(engine, [spec], lambda name: name, np.random.default_rng(0))
+    service = ExtProcService(engine, max_body_bytes=4096, leases=OpenLeases(), experiments=experiments)
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    try:
+        for rid in ("good", "bad"):
+            routed = service.router.route(service.router.admit(RequestFeatures(model="m", request_id=rid)).request)
+            service.leases.hold(rid, routed.lease)  # type: ignore[union-attr]
+        message = als_pb2.StreamAccessLogsMessage()
+        for text in (
+            'request { request_id: "good" } response { response_code { value: 200 } }',
+            'request { request_id: "bad" } response { response_code { value: 502 } }',
+        ):
+            text_format.Parse(text, message.http_logs.log_entry.add())
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+
+            async def messages() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+                yield message
+
+            await als_pb2_grpc.AccessLogServiceStub(channel).StreamAccessLogs(messages(), timeout=5)
+        arms = experiments.running["ab"].arms
+        assert sum(a.outcomes.failed for a in arms) == 1 and sum(a.outcomes.finished for a in arms) == 1
+        assert len(service.leases) == 0  # type: ignore[arg-type]
+        # With the response stream timed, the stream tells outcomes and the access log does not.
+        service.response_timer = lambda endpoint, ttft, e2e: None
+        assert service.failure_listener() is None
+    finally:
+        await server.stop(0)

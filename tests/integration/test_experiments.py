@@ -26,10 +26,13 @@ def test_default_beats_round_robin_on_ttft_and_an_a_a_finds_nothing() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_canary_that_fails_requests_is_cut_through_envoy() -> None:
+@pytest.mark.parametrize("latency_source", ["stream", "spans"])
+def test_a_canary_that_fails_requests_is_cut_through_envoy(latency_source: str) -> None:
     """The emulator's own fault injection: the canary server fails 10% of its requests; the picker sees the 5xx
-    on the response stream and the guard cuts the canary's weight. Only the canary's requests fail."""
-    result = live_canary(faulty=True, seconds=60.0)  # ~60 canary requests: some fail (1 - 0.9^60 > 0.998)
+    on the response stream (``stream``) or in Envoy's access log, with the successes from the servers' spans
+    (``spans``), and the guard cuts the canary's weight. Only the canary's requests fail."""
+    # ~60 canary requests: some fail (1 - 0.9^60 > 0.998).
+    result = live_canary(faulty=True, seconds=60.0, latency_source=latency_source)
     assert result["first_cut_after_s"] is not None and result["first_cut_after_s"] < 60.0
     assert result["failed_elsewhere"] == 0 and 1 <= result["canary_failed_requests"] <= result["canary_requests"]
     assert result["final_weight"] < LIVE_CANARY_RAMP[0]
