@@ -118,8 +118,8 @@ class _Watched(PresetPolicy):
 
     def report(self, experiments: Experiments, record: RequestRecord) -> None:
         if self.effect != 1.0 and record.ttft_s is not None:
-            held = experiments._open.get(record.id)
-            if held is not None and held[1].name == "treatment":
+            arm = experiments.arm_of(record.id)
+            if arm is not None and arm.name == "treatment":
                 record = _scaled(record, self.effect)
         super().report(experiments, record)
         self.outcomes += 1

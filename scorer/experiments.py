@@ -794,6 +794,11 @@ class Experiments:
         while self._open and next(iter(self._open.values()))[0] < limit:
             self._open.popitem(last=False)
 
+    def arm_of(self, request_id: str) -> Arm | None:
+        """The arm of a routed request whose outcome has not come yet (None: none, or no longer remembered)."""
+        held = self._open.get(request_id)
+        return None if held is None else held[1]
+
     def shed(self, arm: Arm) -> None:
         arm.outcomes.shed += 1
 

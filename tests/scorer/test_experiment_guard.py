@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -85,6 +87,17 @@ def _finish(
         experiments.outcome(f"r{i}", failed=failed, e2e_s=None if failed else ttft * 2)
 
 
+def _rounds(router: Router, clock: Clock, *, rounds: int, size: int, step_s: float, failing: float) -> Iterator[int]:
+    """``rounds`` times: the clock moves ``step_s`` on, ``size`` requests are routed and finished (`_finish`); after
+    each round, the requests sent so far."""
+    start = 0
+    for _ in range(rounds):
+        clock.now += step_s
+        _finish(router, _send(router, size, start), start, failing)
+        start += size
+        yield start
+
+
 def test_a_release_arm_routes_to_its_labelled_endpoints_and_nothing_else_does() -> None:
     router = _router(
         _canary(),
@@ -130,22 +143,15 @@ def test_an_erroring_canary_is_cut_then_rolled_back_and_each_change_is_told() ->
     assert experiments is not None
     experiments.listeners.append(told.append)
     experiment = experiments.running["release"]
-    weights = []
-    start = 0
-    for _ in range(12):
-        clock.now += 1.5
-        batch = _send(router, 200, start)
-        _finish(router, batch, start, failing=0.1)
-        start += 200
-        weights.append(experiment.weights()["canary"])
-        if experiment.rolled_back:
-            break
+    rounds = _rounds(router, clock, rounds=12, size=200, step_s=1.5, failing=0.1)
+    sent = next((n for n in rounds if experiment.rolled_back), None)
+    assert sent is not None, "never rolled back"
     assert [c.kind for c in told] == ["cut", "cut", "rolled-back"]
     assert [c.weights["canary"] for c in told] == [0.15, 0.045, 0.0]
     assert experiment.state == "rolled back" and experiment.breaches["canary"] == 3
     assert all("failed, over 2.0%" in c.reason for c in told)
     # Rolled back: nothing more goes to the canary, and its endpoint stays reserved (no one else uses it).
-    assert {endpoint for _, endpoint in _send(router, 200, start)} == {0, 1, 2}
+    assert {endpoint for _, endpoint in _send(router, 200, sent)} == {0, 1, 2}
     described = experiment.describe()
     assert [h["kind"] for h in described["history"]] == ["started", "cut", "cut", "rolled-back"]
 
@@ -203,14 +209,10 @@ def test_the_ramp_steps_up_on_schedule_while_the_guard_finds_nothing() -> None:
     router = _router(spec, clock=clock)
     experiment = router.experiments.running["release"]  # type: ignore[union-attr]
     assert experiment.weights() == {"stable": 0.95, "canary": 0.05}
-    seen = []
-    start = 0
-    for _ in range(100):
-        clock.now += 1.0
-        batch = _send(router, 50, start)
-        _finish(router, batch, start, failing=0.0)
-        start += 50
-        seen.append((clock.now, experiment.weights()["canary"]))
+    seen = [
+        (clock.now, experiment.weights()["canary"])
+        for _ in _rounds(router, clock, rounds=100, size=50, step_s=1.0, failing=0.0)
+    ]
     steps = [(t, w) for (t, w), (_, before) in zip(seen[1:], seen, strict=False) if w != before]
     assert [w for _, w in steps] == [0.2, 0.5]
     assert [t for t, _ in steps] == [30.0, 60.0]  # each step held ramp_step_s
