@@ -192,6 +192,8 @@ class LocalStack:
         argv += ["--config", str(self.config_path)]
         self.picker = ManagedProcess("picker", argv, self.workdir / "picker.log").start()
         self.picker.wait_ready(grpc_serving(self.picker_address), READY_TIMEOUT_S, "serving")
+        if self.options.picker_command:
+            return  # another picker (the hop benchmark's do-nothing one) serves gRPC only
         # The admin API comes up after the gRPC server (after the span receiver's process, where there is one).
         self.picker.wait_ready(http_ok(f"{self.picker_admin_url}/healthz"), READY_TIMEOUT_S, "admin API")
 

@@ -4,12 +4,16 @@ as a fixture so that a new run of the benchmark does not move what these tests p
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from inferlb.bench.hop import POLICY, VARIANTS, _markdown, cpu_ratio_to_floor
+from inferlb.bench.hop import BODY, MODEL, POLICY, VARIANTS, _markdown, _start_backends, cpu_ratio_to_floor
+from inferlb.envoyconf import EnvoyOptions
+from inferlb.stack import LocalStack, StackOptions
 
 RESULTS = Path(__file__).resolve().parents[1] / "fixtures" / "bench" / "hop-2026-11-30.json"
 
@@ -79,3 +83,22 @@ def test_the_report_splits_the_extra_cpu_into_the_routing_path_and_the_scoring(r
 
 def test_a_run_without_the_round_robin_variants_has_no_split(results: dict[str, Any]) -> None:
     assert "Where inferlb's picker CPU" not in _markdown(results)
+
+
+@pytest.mark.envoy
+def test_the_floor_gateway_starts_and_routes_through_the_do_nothing_picker(tmp_path: Path) -> None:
+    # The floor's picker serves gRPC only (no admin API): the gateway must not wait for one.
+    backends = _start_backends(2, tmp_path)
+    try:
+        options = StackOptions(
+            servers=tuple(backends.addresses),
+            models=(MODEL,),
+            envoy=EnvoyOptions(access_log_path=None),
+            picker_command=(sys.executable, "-m", "inferlb.bench.noop_picker"),
+        )
+        with LocalStack(options, tmp_path / "noop") as stack:
+            replies = [httpx.post(stack.gateway_url + "/v1/completions", content=BODY, timeout=10) for _ in range(4)]
+    finally:
+        backends.process.stop()
+    assert [r.status_code for r in replies] == [200] * 4
+    assert {r.json()["id"] for r in replies} == {"cmpl-1"}

@@ -35,9 +35,9 @@ def run(policy: str, shots_for, tmp_path: Path, *, sim_args: tuple[str, ...] = (
         return stack.endpoints, records, metrics
 
 
-def p99(values: list[float]) -> float:
+def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def test_a_slowed_server_gets_less_traffic_and_the_tail_is_shorter(tmp_path: Path) -> None:
@@ -57,12 +57,14 @@ def test_a_slowed_server_gets_less_traffic_and_the_tail_is_shorter(tmp_path: Pat
         assert [r.error for r in records] == [None] * len(records), policy
         slow = endpoints[0]  # server 0 of `inferlb sim` is the first endpoint
         share = sum(r.server == slow for r in records) / len(records)
-        results[policy] = (share, p99([r.ttft_s for r in records if r.ttft_s is not None]) * SCALE)
-    rr_share, rr_p99 = results["round-robin"]
+        # The tail is TTFT p95: p99 of 240 requests is the third-worst one, which a single scheduling stall of the
+        # machine decides (seen on a loaded 2-core runner: one stall put three requests of one run over 1 s).
+        results[policy] = (share, quantile([r.ttft_s for r in records if r.ttft_s is not None], 0.95) * SCALE)
+    rr_share, rr_p95 = results["round-robin"]
     share, tail = results["default"]
     assert rr_share == pytest.approx(0.25, abs=0.02)
     assert share < 0.5 * rr_share, results
-    assert tail < rr_p99, results
+    assert tail < rr_p95, results
 
 
 def test_shared_prefixes_hit_the_cache_more_without_overloading_anyone(tmp_path: Path) -> None:
