@@ -29,7 +29,9 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jinja2
+from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.bench import micro, pyspy
 from inferlb.bench.load import LoadResult, cpu_seconds, run_wrk
@@ -90,6 +92,9 @@ class Row:
     requests: int
     picker_cpu_us: float | None
     envoy_cpu_us: float
+    # inferlb's own figure for the run: the mean time of one decision (Engine.decide + the lease), µs, from the
+    # picker's pick histogram (inferlb_pick_seconds); None for the pickers that keep none.
+    pick_us: float | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -213,11 +218,16 @@ def _measure(stack: LocalStack, variant: Variant, concurrency: int, duration: fl
     run_wrk(url, connections=concurrency, duration_s=1.0, method=method, body=body)  # warm-up
     picker_pid = stack.picker.pid if stack.picker else None
     envoy_pid = stack.envoy.pid if stack.envoy else 0
+    picks_before = _picks(stack)
     picker_before = cpu_seconds(picker_pid) if picker_pid else 0.0
     envoy_before = cpu_seconds(envoy_pid)
     result: LoadResult = run_wrk(url, connections=concurrency, duration_s=duration, method=method, body=body)
     picker_cpu = (cpu_seconds(picker_pid) - picker_before) if picker_pid else None
     envoy_cpu = cpu_seconds(envoy_pid) - envoy_before
+    picks_after = _picks(stack)
+    pick_us = None
+    if picks_before is not None and picks_after is not None and picks_after[1] > picks_before[1]:
+        pick_us = (picks_after[0] - picks_before[0]) / (picks_after[1] - picks_before[1]) * 1e6
     n = max(result.requests, 1)
     return Row(
         variant=variant.name,
@@ -230,7 +240,20 @@ def _measure(stack: LocalStack, variant: Variant, concurrency: int, duration: fl
         requests=result.requests,
         picker_cpu_us=None if picker_cpu is None else picker_cpu / n * 1e6,
         envoy_cpu_us=envoy_cpu / n * 1e6,
+        pick_us=pick_us,
     )
+
+
+def _picks(stack: LocalStack) -> tuple[float, float] | None:
+    """(seconds, decisions) of inferlb's pick histogram so far; None for a stack without inferlb's picker."""
+    if stack.picker is None or stack.options.picker_command:
+        return None
+    text = httpx.get(f"{stack.picker_admin_url}/metrics", headers=stack.admin_headers, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "inferlb_pick_seconds":
+            found = {sample.name: sample.value for sample in family.samples}
+            return found["inferlb_pick_seconds_sum"], found["inferlb_pick_seconds_count"]
+    raise ValueError("the picker's /metrics has no inferlb_pick_seconds")
 
 
 def _combine(runs: list[Row]) -> Row:
@@ -238,6 +261,7 @@ def _combine(runs: list[Row]) -> Row:
     requests = sum(r.requests for r in runs)
     seconds = sum(r.requests / r.rps for r in runs if r.rps)
     pickers = [r.picker_cpu_us * r.requests for r in runs if r.picker_cpu_us is not None]
+    picks = [(r.pick_us, r.requests) for r in runs if r.pick_us is not None]
     return Row(
         variant=runs[0].variant,
         concurrency=runs[0].concurrency,
@@ -249,6 +273,7 @@ def _combine(runs: list[Row]) -> Row:
         requests=requests,
         picker_cpu_us=sum(pickers) / requests if pickers else None,
         envoy_cpu_us=sum(r.envoy_cpu_us * r.requests for r in runs) / requests,
+        pick_us=sum(us * n for us, n in picks) / sum(n for _, n in picks) if picks else None,
     )
 
 
@@ -305,17 +330,22 @@ def _split(
                 continue
             base, path, full = floor["picker_cpu_us"], rr["picker_cpu_us"], ours["picker_cpu_us"]
             added = [f"{path - base:+.0f}", f"{full - path:+.0f}"]
-            rows.append([c, kind, f"{base:.0f}", *added, f"{path / base:.2f}x", f"{full / base:.2f}x"])
+            picks = [rr.get("pick_us"), ours.get("pick_us")]
+            shown = "—" if None in picks else f"{picks[0]:.0f}, {picks[1]:.0f}"
+            rows.append([c, kind, f"{base:.0f}", *added, shown, f"{path / base:.2f}x", f"{full / base:.2f}x"])
     if not rows:
         return []
     out = ["", "## Where inferlb's picker CPU over the floor goes (same run)", ""]
     out += [
         "The round-robin preset runs the whole routing path (parse, admission, lease, access-log end, decision",
-        f"log) with the cheapest pick; what `{policy}` costs beyond it is its filters and scorers.",
+        f"log) with the cheapest pick; what `{policy}` costs beyond it is its filters and scorers. The pick",
+        "column is the picker's own mean time per decision (`Engine.decide` + the lease, from its",
+        "`inferlb_pick_seconds` histogram) during the same runs, round-robin then the default: under load it is",
+        "several times the in-process figures below, and it accounts for most of the scoring's share.",
         "",
     ]
-    head = ["concurrency", "request", "floor µs/req", "routing path µs", f"{policy} scoring µs", "round-robin/floor"]
-    out += table([*head, f"{policy}/floor"], rows, "rlrrrrr")
+    head = ["concurrency", "request", "floor µs/req", "routing path µs", f"{policy} scoring µs", "pick µs rr, default"]
+    out += table([*head, "round-robin/floor", f"{policy}/floor"], rows, "rlrrrrrr")
     if cold:
         out += [
             "",

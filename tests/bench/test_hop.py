@@ -67,6 +67,9 @@ def test_the_report_splits_the_extra_cpu_into_the_routing_path_and_the_scoring(r
             floor, ours = by[(f"noop {kind}", c)]["picker_cpu_us"], by[(f"inferlb {kind}", c)]["picker_cpu_us"]
             rr = dict(by[(f"inferlb {kind}", c)], variant=f"inferlb rr {kind}", picker_cpu_us=(floor + ours) / 2)
             rows.append(rr)
+    # The picker's own pick times, kept from runs after 2026-12-02: shown where both presets have them.
+    by[("inferlb rr body", 64)] = rows[-1]
+    rows[-1]["pick_us"], by[("inferlb body", 64)]["pick_us"] = 9.6, 76.9
     results["own_work"]["decide_cold"] = {"round-robin": 26.0, "default": 83.7}
     text = _markdown(results)
 
@@ -74,9 +77,11 @@ def test_the_report_splits_the_extra_cpu_into_the_routing_path_and_the_scoring(r
     floor, ours = by[("noop body", 64)]["picker_cpu_us"], by[("inferlb body", 64)]["picker_cpu_us"]
     half = (ours - floor) / 2
     row = (
-        f"| 64 | body | {floor:.0f} | {half:+.0f} | {half:+.0f} | {(floor + half) / floor:.2f}x | {ours / floor:.2f}x |"
+        f"| 64 | body | {floor:.0f} | {half:+.0f} | {half:+.0f} | 10, 77 | {(floor + half) / floor:.2f}x |"
+        f" {ours / floor:.2f}x |"
     )
     assert row in text
+    assert "| 64 | headers |" in text and "| — |" in text  # no pick times in that row
     assert "| default | 83.7 |" in text
     assert "inferlb rr body" in cpu_ratio_to_floor(rows)
 
