@@ -92,6 +92,22 @@ def with_header(reply: ProcessingResponse, key: str, value: str) -> ProcessingRe
     return out
 
 
+def with_body(reply: ProcessingResponse, body: bytes) -> ProcessingResponse:
+    """A copy of a prebuilt body-phase route reply that also replaces the request body Envoy forwards with ``body``,
+    and sets its content-length: with headers sent and the body buffered, Envoy leaves that to the processor (the
+    upstream would otherwise read the old length)."""
+    out = ProcessingResponse()
+    out.CopyFrom(reply)
+    response = out.request_body.response
+    response.body_mutation.body = body
+    response.header_mutation.set_headers.append(
+        HeaderValueOption(
+            header=HeaderValue(key="content-length", raw_value=str(len(body)).encode()), append_action=_OVERWRITE
+        )
+    )
+    return out
+
+
 _JSON_CONTENT = HeaderMutation(
     set_headers=[
         HeaderValueOption(

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from itertools import chain, repeat
 from typing import Any
 
+import orjson
+
 from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError, RequestError
 from inferlb.filter.tokenscan import parse_body
 from inferlb.scorer.errors import shown
@@ -119,6 +121,28 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
     if refused is not None:
         raise refused
     return features.with_body(*found)
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """``body`` (a JSON object `apply_body` accepted) naming ``model`` instead: what a release arm that sends its
+    requests as another model forwards. The document is parsed whole (not scanned, as a long prompt of token ids is
+    on the routing path), so this costs a full parse, paid only by the requests such an arm gets."""
+    if body.startswith(_BOM):
+        body = body[len(_BOM) :]
+    enabled = gc.isenabled()
+    if len(body) >= _GC_PAUSE_MIN_BYTES:
+        gc.disable()  # as in apply_body: no cycles are made, and the collector would only rescan the document
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise MalformedRequestError(f"request body is not valid JSON: {exc}") from None
+    finally:
+        if enabled:
+            gc.enable()
+    if not isinstance(document, dict):
+        raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(document)}")
+    document["model"] = model
+    return orjson.dumps(document)
 
 
 def _read(body: bytes) -> tuple[str, bool, int | None, int, int, tuple[int, ...]]:

@@ -40,8 +40,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferlb.filter.errors import MalformedRequestError, OverloadedError, RequestError, from_routing_error
 from inferlb.filter.observe import ObserveStats, time_response
-from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_header
-from inferlb.filter.request import apply_body, features_from_headers
+from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_body, with_header
+from inferlb.filter.request import apply_body, features_from_headers, with_model
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.filter.requestend import add_to_server as add_access_log_service
 from inferlb.otel.receiver import TraceJoin
@@ -149,6 +149,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.stats.streams += 1
         lease: Lease | None = None
         features: RequestFeatures | None = None
+        raw_body: bytes | None = None
         decided = False
         # With Envoy's own tracing on, Envoy sends its trace context on this gRPC stream and later replaces the
         # traceparent we set on the upstream request with its own: the server's span then carries Envoy's trace
@@ -191,6 +192,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     if features is None:
                         features = RequestFeatures()
                     body = message.request_body
+                    raw_body = body.body
                     try:
                         features = apply_body(
                             features, body.body, complete=body.end_of_stream, max_bytes=self.max_body_bytes
@@ -210,7 +212,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
                     yield self._refuse(refusal)
                     return  # an ImmediateResponse ends the request: nothing more will come
-                reply, lease = self._route(features, replies, saturated, envoy_trace)
+                reply, lease = self._route(features, replies, saturated, envoy_trace, raw_body)
                 yield reply
                 if lease is None:
                     return  # refused by the engine
@@ -260,7 +262,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         replies: tuple[ProcessingResponse, ...],
         saturated: bool = False,
         envoy_trace: bytes | None = None,
+        body: bytes | None = None,
     ) -> tuple[ProcessingResponse, Lease | None]:
+        """The reply that routes ``features`` (and its lease), or a refusal. ``body``: the request's body, which a
+        release arm that sends its requests as another model rewrites."""
         spans = self.route_spans
         started_ns = time.time_ns() if spans is not None else 0
         try:
@@ -277,11 +282,19 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.decisions.record(features.request_id, features.model, decision, routed.pick_s, label)
         index = decision.endpoint.index
         self.stats.routed += 1
+        reply = replies[index]
+        if arm is not None and arm.spec.model is not None and body is not None:
+            # features.model is already the arm's (admission set it); the client's body still names its own.
+            try:
+                reply = with_body(reply, with_model(body, arm.spec.model))
+            except RequestError as exc:  # apply_body read this body, so only a parser's disagreement gets here
+                routed.lease.release()
+                return self._refuse(exc), None
         join = self.trace_join
         traced = spans.routed(features, decision, started_ns) if spans is not None else None
         if traced is None:
             if join is None:
-                return replies[index], routed.lease
+                return reply, routed.lease
             trace_id = _trace_id(features.traceparent) or os.urandom(16)
             traceparent = f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"
         else:
@@ -289,7 +302,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if join is not None:
             # One decision, one span: Envoy's trace id (with Envoy's tracing on) is an alias of the same decision.
             join.record(trace_id, index, also=envoy_trace, request_id=features.request_id)
-        return with_header(replies[index], "traceparent", traceparent), routed.lease
+        return with_header(reply, "traceparent", traceparent), routed.lease
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:
         self.stats.refused[error.status] += 1

@@ -502,6 +502,10 @@ class ArmFile(Model):
     endpoints: dict[Text, Text] = Field(
         default_factory=dict, description="a release arm's endpoints: the pool's endpoints with all these labels"
     )
+    model: Text | None = Field(
+        default=None,
+        description="a release arm's model: its requests' body is rewritten to name it, and they route to its servers",
+    )
 
 
 _GUARD = GuardSpec()
@@ -558,7 +562,7 @@ class ExperimentFile(Model):
     def spec(self) -> ExperimentSpec:
         return ExperimentSpec(
             self.name,
-            tuple(ArmSpec(a.name, a.profile, a.weight, dict(a.endpoints)) for a in self.arms),
+            tuple(ArmSpec(a.name, a.profile, a.weight, dict(a.endpoints), a.model) for a in self.arms),
             assign=self.assign,
             header=self.header,
             values=dict(self.values),
@@ -642,6 +646,12 @@ class ConfigFile(Model):
                         "arms",
                         j,
                         "profile",
+                    )
+                if arm.model is not None and not any(
+                    e.models is None or arm.model in e.models for e in self.pool.endpoints
+                ):
+                    raise invalid(
+                        f" {shown(arm.model)}: no endpoint of the pool serves it", "experiments", i, "arms", j, "model"
                     )
             for k, name in enumerate(experiment.scope.classes):
                 if name not in names and name != "default":

@@ -176,9 +176,13 @@ class RequestFeatures:
             {"request_class": request_class, "priority": priority, "ttft_slo_s": ttft_slo_s, "pool_mask": pool_mask}
         )
 
-    def assigned(self, arm: Any, pool_mask: Any) -> RequestFeatures:
-        """These features with the experiment arm they were assigned (None: none) and the endpoints it leaves."""
-        return self._copy({"arm": arm, "pool_mask": pool_mask})
+    def assigned(self, arm: Any, pool_mask: Any, model: str | None = None) -> RequestFeatures:
+        """These features with the experiment arm they were assigned (None: none) and the endpoints it leaves;
+        ``model``: the model the arm sends the request as (a release arm's), in place of the client's."""
+        changes = {"arm": arm, "pool_mask": pool_mask}
+        if model is not None:
+            changes["model"] = model
+        return self._copy(changes)
 
     def _copy(self, changes: dict[str, Any]) -> RequestFeatures:
         """A new object with these fields and ``changes`` (what the constructor would build, without its one

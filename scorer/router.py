@@ -90,7 +90,8 @@ class Router:
             mask = experiments.outside if arm is None else arm.mask
             if mask is not None:
                 pool_mask = mask if pool_mask is None else pool_mask & mask
-            request = request.assigned(arm, pool_mask)
+            # A release arm with a model of its own routes (and, in the filter, sends) the request as that model.
+            request = request.assigned(arm, pool_mask, None if arm is None else arm.spec.model)
         try:
             candidates = self.pool.model_indices(request.model)
         except RoutingError:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from inferlb.filter import request, tokenscan
 from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError, RequestError
-from inferlb.filter.request import apply_body, features_from_headers
+from inferlb.filter.request import apply_body, features_from_headers, with_model
 from inferlb.scorer.features import RequestFeatures, text_block_hashes, token_block_hashes
 
 MAX = 1 << 20
@@ -708,3 +708,15 @@ def test_messages_read_in_c_as_message_by_message(messages: list[Any]) -> None:
 )
 def test_messages_read_in_c_hash_the_same_head(messages: list[Any]) -> None:
     assert _read_messages(request._messages_text, messages) == _read_messages(request._messages_loop, messages)
+
+
+def test_with_model_renames_the_model_and_keeps_the_rest_of_the_body() -> None:
+    body = '{"model": "m", "messages": [{"role": "user", "content": "héllo"}], "temperature": 0.5, "n": 1}'
+    rewritten = with_model(body.encode(), "m-next")
+    assert json.loads(rewritten) == {**json.loads(body), "model": "m-next"}
+    assert list(json.loads(rewritten)) == ["model", "messages", "temperature", "n"]  # the client's order
+    assert json.loads(with_model(b"\xef\xbb\xbf" + body.encode(), "m-next"))["model"] == "m-next"  # a BOM
+    with pytest.raises(MalformedRequestError, match="JSON object"):
+        with_model(b"[1, 2]", "m-next")
+    with pytest.raises(MalformedRequestError, match="not valid JSON"):
+        with_model(b'{"model": ', "m-next")

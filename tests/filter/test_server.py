@@ -26,6 +26,7 @@ from inferlb.filter.replies import DESTINATION_HEADER
 from inferlb.filter.server import GRPC_ENVELOPE_BYTES, HEALTH_SERVICES, ExtProcService, PickerServer
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine, Profile
+from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec
 from inferlb.scorer.plugins import MaxScorePicker, ModelFilter
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
@@ -291,3 +292,32 @@ async def test_a_body_at_max_body_bytes_reaches_the_picker(max_body: int) -> Non
         assert code == 413
     finally:
         await server.stop(0)
+
+
+async def test_a_release_arm_with_a_model_rewrites_the_body_it_forwards() -> None:
+    endpoints = [{"address": ENDPOINTS[0], "models": [MODEL]}, {"address": ENDPOINTS[1], "models": ["m-next"]}]
+    config = parse_config({"pool": {"endpoints": endpoints}})
+    engine = Engine(Pool(config.endpoints), build_profile("least-request", np.random.default_rng(7)))
+    arms = (ArmSpec("control", "least-request", 1.0), ArmSpec("next", "least-request", 0.0, model="m-next"))
+    by_header = {"assign": "header", "header": "x-canary", "values": {"true": "next"}}
+    spec = ExperimentSpec("next", arms, models=frozenset({MODEL}), **by_header)  # type: ignore[arg-type]
+    experiments = Experiments.over(engine, [spec], config.profile_spec)
+    service = ExtProcService(engine, max_body_bytes=4096, experiments=experiments, experiment_headers=["x-canary"])
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    body = {"model": MODEL, "prompt": "héllo " * 50, "max_tokens": 10, "stream": True}
+    try:
+        canary = await route_buffered(server, body, {"x-canary": "true"})
+        control = await route_buffered(server, body, {"x-canary": None})
+    finally:
+        await server.stop(0)
+    assert destination(canary) == ENDPOINTS[1]
+    common = canary.request_body.response
+    forwarded = common.body_mutation.body
+    assert json.loads(forwarded) == {**body, "model": "m-next"}  # the rest of the request as the client sent it
+    lengths = [h.header.raw_value for h in common.header_mutation.set_headers if h.header.key == "content-length"]
+    assert lengths == [str(len(forwarded)).encode()]
+    # The control's request goes as it came: no body mutation, its own model's endpoint.
+    assert destination(control) == ENDPOINTS[0]
+    assert not control.request_body.response.HasField("body_mutation")
+    assert service.decisions.recent(2)[1]["model"] == "m-next"  # the canary's decision, routed as m-next

@@ -5,9 +5,14 @@ stricter alpha, so that an A/A verdict by chance is rarer than 1 run in 100."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import httpx
 import pytest
 
 from inferlb.bench.experiments import LIVE_CANARY_RAMP, ab_through_envoy, live_canary
+from inferlb.stack import LocalStack, StackOptions
 
 pytestmark = pytest.mark.envoy
 
@@ -36,3 +41,40 @@ def test_a_canary_that_fails_requests_is_cut_through_envoy(latency_source: str) 
     assert result["first_cut_after_s"] is not None and result["first_cut_after_s"] < 60.0
     assert result["failed_elsewhere"] == 0 and 1 <= result["canary_failed_requests"] <= result["canary_requests"]
     assert result["final_weight"] < LIVE_CANARY_RAMP[0]
+    tpot = result["tpot_p50_s"]  # the emulator's spans report output tokens; the response stream does not
+    if latency_source == "spans":
+        assert all(0 < seconds < 1 for seconds in tpot.values()), tpot
+    else:
+        assert set(tpot.values()) == {None}, tpot
+
+
+@pytest.mark.timeout(120)
+def test_a_release_arm_sends_its_requests_as_another_model_through_envoy(tmp_path: Path) -> None:
+    """Every server serves both names; the canary's requests reach them as ``m-next`` (the emulator answers with
+    the model the body names), whole and with the new length, and everyone else's as sent."""
+    experiment = {
+        "name": "next",
+        "assign": "header",
+        "header": "x-canary",
+        "values": {"true": "next"},
+        "scope": {"models": ["m"]},
+        "arms": [{"name": "stable", "profile": "default"}, {"name": "next", "profile": "default", "model": "m-next"}],
+    }
+    options = StackOptions(backends=2, models=("m", "m-next"), picker_config={"experiments": [experiment]})
+    prompt = "a prompt with a tail of text " * 20
+    with LocalStack(options, tmp_path) as stack, httpx.Client(base_url=stack.gateway_url, timeout=30) as client:
+        answers = {}
+        for canary in ("true", None):
+            headers = {"x-canary": canary} if canary else {}
+            completion = {"model": "m", "prompt": prompt, "max_tokens": 4}
+            plain = client.post("/v1/completions", json=completion, headers=headers)
+            chat = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "stream": True}
+            with client.stream("POST", "/v1/chat/completions", json=chat, headers=headers) as streamed:
+                events = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+                status = streamed.status_code
+            answers[canary] = (plain.status_code, plain.json()["model"], status, json.loads(events[0][6:])["model"])
+        shown = client.get(f"{stack.picker_admin_url}/experiments", headers=stack.admin_headers).json()
+    assert answers["true"] == (200, "m-next", 200, "m-next")
+    assert answers[None] == (200, "m", 200, "m")
+    arms = {arm["name"]: arm["requests"] for arm in shown["experiments"][0]["arms"]}
+    assert arms == {"stable": 2, "next": 2}

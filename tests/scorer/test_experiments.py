@@ -154,3 +154,88 @@ def test_histogram_quantiles_interpolate_inside_a_bucket() -> None:
         h.observe(v)
     assert histogram_quantile(h, 0.5) == pytest.approx(1.5)
     assert histogram_quantile(Histogram((1.0,)), 0.5) is None
+
+
+MIXED_POOL = {
+    "endpoints": [
+        {"address": "10.0.0.1:8000", "models": ["m"]},
+        {"address": "10.0.0.2:8000", "models": ["m"]},
+        {"address": "10.0.0.3:8000", "models": ["m-next"]},
+    ]
+}
+
+
+def _release(**kw: object) -> ExperimentSpec:
+    arms = (ArmSpec("control", "default", 0.7), ArmSpec("next", "default", 0.3, model="m-next"))
+    return ExperimentSpec("next", arms, models=frozenset({"m"}), **kw)  # type: ignore[arg-type]
+
+
+def test_a_release_arm_with_a_model_routes_its_requests_as_that_model() -> None:
+    config = parse_config({"policy": "default", "pool": MIXED_POOL})
+    engine = Engine(Pool(config.endpoints), build_profile("default", np.random.default_rng(3), size=3))
+    router = Router(engine, experiments=Experiments.over(engine, [_release()], config.profile_spec))
+    seen = []
+    for i in range(600):
+        routed = router.route(router.admit(RequestFeatures(model="m", request_id=str(i))).request)
+        routed.lease.release()
+        seen.append((None if routed.arm is None else routed.arm.name, routed.decision.endpoint.address))
+    assert {address for arm, address in seen if arm == "next"} == {"10.0.0.3:8000"}
+    assert {address for arm, address in seen if arm == "control"} == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    assert 0.25 < sum(arm == "next" for arm, _ in seen) / len(seen) < 0.35
+    # A request the experiment does not cover keeps its model: m-next's own clients reach its server.
+    routed = router.route(router.admit(RequestFeatures(model="m-next")).request)
+    assert routed.arm is None and routed.decision.endpoint.address == "10.0.0.3:8000"
+
+
+def test_a_model_arm_needs_a_model_scope_and_the_control_sends_requests_as_they_came() -> None:
+    arms = (ArmSpec("control", "default", 0.5), ArmSpec("next", "default", 0.5, model="m-next"))
+    with pytest.raises(ValueError, match="scoped to models"):
+        ExperimentSpec("next", arms)
+    with pytest.raises(ValueError, match="control arm"):
+        ExperimentSpec("next", arms[::-1], models=frozenset({"m"}))
+
+
+def _release_file(model: str, scope: dict[str, object] | None = None) -> dict[str, object]:
+    arms = [{"name": "control", "profile": "default", "weight": 0.9}]
+    arms.append({"name": "next", "profile": "default", "weight": 0.1, "model": model})
+    return {"name": "next", "arms": arms, "scope": {"models": ["m"]} if scope is None else scope}
+
+
+def test_the_config_refuses_a_release_model_that_no_endpoint_serves() -> None:
+    config = parse_config({"pool": MIXED_POOL, "experiments": [_release_file("m-next")]})
+    assert config.experiments[0].arms[1].model == "m-next"
+    with pytest.raises(ConfigError, match=r"experiments\[0\]\.arms\[1\]\.model 'm-nope': no endpoint"):
+        parse_config({"pool": MIXED_POOL, "experiments": [_release_file("m-nope")]})
+    with pytest.raises(ConfigError, match=r"experiments\[0\].*scoped to models"):
+        parse_config({"pool": MIXED_POOL, "experiments": [_release_file("m-next", scope={})]})
+
+
+def test_server_spans_with_output_tokens_give_each_arm_its_time_per_output_token() -> None:
+    router = _router(_ab())
+    experiments = router.experiments
+    assert experiments is not None
+    for i in range(400):
+        routed = router.route(router.admit(RequestFeatures(model="m", request_id=f"r{i}")).request)
+        routed.lease.release()
+        assert routed.arm is not None
+        tpot = 0.010 if routed.arm.name == "control" else 0.020  # 101 tokens after the first: 1 s or 2 s of decode
+        experiments.observed(f"r{i}", 0.2, 0.2 + 100 * tpot, False, output_tokens=101)
+    experiments.observed("r-unknown", 0.2, 1.2, False, output_tokens=101)  # no such request: nothing counted
+    shown = {arm["name"]: arm for arm in experiments.describe()[0]["arms"]}
+    assert shown["control"]["tpot_s"]["p50"] == pytest.approx(0.010, rel=0.12)
+    assert shown["treatment"]["tpot_s"]["p50"] == pytest.approx(0.020, rel=0.12)
+    running = experiments.running["ab"]
+    assert sum(a.outcomes.tpot.histogram.count for a in running.arms) == 400
+    assert running.comparisons()["treatment"]["tpot"].difference > 0  # the treatment decodes slower
+
+
+def test_a_span_without_output_tokens_or_with_one_gives_no_time_per_output_token() -> None:
+    router = _router(_ab())
+    experiments = router.experiments
+    assert experiments is not None
+    for i, tokens in enumerate((None, 0, 1)):
+        router.route(router.admit(RequestFeatures(model="m", request_id=f"r{i}")).request).lease.release()
+        experiments.observed(f"r{i}", 0.2, 1.2, False, output_tokens=tokens)
+    running = experiments.running["ab"]
+    assert sum(a.outcomes.tpot.histogram.count for a in running.arms) == 0
+    assert sum(a.outcomes.ttft.histogram.count for a in running.arms) == 3
