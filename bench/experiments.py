@@ -488,6 +488,8 @@ def live_canary(*, faulty: bool, seconds: float = 60.0, latency_source: str = "s
         "final_weight": shown["weights"]["canary"],
         "state": shown["state"],
         "changes": changes,
+        # Time per output token per arm: known where the servers' spans report their output tokens (spans only).
+        "tpot_p50_s": {arm["name"]: arm["tpot_s"]["p50"] for arm in shown["arms"]},
     }
 
 

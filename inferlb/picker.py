@@ -27,6 +27,7 @@ from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerSer
 from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
+from inferlb.otel.spanwire import SpanRecord
 from inferlb.otel.tracing import create_tracer_provider
 from inferlb.scorer.classes import Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
@@ -313,14 +314,14 @@ def _experiments(config: Config, engine: Engine, rng: np.random.Generator | None
 
 def _span_outcomes(service: ExtProcService, spans: SpanLoop | None) -> None:
     """With ``otel.latency_source: spans``, each server span joined to a decision tells the request's experiment arm
-    its TTFT and E2E (with ``stream``, the filter's timing of the response does)."""
+    its TTFT, E2E and output tokens (with ``stream``, the filter's timing of the response tells TTFT or E2E)."""
     if spans is None or spans.receiver is None or not spans.from_spans:
         return
 
-    def outcome(request_id: str, ttft_s: float | None, e2e_s: float | None) -> None:
+    def outcome(request_id: str, record: SpanRecord) -> None:
         experiments = service.router.experiments  # read at each span: a reload may replace them
         if experiments is not None:
-            experiments.observed(request_id, ttft_s, e2e_s, False)
+            experiments.observed(request_id, record.ttft_s, record.e2e_s, False, output_tokens=record.output_tokens)
 
     spans.receiver.joiner.outcome = outcome
 

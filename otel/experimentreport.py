@@ -2,7 +2,8 @@
 
 The picker's ``inferlb.route`` span names the experiment and arm of each request it routed (``inferlb.experiment``,
 ``inferlb.arm``); the server's ``llm_request`` span, in the same trace (the picker's traceparent is its parent),
-gives the request's TTFT and E2E, and its status whether it failed. Joined by trace id, each arm's outcomes go
+gives the request's TTFT and E2E (with its output tokens, the time per output token), and its status whether it
+failed. Joined by trace id, each arm's outcomes go
 through the same sequential test as the live experiment (`scorer.sequential.compare`) against the control: the
 arm named ``control``, else the arm of the experiment's first routed request in the file.
 """
@@ -18,7 +19,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from inferlb.otel.heatmap import otlp_attributes
 from inferlb.otel.routespans import ROUTE_SPAN
-from inferlb.scorer.experiments import LATENCY_BUCKETS_S, comparison_json, histogram_quantile
+from inferlb.otel.spancheck import OUTPUT_TOKEN_ATTRIBUTES
+from inferlb.scorer.experiments import LATENCY_BUCKETS_S, TPOT_BUCKETS_S, comparison_json, histogram_quantile
 from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.sequential import Moments, compare
 
@@ -32,16 +34,19 @@ STATUS_ERROR = 2  # OTLP's Status.STATUS_CODE_ERROR
 
 @dataclass(slots=True)
 class ArmFigures:
-    """One arm's outcomes in the file: log-moments and histograms of TTFT and E2E, and the error indicator."""
+    """One arm's outcomes in the file: log-moments and histograms of TTFT, E2E and the time per output token (TPOT,
+    (E2E - TTFT) / (output tokens - 1)), and the error indicator."""
 
     requests: int = 0
     finished: int = 0
     ttft: Moments = field(default_factory=Moments)
     e2e: Moments = field(default_factory=Moments)
+    tpot: Moments = field(default_factory=Moments)
     errors: Moments = field(default_factory=Moments)
     ttft_histogram: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS_S))
+    tpot_histogram: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS_S))
 
-    def add(self, ttft_s: Any, e2e_s: Any, failed: bool) -> None:
+    def add(self, ttft_s: Any, e2e_s: Any, failed: bool, output_tokens: Any = None) -> None:
         self.finished += 1
         self.errors.add(1.0 if failed else 0.0)
         if failed:
@@ -51,6 +56,11 @@ class ArmFigures:
             self.ttft_histogram.observe(ttft_s)
         if _positive(e2e_s):
             self.e2e.add(math.log(e2e_s))
+        if type(output_tokens) is int and output_tokens > 1 and _positive(ttft_s) and _positive(e2e_s):
+            tpot = (e2e_s - ttft_s) / (output_tokens - 1)
+            if tpot > 0:
+                self.tpot.add(math.log(tpot))
+                self.tpot_histogram.observe(tpot)
 
 
 def _positive(value: Any) -> bool:
@@ -70,7 +80,7 @@ def experiment_report(
     control (see the module's docstring). Server spans of no routed experiment request are counted, not used."""
     routed: dict[bytes, tuple[str, str]] = {}  # trace id -> (experiment, arm)
     order: dict[str, list[str]] = {}  # experiment -> arms, in the order first routed
-    outcomes: dict[bytes, tuple[Any, Any, bool]] = {}
+    outcomes: dict[bytes, tuple[Any, Any, bool, Any]] = {}
     for request in requests:
         for resource_spans in request.resource_spans:
             for scope_spans in resource_spans.scope_spans:
@@ -86,7 +96,8 @@ def experiment_report(
                     elif span.name == LLM_SPAN:
                         attributes = otlp_attributes(span.attributes)
                         failed = span.status.code == STATUS_ERROR
-                        outcomes[span.trace_id] = (attributes.get(TTFT), attributes.get(E2E), failed)
+                        tokens = next((attributes[n] for n in OUTPUT_TOKEN_ATTRIBUTES if n in attributes), None)
+                        outcomes[span.trace_id] = (attributes.get(TTFT), attributes.get(E2E), failed, tokens)
     figures: dict[str, dict[str, ArmFigures]] = {e: {a: ArmFigures() for a in arms} for e, arms in order.items()}
     for trace_id, (experiment, arm) in routed.items():
         one = figures[experiment][arm]
@@ -112,7 +123,12 @@ def experiment_report(
                         min_samples=min_samples,
                     )
                 )
-                for metric, tau in (("ttft", latency_tau), ("e2e", latency_tau), ("errors", error_tau))
+                for metric, tau in (
+                    ("ttft", latency_tau),
+                    ("e2e", latency_tau),
+                    ("tpot", latency_tau),
+                    ("errors", error_tau),
+                )
             }
         report.append(
             {
@@ -125,6 +141,7 @@ def experiment_report(
                         "finished": arm.finished,
                         "error_rate": arm.errors.mean if arm.errors.count else None,
                         "ttft_s": {f"p{q}": histogram_quantile(arm.ttft_histogram, q / 100) for q in (50, 90, 99)},
+                        "tpot_s": {f"p{q}": histogram_quantile(arm.tpot_histogram, q / 100) for q in (50, 90, 99)},
                     }
                     for name, arm in by_arm.items()
                 ],

@@ -231,8 +231,8 @@ class SpanJoiner:
     ) -> None:
         self.stats, self.heatmap = stats, heatmap
         self.by_name = by_name  # rule (b); a reload may change it
-        # Told (request id, TTFT, E2E) of each span joined by trace to a decision with a request id (experiments).
-        self.outcome: Callable[[str, float | None, float | None], None] | None = None
+        # Told (request id, record) of each span joined by trace to a decision with a request id (experiments).
+        self.outcome: Callable[[str, SpanRecord], None] | None = None
         self.rebind(observe, endpoints, join)
 
     def rebind(self, observe: Observe, endpoints: Sequence[str], join: TraceJoin) -> None:
@@ -250,7 +250,7 @@ class SpanJoiner:
         if endpoint is not None and endpoint < len(self.addresses):
             stats.joined_by_trace += 1
             if self.outcome is not None and taken is not None and taken[1]:
-                self.outcome(taken[1], record.ttft_s, record.e2e_s)
+                self.outcome(taken[1], record)
         else:
             named = self._index.get(record.server) if record.server is not None else None
             if named is not None and self.by_name and sender is not None and self._hosts[named] == sender:

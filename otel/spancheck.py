@@ -28,7 +28,10 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from inferlb.otel.heatmap import E2E_ATTRIBUTE, LLM_SPAN, TTFT_ATTRIBUTE, otlp_attributes, span_endpoint
-from inferlb.otel.spanwire import SpanBounds, SpanRecord
+from inferlb.otel.spanwire import MAX_OUTPUT_TOKENS, SpanBounds, SpanRecord
+
+# The tokens a server generated for the request: vLLM's name, then the current GenAI semantic conventions'.
+OUTPUT_TOKEN_ATTRIBUTES = ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens")
 
 __all__ = ["CheckCounts", "check_export"]
 
@@ -117,7 +120,19 @@ def _check(
         return _OUT_OF_BOUNDS
     raw_id = bytes(span.trace_id)
     trace_id = raw_id if len(raw_id) == 16 and any(raw_id) else None
-    return SpanRecord(trace_id, span_endpoint(attributes, resource), ttft, e2e, end / _NS)
+    return SpanRecord(trace_id, span_endpoint(attributes, resource), ttft, e2e, end / _NS, _output_tokens(attributes))
+
+
+def _output_tokens(attributes: Mapping[str, Any]) -> int | None:
+    """The span's output token count, or None where it reports none, or one no server could have made (a bad count
+    costs the span only its time per output token, never its latency)."""
+    for name in OUTPUT_TOKEN_ATTRIBUTES:
+        value = attributes.get(name)
+        if value is not None:
+            if type(value) is int and 0 <= value <= MAX_OUTPUT_TOKENS:
+                return value
+            return None
+    return None
 
 
 def _latency(value: Any, limit: float) -> float | str | None:

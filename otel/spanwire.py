@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "BATCH_RECORDS",
     "MAX_FRAME_BYTES",
+    "MAX_OUTPUT_TOKENS",
     "Kind",
     "ReceiverSettings",
     "SpanBounds",
@@ -47,8 +48,9 @@ BATCH_RECORDS = 1024
 """Records per RECORDS frame, at most."""
 
 _HEADER = struct.Struct("<IB")
-_RECORD = struct.Struct("<16sddd")
+_RECORD = struct.Struct("<16sdddI")
 _NO_TRACE = bytes(16)
+_NO_TOKENS = 0xFFFFFFFF  # output_tokens unknown
 
 
 class WireError(Exception):
@@ -66,13 +68,19 @@ class Kind(IntEnum):
 class SpanRecord(NamedTuple):
     """One validated latency span, as the picker needs it: ``trace_id`` (16 bytes, or None), ``server`` (the
     ``ip:port`` the span names, or None), ``ttft_s``/``e2e_s`` (positive seconds, or None when the span has no
-    such attribute; at least one is set), ``end_s`` (Unix seconds, within the bounds the receiver applied)."""
+    such attribute; at least one is set), ``end_s`` (Unix seconds, within the bounds the receiver applied),
+    ``output_tokens`` (the tokens the server generated, `MAX_OUTPUT_TOKENS` at most; None: not reported)."""
 
     trace_id: bytes | None
     server: str | None
     ttft_s: float | None
     e2e_s: float | None
     end_s: float
+    output_tokens: int | None = None
+
+
+MAX_OUTPUT_TOKENS = 10_000_000
+"""A span reporting more output tokens than this is taken as reporting none (no model generates that many)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +186,7 @@ def encode_records(sender: str, records: Sequence[SpanRecord]) -> bytes:
                 nan if record.ttft_s is None else record.ttft_s,
                 nan if record.e2e_s is None else record.e2e_s,
                 record.end_s,
+                _NO_TOKENS if record.output_tokens is None else record.output_tokens,
             )
         )
         parts.append(bytes((len(server),)))
@@ -200,7 +209,7 @@ def _records(payload: bytes, offset: int) -> Iterator[SpanRecord]:
     while offset < total:
         if offset + size + 1 > total:
             raise WireError("a truncated record")
-        trace_id, ttft, e2e, end_s = unpack(payload, offset)
+        trace_id, ttft, e2e, end_s, tokens = unpack(payload, offset)
         offset += size
         length = payload[offset]
         server = payload[offset + 1 : offset + 1 + length].decode("ascii", "replace") if length else None
@@ -213,4 +222,5 @@ def _records(payload: bytes, offset: int) -> Iterator[SpanRecord]:
             None if ttft != ttft else ttft,  # NaN: unknown
             None if e2e != e2e else e2e,
             end_s,
+            None if tokens == _NO_TOKENS else tokens,
         )

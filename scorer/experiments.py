@@ -13,7 +13,10 @@ which requests it covers (models, request classes, path prefixes; empty: all). A
 An arm is a *policy arm* (a scheduling profile over the same endpoints) or a *release arm*: ``endpoints``, a label
 selector, gives it the endpoints whose labels match (another server build, a new model version: a grey release).
 While an experiment with release arms runs, the endpoints they select serve only their arms' requests: its other
-arms, and every request it does not cover, route among the rest.
+arms, and every request it does not cover, route among the rest. A release arm may instead (or as well) name
+another ``model`` the servers serve: its requests route among the endpoints that serve that model, and the filter
+rewrites the ``model`` of the body it forwards. Only requests whose body the picker read can be rewritten, so an
+experiment with such an arm must scope itself to models (a request without a body has none).
 
 A *guard rail* (`GuardSpec`) watches each treatment arm against the control and cuts the arm's weight when it
 misbehaves (by default: an error rate above 2% -> weight x 0.3; the third breach sets it to 0 and marks the
@@ -57,6 +60,7 @@ from inferlb.scorer.sequential import Comparison, Moments, compare
 
 __all__ = [
     "LATENCY_BUCKETS_S",
+    "TPOT_BUCKETS_S",
     "Arm",
     "ArmOutcomes",
     "ArmSpec",
@@ -78,18 +82,22 @@ P99_MIN_SAMPLES = 100  # TTFTs on each side, since the last change, before the g
 
 # Upper bounds of the per-arm latency histograms, seconds (5 ms .. 10 min, ~12% apart: quantiles to ~6%).
 LATENCY_BUCKETS_S = tuple(round(0.005 * 1.12**i, 6) for i in range(int(math.log(600 / 0.005, 1.12)) + 1))
+# And of the time per output token (0.1 ms .. 10 s, as far apart): a decode step is milliseconds.
+TPOT_BUCKETS_S = tuple(round(0.0001 * 1.12**i, 7) for i in range(int(math.log(10 / 0.0001, 1.12)) + 1))
 
 
 @dataclass(frozen=True, slots=True)
 class ArmSpec:
     """One arm: its ``name``, the scheduling ``profile`` it routes with (a preset or a profile of the config), its
     ``weight`` (a share of the experiment's traffic) and, for a release arm, ``endpoints``: the labels (all of them)
-    of the endpoints it routes to."""
+    of the endpoints it routes to, and/or ``model``: the model its requests are sent as (the body's ``model``
+    rewritten) and routed by."""
 
     name: str
     profile: str
     weight: float
     endpoints: Mapping[str, str] = field(default_factory=dict)
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +176,13 @@ class ExperimentSpec:
             check_weights(self.name, [a.weight for a in self.arms])
         if self.assign in ("hash", "header") and not self.header:
             raise ValueError(f"experiment {self.name!r}: assign {self.assign!r} needs the header it reads")
+        if self.arms[0].model is not None:
+            raise ValueError(f"experiment {self.name!r}: the control arm sends requests as they came; it sets no model")
+        if any(a.model is not None for a in self.arms) and not self.models:
+            raise ValueError(
+                f"experiment {self.name!r}: an arm that sets a model needs the experiment scoped to models"
+                " (scope.models): only requests whose body names a model can be sent as another"
+            )
         unknown = sorted(set(self.values.values()) - set(names))
         if unknown:
             raise ValueError(f"experiment {self.name!r}: values name arms it does not have: {', '.join(unknown)}")
@@ -200,13 +215,16 @@ def check_weights(experiment: str, weights: Sequence[float], *, total: bool = Tr
 class _Window:
     """The moments and histogram of one metric over a sliding window, as ``slices`` rotating sub-windows."""
 
-    __slots__ = ("_histograms", "_moments", "_slice_s", "_started")
+    __slots__ = ("_buckets", "_histograms", "_moments", "_slice_s", "_started")
 
-    def __init__(self, window_s: float, now: float, slices: int = 10) -> None:
+    def __init__(
+        self, window_s: float, now: float, slices: int = 10, buckets: tuple[float, ...] = LATENCY_BUCKETS_S
+    ) -> None:
+        self._buckets = buckets
         self._slice_s = window_s / slices
         self._started = [now - i * self._slice_s for i in range(slices)]  # newest first
         self._moments = [Moments() for _ in range(slices)]
-        self._histograms = [Histogram(LATENCY_BUCKETS_S) for _ in range(slices)]
+        self._histograms = [Histogram(buckets) for _ in range(slices)]
 
     def _rotate(self, now: float) -> None:
         while now - self._started[0] >= self._slice_s:
@@ -214,7 +232,7 @@ class _Window:
             self._started.pop()
             self._moments.insert(0, Moments())
             self._moments.pop()
-            self._histograms.insert(0, Histogram(LATENCY_BUCKETS_S))
+            self._histograms.insert(0, Histogram(self._buckets))
             self._histograms.pop()
             if now - self._started[0] >= self._slice_s * len(self._started):  # idle for a whole window
                 self._started[0] = now
@@ -234,7 +252,7 @@ class _Window:
 
     def histogram(self, now: float) -> Histogram:
         self._rotate(now)
-        total = Histogram(LATENCY_BUCKETS_S)
+        total = Histogram(self._buckets)
         for h in self._histograms:
             total.counts = [a + b for a, b in zip(total.counts, h.counts, strict=True)]
             total.count += h.count
@@ -247,10 +265,10 @@ class _Latency:
 
     __slots__ = ("histogram", "moments", "window")
 
-    def __init__(self, window_s: float, now: float) -> None:
+    def __init__(self, window_s: float, now: float, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
         self.moments = Moments()
-        self.histogram = Histogram(LATENCY_BUCKETS_S)
-        self.window = _Window(window_s, now)
+        self.histogram = Histogram(buckets)
+        self.window = _Window(window_s, now, buckets=buckets)
 
     def add(self, seconds: float, now: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)):
@@ -271,6 +289,8 @@ class ArmOutcomes:
         self.errors = Moments()  # 1 per failed request, 0 per good one: the mean is the error rate
         self.ttft = _Latency(window_s, now)
         self.e2e = _Latency(window_s, now)
+        # Time per output token, (E2E - TTFT) / (output tokens - 1), where a server span reports all three.
+        self.tpot = _Latency(window_s, now, TPOT_BUCKETS_S)
 
 
 @dataclass(slots=True)
@@ -562,8 +582,8 @@ class RunningExperiment:
         return u
 
     def comparisons(self, window: bool = False) -> dict[str, dict[str, Comparison]]:
-        """Per treatment arm, per metric (``ttft``, ``e2e``, ``errors``): its comparison with the control, over the
-        experiment's life or (``window``) its last ``window_s``."""
+        """Per treatment arm, per metric (``ttft``, ``e2e``, ``tpot``, ``errors``): its comparison with the control,
+        over the experiment's life or (``window``) its last ``window_s``."""
         spec = self.spec
         now = self.clock()
         control = self.arms[0].outcomes
@@ -577,7 +597,8 @@ class RunningExperiment:
         out: dict[str, dict[str, Comparison]] = {}
         for arm in self.arms[1:]:
             out[arm.name] = {}
-            for metric, tau in (("ttft", spec.latency_tau), ("e2e", spec.latency_tau), ("errors", spec.error_tau)):
+            latency = spec.latency_tau
+            for metric, tau in (("ttft", latency), ("e2e", latency), ("tpot", latency), ("errors", spec.error_tau)):
                 out[arm.name][metric] = compare(
                     moments(control, metric),
                     moments(arm.outcomes, metric),
@@ -598,6 +619,7 @@ class RunningExperiment:
                     "name": arm.name,
                     "profile": arm.spec.profile,
                     "endpoints": dict(arm.spec.endpoints),
+                    "model": arm.spec.model,
                     "requests": o.requests,
                     "finished": o.finished,
                     "shed": o.shed,
@@ -605,8 +627,10 @@ class RunningExperiment:
                     "ttft_s": _quantiles(o.ttft.histogram),
                     "ttft_cdf": histogram_cdf(o.ttft.histogram),
                     "e2e_s": _quantiles(o.e2e.histogram),
+                    "tpot_s": _quantiles(o.tpot.histogram),
                     "ttft_s_window": _quantiles(o.ttft.window.histogram(now)),
                     "e2e_s_window": _quantiles(o.e2e.window.histogram(now)),
+                    "tpot_s_window": _quantiles(o.tpot.window.histogram(now)),
                 }
             )
         return {
@@ -830,11 +854,23 @@ class Experiments:
         if request_id in self._open:
             self.outcome(request_id, failed=True)
 
-    def observed(self, request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
+    def observed(
+        self,
+        request_id: str,
+        ttft_s: float | None,
+        e2e_s: float | None,
+        failed: bool,
+        *,
+        output_tokens: int | None = None,
+    ) -> None:
         """What the filter's timing of a response says (``filter.observe.RequestOutcome``): a streamed answer's first
-        token (its TTFT; it is measured no further, so that is its end), another's full body (E2E), or a failure."""
+        token (its TTFT; it is measured no further, so that is its end), another's full body (E2E), or a failure;
+        or a server span: TTFT, E2E and, with ``output_tokens`` (more than one), the time per output token."""
         if ttft_s is not None:
+            held = self._open.get(request_id)
             self.first_token(request_id, ttft_s)
+            if held is not None and e2e_s is not None and output_tokens is not None and output_tokens > 1:
+                held[1].outcomes.tpot.add((e2e_s - ttft_s) / (output_tokens - 1), self.clock())
         self.outcome(request_id, failed=failed, e2e_s=e2e_s)
 
     def describe(self) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ experiments' sequential test on them."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from inferlb.cli import main
 from inferlb.otel.experimentreport import experiment_report
 from inferlb.otel.routespans import ROUTE_SPAN
 
-from .otlp import request, span
+from .otlp import E2E, TTFT, request, span
 
 
 def _spans(n: int, *, faster: float, failing_every: int = 0, seed: int = 1) -> list[trace_pb2.Span]:
@@ -82,3 +83,23 @@ def test_the_command_reads_a_collector_file_and_refuses_one_without_experiments(
     empty.write_text(json_format.MessageToJson(request([span("llm_request")]), indent=None) + "\n")
     assert main(["experiment", "report", "--from", str(empty)]) == 2
     assert "no inferlb.route span names an experiment" in capsys.readouterr().err
+
+
+def test_output_tokens_give_each_arm_its_time_per_output_token() -> None:
+    rng = random.Random(3)
+    spans = []
+    for i in range(800):
+        trace_id = i.to_bytes(16, "big")
+        arm = "treatment" if i % 2 else "control"
+        routed = {"inferlb.experiment": "ab", "inferlb.arm": arm, TTFT: None, E2E: None}
+        spans.append(span(ROUTE_SPAN, trace_id, **routed))
+        tpot = rng.lognormvariate(math.log(0.02), 0.2) * (0.8 if arm == "treatment" else 1.0)
+        ttft = rng.lognormvariate(-1.0, 0.3)  # the same for both: only decoding differs
+        attributes = {TTFT: ttft, E2E: ttft + 100 * tpot, "gen_ai.usage.completion_tokens": 101}
+        spans.append(span("llm_request", trace_id, **attributes))
+    (ab,) = experiment_report([request(spans)])["experiments"]
+    by_arm = {a["name"]: a for a in ab["arms"]}
+    assert by_arm["control"]["tpot_s"]["p50"] == pytest.approx(0.02, rel=0.1)
+    assert by_arm["treatment"]["tpot_s"]["p50"] == pytest.approx(0.016, rel=0.1)
+    assert ab["comparisons"]["treatment"]["tpot"]["verdict"] == "better"
+    assert ab["comparisons"]["treatment"]["ttft"]["verdict"] == "no difference yet"

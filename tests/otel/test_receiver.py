@@ -218,7 +218,7 @@ def test_a_span_joined_by_trace_tells_its_requests_outcome_and_one_joined_by_nam
     join = TraceJoin()
     joiner, seen = make(join)
     told: list[tuple[str, float | None, float | None]] = []
-    joiner.outcome = lambda rid, ttft, e2e: told.append((rid, ttft, e2e))
+    joiner.outcome = lambda rid, record: told.append((rid, record.ttft_s, record.e2e_s))
     join.record(TRACE, 1, request_id="req-1")
     join.record(b"\x08" * 16, 0)  # a decision without a request id
     joiner.add(None, record(TRACE, ttft=0.3))

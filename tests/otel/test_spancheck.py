@@ -103,3 +103,24 @@ def test_spans_past_the_per_export_limit_are_not_looked_at() -> None:
     counts = CheckCounts()
     records = check_export(req, BOUNDS, NOW, 4, counts)
     assert len(records) == 4 and (counts.spans, counts.over_limit) == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("attributes", "tokens"),
+    [
+        ({"gen_ai.usage.completion_tokens": 120}, 120),  # vLLM's name
+        ({"gen_ai.usage.output_tokens": 7}, 7),  # the GenAI conventions'
+        ({}, None),
+        ({"gen_ai.usage.completion_tokens": -1}, None),
+        ({"gen_ai.usage.completion_tokens": 10**9}, None),
+        ({"gen_ai.usage.completion_tokens": "120"}, None),
+        ({"gen_ai.usage.completion_tokens": True}, None),
+        ({"gen_ai.usage.completion_tokens": 1.5}, None),
+    ],
+)
+def test_output_tokens_are_read_and_a_bad_count_costs_only_the_count(
+    attributes: dict[str, Any], tokens: int | None
+) -> None:
+    records, counts = check([span(**{TTFT: 0.25, E2E: 2}, **attributes)])
+    assert [(r.ttft_s, r.e2e_s, r.output_tokens) for r in records] == [(0.25, 2.0, tokens)]
+    assert counts.malformed == counts.out_of_bounds == 0

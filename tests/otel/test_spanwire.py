@@ -27,6 +27,8 @@ RECORDS = [
     SpanRecord(b"\x07" * 16, "10.0.0.1:8000", 0.25, 2.0, 1_700_000_000.5),
     SpanRecord(None, None, None, 1.5, 1_700_000_001.0),
     SpanRecord(b"\x01" * 16, "[fd00::1]:8000", 0.1, None, 1_700_000_002.0),
+    SpanRecord(b"\x02" * 16, "10.0.0.2:8000", 0.1, 2.1, 1_700_000_003.0, output_tokens=201),
+    SpanRecord(None, None, 0.1, 0.2, 1_700_000_004.0, output_tokens=0),
 ]
 
 
