@@ -21,8 +21,9 @@ Python loop per element; the loop runs only for multi-part messages and for the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from itertools import chain, repeat
 from typing import Any
 
@@ -100,45 +101,52 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
         raise PayloadTooLargeError(f"request body is {size}; the limit is {max_bytes} bytes")
     if not body:
         raise MalformedRequestError("request body is empty; expected a JSON object")
-    if body.startswith(_BOM):
-        body = body[len(_BOM) :]  # RFC 8259 lets a parser ignore a byte order mark; orjson refuses it
+    body = _without_bom(body)
     if len(body) < _GC_PAUSE_MIN_BYTES:
         return features.with_body(*_read(body))
-    # orjson runs no Python code and _read makes no reference cycles, so nothing collectable appears meanwhile;
-    # the collector, triggered by the allocations, would only scan the growing document again and again (most of
-    # the cost of a body of many small lists). The document must be gone before it runs again: an error's
-    # traceback holds the frames that hold the document, so it is dropped here.
-    enabled = gc.isenabled()
-    gc.disable()
+    # The document must be gone before the collector runs again: an error's traceback holds the frames that hold
+    # the document, so it is dropped here.
     refused = None
-    try:
-        found = _read(body)
-    except RequestError as exc:
-        refused = exc.with_traceback(None)
-    finally:
-        if enabled:
-            gc.enable()
+    with _collector_paused():
+        try:
+            found = _read(body)
+        except RequestError as exc:
+            refused = exc.with_traceback(None)
     if refused is not None:
         raise refused
     return features.with_body(*found)
+
+
+def _without_bom(body: bytes) -> bytes:
+    """RFC 8259 lets a parser ignore a byte order mark; orjson refuses it."""
+    return body[len(_BOM) :] if body.startswith(_BOM) else body
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The garbage collector off while a big body is parsed, then as it was. orjson runs no Python code and the
+    readers make no reference cycles, so nothing collectable appears meanwhile; the collector, triggered by the
+    allocations, would only scan the growing document again and again (most of the cost of a body of many small
+    lists)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def with_model(body: bytes, model: str) -> bytes:
     """``body`` (a JSON object `apply_body` accepted) naming ``model`` instead: what a release arm that sends its
     requests as another model forwards. The document is parsed whole (not scanned, as a long prompt of token ids is
     on the routing path), so this costs a full parse, paid only by the requests such an arm gets."""
-    if body.startswith(_BOM):
-        body = body[len(_BOM) :]
-    enabled = gc.isenabled()
-    if len(body) >= _GC_PAUSE_MIN_BYTES:
-        gc.disable()  # as in apply_body: no cycles are made, and the collector would only rescan the document
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise MalformedRequestError(f"request body is not valid JSON: {exc}") from None
-    finally:
-        if enabled:
-            gc.enable()
+    body = _without_bom(body)
+    with _collector_paused() if len(body) >= _GC_PAUSE_MIN_BYTES else contextlib.nullcontext():
+        try:
+            document = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise MalformedRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(document)}")
     document["model"] = model

@@ -19,7 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from inferlb.otel.heatmap import otlp_attributes
 from inferlb.otel.routespans import ROUTE_SPAN
-from inferlb.otel.spancheck import OUTPUT_TOKEN_ATTRIBUTES
+from inferlb.otel.spancheck import output_tokens
 from inferlb.scorer.experiments import LATENCY_BUCKETS_S, TPOT_BUCKETS_S, comparison_json, histogram_quantile
 from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.sequential import Moments, compare
@@ -46,7 +46,7 @@ class ArmFigures:
     ttft_histogram: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS_S))
     tpot_histogram: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS_S))
 
-    def add(self, ttft_s: Any, e2e_s: Any, failed: bool, output_tokens: Any = None) -> None:
+    def add(self, ttft_s: Any, e2e_s: Any, failed: bool, tokens: int | None = None) -> None:
         self.finished += 1
         self.errors.add(1.0 if failed else 0.0)
         if failed:
@@ -56,8 +56,8 @@ class ArmFigures:
             self.ttft_histogram.observe(ttft_s)
         if _positive(e2e_s):
             self.e2e.add(math.log(e2e_s))
-        if type(output_tokens) is int and output_tokens > 1 and _positive(ttft_s) and _positive(e2e_s):
-            tpot = (e2e_s - ttft_s) / (output_tokens - 1)
+        if tokens is not None and tokens > 1 and _positive(ttft_s) and _positive(e2e_s):
+            tpot = (e2e_s - ttft_s) / (tokens - 1)
             if tpot > 0:
                 self.tpot.add(math.log(tpot))
                 self.tpot_histogram.observe(tpot)
@@ -80,7 +80,7 @@ def experiment_report(
     control (see the module's docstring). Server spans of no routed experiment request are counted, not used."""
     routed: dict[bytes, tuple[str, str]] = {}  # trace id -> (experiment, arm)
     order: dict[str, list[str]] = {}  # experiment -> arms, in the order first routed
-    outcomes: dict[bytes, tuple[Any, Any, bool, Any]] = {}
+    outcomes: dict[bytes, tuple[Any, Any, bool, int | None]] = {}
     for request in requests:
         for resource_spans in request.resource_spans:
             for scope_spans in resource_spans.scope_spans:
@@ -96,7 +96,7 @@ def experiment_report(
                     elif span.name == LLM_SPAN:
                         attributes = otlp_attributes(span.attributes)
                         failed = span.status.code == STATUS_ERROR
-                        tokens = next((attributes[n] for n in OUTPUT_TOKEN_ATTRIBUTES if n in attributes), None)
+                        tokens = output_tokens(attributes)
                         outcomes[span.trace_id] = (attributes.get(TTFT), attributes.get(E2E), failed, tokens)
     figures: dict[str, dict[str, ArmFigures]] = {e: {a: ArmFigures() for a in arms} for e, arms in order.items()}
     for trace_id, (experiment, arm) in routed.items():

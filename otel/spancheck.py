@@ -33,7 +33,7 @@ from inferlb.otel.spanwire import MAX_OUTPUT_TOKENS, SpanBounds, SpanRecord
 # The tokens a server generated for the request: vLLM's name, then the current GenAI semantic conventions'.
 OUTPUT_TOKEN_ATTRIBUTES = ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens")
 
-__all__ = ["CheckCounts", "check_export"]
+__all__ = ["OUTPUT_TOKEN_ATTRIBUTES", "CheckCounts", "check_export", "output_tokens"]
 
 _NS = 1_000_000_000
 _MALFORMED = "malformed"
@@ -120,10 +120,10 @@ def _check(
         return _OUT_OF_BOUNDS
     raw_id = bytes(span.trace_id)
     trace_id = raw_id if len(raw_id) == 16 and any(raw_id) else None
-    return SpanRecord(trace_id, span_endpoint(attributes, resource), ttft, e2e, end / _NS, _output_tokens(attributes))
+    return SpanRecord(trace_id, span_endpoint(attributes, resource), ttft, e2e, end / _NS, output_tokens(attributes))
 
 
-def _output_tokens(attributes: Mapping[str, Any]) -> int | None:
+def output_tokens(attributes: Mapping[str, Any]) -> int | None:
     """The span's output token count, or None where it reports none, or one no server could have made (a bad count
     costs the span only its time per output token, never its latency)."""
     for name in OUTPUT_TOKEN_ATTRIBUTES:

@@ -826,13 +826,15 @@ class Experiments:
     def shed(self, arm: Arm) -> None:
         arm.outcomes.shed += 1
 
-    def first_token(self, request_id: str, ttft_s: float) -> None:
-        """The time to first token of a routed request (a streamed response's first chunk, or a server span)."""
+    def first_token(self, request_id: str, ttft_s: float) -> Arm | None:
+        """The time to first token of a routed request (a streamed response's first chunk, or a server span); its arm,
+        or None when the request is not (or no longer) remembered."""
         held = self._open.get(request_id)
         if held is None:
             self.unattributed += 1
-            return
+            return None
         held[1].outcomes.ttft.add(ttft_s, self.clock())
+        return held[1]
 
     def outcome(self, request_id: str, *, failed: bool, e2e_s: float | None = None) -> None:
         """The end of a routed request: whether it failed (5xx, reset) and, if it did not, its end-to-end time."""
@@ -867,10 +869,9 @@ class Experiments:
         token (its TTFT; it is measured no further, so that is its end), another's full body (E2E), or a failure;
         or a server span: TTFT, E2E and, with ``output_tokens`` (more than one), the time per output token."""
         if ttft_s is not None:
-            held = self._open.get(request_id)
-            self.first_token(request_id, ttft_s)
-            if held is not None and e2e_s is not None and output_tokens is not None and output_tokens > 1:
-                held[1].outcomes.tpot.add((e2e_s - ttft_s) / (output_tokens - 1), self.clock())
+            arm = self.first_token(request_id, ttft_s)
+            if arm is not None and e2e_s is not None and output_tokens is not None and output_tokens > 1:
+                arm.outcomes.tpot.add((e2e_s - ttft_s) / (output_tokens - 1), self.clock())
         self.outcome(request_id, failed=failed, e2e_s=e2e_s)
 
     def describe(self) -> list[dict[str, Any]]:
