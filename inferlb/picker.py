@@ -2,9 +2,11 @@
 background collectors that keep the signals fresh, the admin API, and configuration reloads.
 
 A reload (the config file changed, or ``POST /config``) builds a new engine from the new configuration and swaps
-it in between two requests; nothing in flight is dropped. While the pool's addresses stay the same the in-flight
-counts and the latest signals carry over; a new pool starts fresh and its collectors restart. An invalid new
-configuration is refused and the old one stays in force. ``listen`` and ``admin`` cannot change at run time.
+it in between two requests; nothing in flight is dropped. A membership change (a reload that lists other endpoints,
+or the discovery source's new list: `scorer.membership`) does the same: endpoints that stay keep their in-flight
+counts, signals and prefix-index entries, one that joins ramps in (slow start), one that leaves drains (no new
+requests; its state goes when its last request ends). An invalid new configuration is refused and the old one
+stays in force. ``listen`` and ``admin`` cannot change at run time.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ from inferlb.otel.spanwire import SpanRecord
 from inferlb.otel.tracing import create_tracer_provider
 from inferlb.scorer.classes import Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
-from inferlb.scorer.config import Config, load_config, parse_config
+from inferlb.scorer.config import Config, EndpointConfig, load_config, parse_config
 from inferlb.scorer.credentials import Credential
+from inferlb.scorer.discovery import DiscoverySource
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.etcd import EtcdSource
 from inferlb.scorer.experiments import Experiments, WeightChange
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.membership import REAP_INTERVAL_S, Membership, Plan
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Router
@@ -76,6 +81,12 @@ class PickerProcess:
     spans: SpanLoop | None = None
     admin_credential: Credential | None = None
     draining: bool = False
+    membership: Membership = field(default_factory=Membership)
+    discovery: DiscoverySource | None = None
+    # What the discovery source lists now (None: nothing yet), and the endpoints the config file lists.
+    discovered: tuple[EndpointConfig, ...] | None = None
+    static_endpoints: tuple[EndpointConfig, ...] = ()
+    membership_refusals: int = 0
 
     async def start(self) -> None:
         await self.server.start()
@@ -105,6 +116,9 @@ class PickerProcess:
             self._tasks.append(loop.create_task(self._watch(self.config_path), name="config watch"))
         if self.service.leases is not None:
             self._tasks.append(loop.create_task(_expire_leases(self.service.leases), name="lease expiry"))
+        self._tasks.append(loop.create_task(self._reap(), name="membership"))
+        if self.discovery is not None:
+            self._tasks.append(loop.create_task(self.discovery.run(self.discovered_endpoints), name="discovery"))
         self._started = True
 
     async def drain(self, seconds: float) -> None:
@@ -178,7 +192,38 @@ class PickerProcess:
         # A --listen given on the command line holds for every later config too.
         return replace(config, listen=self.listen_override) if self.listen_override else config
 
-    def _apply(self, config: Config) -> None:
+    def _wanted(self, listed: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
+        """The endpoints that should serve: those the config file lists, then those discovered (a discovered entry
+        for a listed address replaces the file's)."""
+        if not self.discovered:
+            return listed
+        found = {e.address for e in self.discovered}
+        return (*(e for e in listed if e.address not in found), *self.discovered)
+
+    def discovered_endpoints(self, endpoints: tuple[EndpointConfig, ...]) -> None:
+        """The discovery source's new list: rebuild the pool (a change that cannot be applied is logged and
+        counted; the membership in force stays)."""
+        self.discovered = endpoints
+        self.rebuild("discovery")
+
+    def rebuild(self, reason: str) -> None:
+        """Apply the membership anew with the config in force (after discovery changed, or to drop endpoints that
+        have drained)."""
+        try:
+            self._apply(replace(self.config, endpoints=self.static_endpoints), reason=reason)
+        except ConfigError as exc:
+            self.membership_refusals += 1
+            logger.error("membership change (%s) refused, the pool in force stays: %s", reason, exc)
+
+    async def _reap(self) -> None:
+        """Drop draining endpoints once their last request has ended."""
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            engine = self.engine
+            if any(engine.inflight.requests[e.index] <= 0 for e in engine.pool.draining):
+                self.rebuild("drained")
+
+    def _apply(self, config: Config, *, reason: str = "config") -> None:
         old = self.config
         if config.otel.receiver != old.otel.receiver:
             raise ConfigError("otel.receiver cannot change while the picker runs; restart it")
@@ -204,17 +249,26 @@ class PickerProcess:
                     f"{name} cannot change while the picker runs ({getattr(old, name)!r} -> "
                     f"{getattr(config, name)!r}); restart it"
                 )
-        same_pool = [e.address for e in config.endpoints] == [e.address for e in old.endpoints]
-        pool = Pool(config.endpoints)
+        listed = config.endpoints
+        engine_before = self.engine
+        plan = self.membership.plan(
+            engine_before.pool, engine_before.inflight.requests, self._wanted(listed), engine_before.signals.clock()
+        )
+        if not plan.endpoints:
+            raise ConfigError("the pool would be empty: no endpoint is listed or discovered, and none is draining")
+        config = replace(config, endpoints=plan.endpoints)  # in the pool's order, draining ones included
+        pool = self.membership.pool(plan)
         if config.otel.receiver is not None:
             receiver_settings(config.otel, pool)  # an unreadable receiver token refuses the reload here
+        same_pool = not plan.moves
         if same_pool:
             inflight, signals = self.engine.inflight, self.engine.signals
             if signals.stale_after_s != config.signals.stale_after_s:
                 signals.stale_after_s = config.signals.stale_after_s
                 signals.publish(signals.snapshot)
         else:
-            inflight, signals = InFlight(len(pool)), Signals(len(pool), stale_after_s=config.signals.stale_after_s)
+            inflight = self.engine.inflight.moved(plan.mapping)
+            signals = self.engine.signals.moved(plan.mapping, stale_after_s=config.signals.stale_after_s)
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool))
         engine = Engine(pool, profile, inflight, signals, _saturation(config))
         experiments = _experiments(config, engine, self.rng)
@@ -222,6 +276,12 @@ class PickerProcess:
             experiments.adopt(self.service.router.experiments)
         router = Router(engine, Classifier(config.classes, config.default_class), experiments=experiments)
         # From here on nothing can fail: swap everything between two requests.
+        engine.adopt(engine_before, plan.mapping, plan.restarted)
+        if inflight is not engine_before.inflight:
+            engine_before.inflight.hand_over(inflight, plan.mapping)
+        self.membership.commit(plan)
+        self.membership.slow_start = config.slow_start
+        self.static_endpoints = listed
         self.admin_credential = credential
         if self.service.leases is not None:
             self.service.leases.max_age_s = config.inflight.max_age_s
@@ -235,7 +295,8 @@ class PickerProcess:
             self.spans.rebind(pool, signals, keep=same_pool, config=config.otel)
             self.service.trace_join = _trace_join(config, self.spans)
         self.engine, self.config = engine, config
-        self.reloads += 1
+        if reason == "config":
+            self.reloads += 1
         restart = (
             not same_pool
             or config.signals != old.signals
@@ -247,13 +308,9 @@ class PickerProcess:
                 asyncio.get_running_loop().create_task(self._restart_collectors(*collectors))
             else:
                 self.collector, self.gpu_collector = collectors
-        logger.info(
-            "config applied (reload %d): policy %s, %d endpoints%s",
-            self.reloads,
-            config.policy,
-            len(pool),
-            "" if same_pool else " (new pool: in-flight counts and signals start fresh)",
-        )
+        if reason == "config":
+            logger.info("config applied (reload %d): policy %s, %d endpoints", self.reloads, config.policy, len(pool))
+        _log_membership(plan, pool, inflight, reason)
 
     async def _restart_collectors(self, collector: MetricsCollector | None, gpu: GpuCollector | None) -> None:
         await self._stop_collectors()
@@ -284,6 +341,24 @@ class PickerProcess:
                 logger.error("config file changed but was refused; the old config stays in force: %s", exc)
 
     # ---- admin API ----------------------------------------------------------------------------------------
+
+
+def _log_membership(plan: Plan, pool: Pool, inflight: InFlight, reason: str) -> None:
+    if plan.empty:
+        return
+    draining = {e.address: int(inflight.requests[e.index]) for e in pool.draining}
+    parts = []
+    for name, addresses in (
+        ("joined", plan.joined),
+        ("left", plan.left),
+        ("removed", plan.removed),
+        ("changed", plan.changed),
+    ):
+        if addresses:
+            parts.append(f"{name} {', '.join(addresses)}")
+    if draining:
+        parts.append("draining " + ", ".join(f"{a} ({n} in flight)" for a, n in draining.items()))
+    logger.info("membership (%s): %s; %d endpoints", reason, "; ".join(parts), len(pool) - len(draining))
 
 
 def _saturation(config: Config) -> Saturation:
@@ -340,9 +415,24 @@ def _export_changes(service: ExtProcService) -> None:
 
 
 def create_picker(
-    config: Config, *, rng: np.random.Generator | None = None, config_path: Path | None = None
+    config: Config,
+    *,
+    rng: np.random.Generator | None = None,
+    config_path: Path | None = None,
+    discovered: tuple[EndpointConfig, ...] | None = None,
+    discovery: DiscoverySource | None = None,
 ) -> PickerProcess:
-    """Everything a picker needs, built from ``config`` and nothing global: two pickers can live side by side."""
+    """Everything a picker needs, built from ``config`` and nothing global: two pickers can live side by side.
+    ``discovered``: the endpoints a discovery source lists already (with ``discovery``, the source that goes on
+    watching once the picker starts; by default the config's own, if it names one)."""
+    listed = config.endpoints
+    if discovered:
+        found = {e.address for e in discovered}
+        config = replace(config, endpoints=(*(e for e in listed if e.address not in found), *discovered))
+    if not config.endpoints:
+        raise ConfigError("no endpoints: the config lists none and discovery has found none yet")
+    if discovery is None and config.discovery is not None:
+        discovery = EtcdSource(config.discovery.etcd, config.allowed_networks)
     pool = Pool(config.endpoints)
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
     profile = build_profile(config.profile_spec(), rng, size=len(pool))
@@ -380,9 +470,40 @@ def create_picker(
         collector=collector,
         gpu_collector=gpu,
         admin_credential=_admin_credential(config),
+        membership=Membership(config.slow_start),
+        discovery=discovery,
+        discovered=discovered,
+        static_endpoints=listed,
     )
     picker.spans = spans
     return picker
+
+
+async def first_membership(source: DiscoverySource, *, report_every_s: float = 5.0) -> tuple[EndpointConfig, ...]:
+    """Run ``source`` until it lists at least one endpoint, and return that list (logging every
+    ``report_every_s`` why it has not yet)."""
+    found: asyncio.Future[tuple[EndpointConfig, ...]] = asyncio.get_running_loop().create_future()
+
+    def publish(endpoints: tuple[EndpointConfig, ...]) -> None:
+        if endpoints and not found.done():
+            found.set_result(endpoints)
+
+    task = asyncio.create_task(source.run(publish), name="first membership")
+    try:
+        while True:
+            await asyncio.wait([found, task], timeout=report_every_s, return_when=asyncio.FIRST_COMPLETED)
+            if found.done():
+                return found.result()
+            if task.done():
+                task.result()  # raises what stopped it
+                raise ConfigError(f"the {source.name} discovery source stopped before it found an endpoint")
+            logger.warning(
+                "waiting for the %s discovery source to list an endpoint: %s", source.name, source.problem or "none yet"
+            )
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _expire_leases(leases: OpenLeases) -> None:
@@ -408,7 +529,10 @@ async def serve(config: Config, config_path: Path | None = None, *, listen_overr
     """Run a picker until SIGTERM or SIGINT, then drain: readiness goes NOT_SERVING while the picker goes on
     answering for ``config.drain_s`` seconds (a second signal cuts that short), then streams still open get
     ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the file is watched and reloaded on change."""
-    picker = create_picker(config, config_path=config_path)
+    discovered = None
+    if config.discovery is not None and not config.endpoints:
+        discovered = await first_membership(EtcdSource(config.discovery.etcd, config.allowed_networks))
+    picker = create_picker(config, config_path=config_path, discovered=discovered)
     picker.listen_override = listen_override
     await picker.start()
     # Everything built so far lives as long as the process: move it out of the collector's way, so that
@@ -419,7 +543,7 @@ async def serve(config: Config, config_path: Path | None = None, *, listen_overr
         "inferlb picker listening on %s (policy %s, %d endpoints, metrics scrape %s, admin API %s)",
         config.listen,
         config.policy,
-        len(config.endpoints),
+        len(picker.engine.pool),
         f"every {config.signals.scrape_interval_s:g} s" if config.signals.scrape_metrics else "off",
         config.admin or "off",
     )

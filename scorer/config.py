@@ -52,6 +52,7 @@ from inferlb.scorer.classes import ClassRule, RequestClass
 from inferlb.scorer.credentials import TokenSource
 from inferlb.scorer.errors import ConfigError, shown
 from inferlb.scorer.experiments import ArmSpec, ExperimentSpec, GuardSpec, endpoint_masks
+from inferlb.scorer.membership import SlowStart
 from inferlb.scorer.networks import (
     DEFAULT_ALLOWED_NETWORKS,
     DEFAULT_NETWORKS,
@@ -379,16 +380,88 @@ class EndpointConfig(Section):
     gpu: Annotated[GpuSource | None, must("a mapping", lambda v: isinstance(v, dict))] = None
 
 
+@dataclass(frozen=True, slots=True)
+class SlowStartConfig(Section):
+    """``pool.slow_start``: an endpoint that joins while the picker runs is offered a share of the decisions it
+    could serve that rises from ``min_fraction`` to all of them over ``ramp_s`` seconds (0: no ramp),
+    ``idle_speedup`` times faster while its metrics show nothing waiting (see scorer/membership.py)."""
+
+    ramp_s: Annotated[float, number(ge=0, le=3600)] = 30.0
+    min_fraction: Annotated[float, number(gt=0, le=1)] = 0.1
+    idle_speedup: Annotated[float, number(ge=1, le=100)] = 2.0
+
+    def spec(self) -> SlowStart:
+        return SlowStart(self.ramp_s, self.min_fraction, self.idle_speedup)
+
+
+def _etcd_url(value: Any) -> str:
+    if not isinstance(value, str):
+        raise invalid(f" must be an etcd client URL such as 'http://10.0.0.5:2379'; got {shown(value)}")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or parts.username or parts.password or parts.query or parts.fragment:
+        raise invalid(f" must be http:// or https:// with a host and port, nothing else; got {shown(value)}")
+    if parts.path not in ("", "/"):
+        raise invalid(f" must not have a path (the v3 API's paths are fixed); got {shown(value)}")
+    try:
+        host, port = parse_authority(parts.netloc, default_port=2379)
+    except ValueError as exc:
+        raise invalid(f": {exc}") from None
+    return f"{parts.scheme}://{format_address(host, port)}"
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdConfig(Section):
+    """``pool.discovery.etcd``: the endpoints are the values under ``prefix`` in etcd (v3, through its JSON
+    gateway), watched. Each value is a JSON object ``{"address": "10.0.0.7:8000", "models": [...], "labels":
+    {...}, "ready": true}``; the address may name a host (``gpu-7.internal:8000``), which the picker resolves
+    (every address it has), never Envoy. ``username`` and ``password`` (``{token_file: ...}`` or ``{token_env:
+    ...}``) when etcd has auth enabled; ``ca_file`` for an https URL signed by a private CA."""
+
+    urls: Annotated[tuple[Annotated[str, Parsed(_etcd_url)], ...], non_empty_list("a non-empty list of URLs")] = field(
+        metadata={"description": "a non-empty list of etcd client URLs, e.g. ['http://10.0.0.5:2379']"}
+    )
+    prefix: Annotated[
+        str,
+        must(
+            "a key prefix such as '/inferlb/endpoints/'",
+            lambda v: isinstance(v, str) and len(v) >= 2 and v.startswith("/"),
+        ),
+    ] = field(metadata={"description": "a key prefix such as '/inferlb/endpoints/'"})
+    timeout_s: Annotated[float, number(ge=0.1, le=60)] = 2.0
+    username: Annotated[str | None, optional(TEXT)] = None
+    password: Annotated[TokenSource | None, Parsed(_token, input=TokenFile | None)] = None
+    ca_file: Annotated[str | None, optional(TEXT)] = None
+    max_endpoints: Annotated[int, integer(ge=1, le=65536)] = 4096
+
+    @model_validator(mode="after")
+    def _credentials_together(self) -> EtcdConfig:
+        if (self.username is None) != (self.password is None):
+            raise invalid(" and password go together: give both or neither", "username")
+        if self.ca_file is not None and not any(u.startswith("https://") for u in self.urls):
+            raise invalid(" is set but no URL is https://", "ca_file")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig(Section):
+    """``pool.discovery``: where the endpoints come from besides ``pool.endpoints`` (which then may be empty)."""
+
+    etcd: EtcdConfig = field(metadata={"description": "the etcd source: urls and prefix"})
+
+
 class PoolFile(Model):
-    """``pool``: the endpoints, and the networks they and their GPU sources must be inside."""
+    """``pool``: the endpoints, and the networks they and their GPU sources must be inside. With ``discovery``
+    the endpoints come (also) from a discovery source; ``slow_start`` ramps in the endpoints that join."""
 
     allowed_networks: Annotated[tuple[Network, ...], _NETWORK_LIST] = DEFAULT_ALLOWED_NETWORKS
-    endpoints: Annotated[tuple[EndpointConfig, ...], non_empty_list("a non-empty list of endpoints")] = Field(
-        description="a non-empty list of endpoints"
-    )
+    endpoints: Annotated[tuple[EndpointConfig, ...], non_empty_list("a non-empty list of endpoints")] = ()
+    discovery: DiscoveryConfig | None = None
+    slow_start: SlowStartConfig = Field(default_factory=SlowStartConfig)
 
     @model_validator(mode="after")
     def _inside_allowed_networks(self) -> PoolFile:
+        if not self.endpoints and self.discovery is None:
+            raise invalid(" is required: a non-empty list of endpoints (or set pool.discovery)", "endpoints")
         allowed, where = Networks.of(self.allowed_networks), "pool.allowed_networks"
         seen: dict[str, int] = {}
         for i, endpoint in enumerate(self.endpoints):
@@ -618,13 +691,19 @@ class ConfigFile(Model):
                 "admin_auth.token_file or admin_auth.token_env (a bearer token), or bind admin to 127.0.0.1",
                 "admin",
             )
+        # With a discovery source the endpoints are not known yet: the checks against them run on each membership.
+        listed_only = self.pool.discovery is None
         names: dict[str, int] = {}
         for i, entry in enumerate(self.classes):
             if entry.name in names:
                 raise invalid(f" {entry.name!r} repeats an earlier class", "classes", i, "name")
             names[entry.name] = i
             labels = entry.labels.items()
-            if labels and not any(all(e.labels.get(k) == v for k, v in labels) for e in self.pool.endpoints):
+            if (
+                listed_only
+                and labels
+                and not any(all(e.labels.get(k) == v for k, v in labels) for e in self.pool.endpoints)
+            ):
                 raise invalid(f" {entry.labels!r}: no endpoint of the pool has them", "classes", i, "labels")
             if entry.match.header is not None and self.class_header is None:
                 raise invalid(f" must name the header that classes[{i}].match.header reads", "class_header")
@@ -647,8 +726,10 @@ class ConfigFile(Model):
                         j,
                         "profile",
                     )
-                if arm.model is not None and not any(
-                    e.models is None or arm.model in e.models for e in self.pool.endpoints
+                if (
+                    listed_only
+                    and arm.model is not None
+                    and not any(e.models is None or arm.model in e.models for e in self.pool.endpoints)
                 ):
                     raise invalid(
                         f" {shown(arm.model)}: no endpoint of the pool serves it", "experiments", i, "arms", j, "model"
@@ -657,7 +738,8 @@ class ConfigFile(Model):
                 if name not in names and name != "default":
                     raise invalid(f" {name!r} is not a request class", "experiments", i, "scope", "classes", k)
             try:
-                endpoint_masks(experiment.spec().arms, [e.labels for e in self.pool.endpoints])
+                if listed_only:
+                    endpoint_masks(experiment.spec().arms, [e.labels for e in self.pool.endpoints])
             except ValueError as exc:
                 raise invalid(f": {exc}", "experiments", i) from None
         return self
@@ -689,6 +771,8 @@ class Config:
     admin_auth: AdminAuthConfig = field(default_factory=AdminAuthConfig)
     drain_s: float = DEFAULT_DRAIN_S
     experiments: tuple[ExperimentSpec, ...] = ()
+    discovery: DiscoveryConfig | None = None
+    slow_start: SlowStart = field(default_factory=SlowStart)
 
     def profile_spec(self, name: str | None = None) -> ProfileSpec | str:
         """The spec of the chosen policy (or of the profile ``name``): a profile of this file, else the preset's
@@ -737,7 +821,7 @@ def parse_config(data: Any) -> Config:
     # Build each profile once now, so that a bad plugin type or parameter fails at start-up, naming its place.
     registry = default_registry()
     for spec in profiles.values():
-        registry.build(spec, BuildContext(size=len(doc.pool.endpoints)))
+        registry.build(spec, BuildContext(size=max(len(doc.pool.endpoints), 1)))
     rules = tuple(entry.rule() for entry in doc.classes)
     by_name = {rule.request_class.name: rule.request_class for rule in rules}
     return Config(
@@ -759,4 +843,6 @@ def parse_config(data: Any) -> Config:
         admin_auth=doc.admin_auth.config(),
         drain_s=doc.drain_s,
         experiments=tuple(e.spec() for e in doc.experiments),
+        discovery=doc.pool.discovery,
+        slow_start=doc.pool.slow_start.spec(),
     )

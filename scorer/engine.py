@@ -13,13 +13,14 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from inferlb.scorer.errors import NoEndpointError
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.membership import slow_start
 from inferlb.scorer.pool import Endpoint, Pool
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
@@ -198,6 +199,8 @@ class Engine:
             candidates = flt.filter(request, state, candidates)
             if not len(candidates):
                 raise NoEndpointError(f"no endpoint left after filter {flt.name!r}")
+        if self.pool.ramping:  # endpoints that joined recently take a rising share (scorer.membership)
+            candidates = slow_start(self.pool, candidates, state.signals.clock(), state.signals.snapshot.waiting)
         per_scorer = []
         totals: np.ndarray | None = None
         owned = False  # whether totals is an array of the engine's own, to add into in place
@@ -260,8 +263,41 @@ class Engine:
             prefill,
         )
 
+    def adopt(self, old: Engine, mapping: np.ndarray, restarted: Sequence[int] = ()) -> None:
+        """Take over the learned state of ``old``'s plugins (the prefix index) after a membership change or a
+        reload: endpoint j of this pool is endpoint ``mapping[j]`` of the old one (-1: joined); ``restarted``
+        (indices here) start with no prefix credit. Call it before the first decision."""
+        old_indices = _prefix_indices(old)
+        for index in _prefix_indices(self):
+            if old_indices:
+                index.adopt(old_indices[0], mapping)
+            for endpoint in restarted:
+                index.forget(endpoint)
+
     def _failed(self, scorer: Scorer, count: int) -> np.ndarray:
         if not self.scorer_errors[scorer.name]:
             logger.exception("scorer %r failed; scoring it neutral (logged once per scorer)", scorer.name)
         self.scorer_errors[scorer.name] += 1
         return np.full(count, NEUTRAL_SCORE)
+
+
+@runtime_checkable
+class EndpointMemory(Protocol):
+    """Per-endpoint state a plugin learned (the prefix index), carried to the next pool by `Engine.adopt`."""
+
+    def adopt(self, old: Any, mapping: np.ndarray) -> None: ...
+
+    def forget(self, endpoint: int) -> None: ...
+
+
+def _prefix_indices(engine: Engine) -> list[EndpointMemory]:
+    """The prefix indices of an engine's plugins, each once (the prefix-affinity and predicted-TTFT scorers share
+    one)."""
+    found: list[EndpointMemory] = []
+    plugins = (*engine.profile.filters, *(ws.scorer for ws in engine.profile.scorers))
+    for plugin in plugins:
+        for holder in (plugin, getattr(plugin, "predictor", None)):
+            index = getattr(holder, "index", None) or getattr(holder, "prefix_match", None)
+            if isinstance(index, EndpointMemory) and all(index is not f for f in found):
+                found.append(index)
+    return found

@@ -33,6 +33,27 @@ class InFlight:
         # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
         self._prefill = np.zeros(size)
         self._prefill_at = np.zeros(size)
+        # Set by `moved`: the counters that replaced these, and where each endpoint went there (-1: gone).
+        self.successor: tuple[InFlight, np.ndarray] | None = None
+
+    def moved(self, mapping: np.ndarray) -> InFlight:
+        """The counters of the next pool after a membership change: endpoint j of the new pool has what endpoint
+        ``mapping[j]`` had here (-1: it joined, and starts at zero). Changes nothing here until `hand_over`."""
+        new = InFlight(len(mapping), clock=self.clock)
+        kept = mapping >= 0
+        source = mapping[kept]
+        for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at"):
+            getattr(new, name)[kept] = getattr(self, name)[source]
+        new.decisions = self.decisions
+        return new
+
+    def hand_over(self, new: InFlight, mapping: np.ndarray) -> None:
+        """``new`` (from `moved` with ``mapping``) is in force: leases still open here release into it from now on,
+        so no request in flight is lost or counted twice. Count nothing here afterwards."""
+        forward = np.full(len(self.requests), -1, dtype=np.intp)
+        kept = mapping >= 0
+        forward[mapping[kept]] = np.flatnonzero(kept)
+        self.successor = (new, forward)
 
     def acquire(self, index: int, tokens: int, prefill: tuple[float, float] | None = None) -> Lease:
         """Count one request to endpoint ``index``; the returned lease must be released when it ends.
@@ -76,5 +97,11 @@ class Lease:
         if self.released:
             return
         self.released = True
-        self._inflight.requests[self.index] -= 1
-        self._inflight.tokens[self.index] -= self.tokens
+        inflight, index = self._inflight, self.index
+        while inflight.successor is not None:  # the pool changed while the request was in flight
+            inflight, forward = inflight.successor
+            index = int(forward[index])
+            if index < 0:
+                return  # its endpoint's state is gone (it can go only once its last request has ended)
+        inflight.requests[index] -= 1
+        inflight.tokens[index] -= self.tokens

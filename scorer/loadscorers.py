@@ -195,6 +195,7 @@ class TtftPredictor:
     """
 
     def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
+        self.prefix_match = prefix_match
         self._match = getattr(prefix_match, "match", None)
         # A PrefixIndex also says how deep the best match goes: 0 spares the work for a prompt nobody holds.
         self._match_depth = getattr(prefix_match, "match_depth", None)

@@ -1,4 +1,8 @@
-"""The endpoint pool: the inference servers a picker may choose from, fixed when the config is loaded."""
+"""The endpoint pool: the inference servers a picker may choose from, fixed for the life of one engine.
+
+Membership changes (`scorer.membership`) build a new pool: an endpoint that left but still has requests in flight
+stays in it as *draining* (no new requests, its arrays kept until its last request ends), and one that joined may
+carry a slow-start `Ramp`."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from inferlb.scorer.errors import ConfigError, UnknownModelError
 
 if TYPE_CHECKING:
     from inferlb.scorer.config import EndpointConfig
+    from inferlb.scorer.membership import Ramp
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +30,7 @@ class Endpoint:
     port: int
     models: frozenset[str] | None
     labels: Mapping[str, str]
+    draining: bool = False  # left the pool; its requests in flight finish, no new one comes
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -33,22 +39,42 @@ class Endpoint:
 class Pool:
     """An immutable, ordered set of endpoints with per-model candidate masks computed up front.
 
-    Safe to share between tasks and threads: nothing changes after construction.
+    ``draining``: addresses of endpoints that left but still have requests in flight; they keep their index (and
+    their place in every per-endpoint array) but are in no candidate mask, so no new request goes to them.
+    ``ramps``: slow-start ramps of endpoints that joined recently, by address (`scorer.membership`); the pool's
+    ``ramping`` pairs each with its endpoint's index. Safe to share between tasks and threads: nothing but the
+    ramps' own progress changes after construction.
     """
 
-    def __init__(self, endpoints: Sequence[EndpointConfig]) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[EndpointConfig],
+        *,
+        draining: frozenset[str] = frozenset(),
+        ramps: Mapping[str, Ramp] | None = None,
+    ) -> None:
         if not endpoints:
             raise ConfigError("a pool needs at least one endpoint")
         built = []
         for i, cfg in enumerate(endpoints):
             host, port = parse_address(cfg.address)
-            built.append(Endpoint(i, cfg.address, host, port, cfg.models, dict(cfg.labels)))
+            built.append(Endpoint(i, cfg.address, host, port, cfg.models, dict(cfg.labels), cfg.address in draining))
         self.endpoints: tuple[Endpoint, ...] = tuple(built)
+        self.configs: tuple[EndpointConfig, ...] = tuple(endpoints)
         self.served_models: frozenset[str] = frozenset(m for e in built if e.models for m in e.models)
-        self._any_model = np.array([e.models is None for e in built], dtype=bool)
-        self._masks = {model: np.array([e.serves(model) for e in built], dtype=bool) for model in self.served_models}
-        self._all = np.ones(len(built), dtype=bool)
-        self.all_indices = np.arange(len(built), dtype=np.intp)
+        serving = np.array([not e.draining for e in built], dtype=bool)
+        # An endpoint that accepts any model name, draining or not: a model it alone serves is known, not refused.
+        self._accepts_any = any(e.models is None for e in built)
+        self._any_model = np.array([e.models is None for e in built], dtype=bool) & serving
+        self._masks = {
+            model: np.array([e.serves(model) for e in built], dtype=bool) & serving for model in self.served_models
+        }
+        self._all = serving
+        self.all_indices = np.flatnonzero(serving)
+        ramps = ramps or {}
+        self.ramping: tuple[tuple[int, Ramp], ...] = tuple(
+            (e.index, ramps[e.address]) for e in built if e.address in ramps and not e.draining
+        )
         self._indices = {model: np.flatnonzero(mask) for model, mask in self._masks.items()}
         self._any_model_indices = np.flatnonzero(self._any_model)
         # Handed to every plugin on every request: a plugin editing one in place must fail, not corrupt the pool.
@@ -62,6 +88,14 @@ class Pool:
     def __iter__(self) -> Iterator[Endpoint]:
         return iter(self.endpoints)
 
+    @property
+    def draining(self) -> tuple[Endpoint, ...]:
+        return tuple(e for e in self.endpoints if e.draining)
+
+    def index_of(self) -> dict[str, int]:
+        """Each endpoint's index by its address."""
+        return {e.address: e.index for e in self.endpoints}
+
     def model_mask(self, model: str | None) -> np.ndarray:
         """Boolean mask of endpoints that serve ``model`` (all of them for None).
 
@@ -73,7 +107,7 @@ class Pool:
         mask = self._masks.get(model)
         if mask is not None:
             return mask
-        if self._any_model.any():
+        if self._accepts_any:
             return self._any_model
         raise UnknownModelError(model, self.served_models)
 
@@ -85,6 +119,6 @@ class Pool:
         indices = self._indices.get(model)
         if indices is not None:
             return indices
-        if len(self._any_model_indices):
+        if self._accepts_any:
             return self._any_model_indices
         raise UnknownModelError(model, self.served_models)

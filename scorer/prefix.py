@@ -74,6 +74,43 @@ class PrefixIndex:
         blocks = np.where(np.isfinite(kv_tokens) & (kv_tokens > 0), np.ceil(kv_tokens / PREFIX_BLOCK_TOKENS), np.inf)
         self._capacity = [int(min(self.capacity_blocks, b)) for b in blocks.tolist()]
 
+    def adopt(self, old: PrefixIndex, mapping: np.ndarray) -> None:
+        """Take over what ``old`` (the index of the previous pool) holds: endpoint j here gets the blocks endpoint
+        ``mapping[j]`` held there (-1: it joined and holds nothing); endpoints not mapped are forgotten. Costs
+        O(blocks held) unless the pool only grew at its end (then O(endpoints): the two share their tables, and ``old``
+        must not be used again). Call it before any record."""
+        if old is self:
+            return
+        self._memo = None
+        size = old.size
+        if np.array_equal(mapping[:size], np.arange(size)) and not (mapping[size:] >= 0).any():
+            # The pool grew at its end: every bit keeps its meaning, so the dicts change hands as they are.
+            self._holders, self._lru[:size], self._capacity[:size] = old._holders, old._lru, old._capacity
+            return
+        holders: dict[int, int] = {}
+        for j, i in enumerate(mapping.tolist()):
+            if i < 0:
+                continue
+            self._lru[j] = lru = old._lru[i]
+            self._capacity[j] = old._capacity[i]
+            bit = 1 << j
+            for block in lru:
+                holders[block] = holders.get(block, 0) | bit
+        self._holders = holders
+
+    def forget(self, endpoint: int) -> None:
+        """Drop every block recorded for ``endpoint`` (its server restarted: its cache is empty)."""
+        self._memo = None
+        bit = 1 << endpoint
+        holders = self._holders
+        for block in self._lru[endpoint]:
+            rest = holders[block] & ~bit
+            if rest:
+                holders[block] = rest
+            else:
+                del holders[block]
+        self._lru[endpoint] = OrderedDict()
+
     def capacity(self, endpoint: int) -> int:
         """How many blocks ``endpoint`` may hold now."""
         return self._capacity[endpoint]

@@ -91,6 +91,24 @@ class Snapshot:
         with np.errstate(invalid="ignore"):
             return (self.waiting > max_waiting) | (self.kv_usage > max_kv_usage)
 
+    def moved(self, mapping: np.ndarray) -> Snapshot:
+        """This snapshot for the next pool after a membership change: endpoint j has what endpoint ``mapping[j]``
+        had here; one that joined (-1) is unknown, never scraped."""
+        kept = mapping >= 0
+        source = mapping[kept]
+        empty = Snapshot.empty(len(mapping))
+        arrays: dict[str, Any] = {}
+        for name in (*SIGNAL_FIELDS, "scraped_at", "sent_at_scrape", "up"):
+            array = np.array(getattr(empty, name), copy=True)
+            array[kept] = getattr(self, name)[source]
+            arrays[name] = _frozen(array)
+        lora = list(empty.lora)
+        if len(self.lora) == len(self):
+            for j, i in enumerate(mapping.tolist()):
+                if i >= 0:
+                    lora[j] = self.lora[i]
+        return replace(self, **arrays, lora=tuple(lora), built_at=time.monotonic())
+
     def with_values(self, **changes: Any) -> Snapshot:
         """A new snapshot with some arrays replaced (each copied and frozen); the rest is shared."""
         size = len(self)
@@ -124,6 +142,13 @@ class Signals:
         self.clock = clock
         self.published = 0
         self._install(Snapshot.empty(size))
+
+    def moved(self, mapping: np.ndarray, *, stale_after_s: float | None = None) -> Signals:
+        """The signals of the next pool after a membership change (see `Snapshot.moved`), on the same clock."""
+        signals = Signals(len(mapping), stale_after_s=stale_after_s or self.stale_after_s, clock=self.clock)
+        signals._install(self.snapshot.moved(mapping))
+        signals.published = self.published
+        return signals
 
     def publish(self, snapshot: Snapshot) -> None:
         if len(snapshot) != len(self.snapshot):

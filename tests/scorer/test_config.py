@@ -128,11 +128,11 @@ ERRORS = [
     pytest.param({"pool": ["10.0.0.1:80"]}, r"^pool must be a mapping; got list", id="pool-list"),
     pytest.param(
         {"pool": {"endpoint": []}},
-        r"^pool: unknown key 'endpoint' \(allowed: allowed_networks, endpoints\)",
+        r"^pool: unknown key 'endpoint' \(allowed: allowed_networks, discovery, endpoints, slow_start\)",
         id="unknown-pool-key",
     ),
     pytest.param(
-        {"pool": {}}, r"^pool\.endpoints is required \(a non-empty list of endpoints\)$", id="endpoints-missing"
+        {"pool": {}}, r"^pool\.endpoints is required: a non-empty list of endpoints \(or set pool\.discovery\)$", id="endpoints-missing"
     ),
     pytest.param({"pool": {"endpoints": []}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-empty"),
     pytest.param(
@@ -963,7 +963,7 @@ def _at(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
             "experiments, inflight, listen, max_body_bytes, otel, policy, pool, profiles, session_header, signals",
             id="top",
         ),
-        pytest.param(("pool",), "pool", "allowed_networks, endpoints", id="pool"),
+        pytest.param(("pool",), "pool", "allowed_networks, discovery, endpoints, slow_start", id="pool"),
         pytest.param(("pool", "endpoints", 0), "pool.endpoints[0]", "address, gpu, labels, models", id="endpoint"),
         pytest.param(("pool", "endpoints", 0, "gpu"), "pool.endpoints[0].gpu", "indices, kind, url", id="gpu"),
         pytest.param(

@@ -1,0 +1,150 @@
+"""Discovery: the endpoints a source says should serve, checked as strictly as the config file's.
+
+A source (etcd: `scorer.etcd`; the config file is the picker's own reload) publishes the whole membership each
+time it changes, as `Member` entries: one per key, a JSON object with ``address``, ``models``, ``labels`` and
+``ready``. `endpoints_of` turns them into `EndpointConfig`s: an address that names a host is resolved here (every
+address it has becomes an endpoint; Envoy's ORIGINAL_DST needs an IP), each address must be inside
+``pool.allowed_networks`` (a source is a trust boundary: whoever writes to it must not reach beyond the pool's
+networks), an entry that is not ready is left out, and a bad entry is skipped with a reason, never applied and
+never fatal to the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from pydantic import TypeAdapter, ValidationError
+
+from inferlb.scorer.address import format_address
+from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.errors import shown
+from inferlb.scorer.networks import Networks, destination_problem
+from inferlb.scorer.validation import config_error
+
+__all__ = ["MAX_MEMBER_BYTES", "DiscoverySource", "Resolver", "endpoints_of", "resolve_host"]
+
+# A member's JSON is a few hundred bytes; anything much larger is not a member.
+MAX_MEMBER_BYTES = 16 << 10
+
+_ENDPOINT = TypeAdapter(EndpointConfig)
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+class DiscoverySource(Protocol):
+    """A running source of membership. ``run`` publishes the whole list of endpoints each time it changes (and once
+    when it first knows it), until cancelled; it survives its backend's outages (``healthy`` says whether it is
+    in touch now, ``problem`` why not)."""
+
+    name: str
+    healthy: bool
+    problem: str | None
+
+    async def run(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None: ...
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (A and AAAA), in a stable order; [] when it resolves to nothing."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return sorted({str(info[4][0]) for info in infos})
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """An entry of a source that is not an endpoint, and why (for the log and ``/endpoints``)."""
+
+    key: str
+    reason: str
+
+
+async def endpoints_of(
+    entries: Mapping[str, bytes],
+    allowed: Networks,
+    *,
+    resolve: Resolver = resolve_host,
+    limit: int = 4096,
+) -> tuple[tuple[EndpointConfig, ...], tuple[Skipped, ...]]:
+    """The endpoints that ``entries`` (key -> JSON value) describe, in key order, and the entries skipped."""
+    endpoints: list[EndpointConfig] = []
+    skipped: list[Skipped] = []
+    seen: dict[str, str] = {}
+    for key in sorted(entries):
+        value = entries[key]
+        try:
+            for endpoint in await _entry(value, allowed, resolve):
+                if endpoint.address in seen:
+                    raise ValueError(f"{endpoint.address} is also the address of {shown(seen[endpoint.address])}")
+                if len(endpoints) >= limit:
+                    raise ValueError(f"more than {limit} endpoints (max_endpoints)")
+                seen[endpoint.address] = key
+                endpoints.append(endpoint)
+        except _NotReady:
+            continue
+        except ValueError as exc:
+            skipped.append(Skipped(key, str(exc)))
+    return tuple(endpoints), tuple(skipped)
+
+
+class _NotReady(Exception):
+    pass
+
+
+async def _entry(value: bytes, allowed: Networks, resolve: Resolver) -> list[EndpointConfig]:
+    if len(value) > MAX_MEMBER_BYTES:
+        raise ValueError(f"the value is {len(value)} bytes; an endpoint takes at most {MAX_MEMBER_BYTES}")
+    try:
+        document: Any = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise ValueError('must be a JSON object such as {"address": "10.0.0.7:8000"}')
+    ready = document.pop("ready", True)
+    if not isinstance(ready, bool):
+        raise ValueError(f"ready must be true or false; got {shown(ready)}")
+    if not ready:
+        raise _NotReady
+    if "gpu" in document:
+        raise ValueError("gpu: an endpoint's GPU source is set in the config file only")
+    address = document.get("address")
+    addresses = [address]
+    if isinstance(address, str):
+        host, sep, port = address.rpartition(":")
+        if sep and host and not _is_literal(host) and port.isascii() and port.isdigit():
+            ips = await resolve(host, int(port))
+            if not ips:
+                raise ValueError(f"{shown(address)}: {host!r} does not resolve")
+            addresses = [format_address(ip, int(port)) for ip in ips]
+    endpoints = []
+    for each in addresses:
+        try:
+            endpoint = _ENDPOINT.validate_python({**document, "address": each})
+        except ValidationError as exc:
+            raise ValueError(str(config_error(exc)).replace("\n", "; ")) from None
+        host = endpoint.address.rpartition(":")[0].strip("[]")
+        problem = destination_problem(host, allowed, "pool.allowed_networks")
+        if problem is not None:
+            raise ValueError(f"{endpoint.address} {problem}")
+        endpoints.append(endpoint)
+    return endpoints
+
+
+def _is_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def describe_skipped(skipped: Sequence[Skipped]) -> list[dict[str, str]]:
+    return [{"key": s.key, "reason": s.reason} for s in skipped]

@@ -1,0 +1,214 @@
+"""The etcd discovery source: the pool's endpoints are the values under a key prefix, watched.
+
+It speaks etcd v3 through the JSON gateway every etcd server has (``/v3/kv/range``, ``/v3/watch``,
+``/v3/auth/authenticate``; keys and values base64 in JSON), so it needs nothing beyond httpx. The loop: read the
+whole prefix and its revision, publish, then watch from the next revision and publish after each batch of events.
+A broken connection, a compacted revision or an expired auth token starts the loop again from a fresh read, after
+a backoff (``RETRY_S`` doubling to ``MAX_RETRY_S``), trying the next URL. While etcd is out of reach the last
+membership stays in force: endpoints that go unseen keep serving (their own failures are the metrics' and the
+routing's business), which is safer than emptying the pool. ``healthy`` and ``problem`` say whether the source is
+in touch; each transition is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import codecs
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from inferlb.scorer.config import EndpointConfig, EtcdConfig
+from inferlb.scorer.credentials import Credential
+from inferlb.scorer.discovery import Resolver, Skipped, endpoints_of, resolve_host
+from inferlb.scorer.networks import Networks
+
+__all__ = ["EtcdSource"]
+
+logger = logging.getLogger(__name__)
+
+RETRY_S = 0.25
+MAX_RETRY_S = 5.0
+# One watch message carries one revision's events; etcd caps a request at 1.5 MiB, so a message is far below this.
+MAX_MESSAGE_BYTES = 8 << 20
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (etcd's ``range_end`` for a prefix)."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"  # every key
+
+
+class EtcdError(Exception):
+    """etcd answered, but not with what the source needs (the message says what)."""
+
+
+class EtcdSource:
+    """Watches ``config.prefix`` in etcd and publishes the endpoints found there (see the module's docstring)."""
+
+    name = "etcd"
+
+    def __init__(
+        self,
+        config: EtcdConfig,
+        allowed: Networks,
+        *,
+        resolve: Resolver = resolve_host,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config
+        self.allowed = allowed
+        self.resolve = resolve
+        self.healthy = False
+        self.problem: str | None = "not read yet"
+        self.revision = 0
+        self.skipped: tuple[Skipped, ...] = ()
+        self.updates = 0  # memberships published
+        self.failures = 0  # connections lost or refused
+        self._entries: dict[str, bytes] = {}
+        self._prefix = config.prefix.encode()
+        self._range = {"key": _b64(self._prefix), "range_end": _b64(prefix_end(self._prefix))}
+        self._url = 0
+        self._token: str | None = None
+        self._transport = transport
+        self._password: Credential | None = None
+
+    async def run(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
+        delay = RETRY_S
+        verify: Any = self.config.ca_file if self.config.ca_file is not None else True
+        timeout = httpx.Timeout(self.config.timeout_s, read=None)  # a watch waits for events as long as it takes
+        async with httpx.AsyncClient(timeout=timeout, verify=verify, transport=self._transport) as client:
+            while True:
+                url = self.config.urls[self._url % len(self.config.urls)]
+                try:
+                    await self._authenticate(client, url)
+                    await self._read(client, url, publish)
+                    self._up()
+                    delay = RETRY_S
+                    await self._watch(client, url, publish)
+                    raise EtcdError("the watch ended")
+                except (httpx.HTTPError, EtcdError, ValueError, OSError) as exc:
+                    self._down(f"{url}: {exc or type(exc).__name__}")
+                    self._url += 1
+                    self._token = None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, MAX_RETRY_S)
+
+    def _up(self) -> None:
+        if not self.healthy:
+            logger.info("etcd discovery in touch (%s, revision %d)", self.config.prefix, self.revision)
+        self.healthy, self.problem = True, None
+
+    def _down(self, problem: str) -> None:
+        self.failures += 1
+        if self.healthy or self.problem != problem:
+            logger.warning("etcd discovery out of touch, the last membership stays in force: %s", problem)
+        self.healthy, self.problem = False, problem
+
+    async def _authenticate(self, client: httpx.AsyncClient, url: str) -> None:
+        if self.config.username is None or self.config.password is None:
+            return
+        password = self.config.password.read("pool.discovery.etcd.password")  # read each time: it may be rotated
+        reply = await self._post(
+            client, url, "/v3/auth/authenticate", {"name": self.config.username, "password": password.reveal().decode()}
+        )
+        token = reply.get("token")
+        if not isinstance(token, str) or not token:
+            raise EtcdError("authentication gave no token")
+        self._token = token
+
+    async def _post(self, client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {} if self._token is None else {"authorization": self._token}
+        response = await client.post(url + path, json=body, headers=headers)
+        if response.status_code != 200:
+            raise EtcdError(f"{path}: HTTP {response.status_code}: {response.text[:200]}")
+        reply = response.json()
+        if not isinstance(reply, dict):
+            raise EtcdError(f"{path}: not a JSON object")
+        return reply
+
+    async def _read(
+        self, client: httpx.AsyncClient, url: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
+    ) -> None:
+        reply = await self._post(client, url, "/v3/kv/range", dict(self._range))
+        self.revision = int(reply.get("header", {}).get("revision", 0))
+        self._entries = {}
+        for kv in reply.get("kvs", ()):
+            self._entries[self._key(kv)] = base64.b64decode(kv.get("value", ""))
+        await self._publish(publish)
+
+    async def _watch(
+        self, client: httpx.AsyncClient, url: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
+    ) -> None:
+        body = {"create_request": {**self._range, "start_revision": str(self.revision + 1)}}
+        headers = {} if self._token is None else {"authorization": self._token}
+        async with client.stream("POST", url + "/v3/watch", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                raise EtcdError(f"/v3/watch: HTTP {response.status_code}")
+            async for message in _messages(response.aiter_bytes()):
+                if "error" in message:
+                    raise EtcdError(f"/v3/watch: {message['error']}")
+                result = message.get("result", {})
+                if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
+                    raise EtcdError(f"the watch was cancelled ({result.get('cancel_reason') or 'compacted'})")
+                events = result.get("events")
+                if not events:
+                    continue
+                for event in events:
+                    kv = event.get("kv", {})
+                    key = self._key(kv)
+                    if event.get("type") == "DELETE":
+                        self._entries.pop(key, None)
+                    else:
+                        self._entries[key] = base64.b64decode(kv.get("value", ""))
+                self.revision = max(self.revision, int(result.get("header", {}).get("revision", self.revision)))
+                await self._publish(publish)
+
+    def _key(self, kv: dict[str, Any]) -> str:
+        return base64.b64decode(kv.get("key", "")).decode("utf-8", "replace")
+
+    async def _publish(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
+        endpoints, skipped = await endpoints_of(
+            self._entries, self.allowed, resolve=self.resolve, limit=self.config.max_endpoints
+        )
+        for entry in skipped:
+            if entry not in self.skipped:
+                logger.error("etcd discovery skips %s: %s", entry.key, entry.reason)
+        self.skipped = skipped
+        self.updates += 1
+        publish(endpoints)
+
+
+async def _messages(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a watch stream (one after another, newline-separated or not)."""
+    decoder = json.JSONDecoder()
+    text = codecs.getincrementaldecoder("utf-8")()  # a chunk may end inside a character
+    buffer = ""
+    async for chunk in chunks:
+        buffer += text.decode(chunk)
+        if len(buffer) > MAX_MESSAGE_BYTES:
+            raise EtcdError(f"a watch message over {MAX_MESSAGE_BYTES} bytes")
+        while True:
+            buffer = buffer.lstrip()
+            if not buffer:
+                break
+            try:
+                message, end = decoder.raw_decode(buffer)
+            except json.JSONDecodeError:
+                break  # the rest of it is still to come
+            buffer = buffer[end:]
+            if isinstance(message, dict):
+                yield message
