@@ -15,8 +15,8 @@ from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.membership import Membership, Ramp, SlowStart
 from inferlb.scorer.pool import Pool
-from inferlb.scorer.presets import build_profile
 from inferlb.scorer.prefix import PrefixIndex
+from inferlb.scorer.presets import build_profile
 from inferlb.scorer.signals import Signals
 
 
