@@ -4,7 +4,9 @@
 |---|---|
 | ``GET /healthz`` | 200 while the process runs |
 | ``GET /readyz`` | 200 once the gRPC server serves and the first metrics round is in; else 503 |
-| ``GET /endpoints`` | each endpoint's latest signals, their age, staleness, last scrape error, in-flight counts |
+| ``GET /endpoints`` | each endpoint's state (serving, ramping in with its slow start, draining), latest signals, |
+|  | their age, staleness, last scrape error, in-flight counts; where the pool comes from (``membership``: |
+|  | the discovery source, whether it is in touch, entries it skipped and why, changes counted) |
 | ``GET /decisions?limit=N`` | recent decisions, newest first: reason, each scorer's score, the best candidates' |
 | ``GET /experiments`` | each experiment: arms, weights, per-arm counts and latency quantiles, each treatment's |
 |  | comparison with the control (difference, always-valid interval, verdict), weight history; a browser |
@@ -128,6 +130,26 @@ def config_document(picker: PickerProcess) -> dict[str, Any]:
     }
 
 
+def _membership(picker: PickerProcess) -> dict[str, Any]:
+    """Where the pool comes from and how it changed: the discovery source's state and the changes counted."""
+    source = picker.discovery
+    view: dict[str, Any] = {
+        "source": "config" if source is None else source.name,
+        "changes": dict(picker.membership.changes),
+        "refused": picker.membership_refusals,
+    }
+    if source is not None:
+        view["healthy"] = source.healthy
+        view["problem"] = source.problem
+        view["discovered"] = None if picker.discovered is None else len(picker.discovered)
+        for name in ("revision", "updates", "failures"):
+            if hasattr(source, name):
+                view[name] = getattr(source, name)
+        skipped = getattr(source, "skipped", ())
+        view["skipped"] = [{"key": s.key, "reason": s.reason} for s in skipped]
+    return view
+
+
 def create_admin_app(picker: PickerProcess) -> FastAPI:
     """The admin app for one picker; everything it reads is reached through ``picker`` (swapped on reload)."""
     app = FastAPI(title="inferlb picker", docs_url=None, redoc_url=None, openapi_url=None)
@@ -160,11 +182,17 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
         errors = picker.collector.last_error if picker.collector is not None else [None] * len(engine.pool)
         latency = picker.spans.view() if picker.spans is not None else None
         rows = []
+        ramping = dict(engine.pool.ramping)
         for i, endpoint in enumerate(engine.pool):
+            ramp = ramping.get(i)
+            state = "draining" if endpoint.draining else "ramping" if ramp is not None and not ramp.done else "serving"
             rows.append(
                 {
                     "address": endpoint.address,
+                    "state": state,
+                    **({"slow_start": ramp.describe(now)} if state == "ramping" and ramp is not None else {}),
                     "models": sorted(endpoint.models) if endpoint.models is not None else None,
+                    "labels": dict(endpoint.labels),
                     "up": bool(snap.up[i]),
                     "stale": bool(stale[i]),
                     "age_s": None if math.isinf(ages[i]) else round(float(ages[i]), 3),
@@ -183,7 +211,11 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
             if latency is not None and i < len(latency["count"]):
                 # From the servers' spans or from the response stream, as otel.latency_source says.
                 rows[-1]["latency"] = {key: _num(values[i]) for key, values in latency.items()}
-        return {"snapshot_age_s": round(now - snap.built_at, 3), "endpoints": rows}
+        return {
+            "snapshot_age_s": round(now - snap.built_at, 3),
+            "membership": _membership(picker),
+            "endpoints": rows,
+        }
 
     @app.get("/decisions")
     async def decisions(limit: int = 100) -> Response:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from inferlb.filter.observe import ObserveStats
     from inferlb.filter.requestend import LeaseStats
     from inferlb.otel.receiver import ReceiverStats
+    from inferlb.scorer.engine import Engine
     from inferlb.picker import PickerProcess
 
 __all__ = [
@@ -119,6 +120,9 @@ class Readings:
     # (experiment, arm or "", kind).
     arms: dict[tuple[str, str], tuple[float, int, int, int, int]] = dataclasses.field(default_factory=dict)
     weight_changes: dict[tuple[str, str, str], int] = dataclasses.field(default_factory=dict)
+    membership: dict[str, int] = dataclasses.field(default_factory=dict)  # changes by kind (joined, left, ...)
+    endpoint_states: dict[str, int] = dataclasses.field(default_factory=dict)  # endpoints by state
+    discovery: tuple[str, bool] | None = None  # the source's name and whether it is in touch
 
     @classmethod
     def take(cls, picker: PickerProcess) -> Readings:
@@ -140,6 +144,9 @@ class Readings:
             inflight=engine.inflight.requests.tolist(),
             scorer_errors=dict(engine.scorer_errors),
             reloads=picker.reloads,
+            membership=dict(picker.membership.changes),
+            endpoint_states=_states(engine),
+            discovery=None if picker.discovery is None else (picker.discovery.name, picker.discovery.healthy),
         )
         spans, leases = picker.spans, picker.service.leases
         extra: dict[str, Any] = {}
@@ -168,6 +175,13 @@ class Readings:
                     changes[name, arm_name, kind] = n
             extra["arms"], extra["weight_changes"] = arms, changes
         return dataclasses.replace(readings, **extra) if extra else readings
+
+
+def _states(engine: Engine) -> dict[str, int]:
+    pool = engine.pool
+    draining = sum(e.draining for e in pool)
+    ramping = sum(not ramp.done for _, ramp in pool.ramping)
+    return {"serving": len(pool) - draining - ramping, "ramping": ramping, "draining": draining}
 
 
 def families(readings: Readings) -> Iterator[Metric]:
@@ -277,6 +291,25 @@ def families(readings: Readings) -> Iterator[Metric]:
     yield _counter(
         "inferlb_config_reloads_total", "Configurations applied since start (file or API).", (), [((), r.reloads)]
     )
+    yield _counter(
+        "inferlb_membership_changes_total",
+        "Endpoints that joined, left (and drained), were removed or changed models or labels, since start.",
+        ("change",),
+        [((k,), v) for k, v in sorted(r.membership.items())],
+    )
+    yield _gauge(
+        "inferlb_pool_endpoints",
+        "The pool's endpoints by state: serving, ramping in (slow start), draining.",
+        ("state",),
+        [((k,), v) for k, v in sorted(r.endpoint_states.items())],
+    )
+    if r.discovery is not None:
+        yield _gauge(
+            "inferlb_discovery_healthy",
+            "1 while the discovery source is in touch with its backend (0: the last membership stays in force).",
+            ("source",),
+            [((r.discovery[0],), int(r.discovery[1]))],
+        )
     if r.arms:
         labels = ("experiment", "arm")
         arms = sorted(r.arms.items())

@@ -454,13 +454,18 @@ class PoolFile(Model):
     the endpoints come (also) from a discovery source; ``slow_start`` ramps in the endpoints that join."""
 
     allowed_networks: Annotated[tuple[Network, ...], _NETWORK_LIST] = DEFAULT_ALLOWED_NETWORKS
-    endpoints: Annotated[tuple[EndpointConfig, ...], non_empty_list("a non-empty list of endpoints")] = ()
+    endpoints: Annotated[
+        tuple[EndpointConfig, ...],
+        must("a non-empty list of endpoints (empty only with pool.discovery)", lambda v: isinstance(v, list)),
+    ] = ()
     discovery: DiscoveryConfig | None = None
     slow_start: SlowStartConfig = Field(default_factory=SlowStartConfig)
 
     @model_validator(mode="after")
     def _inside_allowed_networks(self) -> PoolFile:
         if not self.endpoints and self.discovery is None:
+            if "endpoints" in self.model_fields_set:
+                raise invalid(" must be a non-empty list of endpoints (or set pool.discovery); got []", "endpoints")
             raise invalid(" is required: a non-empty list of endpoints (or set pool.discovery)", "endpoints")
         allowed, where = Networks.of(self.allowed_networks), "pool.allowed_networks"
         seen: dict[str, int] = {}

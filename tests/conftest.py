@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+# Tests that drive a real etcd (Debian's etcd-server) skip without it here, never on CI, where .ci/run installs it.
+needs_etcd = pytest.mark.skipif(
+    shutil.which("etcd") is None and not os.environ.get("CI"), reason="needs Debian's etcd-server (.ci/run installs it)"
+)
 
 
 class ManualClock:

@@ -132,7 +132,9 @@ ERRORS = [
         id="unknown-pool-key",
     ),
     pytest.param(
-        {"pool": {}}, r"^pool\.endpoints is required: a non-empty list of endpoints \(or set pool\.discovery\)$", id="endpoints-missing"
+        {"pool": {}},
+        r"^pool\.endpoints is required: a non-empty list of endpoints \(or set pool\.discovery\)$",
+        id="endpoints-missing",
     ),
     pytest.param({"pool": {"endpoints": []}}, r"^pool\.endpoints must be a non-empty list", id="endpoints-empty"),
     pytest.param(

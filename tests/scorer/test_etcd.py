@@ -9,13 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from inferlb.bench.etcdserver import ETCD, delete, etcd_server, put
+from inferlb.procs import free_port
 from inferlb.scorer.config import EndpointConfig, parse_config
 from inferlb.scorer.etcd import EtcdSource, prefix_end
-from inferlb.procs import free_port
 from inferlb.scorer.networks import Networks
 
-from ..conftest import until
-from ..etcdserver import ETCD, delete, etcd_server, needs_etcd, put
+from ..conftest import (
+    needs_etcd,
+    until,
+)
 
 pytestmark = needs_etcd
 

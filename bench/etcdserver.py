@@ -1,11 +1,10 @@
-"""A real etcd server for tests (Debian's etcd-server, which .ci/run installs), on loopback ports of its own, and
-the few v3 JSON-gateway calls the tests make to it."""
+"""A real etcd server for the membership benchmark and the tests (Debian's etcd-server, which .ci/run installs), on
+loopback ports of its own, and the few v3 JSON-gateway writes they make to it."""
 
 from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,16 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from inferlb.procs import ManagedProcess, free_port, http_ok
+from inferlb.procs import ManagedProcess, ProcessError, free_port, http_ok
+
+__all__ = ["ETCD", "delete", "etcd_server", "put"]
 
 ETCD = shutil.which("etcd")
-
-# Without etcd the tests that need it are skipped here, never on CI (where .ci/run installs it).
-needs_etcd = pytest.mark.skipif(
-    ETCD is None and not os.environ.get("CI"), reason="needs Debian's etcd-server (.ci/run installs it)"
-)
 
 
 @contextmanager
@@ -30,7 +25,7 @@ def etcd_server(data_dir: Path, ports: tuple[int, int] | None = None) -> Iterato
     """Start etcd with its data in ``data_dir`` (on ``ports``, client and peer, or two free ones); yield its client
     URL; stop it."""
     if ETCD is None:
-        raise RuntimeError("etcd is not installed: apt-get install etcd-server")
+        raise ProcessError("etcd is not installed: apt-get install etcd-server")
     client, peer = ports or (free_port(), free_port())
     url = f"http://127.0.0.1:{client}"
     process = ManagedProcess(
