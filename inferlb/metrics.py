@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from inferlb.filter.observe import ObserveStats
     from inferlb.filter.requestend import LeaseStats
     from inferlb.otel.receiver import ReceiverStats
-    from inferlb.scorer.engine import Engine
     from inferlb.picker import PickerProcess
+    from inferlb.scorer.engine import Engine
 
 __all__ = [
     "CONTENT_TYPE",
