@@ -44,7 +44,7 @@ from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, free_port, stop_all
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
-__all__ = ["SCENARIOS", "add_arguments", "run"]
+__all__ = ["SCENARIOS", "add_arguments", "read_records", "run", "start_load", "wait_load"]
 
 MODEL = "m"
 SCENARIOS = ("picker-kill", "picker-sigterm", "server-kill", "span-flood", "soak")
@@ -122,6 +122,13 @@ def _rss_mb(pid: int) -> float | None:
 
 
 def _load(stack: LocalStack, plan: Plan, out: Path) -> subprocess.Popen[bytes]:
+    return start_load(stack, out, plan.rate, plan.duration_s, plan.short_tokens, plan.long_tokens)
+
+
+def start_load(
+    stack: LocalStack, out: Path, rate: float, duration_s: float, short_tokens: int, long_tokens: int
+) -> subprocess.Popen[bytes]:
+    """`bench/faultload.py` against ``stack``'s gateway in its own process, its records going to ``out``."""
     argv = [
         sys.executable,
         "-m",
@@ -131,13 +138,13 @@ def _load(stack: LocalStack, plan: Plan, out: Path) -> subprocess.Popen[bytes]:
         "--model",
         MODEL,
         "--rate",
-        str(plan.rate),
+        str(rate),
         "--duration-s",
-        str(plan.duration_s),
+        str(duration_s),
         "--short-tokens",
-        str(plan.short_tokens),
+        str(short_tokens),
         "--long-tokens",
-        str(plan.long_tokens),
+        str(long_tokens),
         "--out",
         str(out),
     ]
@@ -145,7 +152,7 @@ def _load(stack: LocalStack, plan: Plan, out: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _wait(process: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_load(process: subprocess.Popen[bytes], timeout: float) -> None:
     try:
         process.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -155,7 +162,7 @@ def _wait(process: subprocess.Popen[bytes], timeout: float) -> None:
         raise RuntimeError(f"the load generator failed with code {process.returncode}")
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -264,16 +271,16 @@ def _measure(
         time.sleep(max(0.0, started + plan.fault_at_s - time.time()))  # the fault's time in the run, not a poll
         fault_at = time.time()
         extra = _fault(plan, stack, servers)
-        _wait(load, plan.duration_s + 300)
+        wait_load(load, plan.duration_s + 300)
     log = {entry.get("request_id", ""): entry for entry in stack.access_log()}
-    summary = _summary(plan, _records(records_path), log, fault_at, sampler.samples, command, extra)
+    summary = _summary(plan, read_records(records_path), log, fault_at, sampler.samples, command, extra)
     if plan.scenario == "span-flood":
         summary.update(
-            _routing_windows(_records(records_path), log, fault_at, extra.get("flood_s", 0.0), stack.endpoints[0])
+            _routing_windows(read_records(records_path), log, fault_at, extra.get("flood_s", 0.0), stack.endpoints[0])
         )
         summary.update(_ext_proc_counters(stack))
     if plan.scenario == "soak":
-        summary.update(_soak(sampler.samples, _records(records_path), log, started, stack.endpoints))
+        summary.update(_soak(sampler.samples, read_records(records_path), log, started, stack.endpoints))
     return summary
 
 

@@ -56,6 +56,7 @@ SUITES: Mapping[str, Suite] = MappingProxyType(
             Suite("shift", "how fast traffic leaves a server that turns 5x slower"),
             Suite("external", "the gateway under guidellm, beside the servers' and Envoy's figures"),
             Suite("resilience", "what faults cost the clients: picker and server kills, span flood, soak"),
+            Suite("membership", "servers that join (slow start), leave (drain) and die under load, per source"),
             Suite("bodycost", "what the worst request bodies cost the picker's parser"),
             Suite("experiments", "A/B tests between policies: false verdicts, power, grey releases that roll back"),
         )

@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 # After the drain, how long streams still open get to finish. Routing streams end at their decision, so what is
 # left is a request waiting for its body or for capacity (at most a class's max_wait_s).
 SHUTDOWN_GRACE_S = 2.0
-WATCH_INTERVAL_S = 1.0
+WATCH_INTERVAL_S = 0.25  # a stat of the config file this often
 LEASE_EXPIRY_INTERVAL_S = 1.0
 
 

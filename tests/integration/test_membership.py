@@ -1,0 +1,41 @@
+"""Membership under load through the real gateway (bench/membership.py, quick form): a server added to etcd or to
+the config file gets requests within a second, one removed drains with no client error and no new request, and
+a killed server's cost is bounded (its requests in flight, and the few sent before the picker sees it down)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inferlb.bench import membership
+from inferlb.bench.etcdserver import etcd_server
+
+from ..conftest import needs_etcd
+
+pytestmark = [pytest.mark.envoy, needs_etcd]
+
+
+def check(results: list[dict]) -> None:
+    join, leave, kill = results
+    assert join["scenario"] == "join" and join["errors"] == 0
+    assert join["first_request_after_join_s"] is not None and join["first_request_after_join_s"] < 1.0
+    assert join["joiner_requests"] > 0
+    # Slow start: in the first half-second the joiner gets no more than about its ramp's floor, not the flood a
+    # least-loaded choice would send to an empty server.
+    first = next(b for b in join["share_bins"] if b["share"] is not None)
+    assert first["share"] <= 0.5, join["share_bins"]
+    assert leave["scenario"] == "leave" and leave["errors"] == 0 and leave["in_flight_failed"] == 0
+    assert leave["sent_to_leaver_after_0_25_s"] == 0
+    assert kill["scenario"] == "kill" and kill["in_flight_at_kill"] >= kill["in_flight_failed"]
+    assert kill["last_failure_after_s"] is None or kill["last_failure_after_s"] < 1.0
+
+
+def test_etcd_membership_under_load(tmp_path: Path) -> None:
+    with etcd_server(tmp_path) as url:
+        results = membership._run(membership.EtcdMembers(url), membership.QUICK, tmp_path, "test")
+    check(results)
+
+
+def test_config_file_membership_under_load(tmp_path: Path) -> None:
+    check(membership._run(membership.FileMembers(), membership.QUICK, tmp_path, "test"))
