@@ -34,6 +34,7 @@ import yaml
 from inferlb.bench.etcdserver import delete, etcd_server, put
 from inferlb.bench.report import header, table, write
 from inferlb.bench.resilience import read_records, start_load, wait_load
+from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import free_port, stop_all
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
@@ -41,6 +42,8 @@ __all__ = ["SOURCES", "add_arguments", "run"]
 
 MODEL = "m"
 SOURCES = ("etcd", "file")
+# (source, Envoy's cluster mode) of each run: ORIGINAL_DST with both sources, and Override Host with retries.
+RUNS = (("etcd", "original-dst"), ("file", "original-dst"), ("etcd", "override-host"))
 PREFIX = "/inferlb/bench/"
 BIN_S = 0.5
 
@@ -130,12 +133,22 @@ def _at(started: float, offset: float) -> float:
     return time.time()
 
 
-def _run(source: Source, timeline: Timeline, workdir: Path, command: str) -> list[dict[str, Any]]:
+def _run(
+    source: Source, timeline: Timeline, workdir: Path, command: str, cluster_mode: str = "original-dst"
+) -> list[dict[str, Any]]:
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(4)]
     servers = [start_sim([a], workdir / f"server-{i}.log", "--model", MODEL) for i, a in enumerate(addresses)]
     pool = source.picker_pool(addresses[0], [addresses[1], addresses[3]])
     pool["slow_start"] = {"ramp_s": timeline.ramp_s, "min_fraction": timeline.min_fraction}
-    options = StackOptions(models=(MODEL,), policy="default", servers=tuple(addresses), picker_config={"pool": pool})
+    override = cluster_mode == "override-host"
+    options = StackOptions(
+        models=(MODEL,),
+        policy="default",
+        servers=tuple(addresses),
+        # With Override Host the picker names its best three: Envoy retries a request that never arrived.
+        picker_config={"pool": pool, **({"destinations": 3} if override else {})},
+        envoy=EnvoyOptions(cluster_mode=cluster_mode, xds=True if override else None),
+    )
     try:
         with LocalStack(options, workdir) as stack:
             retries_before = _retries(stack)
@@ -158,11 +171,22 @@ def _run(source: Source, timeline: Timeline, workdir: Path, command: str) -> lis
     records = read_records(records_path)
     for record in records:
         entry = log.get(record["request_id"], {})
-        record["picked"] = entry.get("picked") or record["server"]
+        # Where it went: the upstream Envoy connected to (after any retry), else the server that answered, else the
+        # picker's first choice.
+        upstream = entry.get("upstream") or ""
+        record["picked"] = (
+            upstream if upstream not in ("", "-") else record["server"] or (entry.get("picked") or "").split(",")[0]
+        )
         # A refused request has no client-side end time (faultload stops at its status); Envoy's log has its length.
         seconds = record["e2e_s"] if record["e2e_s"] is not None else _number(entry.get("duration_ms")) / 1000
         record["end"] = record["sent"] + seconds
-    facts = {"source": source.name, "rate": timeline.rate, "duration_s": timeline.duration_s, "command": command}
+    facts = {
+        "source": source.name,
+        "cluster_mode": cluster_mode,
+        "rate": timeline.rate,
+        "duration_s": timeline.duration_s,
+        "command": command,
+    }
     return [
         {**_join(records, addresses[2], joined, left, timeline), "retries": retries, **facts},
         {**_leave(records, addresses[1], left, killed, addresses[3]), "retries": retries, **facts},
@@ -276,7 +300,8 @@ def _plot(results: list[dict[str, Any]], path: Path) -> Path:
     joins = [r for r in results if r["scenario"] == "join"]
     for result in joins:
         bins = [b for b in result["share_bins"] if b["share"] is not None]
-        axes.plot([b["t_s"] for b in bins], [b["share"] for b in bins], marker="o", label=f"{result['source']}")
+        label = f"{result['source']}, {result['cluster_mode']}"
+        axes.plot([b["t_s"] for b in bins], [b["share"] for b in bins], marker="o", label=label)
     if joins:
         ramp = joins[0]["share_bins"]
         axes.plot([b["t_s"] for b in ramp], [b["ramp"] for b in ramp], "k--", label="ramp: share offered")
@@ -318,8 +343,9 @@ def _markdown(results: list[dict[str, Any]], command: str) -> str:
                 f"{r['in_flight_at_kill']} in flight on it ({r['in_flight_failed']} failed); "
                 f"{r['failed_after_kill']} sent after the kill failed, the last {r['last_failure_after_s']} s after"
             )
-        rows.append([r["source"], r["scenario"], r["sent"], r["errors"], r["retries"], detail])
-    lines += table(["source", "scenario", "sent", "errors", "retries", "what happened"], rows, "llrrrl")
+        rows.append([r["source"], r["cluster_mode"], r["scenario"], r["sent"], r["errors"], r["retries"], detail])
+    head = ["source", "Envoy cluster", "scenario", "sent", "errors", "retries", "what happened"]
+    lines += table(head, rows, "lllrrrl")
     lines += ["", "![a joining server's share under slow start](membership-ramp.png)", ""]
     return "\n".join(lines) + "\n"
 
@@ -336,15 +362,17 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="inferlb-membership-") as temporary:
         folder = args.workdir or Path(temporary)
-        for name in args.source or SOURCES:
-            workdir = folder / name
+        for name, mode in RUNS:
+            if args.source and name not in args.source:
+                continue
+            workdir = folder / f"{name}-{mode}"
             workdir.mkdir(parents=True, exist_ok=True)
-            print(f"membership: {name}, {timeline.duration_s:g} s at {timeline.rate:g} requests/s", flush=True)
+            print(f"membership: {name}, {mode}, {timeline.duration_s:g} s at {timeline.rate:g} requests/s", flush=True)
             if name == "etcd":
                 with etcd_server(workdir) as url:
-                    results += _run(EtcdMembers(url), timeline, workdir, args.command)
+                    results += _run(EtcdMembers(url), timeline, workdir, args.command, mode)
             else:
-                results += _run(FileMembers(), timeline, workdir, args.command)
+                results += _run(FileMembers(), timeline, workdir, args.command, mode)
             for result in results[-3:]:
                 print({k: v for k, v in result.items() if k not in ("share_bins", "command")}, flush=True)
     name = "membership-quick" if args.quick else "membership"

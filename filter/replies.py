@@ -80,6 +80,16 @@ class RouteReplies:
         )
 
 
+def listed_reply(addresses: str, body_phase: bool) -> ProcessingResponse:
+    """A route reply naming several endpoints, best first (``"ip:port,ip:port"``, as the Endpoint Picker protocol
+    allows): Envoy's Override Host cluster tries them in order. Built per request (the list depends on it)."""
+    common = _route_common(addresses)
+    metadata = _route_metadata(addresses)
+    if body_phase:
+        return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=metadata)
+    return ProcessingResponse(request_headers=HeadersResponse(response=common), dynamic_metadata=metadata)
+
+
 def with_header(reply: ProcessingResponse, key: str, value: str) -> ProcessingResponse:
     """A copy of a prebuilt route reply that also sets request header ``key`` (e.g. a per-request traceparent)."""
     out = ProcessingResponse()

@@ -34,16 +34,18 @@ from dataclasses import dataclass, field
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.discovery.v3 import ads_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferlb.filter.errors import MalformedRequestError, OverloadedError, RequestError, from_routing_error
 from inferlb.filter.observe import ObserveStats, time_response
-from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, with_body, with_header
+from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, listed_reply, with_body, with_header
 from inferlb.filter.request import apply_body, features_from_headers, with_model
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.filter.requestend import add_to_server as add_access_log_service
+from inferlb.filter.xds import ControlPlane
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.classes import Classifier
@@ -118,6 +120,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.observe_stats = ObserveStats()
         self._endpoints = {e.address: e.index for e in engine.pool}
         self.replies = RouteReplies(engine.pool)
+        # How many endpoints a route reply names (more than one: for Envoy's Override Host cluster, best first).
+        self.destinations = 1
         self.stats = FilterStats()
         self.decisions = DecisionLog()
         # With leases, routing streams end at the decision and Envoy's access log ends each request's count.
@@ -283,6 +287,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         index = decision.endpoint.index
         self.stats.routed += 1
         reply = replies[index]
+        if self.destinations > 1 and len(decision.candidates) > 1:
+            # The chosen endpoint first, then the next best: where Envoy retries a request that never arrived.
+            endpoints = self.router.pool.endpoints
+            listed = ",".join(endpoints[i].address for i in decision.ranked[: self.destinations])
+            reply = listed_reply(listed, replies is self.replies.body)
         if arm is not None and arm.spec.model is not None and body is not None:
             # features.model is already the arm's (admission set it); the client's body still names its own.
             try:
@@ -344,8 +353,16 @@ class PickerServer:
     ``max_body_bytes``) by the envelope, or a body under the limit fails the stream and, with fail-open, goes
     upstream without a decision. It is fixed for the server's life."""
 
-    def __init__(self, service: ExtProcService, listen: str, *, max_message_bytes: int = 4 << 20) -> None:
+    def __init__(
+        self,
+        service: ExtProcService,
+        listen: str,
+        *,
+        max_message_bytes: int = 4 << 20,
+        control_plane: ControlPlane | None = None,
+    ) -> None:
         self.service = service
+        self.control_plane = control_plane
         self.listen = listen
         self.max_message_bytes = max_message_bytes
         self.health = health.aio.HealthServicer()
@@ -361,6 +378,8 @@ class PickerServer:
         self._access_logs = AccessLogReceiver(lambda: service.leases, service.failure_listener)
         add_access_log_service(self._access_logs, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        if control_plane is not None:  # Envoy's endpoints over ADS (filter/xds.py)
+            ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(control_plane, self._server)
         self.port: int | None = None
 
     async def start(self) -> None:

@@ -16,6 +16,8 @@ TEMPLATE = "bootstrap.yaml.j2"
 # Routes whose JSON body the picker reads; every other /v1/ route is decided from the headers alone.
 BODY_ROUTES = ("/v1/completions", "/v1/chat/completions")
 FALLBACK_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
+CLUSTER_MODES = ("original-dst", "override-host")
+TIERS = ("per-request", "weights")
 # The request headers Envoy sends to the picker; it reads nothing else.
 # traceparent: the picker continues the client's trace when it injects its own into the upstream request.
 FORWARD_HEADERS = (":path", ":method", "x-request-id", "traceparent")
@@ -52,6 +54,15 @@ class EnvoyOptions:
     tracing: bool = False  # send Envoy's own spans to the picker's OTLP receiver (config otel.receiver)
     # How long a request may take to arrive (headers, then the whole request) and how long a stream may sit with
     # nothing moving either way; a streamed response is bounded only by the last.
+    # xds: the server clusters' endpoints (and the fallback cluster's weights) come from the picker over ADS
+    # (None: when the picker's config names a discovery source). cluster_mode: how the picked endpoint is reached,
+    # "original-dst" (any ip:port the picker names) or "override-host" (only the pool's members, the picker's
+    # list tried in order with up to ``retries`` retries). tier: "per-request" (the picker's pick) or "weights"
+    # (Envoy's own balancer over the picker's weights, no per-request hop; needs xds).
+    xds: bool | None = None
+    cluster_mode: str = "original-dst"
+    tier: str = "per-request"
+    retries: int = 2
     request_headers_timeout_ms: int = 10_000
     request_timeout_ms: int = 30_000
     stream_idle_timeout_ms: int = 300_000
@@ -85,6 +96,22 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
             f"the request timeout ({options.request_timeout_ms} ms) must exceed the picker's message timeout "
             f"({options.message_timeout_ms} ms)"
         )
+    xds = options.xds if options.xds is not None else config.discovery is not None
+    if options.cluster_mode not in CLUSTER_MODES:
+        raise EnvoyConfigError(f"cluster_mode must be one of {', '.join(CLUSTER_MODES)}; got {options.cluster_mode!r}")
+    if options.tier not in TIERS:
+        raise EnvoyConfigError(f"tier must be one of {', '.join(TIERS)}; got {options.tier!r}")
+    if options.tier == "weights" and not (xds and options.picker):
+        raise EnvoyConfigError("the weights tier needs the picker as Envoy's control plane (xds) to push weights")
+    if options.cluster_mode == "original-dst" and config.destinations > 1:
+        raise EnvoyConfigError(
+            f"the picker names {config.destinations} endpoints per request (destinations), which ORIGINAL_DST "
+            "cannot take: use cluster_mode override-host, or destinations 1"
+        )
+    if not 0 <= options.retries <= 5:
+        raise EnvoyConfigError(f"retries must be in 0..5; got {options.retries}")
+    if xds and not options.picker:
+        raise EnvoyConfigError("xds needs the picker: it is the control plane")
     tracer_host, tracer_port = "", 0
     if options.tracing:
         if config.otel.receiver is None:
@@ -102,6 +129,10 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         admin_host=admin_host,
         admin_port=admin_port,
         picker=options.picker,
+        xds=xds,
+        override_host=options.picker and options.cluster_mode == "override-host",
+        retries=options.retries,
+        weights_tier=options.tier == "weights",
         tracer=options.tracing,
         tracer_host=tracer_host,
         tracer_port=tracer_port,

@@ -26,6 +26,7 @@ import numpy as np
 from inferlb.admin import create_admin_app
 from inferlb.filter.requestend import OpenLeases
 from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer
+from inferlb.filter.xds import ControlPlane, Member
 from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
@@ -48,6 +49,7 @@ from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
+from inferlb.scorer.weights import endpoint_weights
 from inferlb.serving import serve as serve_asgi
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.25  # a stat of the config file this often
 LEASE_EXPIRY_INTERVAL_S = 1.0
+# The Envoy clusters whose endpoints the picker serves over ADS (envoy/bootstrap.yaml.j2 names them).
+XDS_CLUSTERS = ("inferlb_fallback", "inferlb_picked")
 
 
 @dataclass(slots=True)
@@ -117,6 +121,7 @@ class PickerProcess:
         if self.service.leases is not None:
             self._tasks.append(loop.create_task(_expire_leases(self.service.leases), name="lease expiry"))
         self._tasks.append(loop.create_task(self._reap(), name="membership"))
+        self._tasks.append(loop.create_task(self._push_weights(), name="weights"))
         if self.discovery is not None:
             self._tasks.append(loop.create_task(self.discovery.run(self.discovered_endpoints), name="discovery"))
         self._started = True
@@ -215,6 +220,21 @@ class PickerProcess:
             self.membership_refusals += 1
             logger.error("membership change (%s) refused, the pool in force stays: %s", reason, exc)
 
+    def publish_endpoints(self) -> None:
+        """Tell Envoy (over ADS, filter/xds.py) the pool's serving endpoints and the weights its scores give them
+        now; a no-op when nothing changed."""
+        control = self.server.control_plane
+        if control is None:
+            return
+        engine = self.engine
+        weights = endpoint_weights(engine)
+        control.publish([Member(e.host, e.port, weights.get(e.index, 1)) for e in engine.pool if not e.draining])
+
+    async def _push_weights(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.weights_interval_s)
+            self.publish_endpoints()
+
     async def _reap(self) -> None:
         """Drop draining endpoints once their last request has ended."""
         while True:
@@ -308,6 +328,8 @@ class PickerProcess:
                 asyncio.get_running_loop().create_task(self._restart_collectors(*collectors))
             else:
                 self.collector, self.gpu_collector = collectors
+        self.service.destinations = config.destinations
+        self.publish_endpoints()
         if reason == "config":
             logger.info("config applied (reload %d): policy %s, %d endpoints", self.reloads, config.policy, len(pool))
         _log_membership(plan, pool, inflight, reason)
@@ -464,7 +486,12 @@ def create_picker(
         config,
         engine,
         service,
-        PickerServer(service, config.listen, max_message_bytes=config.max_body_bytes + GRPC_ENVELOPE_BYTES),
+        PickerServer(
+            service,
+            config.listen,
+            max_message_bytes=config.max_body_bytes + GRPC_ENVELOPE_BYTES,
+            control_plane=ControlPlane(XDS_CLUSTERS),
+        ),
         rng=rng,
         config_path=config_path,
         collector=collector,
@@ -476,6 +503,8 @@ def create_picker(
         static_endpoints=listed,
     )
     picker.spans = spans
+    service.destinations = config.destinations
+    picker.publish_endpoints()
     return picker
 
 

@@ -679,6 +679,8 @@ class ConfigFile(Model):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     otel: OtelConfig = Field(default_factory=OtelConfig)
     experiments: tuple[ExperimentFile, ...] = ()
+    destinations: Annotated[int, integer(ge=1, le=8)] = 1
+    weights_interval_s: Annotated[float, number(ge=0.05, le=60)] = 1.0
     pool: PoolFile = Field(description="a mapping with a list 'endpoints'")
 
     @model_validator(mode="after")
@@ -778,6 +780,10 @@ class Config:
     experiments: tuple[ExperimentSpec, ...] = ()
     discovery: DiscoveryConfig | None = None
     slow_start: SlowStart = field(default_factory=SlowStart)
+    # How many endpoints the picker names per request, best first (more than 1: Envoy's Override Host cluster
+    # retries a request that never reached a server on the next); how often it pushes Envoy endpoint weights.
+    destinations: int = 1
+    weights_interval_s: float = 1.0
 
     def profile_spec(self, name: str | None = None) -> ProfileSpec | str:
         """The spec of the chosen policy (or of the profile ``name``): a profile of this file, else the preset's
@@ -850,4 +856,6 @@ def parse_config(data: Any) -> Config:
         experiments=tuple(e.spec() for e in doc.experiments),
         discovery=doc.pool.discovery,
         slow_start=doc.pool.slow_start.spec(),
+        destinations=doc.destinations,
+        weights_interval_s=doc.weights_interval_s,
     )

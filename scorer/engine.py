@@ -191,15 +191,19 @@ class Engine:
             (ws.scorer.name, ws.scorer, ws.weight, bool(getattr(ws.scorer, "bounded", False))) for ws in profile.scorers
         )
 
-    def decide(self, request: RequestFeatures) -> Decision:
-        """Choose an endpoint. Raises ``UnknownModelError`` or ``NoEndpointError`` (both ``RoutingError``)."""
+    def rank(
+        self, request: RequestFeatures, *, thin: bool = True
+    ) -> tuple[np.ndarray, list[tuple[str, np.ndarray]], np.ndarray]:
+        """The candidates the filters leave for ``request`` (and, with ``thin``, the slow start: this counts as a
+        decision for the ramps), each scorer's scores and the weighted totals, aligned with the candidates; no
+        pick, and nothing learned. Raises like `decide`."""
         state = self.state
         candidates = self.pool.all_indices
         for flt in self._filters:
             candidates = flt.filter(request, state, candidates)
             if not len(candidates):
                 raise NoEndpointError(f"no endpoint left after filter {flt.name!r}")
-        if self.pool.ramping:  # endpoints that joined recently take a rising share (scorer.membership)
+        if thin and self.pool.ramping:  # endpoints that joined recently take a rising share (scorer.membership)
             candidates = slow_start(self.pool, candidates, state.signals.clock(), state.signals.snapshot.waiting)
         per_scorer = []
         totals: np.ndarray | None = None
@@ -231,6 +235,12 @@ class Engine:
                 owned = True
         if totals is None:
             totals = np.zeros(len(candidates))
+        return candidates, per_scorer, totals
+
+    def decide(self, request: RequestFeatures) -> Decision:
+        """Choose an endpoint. Raises ``UnknownModelError`` or ``NoEndpointError`` (both ``RoutingError``)."""
+        state = self.state
+        candidates, per_scorer, totals = self.rank(request)
         profile = self.profile
         position = profile.picker.pick(request, candidates, totals)
         chosen = int(candidates[position])

@@ -31,6 +31,8 @@ ALWAYS = {
     "inferlb_inflight_requests": "gauge",
     "inferlb_scorer_errors": "counter",
     "inferlb_config_reloads": "counter",
+    "inferlb_membership_changes": "counter",
+    "inferlb_pool_endpoints": "gauge",
 }
 WITH_SPANS = {"inferlb_endpoint_ttft_seconds": "histogram", "inferlb_endpoint_e2e_seconds": "histogram"}
 WITH_RECEIVER = {
@@ -114,6 +116,11 @@ async def test_counters_read_the_pickers_own_counts_at_scrape_time() -> None:
     assert _values(families["inferlb_shed"]) == {(("class", "batch"),): 1}
     assert _values(families["inferlb_scorer_errors"]) == {(("scorer", "kv-cache"),): 4}
     assert _values(families["inferlb_config_reloads"]) == {(): 0}
+    assert _values(families["inferlb_pool_endpoints"]) == {
+        (("state", "draining"),): 0,
+        (("state", "ramping"),): 0,
+        (("state", "serving"),): 2,
+    }
     never = {(("endpoint", a),): math.inf for a in ENDPOINTS}
     assert _values(families["inferlb_metrics_age_seconds"]) == never
     assert _values(families["inferlb_inflight_requests"]) == {(("endpoint", a),): 0 for a in ENDPOINTS}

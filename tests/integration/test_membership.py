@@ -1,6 +1,7 @@
 """Membership under load through the real gateway (bench/membership.py, quick form): a server added to etcd or to
 the config file gets requests within a second, one removed drains with no client error and no new request, and
-a killed server's cost is bounded (its requests in flight, and the few sent before the picker sees it down)."""
+a killed server's cost is bounded (its requests in flight, and the few sent before the picker sees it down; with
+Envoy's Override Host cluster and retries, its requests in flight only)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def test_etcd_membership_under_load(tmp_path: Path) -> None:
     with etcd_server(tmp_path) as url:
         results = membership._run(membership.EtcdMembers(url), membership.QUICK, tmp_path, "test")
     check(results)
+
+
+def test_with_override_host_a_killed_server_costs_only_its_requests_in_flight(tmp_path: Path) -> None:
+    """The picker names its best three, Envoy's Override Host cluster (its members from the picker over ADS)
+    retries a request that could not reach the dead server on the next: nothing sent after the kill fails."""
+    with etcd_server(tmp_path) as url:
+        results = membership._run(membership.EtcdMembers(url), membership.QUICK, tmp_path, "test", "override-host")
+    check(results)
+    kill = results[2]
+    assert kill["failed_after_kill"] == 0, kill
+    assert kill["errors"] == kill["in_flight_failed"]
 
 
 def test_config_file_membership_under_load(tmp_path: Path) -> None:
