@@ -41,7 +41,7 @@ from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
 from inferlb.stack import LocalStack, StackOptions
 
-__all__ = ["POLICY", "VARIANTS", "add_arguments", "cpu_ratio_to_floor", "run"]
+__all__ = ["POLICY", "VARIANTS", "add_arguments", "cpu_ratio_to_floor", "run", "weights_to_envoy"]
 
 POLICY = "default"  # the preset every inferlb variant runs
 MODEL = "bench-model"
@@ -77,6 +77,9 @@ VARIANTS = (
     # inflight.end: stream: the routing stream stays open for the whole request (no access log), the behaviour
     # before the access log ended the count.
     Variant("inferlb body held", "inferlb-held", "/v1/completions", True),
+    # The weights tier: Envoy's own LEAST_REQUEST over the weights the picker pushes (EDS over ADS), no hop.
+    Variant("inferlb weights headers", "inferlb-weights", "/v1/embeddings", False),
+    Variant("inferlb weights body", "inferlb-weights", "/v1/completions", True),
 )
 
 
@@ -137,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         stacks["inferlb-timed"] = LocalStack(replace(ours, latency_source="stream"), workdir / "inferlb-timed")
         held = replace(ours, picker_config={"inflight": {"end": "stream"}})
         stacks["inferlb-held"] = LocalStack(held, workdir / "inferlb-held")
+        weights = EnvoyOptions(access_log_path=None, xds=True, tier="weights")
+        stacks["inferlb-weights"] = LocalStack(replace(ours, envoy=weights), workdir / "inferlb-weights")
         for stack in stacks.values():
             stack.start()
         rows = []
@@ -163,12 +168,31 @@ def run(args: argparse.Namespace) -> int:
         "own_work": own,
         "rows": table_rows,
         "cpu_ratio_to_floor": cpu_ratio_to_floor(table_rows),
+        "weights_to_envoy": weights_to_envoy(table_rows),
         "profile": profile,
     }
     report = _markdown(results)
     write(args.out, "hop", results, report)
     print(report)
     return 0
+
+
+def weights_to_envoy(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """The weights tier against Envoy alone, per kind of request and concurrency (a string key): the CPU per
+    request (Envoy's plus the picker's, which only pushes weights) over Envoy alone's, and the p50 over its."""
+    by = {(r["variant"], r["concurrency"]): r for r in rows}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in ("headers", "body"):
+        for concurrency in sorted({r["concurrency"] for r in rows}):
+            ours, alone = by.get((f"inferlb weights {kind}", concurrency)), by.get((f"envoy-rr {kind}", concurrency))
+            if not (ours and alone and alone["envoy_cpu_us"] and alone["p50_ms"]):
+                continue
+            cpu = ours["envoy_cpu_us"] + (ours["picker_cpu_us"] or 0.0)
+            out.setdefault(kind, {})[str(concurrency)] = {
+                "cpu": round(cpu / alone["envoy_cpu_us"], 3),
+                "p50": round(ours["p50_ms"] / alone["p50_ms"], 3),
+            }
+    return out
 
 
 def cpu_ratio_to_floor(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -178,8 +202,8 @@ def cpu_ratio_to_floor(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, fl
     by = {(r["variant"], r["concurrency"]): r for r in rows}
     ratios: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
-        if not variant.gateway.startswith("inferlb"):
-            continue
+        if not variant.gateway.startswith("inferlb") or variant.gateway == "inferlb-weights":
+            continue  # the weights tier has no hop to compare with the floor's: see weights_to_envoy
         floor_name = "noop body" if variant.body else "noop headers"
         for concurrency in sorted({r["concurrency"] for r in rows}):
             ours, floor = by.get((variant.name, concurrency)), by.get((floor_name, concurrency))
@@ -407,6 +431,23 @@ def _markdown(results: dict[str, Any]) -> str:
     head = ["concurrency", "request", "picker CPU inferlb/noop", "p50 added vs Envoy alone: noop, inferlb (ms)"]
     out += table(head, floor_rows, "rlrl")
     out += _split(by, concurrencies, policy, own.get("decide_cold"))
+    tier = results.get("weights_to_envoy", {})
+    if tier:
+        out += ["", "## The weights tier against Envoy alone (same run)", ""]
+        out += [
+            "Every /v1/ route goes to Envoy's own LEAST_REQUEST over the endpoint weights the picker pushes over",
+            "ADS: no ext_proc hop. CPU is Envoy's per request plus the picker's (which only pushes weights), over",
+            "Envoy alone's (round robin, no picker).",
+            "",
+        ]
+        tier_rows = [
+            [int(c), kind, f"{v['cpu']:.2f}x", f"{v['p50']:.2f}x"]
+            for kind, per in tier.items()
+            for c, v in sorted(per.items(), key=lambda item: int(item[0]))
+        ]
+        out += table(
+            ["concurrency", "request", "CPU per request / Envoy alone", "p50 / Envoy alone"], tier_rows, "rlrr"
+        )
     out += ["", "## What timing responses in the filter costs (otel.latency_source: stream, same run)", ""]
     out += [
         "The picker times each response from a second ext_proc stream that Envoy feeds in observability mode",

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from inferlb.bench import weightdelay
 from inferlb.bench.etcdserver import delete, etcd_server, put
 from inferlb.bench.report import header, table, write
 from inferlb.bench.resilience import read_records, start_load, wait_load
@@ -297,7 +298,7 @@ def _plot(results: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 3.6), dpi=110)
-    joins = [r for r in results if r["scenario"] == "join"]
+    joins = [r for r in results if r["scenario"] == "join" and r.get("share_bins")]
     for result in joins:
         bins = [b for b in result["share_bins"] if b["share"] is not None]
         label = f"{result['source']}, {result['cluster_mode']}"
@@ -331,6 +332,8 @@ def _markdown(results: list[dict[str, Any]], command: str) -> str:
     ]
     rows = []
     for r in results:
+        if r["scenario"] == "weight-update":
+            continue
         if r["scenario"] == "join":
             detail = f"first request {r['first_request_after_join_s']} s after the join; share {r['joiner_share']}"
         elif r["scenario"] == "leave":
@@ -347,7 +350,36 @@ def _markdown(results: list[dict[str, Any]], command: str) -> str:
     head = ["source", "Envoy cluster", "scenario", "sent", "errors", "retries", "what happened"]
     lines += table(head, rows, "lllrrrl")
     lines += ["", "![a joining server's share under slow start](membership-ramp.png)", ""]
+    updates = [r for r in results if r["scenario"] == "weight-update"]
+    if updates:
+        lines += [
+            "## A pushed weight, to its effect on Envoy's split (weights tier)",
+            "",
+            "The picker's control plane pushes 1000:1 between two servers, then 1:1000; Envoy's ACK of the new",
+            "version, and the first of ten requests in a row to the newly favoured server, timed from the push",
+            "(bench/weightdelay.py). The bootstrap sets `update_merge_window: 0s` on the EDS clusters; Envoy's",
+            "default is 1 s, measured beside it.",
+            "",
+        ]
+        lines += table(
+            ["Envoy merge window", "rounds", "ACK after (median)", "effect after (median)", "effect after (max)"],
+            [
+                [
+                    f"{r['eds_merge_window_ms']} ms",
+                    len(r["rounds"]),
+                    _seconds(r["ack_s_median"]),
+                    _seconds(r["effect_s_median"]),
+                    _seconds(r["effect_s_max"]),
+                ]
+                for r in updates
+            ],
+        )
+        lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _seconds(value: float | None) -> str | None:
+    return None if value is None else f"{value * 1000:.1f} ms"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -375,6 +407,11 @@ def run(args: argparse.Namespace) -> int:
                 results += _run(FileMembers(), timeline, workdir, args.command, mode)
             for result in results[-3:]:
                 print({k: v for k, v in result.items() if k not in ("share_bins", "command")}, flush=True)
+        if not args.source:
+            print("weight updates: push to effect, with and without Envoy's merge window", flush=True)
+            results += weightdelay.measure(folder / "weights", rounds=4 if args.quick else 10)
+            for result in results[-2:]:
+                print({k: v for k, v in result.items() if k != "rounds"}, flush=True)
     name = "membership-quick" if args.quick else "membership"
     write(args.out, name, results, _markdown(results, args.command))
     if not args.quick:

@@ -63,6 +63,9 @@ class EnvoyOptions:
     cluster_mode: str = "original-dst"
     tier: str = "per-request"
     retries: int = 2
+    # How long Envoy holds back an endpoint update to merge it with the next (its own default: 1000 ms, which is
+    # a second before a pushed weight takes effect); 0 applies each at once.
+    eds_merge_window_ms: int = 0
     request_headers_timeout_ms: int = 10_000
     request_timeout_ms: int = 30_000
     stream_idle_timeout_ms: int = 300_000
@@ -108,6 +111,8 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
             f"the picker names {config.destinations} endpoints per request (destinations), which ORIGINAL_DST "
             "cannot take: use cluster_mode override-host, or destinations 1"
         )
+    if not 0 <= options.eds_merge_window_ms <= 60_000:
+        raise EnvoyConfigError(f"eds_merge_window_ms must be in 0..60000; got {options.eds_merge_window_ms}")
     if not 0 <= options.retries <= 5:
         raise EnvoyConfigError(f"retries must be in 0..5; got {options.retries}")
     if xds and not options.picker:
@@ -132,6 +137,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         xds=xds,
         override_host=options.picker and options.cluster_mode == "override-host",
         retries=options.retries,
+        merge_window=_duration(options.eds_merge_window_ms),
         weights_tier=options.tier == "weights",
         tracer=options.tracing,
         tracer_host=tracer_host,

@@ -11,7 +11,16 @@ from typing import Any
 import httpx
 import pytest
 
-from inferlb.bench.hop import BODY, MODEL, POLICY, VARIANTS, _markdown, _start_backends, cpu_ratio_to_floor
+from inferlb.bench.hop import (
+    BODY,
+    MODEL,
+    POLICY,
+    VARIANTS,
+    _markdown,
+    _start_backends,
+    cpu_ratio_to_floor,
+    weights_to_envoy,
+)
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.stack import LocalStack, StackOptions
 
@@ -27,7 +36,29 @@ def results() -> dict[str, Any]:
 def test_the_inferlb_variants_run_the_default_preset() -> None:
     assert POLICY == "default"
     gateways = {v.gateway for v in VARIANTS}
-    assert gateways == {"envoy", "noop", "inferlb", "inferlb-rr", "inferlb-timed", "inferlb-held"}
+    assert gateways == {"envoy", "noop", "inferlb", "inferlb-rr", "inferlb-timed", "inferlb-held", "inferlb-weights"}
+
+
+def test_the_weights_tier_is_compared_with_envoy_alone() -> None:
+    rows = [
+        {"variant": "envoy-rr body", "concurrency": 16, "envoy_cpu_us": 100.0, "picker_cpu_us": None, "p50_ms": 2.0},
+        {
+            "variant": "inferlb weights body",
+            "concurrency": 16,
+            "envoy_cpu_us": 104.0,
+            "picker_cpu_us": 1.0,
+            "p50_ms": 2.1,
+        },
+        {
+            "variant": "inferlb weights headers",
+            "concurrency": 16,
+            "envoy_cpu_us": 50.0,
+            "picker_cpu_us": None,
+            "p50_ms": 1.0,
+        },  # no Envoy-alone row of its kind: left out
+    ]
+    assert weights_to_envoy(rows) == {"body": {"16": {"cpu": 1.05, "p50": 1.05}}}
+    assert "inferlb weights body" not in cpu_ratio_to_floor(rows)
 
 
 def test_cpu_ratio_to_floor_is_each_variant_over_the_noop_picker(results: dict[str, Any]) -> None:
@@ -107,3 +138,34 @@ def test_the_floor_gateway_starts_and_routes_through_the_do_nothing_picker(tmp_p
         backends.process.stop()
     assert [r.status_code for r in replies] == [200] * 4
     assert {r.json()["id"] for r in replies} == {"cmpl-1"}
+
+
+@pytest.mark.envoy
+def test_the_weights_tier_routes_through_envoy_over_the_pickers_endpoints(tmp_path: Path) -> None:
+    """The picker is Envoy's control plane: the fallback cluster's endpoints (none in the bootstrap) come over ADS
+    with the picker's weights, and the weights tier's requests reach the servers without a picker hop."""
+    backends = _start_backends(2, tmp_path)
+    try:
+        options = StackOptions(
+            servers=tuple(backends.addresses),
+            models=(MODEL,),
+            envoy=EnvoyOptions(access_log_path=None, xds=True, tier="weights"),
+        )
+        with LocalStack(options, tmp_path / "weights") as stack:
+            assert "inferlb_fallback" in stack.envoy_path.read_text() and "127.0.0.1" not in _fallback(stack)
+            replies = [httpx.post(stack.gateway_url + "/v1/completions", content=BODY, timeout=10) for _ in range(8)]
+            clusters = httpx.get(f"{stack.admin_url}/clusters", timeout=5).text
+            routed = stack.envoy_counters("cluster.inferlb_fallback.upstream_rq_total")
+            picks = httpx.get(f"{stack.picker_admin_url}/metrics", headers=stack.admin_headers, timeout=5).text
+    finally:
+        backends.process.stop()
+    assert [r.status_code for r in replies] == [200] * 8
+    for address in backends.addresses:
+        assert f"inferlb_fallback::{address}::weight::" in clusters
+    assert routed["cluster.inferlb_fallback.upstream_rq_total"] == 8
+    assert "inferlb_decisions_total{" not in picks  # no request took the hop
+
+
+def _fallback(stack: LocalStack) -> str:
+    text = stack.envoy_path.read_text()
+    return text[text.index("- name: inferlb_fallback") :]
