@@ -13,10 +13,13 @@ requests/s of streamed completions, 10% long) over four emulated servers, each i
 - ``kill``: server 3 is SIGKILLed (it stays in the source, as a crashed process would until its orchestrator
   notices); what it costs beyond the requests that were in flight on it, and how many Envoy retried.
 
-The sources: ``etcd`` (a real etcd, keys under a prefix) and ``file`` (the picker's config file, rewritten; the
-picker looks at it every quarter of a second). Results: ``membership.json`` (one object per scenario and source,
-with at least ``scenario``, ``sent``, ``errors``, ``first_request_after_join_s``, ``retries``), ``membership.md``
-and ``membership-ramp.png``.
+The runs: etcd (a real etcd, keys under a prefix) and the config file (rewritten; the picker looks at it every
+quarter of a second) with Envoy's ORIGINAL_DST cluster; etcd with the Override Host cluster (the picker names its
+best three, Envoy retries a request that never arrived on the next); and etcd without slow start, to show what
+the ramp prevents. Then `bench/weightdelay.py`: a pushed weight, timed to Envoy's ACK and to its effect.
+
+Results: ``membership.json`` (one object per scenario and run, with at least ``scenario``, ``sent``, ``errors``,
+``first_request_after_join_s``, ``retries``), ``membership.md`` and ``membership-ramp.png``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,13 @@ __all__ = ["SOURCES", "add_arguments", "run"]
 MODEL = "m"
 SOURCES = ("etcd", "file")
 # (source, Envoy's cluster mode) of each run: ORIGINAL_DST with both sources, and Override Host with retries.
-RUNS = (("etcd", "original-dst"), ("file", "original-dst"), ("etcd", "override-host"))
+# The last runs without slow start, to show what it prevents.
+RUNS = (
+    ("etcd", "original-dst", True),
+    ("file", "original-dst", True),
+    ("etcd", "override-host", True),
+    ("etcd", "original-dst", False),
+)
 PREFIX = "/inferlb/bench/"
 BIN_S = 0.5
 
@@ -56,7 +65,7 @@ class Timeline:
     join_at_s: float = 2.5
     leave_at_s: float = 7.0
     kill_at_s: float = 10.5
-    ramp_s: float = 4.0
+    ramp_s: float = 8.0
     min_fraction: float = 0.1
     short_tokens: int = 16
     long_tokens: int = 200
@@ -135,12 +144,17 @@ def _at(started: float, offset: float) -> float:
 
 
 def _run(
-    source: Source, timeline: Timeline, workdir: Path, command: str, cluster_mode: str = "original-dst"
+    source: Source,
+    timeline: Timeline,
+    workdir: Path,
+    command: str,
+    cluster_mode: str = "original-dst",
+    slow_start: bool = True,
 ) -> list[dict[str, Any]]:
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(4)]
     servers = [start_sim([a], workdir / f"server-{i}.log", "--model", MODEL) for i, a in enumerate(addresses)]
     pool = source.picker_pool(addresses[0], [addresses[1], addresses[3]])
-    pool["slow_start"] = {"ramp_s": timeline.ramp_s, "min_fraction": timeline.min_fraction}
+    pool["slow_start"] = {"ramp_s": timeline.ramp_s if slow_start else 0, "min_fraction": timeline.min_fraction}
     override = cluster_mode == "override-host"
     options = StackOptions(
         models=(MODEL,),
@@ -179,11 +193,13 @@ def _run(
             upstream if upstream not in ("", "-") else record["server"] or (entry.get("picked") or "").split(",")[0]
         )
         # A refused request has no client-side end time (faultload stops at its status); Envoy's log has its length.
+        record["first_choice"] = (entry.get("picked") or "").split(",")[0]
         seconds = record["e2e_s"] if record["e2e_s"] is not None else _number(entry.get("duration_ms")) / 1000
         record["end"] = record["sent"] + seconds
     facts = {
         "source": source.name,
         "cluster_mode": cluster_mode,
+        "slow_start": slow_start,
         "rate": timeline.rate,
         "duration_s": timeline.duration_s,
         "command": command,
@@ -254,8 +270,8 @@ def _join(
 
 
 def _leave(records: list[dict[str, Any]], leaver: str, left: float, until: float, victim: str) -> dict[str, Any]:
-    # The requests of this window that the kill later cuts are the kill's, not the leave's.
-    window = [r for r in _window(records, left, until) if not (r["picked"] == victim and r["end"] > until)]
+    # The requests of this window on the server killed next are the kill's to count, not the leave's.
+    window = [r for r in _window(records, left, until) if r["picked"] != victim]
     on_leaver = [r for r in records if r["picked"] == leaver]
     in_flight = [r for r in on_leaver if r["sent"] < left < r["end"]]
     # A decision made in the few ms between the change and the picker applying it is not a new request after it.
@@ -288,6 +304,8 @@ def _kill(records: list[dict[str, Any]], victim: str, killed: float) -> dict[str
         "failed_after_kill": len(failed_after),
         "last_failure_after_s": None if last is None else round(last - killed, 3),
         "sent_to_victim_after_kill": sum(r["picked"] == victim for r in window),
+        # The picker's first choice was the dead server, and Envoy served the request from the next one listed.
+        "served_by_next_choice": sum(r["first_choice"] == victim and r["picked"] != victim for r in window),
     }
 
 
@@ -301,11 +319,16 @@ def _plot(results: list[dict[str, Any]], path: Path) -> Path:
     joins = [r for r in results if r["scenario"] == "join" and r.get("share_bins")]
     for result in joins:
         bins = [b for b in result["share_bins"] if b["share"] is not None]
-        label = f"{result['source']}, {result['cluster_mode']}"
+        label = f"{result['source']}, {result['cluster_mode']}" + ("" if result["slow_start"] else ", no slow start")
         axes.plot([b["t_s"] for b in bins], [b["share"] for b in bins], marker="o", label=label)
     if joins:
         ramp = joins[0]["share_bins"]
-        axes.plot([b["t_s"] for b in ramp], [b["ramp"] for b in ramp], "k--", label="ramp: share offered")
+        axes.plot(
+            [b["t_s"] for b in ramp],
+            [b["ramp"] for b in ramp],
+            "k--",
+            label="the ramp's fraction (before its idle speed-up)",
+        )
         axes.axhline(0.25, color="grey", linewidth=0.8, linestyle=":", label="a fair share (1 of 4)")
     axes.set_xlabel("seconds since the server joined")
     axes.set_ylabel("its share of the requests")
@@ -344,11 +367,13 @@ def _markdown(results: list[dict[str, Any]], command: str) -> str:
         else:
             detail = (
                 f"{r['in_flight_at_kill']} in flight on it ({r['in_flight_failed']} failed); "
-                f"{r['failed_after_kill']} sent after the kill failed, the last {r['last_failure_after_s']} s after"
+                f"{r['failed_after_kill']} sent after the kill failed, the last {r['last_failure_after_s']} s after; "
+                f"{r['served_by_next_choice']} picked it first and were served by the next listed"
             )
-        rows.append([r["source"], r["cluster_mode"], r["scenario"], r["sent"], r["errors"], r["retries"], detail])
-    head = ["source", "Envoy cluster", "scenario", "sent", "errors", "retries", "what happened"]
-    lines += table(head, rows, "lllrrrl")
+        ramp = "on" if r["slow_start"] else "off"
+        rows.append([r["source"], r["cluster_mode"], ramp, r["scenario"], r["sent"], r["errors"], r["retries"], detail])
+    head = ["source", "Envoy cluster", "slow start", "scenario", "sent", "errors", "retries", "what happened"]
+    lines += table(head, rows, "llllrrrl")
     lines += ["", "![a joining server's share under slow start](membership-ramp.png)", ""]
     updates = [r for r in results if r["scenario"] == "weight-update"]
     if updates:
@@ -394,17 +419,18 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="inferlb-membership-") as temporary:
         folder = args.workdir or Path(temporary)
-        for name, mode in RUNS:
+        for name, mode, ramped in RUNS:
             if args.source and name not in args.source:
                 continue
-            workdir = folder / f"{name}-{mode}"
+            workdir = folder / f"{name}-{mode}{'' if ramped else '-no-slow-start'}"
             workdir.mkdir(parents=True, exist_ok=True)
-            print(f"membership: {name}, {mode}, {timeline.duration_s:g} s at {timeline.rate:g} requests/s", flush=True)
+            what = "" if ramped else ", no slow start"
+            print(f"membership: {name}, {mode}{what}, {timeline.duration_s:g} s at {timeline.rate:g} req/s", flush=True)
             if name == "etcd":
                 with etcd_server(workdir) as url:
-                    results += _run(EtcdMembers(url), timeline, workdir, args.command, mode)
+                    results += _run(EtcdMembers(url), timeline, workdir, args.command, mode, ramped)
             else:
-                results += _run(FileMembers(), timeline, workdir, args.command, mode)
+                results += _run(FileMembers(), timeline, workdir, args.command, mode, ramped)
             for result in results[-3:]:
                 print({k: v for k, v in result.items() if k not in ("share_bins", "command")}, flush=True)
         if not args.source:
