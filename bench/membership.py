@@ -13,8 +13,9 @@ requests/s of streamed completions, 10% long) over four emulated servers, each i
 - ``kill``: server 3 is SIGKILLed (it stays in the source, as a crashed process would until its orchestrator
   notices); what it costs beyond the requests that were in flight on it, and how many Envoy retried.
 
-The runs: etcd (a real etcd, keys under a prefix) and the config file (rewritten; the picker looks at it every
-quarter of a second) with Envoy's ORIGINAL_DST cluster; etcd with the Override Host cluster (the picker names its
+The runs: etcd (a real etcd, keys under a prefix), the config file (rewritten; the picker looks at it every
+quarter of a second) and Kubernetes (Pods in the in-repo API server, bench/kubeapi.py: no real one can run here)
+with Envoy's ORIGINAL_DST cluster; etcd with the Override Host cluster (the picker names its
 best three, Envoy retries a request that never arrived on the next); and etcd without slow start, to show what
 the ramp prevents. Then `bench/weightdelay.py`: a pushed weight, timed to Envoy's ACK and to its effect.
 
@@ -28,29 +29,34 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from inferlb.bench import weightdelay
 from inferlb.bench.etcdserver import delete, etcd_server, put
+from inferlb.bench.kubeapi import pod
 from inferlb.bench.report import header, table, write
 from inferlb.bench.resilience import read_records, start_load, wait_load
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.procs import free_port, stop_all
+from inferlb.procs import ManagedProcess, free_port, http_ok, stop_all
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
 __all__ = ["SOURCES", "add_arguments", "run"]
 
 MODEL = "m"
-SOURCES = ("etcd", "file")
+SOURCES = ("etcd", "file", "kubernetes")
 # (source, Envoy's cluster mode) of each run: ORIGINAL_DST with both sources, and Override Host with retries.
 # The last runs without slow start, to show what it prevents.
 RUNS = (
     ("etcd", "original-dst", True),
     ("file", "original-dst", True),
+    ("kubernetes", "original-dst", True),
     ("etcd", "override-host", True),
     ("etcd", "original-dst", False),
 )
@@ -82,14 +88,19 @@ class Source:
     """Where the run's pool comes from, and the two changes made to it."""
 
     name: str
+    stack: LocalStack | None = None  # the run's, once it runs
+
+    def addresses(self) -> list[str]:
+        """The four servers' addresses."""
+        return [f"127.0.0.1:{free_port()}" for _ in range(4)]
 
     def picker_pool(self, static: str, members: list[str]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def add(self, stack: LocalStack, address: str) -> None:
+    def add(self, address: str) -> None:
         raise NotImplementedError
 
-    def remove(self, stack: LocalStack, address: str) -> None:
+    def remove(self, address: str) -> None:
         raise NotImplementedError
 
 
@@ -104,11 +115,49 @@ class EtcdMembers(Source):
             put(self.url, PREFIX + address, _entry(address))
         return {"endpoints": [_entry(static)], "discovery": {"etcd": {"urls": [self.url], "prefix": PREFIX}}}
 
-    def add(self, stack: LocalStack, address: str) -> None:
+    def add(self, address: str) -> None:
         put(self.url, PREFIX + address, _entry(address))
 
-    def remove(self, stack: LocalStack, address: str) -> None:
+    def remove(self, address: str) -> None:
         delete(self.url, PREFIX + address)
+
+
+class KubeMembers(Source):
+    """Pods in the in-repo API server (bench/kubeapi.py, its own process): each server a Pod with an IP of its
+    own (127.0.0.1x on loopback) and the one target port."""
+
+    name = "kubernetes"
+
+    def __init__(self, url: str, port: int) -> None:
+        self.url = url
+        self.port = port
+
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.{11 + i}:{self.port}" for i in range(4)]
+
+    def _pod(self, address: str) -> dict[str, Any]:
+        ip = address.rsplit(":", 1)[0]
+        return pod(f"server-{ip.rsplit('.', 1)[1]}", ip, {"app": "bench"}, models=MODEL)
+
+    def picker_pool(self, static: str, members: list[str]) -> dict[str, Any]:
+        for address in members:
+            self.add(address)
+        kubernetes = {
+            "namespace": "default",
+            "selector": {"app": "bench"},
+            "target_ports": [self.port],
+            "api_url": self.url,
+            "token_file": None,
+            "ca_file": None,
+        }
+        return {"endpoints": [_entry(static)], "discovery": {"kubernetes": kubernetes}}
+
+    def add(self, address: str) -> None:
+        httpx.post(f"{self.url}/api/v1/namespaces/default/pods", json=self._pod(address), timeout=5).raise_for_status()
+
+    def remove(self, address: str) -> None:
+        name = self._pod(address)["metadata"]["name"]
+        httpx.delete(f"{self.url}/api/v1/namespaces/default/pods/{name}", timeout=5).raise_for_status()
 
 
 class FileMembers(Source):
@@ -121,20 +170,36 @@ class FileMembers(Source):
         self.listed = [static, *members]
         return {"endpoints": [_entry(a) for a in self.listed]}
 
-    def _rewrite(self, stack: LocalStack) -> None:
+    def _rewrite(self) -> None:
+        stack = self.stack
+        assert stack is not None, "the run's stack is set once it runs"
         document = yaml.safe_load(stack.config_path.read_text(encoding="utf-8"))
         document["pool"]["endpoints"] = [_entry(a) for a in self.listed]
         staged = stack.config_path.with_suffix(".new")
         staged.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
         staged.replace(stack.config_path)  # one rename: the picker never reads half a file
 
-    def add(self, stack: LocalStack, address: str) -> None:
+    def add(self, address: str) -> None:
         self.listed.append(address)
-        self._rewrite(stack)
+        self._rewrite()
 
-    def remove(self, stack: LocalStack, address: str) -> None:
+    def remove(self, address: str) -> None:
         self.listed.remove(address)
-        self._rewrite(stack)
+        self._rewrite()
+
+
+@contextmanager
+def kube_api(workdir: Path) -> Iterator[str]:
+    """The in-repo Kubernetes API server in its own process; yields its URL."""
+    address = f"127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "inferlb.bench.kubeapi", "--listen", address]
+    process = ManagedProcess("kubernetes API", argv, workdir / "kubeapi.log").start()
+    try:
+        url = f"http://{address}"
+        process.wait_ready(http_ok(f"{url}/api/v1/namespaces/default/pods"), 30, "serving")
+        yield url
+    finally:
+        process.stop()
 
 
 def _at(started: float, offset: float) -> float:
@@ -151,7 +216,7 @@ def _run(
     cluster_mode: str = "original-dst",
     slow_start: bool = True,
 ) -> list[dict[str, Any]]:
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(4)]
+    addresses = source.addresses()
     servers = [start_sim([a], workdir / f"server-{i}.log", "--model", MODEL) for i, a in enumerate(addresses)]
     pool = source.picker_pool(addresses[0], [addresses[1], addresses[3]])
     pool["slow_start"] = {"ramp_s": timeline.ramp_s if slow_start else 0, "min_fraction": timeline.min_fraction}
@@ -166,6 +231,7 @@ def _run(
     )
     try:
         with LocalStack(options, workdir) as stack:
+            source.stack = stack
             retries_before = _retries(stack)
             records_path = workdir / "records.jsonl"
             load = start_load(
@@ -173,9 +239,9 @@ def _run(
             )
             started = time.time() + 0.2  # faultload's own start offset
             joined = _at(started, timeline.join_at_s)
-            source.add(stack, addresses[2])
+            source.add(addresses[2])
             left = _at(started, timeline.leave_at_s)
-            source.remove(stack, addresses[1])
+            source.remove(addresses[1])
             killed = _at(started, timeline.kill_at_s)
             servers[3].kill()
             wait_load(load, timeline.duration_s + 300)
@@ -429,6 +495,11 @@ def run(args: argparse.Namespace) -> int:
             if name == "etcd":
                 with etcd_server(workdir) as url:
                     results += _run(EtcdMembers(url), timeline, workdir, args.command, mode, ramped)
+            elif name == "kubernetes":
+                with kube_api(workdir) as url:
+                    results += _run(
+                        KubeMembers(url, free_port("127.0.0.11")), timeline, workdir, args.command, mode, ramped
+                    )
             else:
                 results += _run(FileMembers(), timeline, workdir, args.command, mode, ramped)
             for result in results[-3:]:

@@ -43,6 +43,7 @@ from inferlb.scorer.etcd import EtcdSource
 from inferlb.scorer.experiments import Experiments, WeightChange
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.kubernetes import KubernetesSource
 from inferlb.scorer.membership import REAP_INTERVAL_S, Membership, Plan
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
@@ -453,8 +454,8 @@ def create_picker(
         config = replace(config, endpoints=(*(e for e in listed if e.address not in found), *discovered))
     if not config.endpoints:
         raise ConfigError("no endpoints: the config lists none and discovery has found none yet")
-    if discovery is None and config.discovery is not None:
-        discovery = EtcdSource(config.discovery.etcd, config.allowed_networks)
+    if discovery is None:
+        discovery = discovery_source(config)
     pool = Pool(config.endpoints)
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
     profile = build_profile(config.profile_spec(), rng, size=len(pool))
@@ -506,6 +507,16 @@ def create_picker(
     service.destinations = config.destinations
     picker.publish_endpoints()
     return picker
+
+
+def discovery_source(config: Config) -> DiscoverySource | None:
+    """The source ``pool.discovery`` names, or None."""
+    if config.discovery is None:
+        return None
+    if config.discovery.etcd is not None:
+        return EtcdSource(config.discovery.etcd, config.allowed_networks)
+    assert config.discovery.kubernetes is not None  # the config has exactly one
+    return KubernetesSource(config.discovery.kubernetes, config.allowed_networks)
 
 
 async def first_membership(source: DiscoverySource, *, report_every_s: float = 5.0) -> tuple[EndpointConfig, ...]:
@@ -560,7 +571,9 @@ async def serve(config: Config, config_path: Path | None = None, *, listen_overr
     ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the file is watched and reloaded on change."""
     discovered = None
     if config.discovery is not None and not config.endpoints:
-        discovered = await first_membership(EtcdSource(config.discovery.etcd, config.allowed_networks))
+        source = discovery_source(config)
+        assert source is not None
+        discovered = await first_membership(source)
     picker = create_picker(config, config_path=config_path, discovered=discovered)
     picker.listen_override = listen_override
     await picker.start()
@@ -595,4 +608,4 @@ async def serve(config: Config, config_path: Path | None = None, *, listen_overr
         await picker.stop(SHUTDOWN_GRACE_S)
 
 
-__all__ = ["PickerProcess", "create_picker", "serve"]
+__all__ = ["PickerProcess", "create_picker", "discovery_source", "first_membership", "serve"]

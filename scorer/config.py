@@ -442,11 +442,67 @@ class EtcdConfig(Section):
         return self
 
 
+def _label_value(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 63 or not all(c.isalnum() or c in "-_." for c in value):
+        raise invalid(f" must be a Kubernetes label value (letters, digits, '-', '_', '.'); got {shown(value)}")
+    return value
+
+
+def _label_key(value: Any) -> str:
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > 317
+        or not all(c.isalnum() or c in "-_./" for c in value)
+    ):
+        raise invalid(f" must be a Kubernetes label key such as 'app' or 'example.com/role'; got {shown(value)}")
+    return value
+
+
+def _api_url(value: Any) -> str:
+    if not isinstance(value, str):
+        raise invalid(f" must be the API server's URL such as 'https://10.96.0.1:443'; got {shown(value)}")
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise invalid(f" must be http(s)://host:port with no path; got {shown(value)}")
+    return value.rstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesConfig(Section):
+    """``pool.discovery.kubernetes``: the endpoints are the ready Pods of ``namespace`` with every label of
+    ``selector``, one per ``target_ports`` entry at the Pod's IP (the InferencePool shape). ``api_url``: the API
+    server (default: the cluster's own, from the Pod's environment); ``token_file`` and ``ca_file``: the Pod's
+    service account by default (None for an API server that needs neither, such as the tests')."""
+
+    namespace: Annotated[str, Parsed(_label_value)] = field(metadata={"description": "the Pods' namespace"})
+    selector: Annotated[
+        dict[Annotated[str, Parsed(_label_key)], Annotated[str, Parsed(_label_value)]],
+        must("a non-empty mapping of labels", lambda v: isinstance(v, dict) and bool(v)),
+    ] = field(metadata={"description": "a non-empty mapping of labels, e.g. {app: vllm}"})
+    target_ports: Annotated[
+        tuple[Annotated[int, integer(ge=1, le=65535)], ...], non_empty_list("a non-empty list of ports")
+    ] = field(metadata={"description": "a non-empty list of ports, e.g. [8000]"})
+    api_url: Annotated[str | None, Parsed(_api_url)] = None
+    token_file: Annotated[str | None, optional(TEXT)] = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: Annotated[str | None, optional(TEXT)] = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    timeout_s: Annotated[float, number(ge=0.1, le=60)] = 5.0
+    max_endpoints: Annotated[int, integer(ge=1, le=65536)] = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig(Section):
-    """``pool.discovery``: where the endpoints come from besides ``pool.endpoints`` (which then may be empty)."""
+    """``pool.discovery``: where the endpoints come from besides ``pool.endpoints`` (which then may be empty):
+    exactly one of ``etcd`` and ``kubernetes``."""
 
-    etcd: EtcdConfig = field(metadata={"description": "the etcd source: urls and prefix"})
+    etcd: EtcdConfig | None = None
+    kubernetes: KubernetesConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DiscoveryConfig:
+        if (self.etcd is None) == (self.kubernetes is None):
+            raise invalid(" needs exactly one source: etcd or kubernetes")
+        return self
 
 
 class PoolFile(Model):

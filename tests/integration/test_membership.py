@@ -1,5 +1,5 @@
-"""Membership under load through the real gateway (bench/membership.py, quick form): a server added to etcd or to
-the config file gets requests within a second, one removed drains with no client error and no new request, and
+"""Membership under load through the real gateway (bench/membership.py, quick form): a server added to etcd, to
+Kubernetes (the in-repo API server) or to the config file gets requests within a second, one removed drains with no client error and no new request, and
 a killed server's cost is bounded (its requests in flight, and the few sent before the picker sees it down; with
 Envoy's Override Host cluster and retries, its requests in flight only)."""
 
@@ -11,6 +11,7 @@ import pytest
 
 from inferlb.bench import membership
 from inferlb.bench.etcdserver import etcd_server
+from inferlb.procs import free_port
 
 from ..conftest import needs_etcd
 
@@ -47,6 +48,13 @@ def test_with_override_host_a_killed_server_costs_only_its_requests_in_flight(tm
     kill = results[2]
     assert kill["failed_after_kill"] == 0, kill
     assert kill["errors"] == kill["in_flight_failed"]
+
+
+def test_kubernetes_membership_under_load(tmp_path: Path) -> None:
+    """Pods in the in-repo API server (no real one can run here), each with a loopback IP of its own."""
+    with membership.kube_api(tmp_path) as url:
+        source = membership.KubeMembers(url, free_port("127.0.0.11"))
+        check(membership._run(source, membership.QUICK, tmp_path, "test"))
 
 
 def test_config_file_membership_under_load(tmp_path: Path) -> None:

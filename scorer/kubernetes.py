@@ -1,0 +1,227 @@
+"""The Kubernetes discovery source: the pool's endpoints are the Pods a label selector picks, watched.
+
+The shape is the Gateway API Inference Extension's InferencePool: a ``selector`` (labels every serving Pod has) and
+``target_ports``; each ready Pod gives one endpoint per target port at its Pod IP (never a name: Envoy's
+ORIGINAL_DST needs an IP, and a Pod IP is the server itself). A Pod is ready when its ``Ready`` condition is true
+and it is not being deleted; one that is not ready leaves the pool (and drains) until it is ready again. The
+Pod's labels become the endpoint's labels, and the annotation ``inferlb.io/models`` (comma-separated) its models.
+
+It speaks the API's list-then-watch protocol over plain HTTP (httpx): ``GET .../pods?labelSelector=...`` for the
+state and its ``resourceVersion``, then ``...&watch=true&resourceVersion=RV`` for the events, one JSON object per
+line (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR). An expired version (410 Gone, or an ERROR event saying so), a
+dropped connection or any error starts over from a fresh list after a backoff; meanwhile the last membership
+stays in force. In a cluster it authenticates with the Pod's service-account token (re-read at each connection:
+it is rotated) and trusts the cluster's CA; RBAC needs ``list`` and ``watch`` on ``pods`` in the namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import orjson
+
+from inferlb.scorer.config import EndpointConfig, KubernetesConfig
+from inferlb.scorer.discovery import Skipped, endpoints_of
+from inferlb.scorer.networks import Networks
+
+__all__ = ["MODELS_ANNOTATION", "KubernetesSource"]
+
+logger = logging.getLogger(__name__)
+
+MODELS_ANNOTATION = "inferlb.io/models"
+RETRY_S = 0.25
+MAX_RETRY_S = 5.0
+MAX_LINE_BYTES = 4 << 20  # one watch event is one object; a Pod is a few KB
+WATCH_TIMEOUT_S = 300  # the server ends a watch after this long; the source starts the next from where it was
+
+
+class KubernetesError(Exception):
+    """The API server answered, but not with what the source needs (the message says what)."""
+
+
+class _Expired(KubernetesError):
+    """The watch's resourceVersion is too old: list again."""
+
+
+class KubernetesSource:
+    """Watches the Pods of ``config.selector`` in ``config.namespace`` and publishes their endpoints."""
+
+    name = "kubernetes"
+
+    def __init__(
+        self, config: KubernetesConfig, allowed: Networks, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.config = config
+        self.allowed = allowed
+        self.healthy = False
+        self.problem: str | None = "not read yet"
+        self.revision = ""
+        self.skipped: tuple[Skipped, ...] = ()
+        self.updates = 0
+        self.failures = 0
+        self._pods: dict[str, dict[str, Any]] = {}
+        self._transport = transport
+        selector = ",".join(f"{k}={v}" for k, v in sorted(config.selector.items()))
+        self._path = f"/api/v1/namespaces/{quote(config.namespace, safe='')}/pods"
+        self._selector = selector
+
+    def _base_url(self) -> str:
+        if self.config.api_url is not None:
+            return self.config.api_url
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise KubernetesError("no api_url configured and not in a cluster (KUBERNETES_SERVICE_HOST is unset)")
+        return f"https://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def _headers(self) -> dict[str, str]:
+        path = self.config.token_file
+        if path is None:
+            return {}
+        try:
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise KubernetesError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+        return {"authorization": f"Bearer {token}"} if token else {}
+
+    async def run(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
+        delay = RETRY_S
+        verify: Any = self.config.ca_file if self.config.ca_file is not None else True
+        timeout = httpx.Timeout(self.config.timeout_s, read=None)
+        async with httpx.AsyncClient(timeout=timeout, verify=verify, transport=self._transport) as client:
+            while True:
+                try:
+                    base = self._base_url()
+                    await self._list(client, base, publish)
+                    self._up()
+                    delay = RETRY_S
+                    while True:  # watch after watch from the last version seen, until it expires or fails
+                        await self._watch(client, base, publish)
+                except _Expired:
+                    continue  # list again at once: the events in between are gone, the state is not
+                except (httpx.HTTPError, KubernetesError, ValueError, OSError) as exc:
+                    self._down(str(exc) or type(exc).__name__)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, MAX_RETRY_S)
+
+    def _up(self) -> None:
+        if not self.healthy:
+            logger.info("kubernetes discovery in touch (%s, %s)", self.config.namespace, self._selector)
+        self.healthy, self.problem = True, None
+
+    def _down(self, problem: str) -> None:
+        self.failures += 1
+        if self.healthy or self.problem != problem:
+            logger.warning("kubernetes discovery out of touch, the last membership stays in force: %s", problem)
+        self.healthy, self.problem = False, problem
+
+    async def _list(
+        self, client: httpx.AsyncClient, base: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
+    ) -> None:
+        response = await client.get(
+            base + self._path, params={"labelSelector": self._selector}, headers=self._headers()
+        )
+        if response.status_code != 200:
+            raise KubernetesError(f"listing pods: HTTP {response.status_code}: {response.text[:200]}")
+        document = response.json()
+        self.revision = str(document.get("metadata", {}).get("resourceVersion", ""))
+        self._pods = {_name(pod): pod for pod in document.get("items") or ()}
+        await self._publish(publish)
+
+    async def _watch(
+        self, client: httpx.AsyncClient, base: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
+    ) -> None:
+        params = {
+            "labelSelector": self._selector,
+            "watch": "true",
+            "resourceVersion": self.revision,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(WATCH_TIMEOUT_S),
+        }
+        async with client.stream("GET", base + self._path, params=params, headers=self._headers()) as response:
+            if response.status_code == 410:
+                raise _Expired("resourceVersion expired")
+            if response.status_code != 200:
+                raise KubernetesError(f"watching pods: HTTP {response.status_code}")
+            async for event in _lines(response.aiter_bytes()):
+                kind, pod = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if pod.get("code") == 410:
+                        raise _Expired(pod.get("message", "resourceVersion expired"))
+                    raise KubernetesError(f"watch error: {pod.get('message', pod)}")
+                version = pod.get("metadata", {}).get("resourceVersion")
+                if version:
+                    self.revision = str(version)
+                if kind == "BOOKMARK":
+                    continue
+                if kind == "DELETED":
+                    self._pods.pop(_name(pod), None)
+                elif kind in ("ADDED", "MODIFIED"):
+                    self._pods[_name(pod)] = pod
+                else:
+                    continue
+                await self._publish(publish)
+
+    async def _publish(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
+        entries: dict[str, bytes] = {}
+        for name, pod in self._pods.items():
+            for port in self.config.target_ports:
+                entries[f"{name}:{port}"] = _entry(pod, port)
+        endpoints, skipped = await endpoints_of(entries, self.allowed, limit=self.config.max_endpoints)
+        for entry in skipped:
+            if entry not in self.skipped:
+                logger.error("kubernetes discovery skips %s: %s", entry.key, entry.reason)
+        self.skipped = skipped
+        self.updates += 1
+        publish(endpoints)
+
+
+def _name(pod: dict[str, Any]) -> str:
+    metadata = pod.get("metadata", {})
+    return f"{metadata.get('namespace', '')}/{metadata.get('name', '')}"
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    conditions = pod.get("status", {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _entry(pod: dict[str, Any], port: int) -> bytes:
+    """The discovery entry (scorer.discovery's JSON) for one Pod and port."""
+    metadata, status = pod.get("metadata", {}), pod.get("status", {})
+    ip = status.get("podIP") or ""
+    address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    entry: dict[str, Any] = {
+        "address": address,
+        "labels": metadata.get("labels") or {},
+        "ready": _ready(pod) and bool(ip),
+    }
+    models = (metadata.get("annotations") or {}).get(MODELS_ANNOTATION)
+    if models:
+        entry["models"] = [m.strip() for m in str(models).split(",") if m.strip()]
+    return orjson.dumps(entry)
+
+
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a watch stream, one per line."""
+    text = codecs.getincrementaldecoder("utf-8")()
+    buffer = ""
+    async for chunk in chunks:
+        buffer += text.decode(chunk)
+        if len(buffer) > MAX_LINE_BYTES:
+            raise KubernetesError(f"a watch event over {MAX_LINE_BYTES} bytes")
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            if line.strip():
+                event = orjson.loads(line)
+                if isinstance(event, dict):
+                    yield event

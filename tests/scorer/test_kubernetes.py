@@ -1,0 +1,128 @@
+"""The Kubernetes discovery source (scorer/kubernetes.py) against the in-repo API server (bench/kubeapi.py; no
+Kubernetes API server can run here): the ready Pods of a selector, one endpoint per target port, watched; a
+compacted history makes it list again; the service-account token is sent and checked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from inferlb.bench.kubeapi import KubeApi, pod
+from inferlb.procs import free_port
+from inferlb.scorer.config import EndpointConfig, parse_config
+from inferlb.scorer.kubernetes import KubernetesSource
+from inferlb.serving import serve
+
+from ..conftest import until
+
+SELECTOR = {"app": "vllm"}
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.lists: list[tuple[EndpointConfig, ...]] = []
+
+    def __call__(self, endpoints: tuple[EndpointConfig, ...]) -> None:
+        self.lists.append(endpoints)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [e.address for e in self.lists[-1]] if self.lists else []
+
+
+@pytest.fixture
+async def api():
+    store = KubeApi()
+    address = f"127.0.0.1:{free_port()}"
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve([(address, store.app)], ready=ready, handle_signals=False, what="kube api"))
+    await asyncio.wait_for(ready.wait(), 10)
+    store.url = f"http://{address}"
+    yield store
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def source(url: str, **extra) -> KubernetesSource:
+    kubernetes = {"namespace": "default", "selector": SELECTOR, "target_ports": [8000], "api_url": url}
+    kubernetes.update({"token_file": None, "ca_file": None, **extra})
+    config = parse_config({"pool": {"allowed_networks": ["10.0.0.0/8"], "discovery": {"kubernetes": kubernetes}}})
+    assert config.discovery is not None and config.discovery.kubernetes is not None
+    return KubernetesSource(config.discovery.kubernetes, config.allowed_networks)
+
+
+async def test_ready_pods_of_the_selector_are_the_endpoints_and_changes_follow(api) -> None:
+    api.apply(pod("a", "10.0.0.1", {"app": "vllm", "zone": "x"}, models="m1, m2"))
+    api.apply(pod("other", "10.0.0.9", {"app": "web"}))  # another selector
+    api.apply(pod("starting", "", {"app": "vllm"}, ready=False))  # no IP yet
+    seen = Seen()
+    kube = source(api.url, target_ports=[8000, 8001])
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: seen.lists, "the first membership")
+        assert seen.addresses == ["10.0.0.1:8000", "10.0.0.1:8001"] and kube.healthy
+        first = seen.lists[-1][0]
+        assert first.models == frozenset({"m1", "m2"}) and dict(first.labels) == {"app": "vllm", "zone": "x"}
+        api.apply(pod("starting", "10.0.0.2", {"app": "vllm"}))  # became ready
+        await until(lambda: len(seen.addresses) == 4, "a pod that became ready", timeout=2)
+        api.apply(pod("a", "10.0.0.1", {"app": "vllm"}, ready=False))  # failing its readiness probe
+        await until(lambda: seen.addresses == ["10.0.0.2:8000", "10.0.0.2:8001"], "a pod not ready", timeout=2)
+        api.delete("default", "starting")
+        await until(lambda: seen.addresses == [] and seen.lists, "a deleted pod", timeout=2)
+        api.apply(pod("outside", "192.168.1.5", {"app": "vllm"}))  # outside pool.allowed_networks
+        await until(lambda: kube.skipped, "a pod outside the allowed networks", timeout=2)
+        assert "outside pool.allowed_networks" in kube.skipped[0].reason and seen.addresses == []
+    finally:
+        task.cancel()
+
+
+async def test_a_compacted_history_makes_the_source_list_again(api) -> None:
+    api.apply(pod("a", "10.0.0.1", SELECTOR))
+    seen = Seen()
+    kube = source(api.url)
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: seen.addresses == ["10.0.0.1:8000"] and api.watches, "watching")
+        api.compact()  # the open watch ends with 410; the source lists again and watches from there
+        await until(lambda: api.lists == 2, "a second list")
+        api.apply(pod("b", "10.0.0.2", SELECTOR))
+        await until(lambda: seen.addresses == ["10.0.0.1:8000", "10.0.0.2:8000"], "a change after the relist", 2)
+        assert kube.healthy
+    finally:
+        task.cancel()
+
+
+async def test_the_service_account_token_is_sent_and_a_wrong_one_is_refused(api, tmp_path: Path) -> None:
+    api.token = "the-right-service-account-token"
+    api.apply(pod("a", "10.0.0.1", SELECTOR))
+    wrong, right = tmp_path / "wrong", tmp_path / "right"
+    wrong.write_text("not-the-token\n")
+    right.write_text(api.token + "\n")
+    refused = source(api.url, token_file=str(wrong))
+    seen = Seen()
+    task = asyncio.create_task(refused.run(seen))
+    try:
+        await until(lambda: refused.failures, "a refused list")
+        assert not seen.lists and "401" in (refused.problem or "")
+    finally:
+        task.cancel()
+    accepted = source(api.url, token_file=str(right))
+    task = asyncio.create_task(accepted.run(seen))
+    try:
+        await until(lambda: seen.addresses == ["10.0.0.1:8000"], "the membership with the token")
+    finally:
+        task.cancel()
+
+
+def test_the_config_names_one_source_and_a_valid_selector() -> None:
+    with pytest.raises(Exception, match="exactly one source"):
+        parse_config({"pool": {"discovery": {}}})
+    bad = {"namespace": "default", "selector": {}, "target_ports": [8000]}
+    with pytest.raises(Exception, match="non-empty mapping of labels"):
+        parse_config({"pool": {"discovery": {"kubernetes": bad}}})
+    with pytest.raises(Exception, match="label value"):
+        parse_config({"pool": {"discovery": {"kubernetes": {**bad, "selector": {"app": "a b"}}}}})
