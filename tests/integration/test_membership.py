@@ -1,7 +1,8 @@
 """Membership under load through the real gateway (bench/membership.py, quick form): a server added to etcd, to
-Kubernetes (the in-repo API server) or to the config file gets requests within a second, one removed drains with no client error and no new request, and
-a killed server's cost is bounded (its requests in flight, and the few sent before the picker sees it down; with
-Envoy's Override Host cluster and retries, its requests in flight only)."""
+Kubernetes (the in-repo API server) or to the config file gets requests within a second, one removed drains with
+no client error and no new request, and a killed server's cost is bounded (its requests in flight, and the few
+sent before the picker sees it down; with Envoy's Override Host cluster and retries, its requests in flight
+only)."""
 
 from __future__ import annotations
 
