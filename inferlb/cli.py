@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from inferlb import configcmd
-from inferlb.envoyconf import FALLBACK_POLICIES, EnvoyConfigError, EnvoyOptions, render_bootstrap
+from inferlb.envoyconf import CLUSTER_MODES, FALLBACK_POLICIES, TIERS, EnvoyConfigError, EnvoyOptions, render_bootstrap
 from inferlb.scorer.config import load_config
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.presets import PRESET_NAMES
@@ -118,6 +118,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     envoy.add_argument(
         "--tracing", action="store_true", help="send Envoy's own spans to the picker's OTLP receiver (otel.receiver)"
+    )
+    xds = envoy.add_mutually_exclusive_group()
+    xds.add_argument(
+        "--xds",
+        dest="xds",
+        action="store_true",
+        default=None,
+        help="the server clusters' endpoints and weights come from the picker over ADS (default: when the config "
+        "names a discovery source)",
+    )
+    xds.add_argument("--no-xds", dest="xds", action="store_false", help="the endpoints are written into the file")
+    envoy.add_argument(
+        "--cluster-mode",
+        default="original-dst",
+        choices=CLUSTER_MODES,
+        help="how a picked endpoint is reached: any ip:port (original-dst) or only pool members, the picker's list "
+        "tried in order with retries (override-host)",
+    )
+    envoy.add_argument("--retries", type=int, default=2, help="override-host: retries of a request that never arrived")
+    envoy.add_argument(
+        "--tier",
+        default="per-request",
+        choices=TIERS,
+        help="per-request: the picker picks each request; weights: Envoy's own balancer over the picker's weights",
     )
     envoy.add_argument("--out", type=Path, help="write here instead of stdout")
     envoy.set_defaults(run=_envoy_config)
@@ -223,6 +247,10 @@ def _envoy_config(args: argparse.Namespace) -> int:
         access_log_path=None if args.access_log == "none" else args.access_log,
         forward_headers=tuple(args.forward_header),
         tracing=args.tracing,
+        xds=args.xds,
+        cluster_mode=args.cluster_mode,
+        retries=args.retries,
+        tier=args.tier,
     )
     text = render_bootstrap(load_config(args.config), options)
     if args.out:

@@ -41,6 +41,10 @@ def clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         pytest.param("plain", EnvoyOptions(fail_open=False, access_log_path=None), id="fail-closed"),
         pytest.param("plain", EnvoyOptions(picker=False, fallback_lb_policy="ROUND_ROBIN"), id="no-picker"),
         pytest.param("stream-timed", EnvoyOptions(), id="stream-timed"),
+        pytest.param("plain", EnvoyOptions(xds=True), id="xds"),
+        pytest.param("plain", EnvoyOptions(xds=True, cluster_mode="override-host"), id="xds-override-host"),
+        pytest.param("plain", EnvoyOptions(cluster_mode="override-host"), id="static-override-host"),
+        pytest.param("plain", EnvoyOptions(xds=True, tier="weights"), id="weights-tier"),
     ],
 )
 def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, config: str, options: EnvoyOptions) -> None:
@@ -201,3 +205,40 @@ def test_envoy_closes_idle_upstream_connections_before_the_servers_do() -> None:
         ]
         assert float(options["common_http_protocol_options"]["idle_timeout"].rstrip("s")) < 5
         assert "http_protocol_options" in options["explicit_http_config"]
+
+
+def test_with_xds_the_server_clusters_come_from_the_picker_and_updates_apply_at_once() -> None:
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(xds=True, cluster_mode="override-host", retries=3)))
+    ads = doc["dynamic_resources"]["ads_config"]
+    assert ads["grpc_services"] == [{"envoy_grpc": {"cluster_name": "inferlb_picker"}}]
+    by = clusters(doc)
+    for name in ("inferlb_fallback", "inferlb_picked"):
+        assert by[name]["type"] == "EDS" and "load_assignment" not in by[name]
+        assert by[name]["eds_cluster_config"]["eds_config"] == {"ads": {}, "resource_api_version": "V3"}
+        assert by[name]["common_lb_config"] == {"update_merge_window": "0.000s"}
+    policy = by["inferlb_picked"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    routes = {r["name"]: r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]}
+    retry = routes["picked"]["route"]["retry_policy"]
+    assert retry["num_retries"] == 3 and "connect-failure" in retry["retry_on"]
+
+
+def test_original_dst_has_no_retries_and_refuses_a_list_of_destinations() -> None:
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions()))
+    routes = {r["name"]: r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]}
+    assert "retry_policy" not in routes["picked"]["route"]  # a retry would go back to the same address
+    assert clusters(doc)["inferlb_picked"]["type"] == "ORIGINAL_DST" and "dynamic_resources" not in doc
+    listing = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:80"}]}, "destinations": 2})
+    with pytest.raises(EnvoyConfigError, match="override-host"):
+        render_bootstrap(listing, EnvoyOptions())
+    with pytest.raises(EnvoyConfigError, match="needs the picker as Envoy's control plane"):
+        render_bootstrap(CONFIG, EnvoyOptions(tier="weights"))
+
+
+def test_the_weights_tier_sends_no_request_to_the_picker() -> None:
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(xds=True, tier="weights")))
+    routes = {r["name"]: r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]}
+    assert "/v1/completions" not in routes  # no body routes: nothing reads the body
+    v1 = routes["v1"]
+    assert v1["route"]["cluster"] == "inferlb_fallback"
+    assert v1["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
