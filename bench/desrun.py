@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from inferlb.bench.metrics import Outcome, summarise
-from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RandomPolicy, RoundRobin
+from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RandomPolicy, RoundRobin, WeightsTier
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.sim.des import Arrival, FleetView, Hold, Policy, Refuse, RequestRecord, SimResult, simulate, trace_arrivals
 from inferlb.sim.profiles import ServerProfile, get_profile
@@ -29,6 +29,7 @@ DES_CONTENDERS: tuple[str, ...] = (
     "envoy:LEAST_REQUEST",
     "envoy:RANDOM",
     *(f"inferlb:{name}" for name in PRESET_NAMES),
+    "inferlb-weights:default",  # the weights tier: Envoy's LEAST_REQUEST over the default preset's weights
     "oracle",
 )
 CAPACITY_SAMPLE = 400  # requests in the burst that measures one server's saturated rate
@@ -105,6 +106,8 @@ def make_policy(name: str, profiles: Sequence[ServerProfile], seed: int) -> Poli
         return RandomPolicy(seed)
     if name == "oracle":
         return Oracle(profiles)
+    if name.startswith("inferlb-weights:") and name.removeprefix("inferlb-weights:") in PRESET_NAMES:
+        return WeightsTier(name.removeprefix("inferlb-weights:"), profiles, seed=seed)
     if name.startswith("inferlb:") and name.removeprefix("inferlb:") in PRESET_NAMES:
         return PresetPolicy(name.removeprefix("inferlb:"), profiles, seed=seed)
     raise ValueError(f"unknown DES contender {name!r}; known: {', '.join(DES_CONTENDERS)}")

@@ -32,10 +32,11 @@ from inferlb.scorer.registry import ProfileSpec
 from inferlb.scorer.router import ADMISSION_POLL_S, Admit, Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals, Snapshot
+from inferlb.scorer.weights import endpoint_weights
 from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, RequestRecord
 from inferlb.sim.profiles import ServerProfile
 
-__all__ = ["MODEL", "LeastRequest", "Oracle", "PresetPolicy", "RandomPolicy", "RoundRobin"]
+__all__ = ["MODEL", "LeastRequest", "Oracle", "PresetPolicy", "RandomPolicy", "RoundRobin", "WeightsTier"]
 
 MODEL = "bench-model"
 
@@ -280,3 +281,51 @@ class PresetPolicy:
                 sent_at_scrape=self._sent_at_scrape,
             )
         )
+
+
+class WeightsTier(PresetPolicy):
+    """inferlb's weights tier: no per-request pick. Every ``interval_s`` the picker computes endpoint weights from
+    its preset's scores (`scorer.weights.endpoint_weights`, the code the picker pushes to Envoy with) on what it
+    sees without a hop: the scraped signals and the latencies of finished requests, no in-flight counts of its
+    own. Between updates Envoy's LEAST_REQUEST balances by those weights on its own active-request counts, the
+    way Envoy does with unequal weights: an earliest-deadline schedule on ``weight / (active + 1)``, modelled as
+    a smooth weighted round robin on those effective weights."""
+
+    def __init__(self, preset: str, profiles: Sequence[ServerProfile], *, seed: int, interval_s: float = 1.0) -> None:
+        super().__init__(preset, profiles, seed=seed)
+        self.interval_s = interval_s
+        n = len(profiles)
+        self._weights = np.ones(n)
+        self._credit = np.zeros(n)
+        self._active = np.zeros(n)
+        self._updated = -math.inf
+        self._servers: dict[str, int] = {}
+        self.updates = 0
+
+    def __call__(self, arrival: Arrival, view: FleetView) -> int | Hold | Refuse:
+        self._sync(view)
+        started = time.process_time()
+        try:
+            if view.now - self._updated >= self.interval_s:  # the picker's weights push (its CPU, not Envoy's)
+                self._updated = view.now
+                weights = endpoint_weights(self.engine, now=view.now)
+                self._weights = np.array([weights.get(i, 1) for i in range(len(self._weights))], dtype=float)
+                self.updates += 1
+            effective = self._weights / (self._active + 1.0)
+            self._credit += effective
+            chosen = int(np.argmax(self._credit))
+            self._credit[chosen] -= effective.sum()
+            self._active[chosen] += 1
+            self._servers[arrival.id] = chosen
+            self.decisions += 1
+            return chosen
+        finally:
+            self.decide_cpu_s += time.process_time() - started
+
+    def finished(self, record: RequestRecord, now: float) -> None:
+        server = self._servers.pop(record.id, None)
+        if server is not None:
+            self._active[server] -= 1
+        if record.error is None:  # the spans still arrive: the latencies are the picker's to know
+            self.latency.observe(record.server, record.ttft_s, record.e2e_s, now=now)
+            self._latency_dirty = True

@@ -2,9 +2,12 @@
 
 Every update interval the picker scores its pool as the profile would score a request that names no model and
 brings no prompt (so the load, queue, KV-cache, latency and GPU signals count, and prefix affinity does not),
-and turns the totals into Envoy endpoint weights: the best endpoint gets ``MAX_WEIGHT``, the others in
-proportion to their totals, every one at least 1 (Envoy cannot weigh an endpoint 0, and an endpoint the filters
-drop, stale or saturated, is not removed: it keeps the least share). A ramping endpoint's weight is scaled by its
+and turns the totals into Envoy endpoint weights: the best endpoint gets ``MAX_WEIGHT``, and each
+``HALVING_POINTS`` of total score an endpoint is behind it halves its weight, every one at least 1 (Envoy cannot
+weigh an endpoint 0, and an endpoint the filters drop, stale or saturated, is not removed: it keeps the least
+share). Exponential, not proportional: the default preset's totals sum eight scorers, most of them neutral for
+a request without a prompt, so a server with a long queue still totals about four fifths of an idle one's, and
+weights in proportion would barely steer. A ramping endpoint's weight is scaled by its
 slow-start fraction. Envoy's LEAST_REQUEST (or round robin) then balances by these weights between updates, on
 its own in-flight counts.
 """
@@ -17,9 +20,10 @@ from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import RoutingError
 from inferlb.scorer.features import RequestFeatures
 
-__all__ = ["MAX_WEIGHT", "endpoint_weights"]
+__all__ = ["HALVING_POINTS", "MAX_WEIGHT", "endpoint_weights"]
 
 MAX_WEIGHT = 1000
+HALVING_POINTS = 0.25  # a quarter of one scorer's full weight behind the best: half the weight
 
 _PROBE = RequestFeatures()
 
@@ -34,7 +38,7 @@ def endpoint_weights(engine: Engine, now: float | None = None) -> dict[int, int]
     except RoutingError:
         return weights  # nothing passes the filters: equal shares
     top = float(totals.max()) if len(totals) else 0.0
-    shares = np.clip(totals / top, 0.0, 1.0) if top > 0 else np.ones(len(candidates))
+    shares = np.exp2(-(top - totals) / HALVING_POINTS)
     for index, share in zip(candidates.tolist(), shares.tolist(), strict=True):
         weights[index] = max(1, round(MAX_WEIGHT * share))
     clock = engine.signals.clock() if now is None else now
