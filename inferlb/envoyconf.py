@@ -152,7 +152,8 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         request_headers_timeout=_duration(options.request_headers_timeout_ms),
         request_timeout=_duration(options.request_timeout_ms),
         stream_idle_timeout=_duration(options.stream_idle_timeout_ms),
-        request_end_log=options.picker and config.inflight.end == "access-log",
+        # The weights tier routes nothing through the picker: no request's end is the picker's to count.
+        request_end_log=options.picker and config.inflight.end == "access-log" and options.tier != "weights",
         request_end_flush=_duration(REQUEST_END_FLUSH_MS),
         buffer_limit_bytes=config.max_body_bytes,
         fallback_lb_policy=options.fallback_lb_policy,

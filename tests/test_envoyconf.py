@@ -242,3 +242,4 @@ def test_the_weights_tier_sends_no_request_to_the_picker() -> None:
     v1 = routes["v1"]
     assert v1["route"]["cluster"] == "inferlb_fallback"
     assert v1["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    assert "inferlb.request_end" not in str(hcm(doc).get("access_log", []))  # nothing for the picker to count
