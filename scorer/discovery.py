@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from inferlb.scorer.errors import shown
 from inferlb.scorer.networks import Networks, destination_problem
 from inferlb.scorer.validation import config_error
 
-__all__ = ["MAX_MEMBER_BYTES", "DiscoverySource", "Resolver", "endpoints_of", "resolve_host"]
+__all__ = ["MAX_MEMBER_BYTES", "DiscoverySource", "Resolver", "SourceHealth", "endpoints_of", "resolve_host"]
+
+logger = logging.getLogger(__name__)
 
 # A member's JSON is a few hundred bytes; anything much larger is not a member.
 MAX_MEMBER_BYTES = 16 << 10
@@ -57,6 +60,29 @@ async def resolve_host(host: str, port: int) -> list[str]:
     except (OSError, UnicodeError):
         return []
     return sorted({str(info[4][0]) for info in infos})
+
+
+class SourceHealth:
+    """Whether a source is in touch with its backend (``healthy``, ``problem``), with one log line per transition
+    and a count of the connections lost or refused (``failures``)."""
+
+    name = "source"
+
+    def __init__(self) -> None:
+        self.healthy = False
+        self.problem: str | None = "not read yet"
+        self.failures = 0
+
+    def _up(self, where: str) -> None:
+        if not self.healthy:
+            logger.info("%s discovery in touch (%s)", self.name, where)
+        self.healthy, self.problem = True, None
+
+    def _down(self, problem: str) -> None:
+        self.failures += 1
+        if self.healthy or self.problem != problem:
+            logger.warning("%s discovery out of touch, the last membership stays in force: %s", self.name, problem)
+        self.healthy, self.problem = False, problem
 
 
 @dataclass(frozen=True, slots=True)

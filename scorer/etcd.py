@@ -24,7 +24,7 @@ import httpx
 
 from inferlb.scorer.config import EndpointConfig, EtcdConfig
 from inferlb.scorer.credentials import Credential
-from inferlb.scorer.discovery import Resolver, Skipped, endpoints_of, resolve_host
+from inferlb.scorer.discovery import Resolver, Skipped, SourceHealth, endpoints_of, resolve_host
 from inferlb.scorer.networks import Networks
 
 __all__ = ["EtcdSource"]
@@ -56,7 +56,7 @@ class EtcdError(Exception):
     """etcd answered, but not with what the source needs (the message says what)."""
 
 
-class EtcdSource:
+class EtcdSource(SourceHealth):
     """Watches ``config.prefix`` in etcd and publishes the endpoints found there (see the module's docstring)."""
 
     name = "etcd"
@@ -72,12 +72,10 @@ class EtcdSource:
         self.config = config
         self.allowed = allowed
         self.resolve = resolve
-        self.healthy = False
-        self.problem: str | None = "not read yet"
+        super().__init__()
         self.revision = 0
         self.skipped: tuple[Skipped, ...] = ()
         self.updates = 0  # memberships published
-        self.failures = 0  # connections lost or refused
         self._entries: dict[str, bytes] = {}
         self._prefix = config.prefix.encode()
         self._range = {"key": _b64(self._prefix), "range_end": _b64(prefix_end(self._prefix))}
@@ -96,7 +94,7 @@ class EtcdSource:
                 try:
                     await self._authenticate(client, url)
                     await self._read(client, url, publish)
-                    self._up()
+                    self._up(f"{self.config.prefix}, revision {self.revision}")
                     delay = RETRY_S
                     await self._watch(client, url, publish)
                     raise EtcdError("the watch ended")
@@ -106,17 +104,6 @@ class EtcdSource:
                     self._token = None
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, MAX_RETRY_S)
-
-    def _up(self) -> None:
-        if not self.healthy:
-            logger.info("etcd discovery in touch (%s, revision %d)", self.config.prefix, self.revision)
-        self.healthy, self.problem = True, None
-
-    def _down(self, problem: str) -> None:
-        self.failures += 1
-        if self.healthy or self.problem != problem:
-            logger.warning("etcd discovery out of touch, the last membership stays in force: %s", problem)
-        self.healthy, self.problem = False, problem
 
     async def _authenticate(self, client: httpx.AsyncClient, url: str) -> None:
         if self.config.username is None or self.config.password is None:

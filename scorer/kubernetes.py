@@ -29,7 +29,7 @@ import httpx
 import orjson
 
 from inferlb.scorer.config import EndpointConfig, KubernetesConfig
-from inferlb.scorer.discovery import Skipped, endpoints_of
+from inferlb.scorer.discovery import Skipped, SourceHealth, endpoints_of
 from inferlb.scorer.networks import Networks
 
 __all__ = ["MODELS_ANNOTATION", "KubernetesSource"]
@@ -51,7 +51,7 @@ class _Expired(KubernetesError):
     """The watch's resourceVersion is too old: list again."""
 
 
-class KubernetesSource:
+class KubernetesSource(SourceHealth):
     """Watches the Pods of ``config.selector`` in ``config.namespace`` and publishes their endpoints."""
 
     name = "kubernetes"
@@ -61,12 +61,10 @@ class KubernetesSource:
     ) -> None:
         self.config = config
         self.allowed = allowed
-        self.healthy = False
-        self.problem: str | None = "not read yet"
+        super().__init__()
         self.revision = ""
         self.skipped: tuple[Skipped, ...] = ()
         self.updates = 0
-        self.failures = 0
         self._pods: dict[str, dict[str, Any]] = {}
         self._transport = transport
         selector = ",".join(f"{k}={v}" for k, v in sorted(config.selector.items()))
@@ -100,7 +98,7 @@ class KubernetesSource:
                 try:
                     base = self._base_url()
                     await self._list(client, base, publish)
-                    self._up()
+                    self._up(f"{self.config.namespace}, {self._selector}")
                     delay = RETRY_S
                     while True:  # watch after watch from the last version seen, until it expires or fails
                         await self._watch(client, base, publish)
@@ -110,17 +108,6 @@ class KubernetesSource:
                     self._down(str(exc) or type(exc).__name__)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, MAX_RETRY_S)
-
-    def _up(self) -> None:
-        if not self.healthy:
-            logger.info("kubernetes discovery in touch (%s, %s)", self.config.namespace, self._selector)
-        self.healthy, self.problem = True, None
-
-    def _down(self, problem: str) -> None:
-        self.failures += 1
-        if self.healthy or self.problem != problem:
-            logger.warning("kubernetes discovery out of touch, the last membership stays in force: %s", problem)
-        self.healthy, self.problem = False, problem
 
     async def _list(
         self, client: httpx.AsyncClient, base: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
