@@ -77,10 +77,14 @@ VARIANTS = (
     # inflight.end: stream: the routing stream stays open for the whole request (no access log), the behaviour
     # before the access log ended the count.
     Variant("inferlb body held", "inferlb-held", "/v1/completions", True),
-    # The weights tier: Envoy's own LEAST_REQUEST over the weights the picker pushes (EDS over ADS), no hop.
-    Variant("inferlb weights headers", "inferlb-weights", "/v1/embeddings", False),
-    Variant("inferlb weights body", "inferlb-weights", "/v1/completions", True),
 )
+
+# The weights tier (Envoy's own LEAST_REQUEST over the weights the picker pushes, EDS over ADS, no hop) against
+# Envoy alone, with its default round robin and with the same least-request policy: measured apart from the
+# table above, in rounds of one run each, back to back and in rotating order, so that a ratio is taken between
+# runs a few seconds apart and drift on a noisy machine moves all three alike.
+TIER = (("envoy", "envoy-rr"), ("envoy-lr", "envoy-lr"), ("inferlb-weights", "inferlb weights"))
+KINDS = (("headers", "/v1/embeddings", False), ("body", "/v1/completions", True))
 
 
 @dataclass(slots=True)
@@ -106,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--backends", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="runs per variant and concurrency, interleaved")
+    parser.add_argument("--tier-rounds", type=int, default=4, help="rounds of the weights tier against Envoy alone")
     parser.add_argument("--quick", action="store_true", help="2 s runs, no profile")
 
 
@@ -132,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
             replace(common, envoy=EnvoyOptions(access_log_path=None, picker=False, fallback_lb_policy="ROUND_ROBIN")),
             workdir / "envoy",
         )
+        stacks["envoy-lr"] = LocalStack(
+            replace(common, envoy=EnvoyOptions(access_log_path=None, picker=False, fallback_lb_policy="LEAST_REQUEST")),
+            workdir / "envoy-lr",
+        )
         noop = (sys.executable, "-m", "inferlb.bench.noop_picker")
         stacks["noop"] = LocalStack(replace(common, envoy=no_log, picker_command=noop), workdir / "noop")
         ours = replace(common, envoy=no_log, policy=POLICY, picker_log_level="warning")
@@ -156,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  c={concurrency:<3} {variant.name:<18} {row.rps:8.0f} req/s  p50 {row.p50_ms:.2f} ms")
                     runs[variant.name].append(row)
             rows += [_combine(runs[v.name]) for v in VARIANTS]
+        tier_rounds = 1 if args.quick else args.tier_rounds
+        tier_rows = _tier_runs(stacks, args.concurrency, duration / 2 if not args.quick else duration, tier_rounds)
         profile = None if args.quick else _profile(stacks["inferlb"], workdir, duration=10.0)
     finally:
         for stack in stacks.values():
@@ -168,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
         "own_work": own,
         "rows": table_rows,
         "cpu_ratio_to_floor": cpu_ratio_to_floor(table_rows),
-        "weights_to_envoy": weights_to_envoy(table_rows),
+        "tier_rows": tier_rows,
+        "weights_to_envoy": weights_to_envoy(tier_rows),
         "profile": profile,
     }
     report = _markdown(results)
@@ -177,21 +189,51 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def weights_to_envoy(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """The weights tier against Envoy alone, per kind of request and concurrency (a string key): the CPU per
-    request (Envoy's plus the picker's, which only pushes weights) over Envoy alone's, and the p50 over its."""
-    by = {(r["variant"], r["concurrency"]): r for r in rows}
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for kind in ("headers", "body"):
+def _tier_runs(
+    stacks: dict[str, LocalStack], concurrencies: Sequence[int], duration: float, rounds: int
+) -> list[dict[str, Any]]:
+    """The runs behind ``weights_to_envoy``: per concurrency, kind of request and round, one run of each of
+    ``TIER``, the order rotated from round to round."""
+    out = []
+    for concurrency in concurrencies:
+        for kind, path, body in KINDS:
+            for r in range(rounds):
+                for gateway, name in TIER[r % len(TIER) :] + TIER[: r % len(TIER)]:
+                    row = _measure(
+                        stacks[gateway], Variant(f"{name} {kind}", gateway, path, body), concurrency, duration
+                    )
+                    print(f"  c={concurrency:<3} {row.variant:<24} {row.rps:8.0f} req/s  p50 {row.p50_ms:.2f} ms")
+                    out.append({**asdict(row), "round": r})
+    return out
+
+
+def weights_to_envoy(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The weights tier against Envoy alone, per kind of request and concurrency (a string key), from the rounds
+    of ``_tier_runs``: the CPU per request (Envoy's plus the picker's, which only pushes weights) over Envoy
+    alone's, and the p50 over its, taken within each round; the median over rounds (``cpu``, ``p50`` against
+    round robin, ``*_vs_least_request`` against Envoy alone with the same policy), with the lowest and highest
+    round. A round without both runs is left out."""
+    by = {(r["variant"], r["concurrency"], r.get("round", 0)): r for r in rows}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for kind, _, _ in KINDS:
         for concurrency in sorted({r["concurrency"] for r in rows}):
-            ours, alone = by.get((f"inferlb weights {kind}", concurrency)), by.get((f"envoy-rr {kind}", concurrency))
-            if not (ours and alone and alone["envoy_cpu_us"] and alone["p50_ms"]):
+            ratios: dict[str, list[float]] = {}
+            for r in sorted({key[2] for key in by}):
+                ours = by.get((f"inferlb weights {kind}", concurrency, r))
+                for baseline, suffix in (("envoy-rr", ""), ("envoy-lr", "_vs_least_request")):
+                    alone = by.get((f"{baseline} {kind}", concurrency, r))
+                    if not (ours and alone and alone["envoy_cpu_us"] and alone["p50_ms"]):
+                        continue
+                    cpu = ours["envoy_cpu_us"] + (ours["picker_cpu_us"] or 0.0)
+                    ratios.setdefault("cpu" + suffix, []).append(cpu / alone["envoy_cpu_us"])
+                    ratios.setdefault("p50" + suffix, []).append(ours["p50_ms"] / alone["p50_ms"])
+            if "cpu" not in ratios:
                 continue
-            cpu = ours["envoy_cpu_us"] + (ours["picker_cpu_us"] or 0.0)
-            out.setdefault(kind, {})[str(concurrency)] = {
-                "cpu": round(cpu / alone["envoy_cpu_us"], 3),
-                "p50": round(ours["p50_ms"] / alone["p50_ms"], 3),
-            }
+            entry: dict[str, Any] = {name: round(_median(values), 3) for name, values in ratios.items()}
+            entry["rounds"] = len(ratios["cpu"])
+            entry["cpu_range"] = [round(min(ratios["cpu"]), 3), round(max(ratios["cpu"]), 3)]
+            entry["p50_range"] = [round(min(ratios["p50"]), 3), round(max(ratios["p50"]), 3)]
+            out.setdefault(kind, {})[str(concurrency)] = entry
     return out
 
 
@@ -202,8 +244,8 @@ def cpu_ratio_to_floor(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, fl
     by = {(r["variant"], r["concurrency"]): r for r in rows}
     ratios: dict[str, dict[str, float]] = {}
     for variant in VARIANTS:
-        if not variant.gateway.startswith("inferlb") or variant.gateway == "inferlb-weights":
-            continue  # the weights tier has no hop to compare with the floor's: see weights_to_envoy
+        if not variant.gateway.startswith("inferlb"):
+            continue
         floor_name = "noop body" if variant.body else "noop headers"
         for concurrency in sorted({r["concurrency"] for r in rows}):
             ours, floor = by.get((variant.name, concurrency)), by.get((floor_name, concurrency))
@@ -382,6 +424,68 @@ def _split(
     return out
 
 
+def _ratio(entry: dict[str, Any], name: str) -> str:
+    """A median ratio with its lowest and highest round, where the entry has them."""
+    span = entry.get(f"{name}_range")
+    shown = f"{entry[name]:.2f}x"
+    return f"{shown} ({span[0]:.2f} to {span[1]:.2f})" if span else shown
+
+
+def _tier_section(tier: dict[str, dict[str, dict[str, Any]]], rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The weights tier against Envoy alone: the ratios of ``weights_to_envoy`` and the medians of the runs."""
+    if not tier:
+        return []
+    out = ["", "## The weights tier against Envoy alone (same run, paired rounds)", ""]
+    out += [
+        "Every /v1/ route goes to Envoy's own LEAST_REQUEST over the endpoint weights the picker pushes over ADS:",
+        "no ext_proc hop. Envoy alone has no picker, round robin (its default) or least request (the tier's own",
+        "policy). Each round runs the three back to back, in rotating order; a ratio is taken within a round and",
+        "the median over rounds is shown, with the lowest and highest round. CPU is Envoy's per request plus the",
+        "picker's (which only scrapes the servers and pushes weights).",
+        "",
+    ]
+    ratio_rows = []
+    for kind, per in tier.items():
+        for c, v in sorted(per.items(), key=lambda item: int(item[0])):
+            cpu_lr, p50_lr = v.get("cpu_vs_least_request"), v.get("p50_vs_least_request")
+            ratio_rows.append(
+                [
+                    int(c),
+                    kind,
+                    _ratio(v, "cpu"),
+                    _ratio(v, "p50"),
+                    "—" if cpu_lr is None else f"{cpu_lr:.2f}x",
+                    "—" if p50_lr is None else f"{p50_lr:.2f}x",
+                    v.get("rounds", 1),
+                ]
+            )
+    head = ["concurrency", "request", "CPU / Envoy rr", "p50 / Envoy rr", "CPU / Envoy lr", "p50 / Envoy lr", "rounds"]
+    out += table(head, ratio_rows, "rlrrrrr")
+    if rows:
+        grouped: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        for r in rows:
+            grouped.setdefault((r["concurrency"], r["variant"]), []).append(r)
+        run_rows = [
+            [
+                c,
+                name,
+                f"{_median([r['rps'] for r in runs]):.0f}",
+                f"{_median([r['p50_ms'] for r in runs]):.3f}",
+                f"{_median([r['envoy_cpu_us'] for r in runs]):.1f}",
+                f"{_median([r['picker_cpu_us'] for r in runs]):.1f}" if runs[0]["picker_cpu_us"] is not None else "—",
+                sum(r["errors"] for r in runs),
+            ]
+            for (c, name), runs in sorted(grouped.items())
+        ]
+        out += ["", "Medians of the rounds:", ""]
+        out += table(
+            ["concurrency", "variant", "req/s", "p50 ms", "Envoy CPU µs/req", "picker CPU µs/req", "errors"],
+            run_rows,
+            "rlrrrrr",
+        )
+    return out
+
+
 def _markdown(results: dict[str, Any]) -> str:
     meta, own, rows = results["meta"], results["own_work"], results["rows"]
     policy = meta.get("policy", "least-request")  # the preset of the results made before the key
@@ -431,23 +535,7 @@ def _markdown(results: dict[str, Any]) -> str:
     head = ["concurrency", "request", "picker CPU inferlb/noop", "p50 added vs Envoy alone: noop, inferlb (ms)"]
     out += table(head, floor_rows, "rlrl")
     out += _split(by, concurrencies, policy, own.get("decide_cold"))
-    tier = results.get("weights_to_envoy", {})
-    if tier:
-        out += ["", "## The weights tier against Envoy alone (same run)", ""]
-        out += [
-            "Every /v1/ route goes to Envoy's own LEAST_REQUEST over the endpoint weights the picker pushes over",
-            "ADS: no ext_proc hop. CPU is Envoy's per request plus the picker's (which only pushes weights), over",
-            "Envoy alone's (round robin, no picker).",
-            "",
-        ]
-        tier_rows = [
-            [int(c), kind, f"{v['cpu']:.2f}x", f"{v['p50']:.2f}x"]
-            for kind, per in tier.items()
-            for c, v in sorted(per.items(), key=lambda item: int(item[0]))
-        ]
-        out += table(
-            ["concurrency", "request", "CPU per request / Envoy alone", "p50 / Envoy alone"], tier_rows, "rlrr"
-        )
+    out += _tier_section(results.get("weights_to_envoy", {}), results.get("tier_rows", []))
     out += ["", "## What timing responses in the filter costs (otel.latency_source: stream, same run)", ""]
     out += [
         "The picker times each response from a second ext_proc stream that Envoy feeds in observability mode",

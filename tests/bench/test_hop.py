@@ -15,6 +15,7 @@ from inferlb.bench.hop import (
     BODY,
     MODEL,
     POLICY,
+    TIER,
     VARIANTS,
     _markdown,
     _start_backends,
@@ -36,29 +37,57 @@ def results() -> dict[str, Any]:
 def test_the_inferlb_variants_run_the_default_preset() -> None:
     assert POLICY == "default"
     gateways = {v.gateway for v in VARIANTS}
-    assert gateways == {"envoy", "noop", "inferlb", "inferlb-rr", "inferlb-timed", "inferlb-held", "inferlb-weights"}
+    assert gateways == {"envoy", "noop", "inferlb", "inferlb-rr", "inferlb-timed", "inferlb-held"}
+    assert {gateway for gateway, _ in TIER} == {"envoy", "envoy-lr", "inferlb-weights"}
 
 
-def test_the_weights_tier_is_compared_with_envoy_alone() -> None:
+def _run(
+    variant: str, r: int, envoy_cpu_us: float, p50_ms: float, picker_cpu_us: float | None = None
+) -> dict[str, Any]:
+    return {
+        "variant": variant,
+        "concurrency": 16,
+        "round": r,
+        "envoy_cpu_us": envoy_cpu_us,
+        "picker_cpu_us": picker_cpu_us,
+        "p50_ms": p50_ms,
+    }
+
+
+def test_the_weights_tier_is_compared_with_envoy_alone_within_each_round() -> None:
     rows = [
-        {"variant": "envoy-rr body", "concurrency": 16, "envoy_cpu_us": 100.0, "picker_cpu_us": None, "p50_ms": 2.0},
-        {
-            "variant": "inferlb weights body",
-            "concurrency": 16,
-            "envoy_cpu_us": 104.0,
-            "picker_cpu_us": 1.0,
-            "p50_ms": 2.1,
-        },
-        {
-            "variant": "inferlb weights headers",
-            "concurrency": 16,
-            "envoy_cpu_us": 50.0,
-            "picker_cpu_us": None,
-            "p50_ms": 1.0,
-        },  # no Envoy-alone row of its kind: left out
+        # Round 0 on a quiet machine, round 1 on a busy one, round 2 in between: the ratios are taken per round.
+        _run("envoy-rr body", 0, 100.0, 2.0),
+        _run("envoy-lr body", 0, 110.0, 2.0),
+        _run("inferlb weights body", 0, 104.0, 2.1, picker_cpu_us=1.0),
+        _run("envoy-rr body", 1, 200.0, 4.0),
+        _run("envoy-lr body", 1, 200.0, 4.0),
+        _run("inferlb weights body", 1, 219.0, 4.8, picker_cpu_us=1.0),
+        _run("envoy-rr body", 2, 150.0, 3.0),
+        _run("envoy-lr body", 2, 150.0, 3.0),
+        _run("inferlb weights body", 2, 150.0, 3.0),
+        _run("inferlb weights headers", 0, 50.0, 1.0),  # no Envoy-alone run of its kind: left out
     ]
-    assert weights_to_envoy(rows) == {"body": {"16": {"cpu": 1.05, "p50": 1.05}}}
+    found = weights_to_envoy(rows)
+    assert set(found) == {"body"}
+    entry = found["body"]["16"]
+    assert entry["rounds"] == 3
+    assert entry["cpu"] == 1.05 and entry["cpu_range"] == [1.0, 1.1]  # 105/100, 220/200, 150/150
+    assert entry["p50"] == 1.05 and entry["p50_range"] == [1.0, 1.2]
+    assert entry["cpu_vs_least_request"] == pytest.approx(1.0, abs=0.001)  # 105/110, 220/200, 150/150: the median
     assert "inferlb weights body" not in cpu_ratio_to_floor(rows)
+
+
+def test_the_report_shows_the_weights_tier_ratios_and_the_runs(results: dict[str, Any]) -> None:
+    rows = [
+        _run("envoy-rr body", 0, 100.0, 2.0) | {"rps": 1000.0, "errors": 0},
+        _run("envoy-lr body", 0, 100.0, 2.0) | {"rps": 1000.0, "errors": 0},
+        _run("inferlb weights body", 0, 103.0, 2.2, picker_cpu_us=2.0) | {"rps": 990.0, "errors": 0},
+    ]
+    report = _markdown(dict(results, tier_rows=rows, weights_to_envoy=weights_to_envoy(rows)))
+    assert "## The weights tier against Envoy alone" in report
+    assert "| 16 | body | 1.05x (1.05 to 1.05) | 1.10x (1.10 to 1.10) | 1.05x | 1.10x | 1 |" in report
+    assert "| 16 | inferlb weights body | 990 | 2.200 | 103.0 | 2.0 | 0 |" in report
 
 
 def test_cpu_ratio_to_floor_is_each_variant_over_the_noop_picker(results: dict[str, Any]) -> None:
