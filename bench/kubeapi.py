@@ -1,11 +1,14 @@
-"""A small Kubernetes API server for the Kubernetes discovery source's tests and benchmarks: Pods only, in memory.
+"""A small Kubernetes API server for the Kubernetes discovery source's tests and benchmarks: Pods and
+EndpointSlices, in memory.
 
 No Kubernetes API server can run on these machines, so the source is tested against this one. It speaks the part
-of the API the source uses, the way the real one does: ``GET /api/v1/namespaces/NS/pods`` with an equality
-``labelSelector`` lists (a ``PodList`` with its ``resourceVersion``); with ``watch=true&resourceVersion=RV`` it
-streams the changes after RV, one JSON event per line (ADDED, MODIFIED, DELETED), until ``timeoutSeconds``; a
-version older than what it keeps (`compact` forgets history) answers 410 Gone. ``POST``, ``PUT`` and ``DELETE`` on
-the same paths change Pods (what a kubelet or a controller would), and a bearer ``token`` is checked when set.
+of the API the source uses, the way the real one does: ``GET /api/v1/namespaces/NS/pods`` (or
+``/apis/discovery.k8s.io/v1/namespaces/NS/endpointslices``) with an equality ``labelSelector`` lists (a
+``PodList`` or ``EndpointSliceList`` with its ``resourceVersion``, one version counter for both, as etcd keeps);
+with ``watch=true&resourceVersion=RV`` it streams the changes after RV, one JSON event per line (ADDED, MODIFIED,
+DELETED), until ``timeoutSeconds``; a version older than what it keeps (`compact` forgets history) answers 410
+Gone. ``POST``, ``PUT`` and ``DELETE`` on the same paths change objects (what a kubelet or a controller would),
+and a bearer ``token`` is checked when set.
 
     python -m inferlb.bench.kubeapi --listen 127.0.0.1:6443
 
@@ -25,7 +28,13 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-__all__ = ["KubeApi", "pod"]
+__all__ = ["KubeApi", "endpoint_slice", "pod"]
+
+# kind -> (the resource's path under a namespace, the kind of its list)
+RESOURCES = {
+    "Pod": ("/api/v1/namespaces/{namespace}/pods", "PodList"),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices", "EndpointSliceList"),
+}
 
 
 def pod(name: str, ip: str, labels: dict[str, str], *, ready: bool = True, models: str | None = None) -> dict[str, Any]:
@@ -39,13 +48,43 @@ def pod(name: str, ip: str, labels: dict[str, str], *, ready: bool = True, model
     }
 
 
+def endpoint_slice(
+    name: str,
+    service: str,
+    endpoints: list[tuple[str, bool]],
+    ports: tuple[int, ...] = (8000,),
+    *,
+    terminating: tuple[str, ...] = (),
+    zone: str | None = None,
+) -> dict[str, Any]:
+    """An EndpointSlice of ``service`` (the fields the source reads): one endpoint per (ip, ready)."""
+    listed = []
+    for ip, ready in endpoints:
+        endpoint: dict[str, Any] = {
+            "addresses": [ip],
+            "conditions": {"ready": ready, "serving": ready, "terminating": ip in terminating},
+            "targetRef": {"kind": "Pod", "namespace": "default", "name": f"pod-{ip}"},
+        }
+        if zone:
+            endpoint["zone"] = zone
+        listed.append(endpoint)
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": "default", "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "endpoints": listed,
+        "ports": [{"name": f"p{port}", "port": port, "protocol": "TCP"} for port in ports],
+    }
+
+
 class KubeApi:
     """The store and its ASGI app (``app``)."""
 
     def __init__(self, token: str | None = None) -> None:
         self.token = token
         self.version = 1
-        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, namespace, name)
         self.events: list[tuple[int, str, dict[str, Any]]] = []  # (version, type, object), oldest first
         self.oldest = 1  # the first version a watch may start after
         self.watches = 0
@@ -57,22 +96,22 @@ class KubeApi:
 
     def apply(self, obj: dict[str, Any], kind: str | None = None) -> dict[str, Any]:
         metadata = obj.setdefault("metadata", {})
-        key = (metadata.setdefault("namespace", "default"), metadata["name"])
-        kind = kind or ("MODIFIED" if key in self.pods else "ADDED")
+        key = (obj.setdefault("kind", "Pod"), metadata.setdefault("namespace", "default"), metadata["name"])
+        kind = kind or ("MODIFIED" if key in self.objects else "ADDED")
         self.version += 1
         stored = copy.deepcopy(obj)
         stored["metadata"]["resourceVersion"] = str(self.version)
         if kind == "DELETED":
-            self.pods.pop(key, None)
+            self.objects.pop(key, None)
         else:
-            self.pods[key] = stored
+            self.objects[key] = stored
         self.events.append((self.version, kind, stored))
         self._changed.set()
         self._changed = asyncio.Event()
         return stored
 
-    def delete(self, namespace: str, name: str) -> dict[str, Any] | None:
-        found = self.pods.get((namespace, name))
+    def delete(self, namespace: str, name: str, kind: str = "Pod") -> dict[str, Any] | None:
+        found = self.objects.get((kind, namespace, name))
         return None if found is None else self.apply(copy.deepcopy(found), "DELETED")
 
     def compact(self) -> None:
@@ -88,14 +127,20 @@ class KubeApi:
 
     def _build(self) -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        for kind, (path, list_kind) in RESOURCES.items():
+            self._serve(app, kind, path, list_kind)
+        return app
+
+    def _serve(self, app: FastAPI, kind: str, path: str, list_kind: str) -> None:
+        """List, watch, create, replace and delete for one kind of object at ``path``."""
 
         def refused(request: Request) -> Response | None:
             if self.token is not None and request.headers.get("authorization") != f"Bearer {self.token}":
                 return _status(401, "Unauthorized")
             return None
 
-        @app.get("/api/v1/namespaces/{namespace}/pods")
-        async def pods(
+        @app.get(path)
+        async def listed(
             request: Request,
             namespace: str,
             labelSelector: str = "",  # the API's own parameter names
@@ -108,50 +153,47 @@ class KubeApi:
             wanted = _selector(labelSelector)
             if watch not in ("true", "1"):
                 self.lists += 1
-                items = [p for (ns, _), p in sorted(self.pods.items()) if ns == namespace and _matches(p, wanted)]
-                return JSONResponse(
-                    {
-                        "kind": "PodList",
-                        "apiVersion": "v1",
-                        "metadata": {"resourceVersion": str(self.version)},
-                        "items": items,
-                    }
-                )
+                items = [
+                    obj
+                    for (k, ns, _), obj in sorted(self.objects.items())
+                    if k == kind and ns == namespace and _matches(obj, wanted)
+                ]
+                metadata = {"resourceVersion": str(self.version)}
+                return JSONResponse({"kind": list_kind, "apiVersion": "v1", "metadata": metadata, "items": items})
             since = int(resourceVersion or self.version)
             if since < self.oldest:
                 return _status(410, f"too old resource version: {since} ({self.oldest})")
             self.watches += 1
-            return StreamingResponse(
-                self._stream(namespace, wanted, since, min(timeoutSeconds, 3600)), media_type="application/json"
-            )
+            stream = self._stream(kind, namespace, wanted, since, min(timeoutSeconds, 3600))
+            return StreamingResponse(stream, media_type="application/json")
 
-        @app.post("/api/v1/namespaces/{namespace}/pods")
+        @app.post(path)
         async def create(namespace: str, request: Request) -> Response:
             if (no := refused(request)) is not None:
                 return no
             obj = await request.json()
+            obj["kind"] = kind
             obj.setdefault("metadata", {})["namespace"] = namespace
             return JSONResponse(self.apply(obj), status_code=201)
 
-        @app.put("/api/v1/namespaces/{namespace}/pods/{name}")
+        @app.put(path + "/{name}")
         async def replace(namespace: str, name: str, request: Request) -> Response:
             if (no := refused(request)) is not None:
                 return no
             obj = await request.json()
+            obj["kind"] = kind
             obj.setdefault("metadata", {}).update(namespace=namespace, name=name)
             return JSONResponse(self.apply(obj))
 
-        @app.delete("/api/v1/namespaces/{namespace}/pods/{name}")
+        @app.delete(path + "/{name}")
         async def remove(namespace: str, name: str, request: Request) -> Response:
             if (no := refused(request)) is not None:
                 return no
-            gone = self.delete(namespace, name)
+            gone = self.delete(namespace, name, kind)
             return _status(404, "not found") if gone is None else JSONResponse(gone)
 
-        return app
-
     async def _stream(
-        self, namespace: str, wanted: dict[str, str], since: int, timeout_s: float
+        self, kind: str, namespace: str, wanted: dict[str, str], since: int, timeout_s: float
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -160,12 +202,12 @@ class KubeApi:
                 gone = {"kind": "Status", "status": "Failure", "code": 410, "message": "too old resource version"}
                 yield (json.dumps({"type": "ERROR", "object": gone}) + "\n").encode()
                 return
-            for version, kind, obj in list(self.events):
+            for version, change, obj in list(self.events):
                 if version <= since:
                     continue
                 since = version
-                if obj["metadata"].get("namespace") == namespace and _matches(obj, wanted):
-                    yield (json.dumps({"type": kind, "object": obj}) + "\n").encode()
+                if obj["kind"] == kind and obj["metadata"].get("namespace") == namespace and _matches(obj, wanted):
+                    yield (json.dumps({"type": change, "object": obj}) + "\n").encode()
             left = deadline - loop.time()
             if left <= 0:
                 return

@@ -468,26 +468,56 @@ def _api_url(value: Any) -> str:
     return value.rstrip("/")
 
 
+def _service_name(value: Any) -> str:
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= 63
+        or not all(c.isdigit() or c == "-" or "a" <= c <= "z" for c in value)
+        or not value[0].isalpha()
+        or value.endswith("-")
+    ):
+        raise invalid(f" must be a Service name (lower-case letters, digits and '-'); got {shown(value)}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class KubernetesConfig(Section):
-    """``pool.discovery.kubernetes``: the endpoints are the ready Pods of ``namespace`` with every label of
-    ``selector``, one per ``target_ports`` entry at the Pod's IP (the InferencePool shape). ``api_url``: the API
-    server (default: the cluster's own, from the Pod's environment); ``token_file`` and ``ca_file``: the Pod's
-    service account by default (None for an API server that needs neither, such as the tests')."""
+    """``pool.discovery.kubernetes``: the endpoints are, in ``namespace``, either the ready Pods with every label
+    of ``selector``, one per ``target_ports`` entry at the Pod's IP (the InferencePool shape), or the ready
+    endpoints of the EndpointSlices of the Service ``service``, at the ports the slices list (only
+    ``target_ports`` among them when it is set). ``models``: the models of every endpoint found (the Pod
+    annotation ``inferlb.io/models`` overrides it; None: any model). ``api_url``: the API server (default: the
+    cluster's own, from the Pod's environment); ``token_file`` and ``ca_file``: the Pod's service account by
+    default (None for an API server that needs neither, such as the tests')."""
 
     namespace: Annotated[str, Parsed(_label_value)] = field(metadata={"description": "the Pods' namespace"})
     selector: Annotated[
-        dict[Annotated[str, Parsed(_label_key)], Annotated[str, Parsed(_label_value)]],
-        must("a non-empty mapping of labels", lambda v: isinstance(v, dict) and bool(v)),
-    ] = field(metadata={"description": "a non-empty mapping of labels, e.g. {app: vllm}"})
+        dict[Annotated[str, Parsed(_label_key)], Annotated[str, Parsed(_label_value)]] | None,
+        must("a non-empty mapping of labels", lambda v: v is None or (isinstance(v, dict) and bool(v))),
+    ] = field(default=None, metadata={"description": "a non-empty mapping of labels, e.g. {app: vllm}"})
+    service: Annotated[str | None, Parsed(lambda v: None if v is None else _service_name(v))] = field(
+        default=None, metadata={"description": "a Service whose EndpointSlices are the pool, e.g. vllm"}
+    )
     target_ports: Annotated[
-        tuple[Annotated[int, integer(ge=1, le=65535)], ...], non_empty_list("a non-empty list of ports")
-    ] = field(metadata={"description": "a non-empty list of ports, e.g. [8000]"})
+        tuple[Annotated[int, integer(ge=1, le=65535)], ...] | None,
+        must("a non-empty list of ports", lambda v: v is None or (isinstance(v, list) and bool(v)), minItems=1),
+    ] = field(default=None, metadata={"description": "a non-empty list of ports, e.g. [8000]"})
+    models: Annotated[
+        frozenset[Text] | None, non_empty_list("a non-empty list of model names (omit it to accept any)")
+    ] = None
     api_url: Annotated[str | None, Parsed(_api_url)] = None
     token_file: Annotated[str | None, optional(TEXT)] = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     ca_file: Annotated[str | None, optional(TEXT)] = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
     timeout_s: Annotated[float, number(ge=0.1, le=60)] = 5.0
     max_endpoints: Annotated[int, integer(ge=1, le=65536)] = 4096
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> KubernetesConfig:
+        if (self.selector is None) == (self.service is None):
+            raise invalid(" needs exactly one of selector (Pods) and service (its EndpointSlices)")
+        if self.selector is not None and self.target_ports is None:
+            raise invalid(" is needed with a selector: the ports of each Pod to send to", "target_ports")
+        return self
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,17 +1,26 @@
-"""The Kubernetes discovery source: the pool's endpoints are the Pods a label selector picks, watched.
+"""The Kubernetes discovery source: the pool's endpoints are the Pods a label selector picks, or the endpoints of
+a Service's EndpointSlices, watched.
 
-The shape is the Gateway API Inference Extension's InferencePool: a ``selector`` (labels every serving Pod has) and
-``target_ports``; each ready Pod gives one endpoint per target port at its Pod IP (never a name: Envoy's
+Pods: the shape of the Gateway API Inference Extension's InferencePool, a ``selector`` (labels every serving Pod
+has) and ``target_ports``; each ready Pod gives one endpoint per target port at its Pod IP (never a name: Envoy's
 ORIGINAL_DST needs an IP, and a Pod IP is the server itself). A Pod is ready when its ``Ready`` condition is true
 and it is not being deleted; one that is not ready leaves the pool (and drains) until it is ready again. The
 Pod's labels become the endpoint's labels, and the annotation ``inferlb.io/models`` (comma-separated) its models.
 
-It speaks the API's list-then-watch protocol over plain HTTP (httpx): ``GET .../pods?labelSelector=...`` for the
-state and its ``resourceVersion``, then ``...&watch=true&resourceVersion=RV`` for the events, one JSON object per
-line (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR). An expired version (410 Gone, or an ERROR event saying so), a
-dropped connection or any error starts over from a fresh list after a backoff; meanwhile the last membership
-stays in force. In a cluster it authenticates with the Pod's service-account token (re-read at each connection:
-it is rotated) and trusts the cluster's CA; RBAC needs ``list`` and ``watch`` on ``pods`` in the namespace.
+EndpointSlices: ``service`` names a Service; its slices (label ``kubernetes.io/service-name``) list the serving
+addresses with their readiness, which Kubernetes itself keeps from the Pods' probes. Each endpoint of a slice
+gives one endpoint per TCP port of the slice (those of ``target_ports`` only, when it is set) at its first
+address; one that is not ready or is terminating leaves the pool and drains. An address listed by two slices
+(a Pod moving between them) counts once, as ready if either says so. The slice's labels (the Service's) become
+the endpoint's, with the endpoint's zone as ``topology.kubernetes.io/zone``.
+
+It speaks the API's list-then-watch protocol over plain HTTP (httpx): ``GET .../pods?labelSelector=...`` (or
+``.../endpointslices``) for the state and its ``resourceVersion``, then ``...&watch=true&resourceVersion=RV`` for
+the events, one JSON object per line (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR). An expired version (410 Gone,
+or an ERROR event saying so), a dropped connection or any error starts over from a fresh list after a backoff;
+meanwhile the last membership stays in force. In a cluster it authenticates with the Pod's service-account token
+(re-read at each connection: it is rotated) and trusts the cluster's CA; RBAC needs ``list`` and ``watch`` on
+``pods`` (or on ``endpointslices`` of the API group ``discovery.k8s.io``) in the namespace.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import asyncio
 import codecs
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -32,11 +41,13 @@ from inferlb.scorer.config import EndpointConfig, KubernetesConfig
 from inferlb.scorer.discovery import Skipped, SourceHealth, endpoints_of
 from inferlb.scorer.networks import Networks
 
-__all__ = ["MODELS_ANNOTATION", "KubernetesSource"]
+__all__ = ["MODELS_ANNOTATION", "SERVICE_LABEL", "KubernetesSource"]
 
 logger = logging.getLogger(__name__)
 
 MODELS_ANNOTATION = "inferlb.io/models"
+SERVICE_LABEL = "kubernetes.io/service-name"  # the label that ties an EndpointSlice to its Service
+ZONE_LABEL = "topology.kubernetes.io/zone"
 RETRY_S = 0.25
 MAX_RETRY_S = 5.0
 MAX_LINE_BYTES = 4 << 20  # one watch event is one object; a Pod is a few KB
@@ -52,7 +63,8 @@ class _Expired(KubernetesError):
 
 
 class KubernetesSource(SourceHealth):
-    """Watches the Pods of ``config.selector`` in ``config.namespace`` and publishes their endpoints."""
+    """Watches the Pods of ``config.selector`` (or the EndpointSlices of ``config.service``) in
+    ``config.namespace`` and publishes their endpoints."""
 
     name = "kubernetes"
 
@@ -65,11 +77,17 @@ class KubernetesSource(SourceHealth):
         self.revision = ""
         self.skipped: tuple[Skipped, ...] = ()
         self.updates = 0
-        self._pods: dict[str, dict[str, Any]] = {}
+        self._objects: dict[str, dict[str, Any]] = {}
         self._transport = transport
-        selector = ",".join(f"{k}={v}" for k, v in sorted(config.selector.items()))
-        self._path = f"/api/v1/namespaces/{quote(config.namespace, safe='')}/pods"
-        self._selector = selector
+        namespace = quote(config.namespace, safe="")
+        if config.service is not None:
+            self._what = "endpointslices"
+            self._path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+            self._selector = f"{SERVICE_LABEL}={config.service}"
+        else:
+            self._what = "pods"
+            self._path = f"/api/v1/namespaces/{namespace}/pods"
+            self._selector = ",".join(f"{k}={v}" for k, v in sorted((config.selector or {}).items()))
 
     def _base_url(self) -> str:
         if self.config.api_url is not None:
@@ -116,10 +134,10 @@ class KubernetesSource(SourceHealth):
             base + self._path, params={"labelSelector": self._selector}, headers=self._headers()
         )
         if response.status_code != 200:
-            raise KubernetesError(f"listing pods: HTTP {response.status_code}: {response.text[:200]}")
+            raise KubernetesError(f"listing {self._what}: HTTP {response.status_code}: {response.text[:200]}")
         document = response.json()
         self.revision = str(document.get("metadata", {}).get("resourceVersion", ""))
-        self._pods = {_name(pod): pod for pod in document.get("items") or ()}
+        self._objects = {_name(obj): obj for obj in document.get("items") or ()}
         await self._publish(publish)
 
     async def _watch(
@@ -136,32 +154,72 @@ class KubernetesSource(SourceHealth):
             if response.status_code == 410:
                 raise _Expired("resourceVersion expired")
             if response.status_code != 200:
-                raise KubernetesError(f"watching pods: HTTP {response.status_code}")
+                raise KubernetesError(f"watching {self._what}: HTTP {response.status_code}")
             async for event in _lines(response.aiter_bytes()):
-                kind, pod = event.get("type"), event.get("object") or {}
+                kind, obj = event.get("type"), event.get("object") or {}
                 if kind == "ERROR":
-                    if pod.get("code") == 410:
-                        raise _Expired(pod.get("message", "resourceVersion expired"))
-                    raise KubernetesError(f"watch error: {pod.get('message', pod)}")
-                version = pod.get("metadata", {}).get("resourceVersion")
+                    if obj.get("code") == 410:
+                        raise _Expired(obj.get("message", "resourceVersion expired"))
+                    raise KubernetesError(f"watch error: {obj.get('message', obj)}")
+                version = obj.get("metadata", {}).get("resourceVersion")
                 if version:
                     self.revision = str(version)
                 if kind == "BOOKMARK":
                     continue
                 if kind == "DELETED":
-                    self._pods.pop(_name(pod), None)
+                    self._objects.pop(_name(obj), None)
                 elif kind in ("ADDED", "MODIFIED"):
-                    self._pods[_name(pod)] = pod
+                    self._objects[_name(obj)] = obj
                 else:
                     continue
                 await self._publish(publish)
 
+    def _entries(self) -> dict[str, bytes]:
+        """The discovery entries (scorer.discovery's JSON) of the objects watched, by key."""
+        found: dict[str, dict[str, Any]] = {}
+        for name, obj in self._objects.items():
+            members = self._slice_members(obj) if self.config.service else self._pod_members(name, obj)
+            for key, entry in members:
+                if key not in found or (entry["ready"] and not found[key]["ready"]):
+                    found[key] = entry
+        return {key: orjson.dumps(entry) for key, entry in found.items()}
+
+    def _pod_members(self, name: str, pod: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+        for port in self.config.target_ports or ():
+            yield f"{name}:{port}", _pod_entry(pod, port, self.config.models)
+
+    def _slice_members(self, endpoint_slice: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """One entry per endpoint and port, keyed by its address (a Pod listed by two slices counts once)."""
+        ports = [
+            p["port"]
+            for p in endpoint_slice.get("ports") or ()
+            if isinstance(p, dict) and p.get("protocol", "TCP") == "TCP" and isinstance(p.get("port"), int)
+        ]
+        if self.config.target_ports is not None:
+            ports = [p for p in ports if p in self.config.target_ports]
+        labels = dict(endpoint_slice.get("metadata", {}).get("labels") or {})
+        for endpoint in endpoint_slice.get("endpoints") or ():
+            addresses = endpoint.get("addresses") or ()
+            if not addresses:
+                continue
+            ip = str(addresses[0])  # the API: all of an endpoint's addresses are fungible; the first will do
+            conditions = endpoint.get("conditions") or {}
+            # A ready condition that is absent means ready (the API's own rule); a terminating endpoint drains.
+            ready = conditions.get("ready") is not False and not conditions.get("terminating")
+            zone = endpoint.get("zone")
+            for port in ports:
+                address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+                entry: dict[str, Any] = {
+                    "address": address,
+                    "labels": {**labels, ZONE_LABEL: str(zone)} if zone else labels,
+                    "ready": ready,
+                }
+                if self.config.models is not None:
+                    entry["models"] = sorted(self.config.models)
+                yield address, entry
+
     async def _publish(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
-        entries: dict[str, bytes] = {}
-        for name, pod in self._pods.items():
-            for port in self.config.target_ports:
-                entries[f"{name}:{port}"] = _entry(pod, port)
-        endpoints, skipped = await endpoints_of(entries, self.allowed, limit=self.config.max_endpoints)
+        endpoints, skipped = await endpoints_of(self._entries(), self.allowed, limit=self.config.max_endpoints)
         for entry in skipped:
             if entry not in self.skipped:
                 logger.error("kubernetes discovery skips %s: %s", entry.key, entry.reason)
@@ -182,8 +240,9 @@ def _ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def _entry(pod: dict[str, Any], port: int) -> bytes:
-    """The discovery entry (scorer.discovery's JSON) for one Pod and port."""
+def _pod_entry(pod: dict[str, Any], port: int, models: frozenset[str] | None) -> dict[str, Any]:
+    """The discovery entry (scorer.discovery's JSON, as a dict) for one Pod and port; ``models`` unless the Pod's
+    annotation names its own."""
     metadata, status = pod.get("metadata", {}), pod.get("status", {})
     ip = status.get("podIP") or ""
     address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
@@ -192,10 +251,12 @@ def _entry(pod: dict[str, Any], port: int) -> bytes:
         "labels": metadata.get("labels") or {},
         "ready": _ready(pod) and bool(ip),
     }
-    models = (metadata.get("annotations") or {}).get(MODELS_ANNOTATION)
-    if models:
-        entry["models"] = [m.strip() for m in str(models).split(",") if m.strip()]
-    return orjson.dumps(entry)
+    annotated = (metadata.get("annotations") or {}).get(MODELS_ANNOTATION)
+    if annotated:
+        entry["models"] = [m.strip() for m in str(annotated).split(",") if m.strip()]
+    elif models is not None:
+        entry["models"] = sorted(models)
+    return entry
 
 
 async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:

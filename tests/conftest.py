@@ -1,5 +1,5 @@
-"""What many test modules share: a clock the test moves by hand, and pollers for conditions that no event
-announces (import them: ``from ..conftest import until``)."""
+"""What many test modules share: a clock the test moves by hand, pollers for conditions that no event
+announces, and a recorder of what a discovery source publishes (import them: ``from ..conftest import until``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from inferlb.scorer.config import EndpointConfig
 
 # Tests that drive a real etcd (Debian's etcd-server) skip without it here, never on CI, where .ci/run installs it.
 needs_etcd = pytest.mark.skipif(
@@ -64,3 +66,18 @@ def poll(check: Callable[[], Any], what: str = "condition", timeout: float = 10.
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout} s")
         time.sleep(0.02)
+
+
+class Published:
+    """Stands for the picker beside a discovery source: records each membership the source publishes."""
+
+    def __init__(self) -> None:
+        self.lists: list[tuple[EndpointConfig, ...]] = []
+
+    def __call__(self, endpoints: tuple[EndpointConfig, ...]) -> None:
+        self.lists.append(endpoints)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The addresses of the last membership published ([] before the first)."""
+        return [e.address for e in self.lists[-1]] if self.lists else []

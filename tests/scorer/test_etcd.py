@@ -11,14 +11,11 @@ import pytest
 
 from inferlb.bench.etcdserver import ETCD, delete, etcd_server, put
 from inferlb.procs import free_port
-from inferlb.scorer.config import EndpointConfig, parse_config
+from inferlb.scorer.config import parse_config
 from inferlb.scorer.etcd import EtcdSource, prefix_end
 from inferlb.scorer.networks import Networks
 
-from ..conftest import (
-    needs_etcd,
-    until,
-)
+from ..conftest import Published, needs_etcd, until
 
 pytestmark = needs_etcd
 
@@ -43,18 +40,6 @@ async def fake_resolve(host: str, port: int) -> list[str]:
     return {"gpu-a.internal": ["127.0.0.21", "127.0.0.22"]}.get(host, [])
 
 
-class Seen:
-    def __init__(self) -> None:
-        self.lists: list[tuple[EndpointConfig, ...]] = []
-
-    def __call__(self, endpoints: tuple[EndpointConfig, ...]) -> None:
-        self.lists.append(endpoints)
-
-    @property
-    def addresses(self) -> list[str]:
-        return [e.address for e in self.lists[-1]] if self.lists else []
-
-
 @pytest.fixture
 def etcd(tmp_path: Path):
     with etcd_server(tmp_path) as url:
@@ -68,7 +53,7 @@ def test_prefix_end_is_the_first_key_past_the_prefix() -> None:
 async def test_the_source_lists_the_prefix_and_follows_puts_and_deletes(etcd: str) -> None:
     put(etcd, PREFIX + "a", {"address": "127.0.0.11:8000", "models": ["m"], "labels": {"zone": "x"}})
     put(etcd, "/inferlb/other/b", {"address": "127.0.0.12:8000"})  # outside the prefix
-    seen = Seen()
+    seen = Published()
     etcd_source = source(etcd)
     task = asyncio.create_task(etcd_source.run(seen))
     try:
@@ -95,7 +80,7 @@ async def test_a_bad_entry_is_skipped_with_its_reason_and_the_rest_still_serve(e
     put(etcd, PREFIX + "6-host", {"address": "gpu-a.internal:9000"})  # resolved by the picker: both addresses
     put(etcd, PREFIX + "7-unknown-host", {"address": "nowhere.internal:9000"})
     put(etcd, PREFIX + "8-extra", {"address": "127.0.0.14:8000", "weight": 3})
-    seen = Seen()
+    seen = Published()
     etcd_source = source(etcd)
     task = asyncio.create_task(etcd_source.run(seen))
     try:
@@ -114,7 +99,7 @@ async def test_a_bad_entry_is_skipped_with_its_reason_and_the_rest_still_serve(e
 
 
 async def test_while_etcd_is_away_the_last_membership_stays_and_it_catches_up_when_back(tmp_path: Path) -> None:
-    seen = Seen()
+    seen = Published()
     ports = (free_port(), free_port())
     with etcd_server(tmp_path, ports) as url:
         put(url, PREFIX + "a", {"address": "127.0.0.11:8000"})
@@ -147,7 +132,7 @@ async def test_with_auth_on_the_source_needs_its_password(etcd: str, tmp_path: P
     ):
         subprocess.run([*ctl, *args], check=True, capture_output=True, env={"ETCDCTL_API": "3", "PATH": "/usr/bin"})
     anonymous = source(etcd, timeout_s=0.5)
-    seen = Seen()
+    seen = Published()
     task = asyncio.create_task(anonymous.run(seen))
     try:
         await until(lambda: anonymous.failures, "a refused read")

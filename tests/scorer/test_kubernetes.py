@@ -1,6 +1,7 @@
 """The Kubernetes discovery source (scorer/kubernetes.py) against the in-repo API server (bench/kubeapi.py; no
-Kubernetes API server can run here): the ready Pods of a selector, one endpoint per target port, watched; a
-compacted history makes it list again; the service-account token is sent and checked."""
+Kubernetes API server can run here): the ready Pods of a selector, one endpoint per target port, watched; the
+ready endpoints of a Service's EndpointSlices, watched; a compacted history makes it list again; the
+service-account token is sent and checked."""
 
 from __future__ import annotations
 
@@ -10,27 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.bench.kubeapi import KubeApi, pod
+from inferlb.bench.kubeapi import KubeApi, endpoint_slice, pod
 from inferlb.procs import free_port
-from inferlb.scorer.config import EndpointConfig, parse_config
+from inferlb.scorer.config import parse_config
 from inferlb.scorer.kubernetes import KubernetesSource
 from inferlb.serving import serve
 
-from ..conftest import until
+from ..conftest import Published, until
 
 SELECTOR = {"app": "vllm"}
-
-
-class Seen:
-    def __init__(self) -> None:
-        self.lists: list[tuple[EndpointConfig, ...]] = []
-
-    def __call__(self, endpoints: tuple[EndpointConfig, ...]) -> None:
-        self.lists.append(endpoints)
-
-    @property
-    def addresses(self) -> list[str]:
-        return [e.address for e in self.lists[-1]] if self.lists else []
 
 
 @pytest.fixture
@@ -49,6 +38,8 @@ async def api():
 
 def source(url: str, **extra) -> KubernetesSource:
     kubernetes = {"namespace": "default", "selector": SELECTOR, "target_ports": [8000], "api_url": url}
+    if "service" in extra:
+        del kubernetes["selector"], kubernetes["target_ports"]
     kubernetes.update({"token_file": None, "ca_file": None, **extra})
     config = parse_config({"pool": {"allowed_networks": ["10.0.0.0/8"], "discovery": {"kubernetes": kubernetes}}})
     assert config.discovery is not None and config.discovery.kubernetes is not None
@@ -59,7 +50,7 @@ async def test_ready_pods_of_the_selector_are_the_endpoints_and_changes_follow(a
     api.apply(pod("a", "10.0.0.1", {"app": "vllm", "zone": "x"}, models="m1, m2"))
     api.apply(pod("other", "10.0.0.9", {"app": "web"}))  # another selector
     api.apply(pod("starting", "", {"app": "vllm"}, ready=False))  # no IP yet
-    seen = Seen()
+    seen = Published()
     kube = source(api.url, target_ports=[8000, 8001])
     task = asyncio.create_task(kube.run(seen))
     try:
@@ -80,9 +71,48 @@ async def test_ready_pods_of_the_selector_are_the_endpoints_and_changes_follow(a
         task.cancel()
 
 
+async def test_the_ready_endpoints_of_a_services_slices_are_the_endpoints_and_changes_follow(api) -> None:
+    api.apply(endpoint_slice("vllm-a", "vllm", [("10.0.0.1", True), ("10.0.0.2", False)], (8000, 9090), zone="z1"))
+    api.apply(endpoint_slice("web-a", "web", [("10.0.0.9", True)]))  # another Service's slice
+    api.apply(pod("p", "10.0.0.8", {"kubernetes.io/service-name": "vllm"}))  # a Pod is not a slice
+    seen = Published()
+    kube = source(api.url, service="vllm", target_ports=[8000], models=["m1"])
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: seen.lists, "the first membership")
+        assert seen.addresses == ["10.0.0.1:8000"] and kube.healthy  # 9090 is not a target port; .2 is not ready
+        first = seen.lists[-1][0]
+        assert first.models == frozenset({"m1"})
+        assert dict(first.labels) == {"kubernetes.io/service-name": "vllm", "topology.kubernetes.io/zone": "z1"}
+        # A second slice of the Service; the Pod at .3 moves in from it while the first still lists it, not ready.
+        api.apply(endpoint_slice("vllm-b", "vllm", [("10.0.0.3", True)]))
+        api.apply(endpoint_slice("vllm-a", "vllm", [("10.0.0.1", True), ("10.0.0.2", True), ("10.0.0.3", False)]))
+        expected = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+        await until(lambda: seen.addresses == expected, "both slices, an address listed twice counted once", 2)
+        assert not kube.skipped
+        # Scaling down: the endpoint is terminating (still in the slice), then gone with its slice.
+        api.apply(endpoint_slice("vllm-b", "vllm", [("10.0.0.3", True)], terminating=("10.0.0.3",)))
+        await until(lambda: seen.addresses == expected[:2], "a terminating endpoint", timeout=2)
+        api.delete("default", "vllm-a", "EndpointSlice")
+        await until(lambda: seen.addresses == [], "a deleted slice", timeout=2)
+    finally:
+        task.cancel()
+
+
+async def test_a_services_slices_give_every_tcp_port_without_target_ports(api) -> None:
+    api.apply(endpoint_slice("vllm-a", "vllm", [("10.0.0.1", True)], (8000, 8001)))
+    seen = Published()
+    task = asyncio.create_task(source(api.url, service="vllm").run(seen))
+    try:
+        await until(lambda: seen.addresses == ["10.0.0.1:8000", "10.0.0.1:8001"], "every port of the slice")
+        assert seen.lists[-1][0].models is None  # no models configured: any model
+    finally:
+        task.cancel()
+
+
 async def test_a_compacted_history_makes_the_source_list_again(api) -> None:
     api.apply(pod("a", "10.0.0.1", SELECTOR))
-    seen = Seen()
+    seen = Published()
     kube = source(api.url)
     task = asyncio.create_task(kube.run(seen))
     try:
@@ -103,7 +133,7 @@ async def test_the_service_account_token_is_sent_and_a_wrong_one_is_refused(api,
     wrong.write_text("not-the-token\n")
     right.write_text(api.token + "\n")
     refused = source(api.url, token_file=str(wrong))
-    seen = Seen()
+    seen = Published()
     task = asyncio.create_task(refused.run(seen))
     try:
         await until(lambda: refused.failures, "a refused list")
@@ -126,3 +156,11 @@ def test_the_config_names_one_source_and_a_valid_selector() -> None:
         parse_config({"pool": {"discovery": {"kubernetes": bad}}})
     with pytest.raises(Exception, match="label value"):
         parse_config({"pool": {"discovery": {"kubernetes": {**bad, "selector": {"app": "a b"}}}}})
+    with pytest.raises(Exception, match=r"exactly one of selector \(Pods\) and service"):
+        parse_config({"pool": {"discovery": {"kubernetes": {**bad, "selector": {"app": "a"}, "service": "vllm"}}}})
+    with pytest.raises(Exception, match="exactly one of selector"):
+        parse_config({"pool": {"discovery": {"kubernetes": {"namespace": "default"}}}})
+    with pytest.raises(Exception, match="target_ports is needed with a selector"):
+        parse_config({"pool": {"discovery": {"kubernetes": {"namespace": "default", "selector": {"app": "a"}}}}})
+    with pytest.raises(Exception, match="Service name"):
+        parse_config({"pool": {"discovery": {"kubernetes": {"namespace": "default", "service": "Not_A_Name"}}}})
