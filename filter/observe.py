@@ -20,7 +20,7 @@ client's own hop.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,21 +53,22 @@ class ObserveStats:
 async def time_response(
     first: ProcessingRequest,
     messages: AsyncIterator[ProcessingRequest],
-    endpoints: Mapping[str, int],
-    observe: Callable[[int, float | None, float | None], None],
+    endpoints: Collection[str],
+    observe: Callable[[str, float | None, float | None], None],
     stats: ObserveStats,
     clock: Callable[[], float] = time.monotonic,
     outcome: RequestOutcome | None = None,
 ) -> None:
     """Read one observing stream, starting with its ``first`` message, until there is a measurement to give
-    ``observe(endpoint, ttft_s, e2e_s)`` or nothing to measure; then return, which ends the stream. ``outcome``,
-    if given, is told of the request (by its ``x-request-id``): its measurement, or that it failed (a 5xx)."""
+    ``observe(address, ttft_s, e2e_s)`` (``address`` one of ``endpoints``) or nothing to measure; then return,
+    which ends the stream. ``outcome``, if given, is told of the request (by its ``x-request-id``): its
+    measurement, or that it failed (a 5xx)."""
     started = clock()
     if first.WhichOneof("request") != "request_headers":
         stats.unknown_endpoint += 1
         return
-    endpoint = endpoints.get(_header(first.request_headers, DESTINATION_HEADER) or "")
-    if endpoint is None:
+    endpoint = _header(first.request_headers, DESTINATION_HEADER) or ""
+    if endpoint not in endpoints:
         stats.unknown_endpoint += 1
         return
     request_id = _header(first.request_headers, "x-request-id") if outcome is not None else None

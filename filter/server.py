@@ -116,7 +116,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # With route spans, the injected traceparent names the picker's own inferlb.route span.
         self.route_spans = route_spans
         # With a response timer (otel.latency_source: stream), observing streams are timed into it.
-        self.response_timer: Callable[[int, float | None, float | None], None] | None = None
+        self.response_timer: Callable[[str, float | None, float | None], None] | None = None
         self.observe_stats = ObserveStats()
         self._endpoints = {e.address: e.index for e in engine.pool}
         self.replies = RouteReplies(engine.pool)

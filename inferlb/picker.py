@@ -313,7 +313,9 @@ class PickerProcess:
         self.service.class_header = config.class_header
         self.service.experiment_headers = frozenset(config.experiment_headers)
         if self.spans is not None:
-            self.spans.rebind(pool, signals, keep=same_pool, config=config.otel)
+            self.spans.rebind(
+                pool, signals, keep=same_pool, config=config.otel, mapping=plan.mapping, restarted=plan.restarted
+            )
             self.service.trace_join = _trace_join(config, self.spans)
         self.engine, self.config = engine, config
         if reason == "config":

@@ -220,10 +220,10 @@ class EndpointLatency:
 
     Memory is fixed at construction, per endpoint: ``2 * slices * buckets.size`` int32 slice counters and
     ``2 * buckets.size`` int64 window sums (24 KB with the defaults: 6 slices of 378 buckets; ``nbytes`` says
-    exactly) plus six floats of EWMA state; nothing grows with traffic. A pool that changes gets a new object. A
-    read recomputes the quantiles of only the endpoints observed since the last read (all of them when a slice
-    expires) and the estimates of all of them (they change with time alone), vectorised. Not thread-safe: owned
-    by the event loop that receives the spans.
+    exactly) plus six floats of EWMA state; nothing grows with traffic. A pool that changes gets a new object
+    (`moved`). A read recomputes the quantiles of only the endpoints observed since the last read (all of them
+    when a slice expires) and the estimates of all of them (they change with time alone), vectorised. Not
+    thread-safe: owned by the event loop that receives the spans.
     """
 
     def __init__(
@@ -275,6 +275,32 @@ class EndpointLatency:
         for ewma in self._ewmas:
             arrays += [ewma.sums, ewma.weights, ewma.last]
         return sum(int(a.nbytes) for a in arrays)
+
+    def moved(self, mapping: np.ndarray) -> EndpointLatency:
+        """These statistics for the next pool after a membership change: endpoint j has what endpoint
+        ``mapping[j]`` had here (its window, its mean and its evidence); one that joined (-1) has nothing yet and
+        reads the fleet's estimate. Same settings and clock; this object is left as it was."""
+        moved = EndpointLatency(
+            len(mapping),
+            window_s=self.window_s,
+            half_life_s=self.half_life_s,
+            slices=self._ring.slices,
+            clock=self.clock,
+            buckets=self.buckets,
+            prior_weight=self.prior_weight,
+        )
+        kept = np.asarray(mapping) >= 0
+        source = np.asarray(mapping)[kept]
+        moved._ring.epoch = self._ring.epoch
+        moved._slices[:, :, kept] = self._slices[:, :, source]
+        moved._window[:, kept] = self._window[:, source]
+        moved._spans[:, kept] = self._spans[:, source]
+        for mine, theirs in zip(moved._ewmas, self._ewmas, strict=True):
+            for name in ("sums", "weights", "last"):
+                getattr(mine, name)[kept] = getattr(theirs, name)[source]
+        moved._all_dirty = True
+        moved.rejected = self.rejected
+        return moved
 
     def _advance(self, now: float) -> int:
         expired = self._ring.advance(now)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -84,6 +85,7 @@ class SpanLoop:
             bucket_s=config.heatmap_bucket_s, clock=time.time, max_ahead_s=config.span_max_ahead_s
         )
         self._addresses = [e.address for e in pool]
+        self._indices = {address: i for i, address in enumerate(self._addresses)}
         self.receiver: SpanFeed | None = None
         if config.receiver is not None:
             joiner = SpanJoiner(
@@ -124,8 +126,22 @@ class SpanLoop:
                 await task
         self._tasks.clear()
 
-    def rebind(self, pool: Pool, signals: Signals, *, keep: bool, config: OtelConfig | None = None) -> None:
-        """After a reload: the same pool keeps its statistics and trace ids; a new pool starts fresh. Never raises.
+    def rebind(
+        self,
+        pool: Pool,
+        signals: Signals,
+        *,
+        keep: bool,
+        config: OtelConfig | None = None,
+        mapping: np.ndarray | None = None,
+        restarted: Sequence[int] = (),
+    ) -> None:
+        """After a reload: the same pool (``keep``) keeps its statistics and trace ids. After a membership change
+        (``mapping``: endpoint j of ``pool`` was endpoint ``mapping[j]``, -1 if it joined) each endpoint that
+        stays keeps its own, under its new index: latency statistics, ``/metrics`` histograms and the decisions
+        waiting for their spans; one that joined starts with none, and so do the latency statistics of those
+        ``restarted`` (indices in ``pool``: a restarted server is cold). Otherwise a new pool starts fresh.
+        Never raises.
 
         The receiver process gets the new allowlist (the default one follows the pool) and, with ``config`` (the
         reloaded ``otel`` section), the new limits and the token read again; a token that cannot be read now is
@@ -139,11 +155,19 @@ class SpanLoop:
         if not keep:
             self.pool = pool
             self._addresses = [e.address for e in pool]
-            self.join = TraceJoin(max_age_s=self.config.join_max_age_s)
-            self.latency = EndpointLatency(
-                len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s
-            )
-            self.histograms = LatencyHistograms(len(pool))
+            self._indices = {address: i for i, address in enumerate(self._addresses)}
+            if mapping is not None and len(mapping) == len(pool):
+                cold = np.array(mapping, copy=True)
+                cold[list(restarted)] = -1
+                self.latency = self.latency.moved(cold)
+                self.histograms = self.histograms.moved(mapping)
+                self.join.remap(mapping)
+            else:
+                self.join = TraceJoin(max_age_s=self.config.join_max_age_s)
+                self.latency = EndpointLatency(
+                    len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s
+                )
+                self.histograms = LatencyHistograms(len(pool))
             if self.receiver is not None:
                 observe = self._observe if self.from_spans else _ignore
                 self.receiver.joiner.rebind(observe, self._addresses, self.join)
@@ -160,12 +184,15 @@ class SpanLoop:
         self.latency.observe(endpoint, ttft_s, e2e_s)
         self.histograms.observe(endpoint, ttft_s, e2e_s)
 
-    def observe_response(self, endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:
-        """A latency the filter measured on the response stream (``latency_source: stream``)."""
-        if endpoint >= len(self._addresses):
-            return  # measured against a pool a reload has just replaced
+    def observe_response(self, address: str, ttft_s: float | None, e2e_s: float | None) -> None:
+        """A latency the filter measured on the response stream (``latency_source: stream``) of a request sent to
+        ``address``; nothing if it is not in the pool any more (by address: a membership change since the request
+        was routed moves the others' indices)."""
+        endpoint = self._indices.get(address)
+        if endpoint is None:
+            return
         self._observe(endpoint, ttft_s, e2e_s)
-        self.heatmap.add(time.time(), self._addresses[endpoint], ttft_s, e2e_s)
+        self.heatmap.add(time.time(), address, ttft_s, e2e_s)
 
     def view(self) -> dict[str, Any]:
         """The statistics as arrays (for the admin API)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from inferlb.scorer.histogram import Histogram
 
 __all__ = ["E2E_BOUNDS_S", "TTFT_BOUNDS_S", "LatencyHistograms"]
@@ -26,6 +28,14 @@ class LatencyHistograms:
     def __init__(self, size: int) -> None:
         self.ttft = [Histogram(TTFT_BOUNDS_S) for _ in range(size)]
         self.e2e = [Histogram(E2E_BOUNDS_S) for _ in range(size)]
+
+    def moved(self, mapping: np.ndarray) -> LatencyHistograms:
+        """The histograms of the next pool after a membership change: endpoint j keeps the counts of endpoint
+        ``mapping[j]`` here (its series in ``/metrics`` carry on, never reset); one that joined (-1) starts empty."""
+        moved = LatencyHistograms(0)
+        moved.ttft = [self.ttft[i] if i >= 0 else Histogram(TTFT_BOUNDS_S) for i in np.asarray(mapping).tolist()]
+        moved.e2e = [self.e2e[i] if i >= 0 else Histogram(E2E_BOUNDS_S) for i in np.asarray(mapping).tolist()]
+        return moved
 
     def observe(self, endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:
         if ttft_s is not None and math.isfinite(ttft_s) and ttft_s >= 0:

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from inferlb.otel.heatmap import LLM_SPAN, HeatmapAggregator
 from inferlb.otel.spanwire import SpanRecord
 from inferlb.scorer.networks import IPAddress, unmapped
@@ -115,6 +117,19 @@ class TraceJoin:
         """The endpoint of ``trace_id``'s waiting decision, without consuming it (for tests and tools)."""
         decision = self._map.get(trace_id)
         return decision.endpoint if decision is not None else None
+
+    def remap(self, mapping: np.ndarray) -> None:
+        """After a membership change: a decision waiting for its span that named endpoint ``mapping[j]`` names
+        endpoint j of the next pool; one whose endpoint is not in the next pool is forgotten (`expired`: its
+        span has no endpoint to count for any more)."""
+        moved = {int(old): new for new, old in enumerate(np.asarray(mapping).tolist()) if old >= 0}
+        for key, decision in list(self._map.items()):
+            index = moved.get(decision.endpoint)
+            if index is None:
+                del self._map[key]
+                self.expired += 1
+            else:
+                decision.endpoint = index
 
     def expire(self) -> None:
         """Forget what is older than ``max_age_s`` now (`record` does this as it goes; call it when idle)."""

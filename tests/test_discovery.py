@@ -1,6 +1,6 @@
 """A whole picker whose pool follows etcd (inferlb/picker.py with scorer/etcd.py): an endpoint put in etcd joins
-within a second and ramps in, one deleted drains and goes when its last request ends, and /endpoints and /metrics
-say so. Real etcd, emulated servers, the picker in process."""
+within a second and ramps in, one deleted drains and goes when its last request ends (the others keep their
+latency statistics), and /endpoints and /metrics say so. Real etcd, emulated servers, the picker in process."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def route(picker, request_id: str):
 async def test_endpoints_put_in_etcd_join_and_those_deleted_drain(etcd: str, servers) -> None:
     a, b, c = (s.address for s in servers)
     put(etcd, PREFIX + "b", {"address": b, "models": ["m"]})
-    config = parse_config(document(etcd, [a], slow_start={"ramp_s": 60, "min_fraction": 0.25}))
+    doc = {**document(etcd, [a], slow_start={"ramp_s": 60, "min_fraction": 0.25}), "otel": {"latency_source": "stream"}}
+    config = parse_config(doc)
     assert config.discovery is not None
     source = EtcdSource(config.discovery.etcd, config.allowed_networks)
     picker = create_picker(config, discovered=await first_membership(source))
@@ -90,6 +91,10 @@ async def test_endpoints_put_in_etcd_join_and_those_deleted_drain(etcd: str, ser
             chosen.append(address)
             leases.append(lease)
         assert 5 <= chosen.count(c) <= 11, chosen.count(c)
+        timer = picker.service.response_timer
+        assert timer is not None and picker.spans is not None
+        for _ in range(3):
+            timer(c, 0.3, None)  # the filter timed three of c's responses
         # b leaves with requests in flight: no new request goes there, and it stays until they end.
         held = [lease for lease, address in zip(leases, chosen, strict=True) if address == b]
         assert held
@@ -105,6 +110,7 @@ async def test_endpoints_put_in_etcd_join_and_those_deleted_drain(etcd: str, ser
             lease.release()
         await until(lambda: len(picker.engine.pool) == 2, "b gone once drained", timeout=2.0)
         assert [e.address for e in picker.engine.pool] == [a, c]
+        assert picker.spans.view()["count"].tolist() == [0, 3]  # c's latency moved with it, from index 2 to 1
         view = (await admin.get("/endpoints")).json()["membership"]
         assert view["source"] == "etcd" and view["healthy"] and view["skipped"] == []
         assert view["changes"] == {"joined": 1, "left": 1, "removed": 1, "changed": 0}

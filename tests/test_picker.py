@@ -170,10 +170,12 @@ async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(
         assert picker.spans is not None and picker.spans.receiver is None
         timer = picker.service.response_timer
         assert timer is not None
+        addresses = [e.address for e in picker.engine.pool]
         for _ in range(20):
-            timer(2, 0.8, None)  # slow first tokens on the third endpoint
-            timer(0, 0.05, None)
-            timer(1, None, 1.5)  # an unstreamed response: E2E only
+            timer(addresses[2], 0.8, None)  # slow first tokens on the third endpoint
+            timer(addresses[0], 0.05, None)
+            timer(addresses[1], None, 1.5)  # an unstreamed response: E2E only
+        timer("10.9.9.9:8000", 0.01, None)  # not in the pool (it left since the request was routed): not counted
         await until(lambda: picker.engine.signals.snapshot.ttft_s[2] > 0.5)
         admin = f"http://{picker.config.admin}"
         async with httpx.AsyncClient(base_url=admin, timeout=5, headers=AUTH) as client:

@@ -62,9 +62,9 @@ async def _aiter(messages: list[ProcessingRequest], consumed: list[int]) -> Asyn
 
 async def timed(
     messages: list[ProcessingRequest], clock: Clock | None = None
-) -> tuple[list[tuple[int, float | None, float | None]], ObserveStats, int]:
+) -> tuple[list[tuple[str, float | None, float | None]], ObserveStats, int]:
     """Run ``time_response`` over ``messages``; return what it observed, its stats and how many it read."""
-    seen: list[tuple[int, float | None, float | None]] = []
+    seen: list[tuple[str, float | None, float | None]] = []
     stats = ObserveStats()
     consumed = [1]
     rest = _aiter(messages[1:], consumed)
@@ -94,7 +94,7 @@ async def test_outcomes(name: str, rest: list[ProcessingRequest], outcome: str) 
     assert sum(getattr(stats, f) for f in ("ttft", "e2e", "not_ok", "unknown_endpoint", "unfinished")) == 1
     if outcome in ("ttft", "e2e"):
         [(endpoint, ttft, e2e)] = seen
-        assert endpoint == 1
+        assert endpoint == ENDPOINTS[1]
         assert (ttft is not None, e2e is not None) == (outcome == "ttft", outcome == "e2e")
         assert (ttft or e2e or 0) > 0
     else:
@@ -111,9 +111,9 @@ async def test_the_time_runs_from_the_request_headers_to_the_first_token() -> No
             consumed[0] += 1
             yield message
 
-    seen: list[tuple[int, float | None, float | None]] = []
+    seen: list[tuple[str, float | None, float | None]] = []
     await time_response(request(), messages(), POOL, lambda *m: seen.append(m), ObserveStats(), clock)
-    assert seen == [(1, pytest.approx(1.0), None)]
+    assert seen == [(ENDPOINTS[1], pytest.approx(1.0), None)]
 
 
 async def test_it_stops_reading_at_the_measurement() -> None:
@@ -136,7 +136,7 @@ async def test_nothing_to_attribute_it_to(first: ProcessingRequest) -> None:
 # ---- through the service, over real gRPC ----------------------------------------------------------------------
 
 
-Observed = list[tuple[int, float | None, float | None]]
+Observed = list[tuple[str, float | None, float | None]]
 
 
 @pytest.fixture
@@ -177,7 +177,7 @@ async def test_the_service_times_observing_streams_and_never_answers_them(
     replies = await _mirror(server, [request(ENDPOINTS[2]), response(), _chunk(b"data: a\n\n"), _chunk(b"b")])
     assert replies == []
     await until(lambda: len(seen) == 1)
-    assert seen[0][0] == 2 and seen[0][1] is not None
+    assert seen[0][0] == ENDPOINTS[2] and seen[0][1] is not None
     assert server.service.observe_stats.ttft == 1
     assert server.service.engine.inflight.total() == 0  # an observing stream is not a routed request
 

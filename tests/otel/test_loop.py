@@ -268,3 +268,29 @@ async def test_a_receiver_that_cannot_listen_fails_the_start() -> None:
         with pytest.raises(OSError, match="cannot listen"):
             await loop.start()
         assert loop.receiver is not None and loop.receiver.pid is None
+
+
+def test_a_membership_change_keeps_each_staying_endpoints_latency_under_its_new_index() -> None:
+    a, b, c, d = (f"127.0.0.1:{port}" for port in (8001, 8002, 8003, 8004))
+    loop = SpanLoop(OtelConfig(latency_source="stream"), pool(a, b, c), Signals(3))
+    for _ in range(5):
+        loop.observe_response(a, 0.1, None)
+        loop.observe_response(c, 0.9, None)
+    loop.join.record(b"t" * 16, 2)  # a decision for c, its span still to come
+    loop.join.record(b"u" * 16, 1)  # one for b, which leaves
+
+    # b leaves (idle), d joins: c moves from index 2 to 1.
+    loop.rebind(pool(a, c, d), Signals(3), keep=False, mapping=np.array([0, 2, -1]))
+    assert counts(loop) == [5.0, 5.0, 0.0]
+    assert loop.view()["ttft_p50"][1] == pytest.approx(0.9, rel=0.03)
+    assert [h.count for h in loop.histograms.ttft] == [5, 5, 0]  # c's /metrics series carries on
+    assert loop.join.consume(b"t" * 16) == 1  # c's span still joins, to c
+    assert loop.join.consume(b"u" * 16) is None and loop.join.expired == 1
+    loop.observe_response(b, 0.5, None)  # a response of a request routed to b before it left: counted nowhere
+    loop.observe_response(d, 0.2, None)
+    assert counts(loop) == [5.0, 5.0, 1.0]
+
+    # c restarted (it left and came back before its last request ended): its latency starts over, cold.
+    loop.rebind(pool(a, c, d), Signals(3), keep=False, mapping=np.array([0, 1, 2]), restarted=(1,))
+    assert counts(loop) == [5.0, 0.0, 1.0]
+    assert [h.count for h in loop.histograms.ttft] == [5, 5, 1]
