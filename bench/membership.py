@@ -14,10 +14,11 @@ requests/s of streamed completions, 10% long) over four emulated servers, each i
   notices); what it costs beyond the requests that were in flight on it, and how many Envoy retried.
 
 The runs: etcd (a real etcd, keys under a prefix), the config file (rewritten; the picker looks at it every
-quarter of a second) and Kubernetes (Pods in the in-repo API server, bench/kubeapi.py: no real one can run here)
-with Envoy's ORIGINAL_DST cluster; etcd with the Override Host cluster (the picker names its
-best three, Envoy retries a request that never arrived on the next); and etcd without slow start, to show what
-the ramp prevents. Then `bench/weightdelay.py`: a pushed weight, timed to Envoy's ACK and to its effect.
+quarter of a second) and Kubernetes (Pods, and a Service's EndpointSlice, in the in-repo API server,
+bench/kubeapi.py: no real one can run here) with Envoy's ORIGINAL_DST cluster; etcd with the Override Host
+cluster (the picker names its best three, Envoy retries a request that never arrived on the next); and etcd
+without slow start, to show what the ramp prevents. Then `bench/weightdelay.py`: a pushed weight, timed to
+Envoy's ACK and to its effect.
 
 Results: ``membership.json`` (one object per scenario and run, with at least ``scenario``, ``sent``, ``errors``,
 ``first_request_after_join_s``, ``retries``), ``membership.md`` and ``membership-ramp.png``.
@@ -40,7 +41,7 @@ import yaml
 
 from inferlb.bench import weightdelay
 from inferlb.bench.etcdserver import delete, etcd_server, put
-from inferlb.bench.kubeapi import pod
+from inferlb.bench.kubeapi import endpoint_slice, pod
 from inferlb.bench.report import header, table, write
 from inferlb.bench.resilience import read_records, start_load, wait_load
 from inferlb.envoyconf import EnvoyOptions
@@ -50,13 +51,14 @@ from inferlb.stack import LocalStack, StackOptions, start_sim
 __all__ = ["SOURCES", "add_arguments", "run"]
 
 MODEL = "m"
-SOURCES = ("etcd", "file", "kubernetes")
+SOURCES = ("etcd", "file", "kubernetes", "kubernetes-slices")
 # (source, Envoy's cluster mode) of each run: ORIGINAL_DST with both sources, and Override Host with retries.
 # The last runs without slow start, to show what it prevents.
 RUNS = (
     ("etcd", "original-dst", True),
     ("file", "original-dst", True),
     ("kubernetes", "original-dst", True),
+    ("kubernetes-slices", "original-dst", True),
     ("etcd", "override-host", True),
     ("etcd", "original-dst", False),
 )
@@ -158,6 +160,41 @@ class KubeMembers(Source):
     def remove(self, address: str) -> None:
         name = self._pod(address)["metadata"]["name"]
         httpx.delete(f"{self.url}/api/v1/namespaces/default/pods/{name}", timeout=5).raise_for_status()
+
+
+class KubeSliceMembers(KubeMembers):
+    """A Service's EndpointSlice in the in-repo API server: the servers are its endpoints; one that leaves is
+    first marked terminating (not ready), as Kubernetes does while its Pod shuts down."""
+
+    name = "kubernetes-slices"
+    slice_name = "bench-slice-1"
+
+    def __init__(self, url: str, port: int) -> None:
+        super().__init__(url, port)
+        self.ready: dict[str, bool] = {}
+
+    def picker_pool(self, static: str, members: list[str]) -> dict[str, Any]:
+        for address in members:
+            self.ready[address.rsplit(":", 1)[0]] = True
+        self._put()
+        kubernetes = {"namespace": "default", "service": "bench", "models": [MODEL], "api_url": self.url}
+        kubernetes.update(token_file=None, ca_file=None)
+        return {"endpoints": [_entry(static)], "discovery": {"kubernetes": kubernetes}}
+
+    def _put(self) -> None:
+        listed = list(self.ready.items())
+        terminating = tuple(ip for ip, ready in listed if not ready)
+        body = endpoint_slice(self.slice_name, "bench", listed, (self.port,), terminating=terminating)
+        path = f"{self.url}/apis/discovery.k8s.io/v1/namespaces/default/endpointslices/{self.slice_name}"
+        httpx.put(path, json=body, timeout=5).raise_for_status()
+
+    def add(self, address: str) -> None:
+        self.ready[address.rsplit(":", 1)[0]] = True
+        self._put()
+
+    def remove(self, address: str) -> None:
+        self.ready[address.rsplit(":", 1)[0]] = False
+        self._put()
 
 
 class FileMembers(Source):
@@ -495,11 +532,10 @@ def run(args: argparse.Namespace) -> int:
             if name == "etcd":
                 with etcd_server(workdir) as url:
                     results += _run(EtcdMembers(url), timeline, workdir, args.command, mode, ramped)
-            elif name == "kubernetes":
+            elif name in ("kubernetes", "kubernetes-slices"):
+                kind = KubeMembers if name == "kubernetes" else KubeSliceMembers
                 with kube_api(workdir) as url:
-                    results += _run(
-                        KubeMembers(url, free_port("127.0.0.11")), timeline, workdir, args.command, mode, ramped
-                    )
+                    results += _run(kind(url, free_port("127.0.0.11")), timeline, workdir, args.command, mode, ramped)
             else:
                 results += _run(FileMembers(), timeline, workdir, args.command, mode, ramped)
             for result in results[-3:]:

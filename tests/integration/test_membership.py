@@ -1,8 +1,8 @@
 """Membership under load through the real gateway (bench/membership.py, quick form): a server added to etcd, to
-Kubernetes (the in-repo API server) or to the config file gets requests within a second, one removed drains with
-no client error and no new request, and a killed server's cost is bounded (its requests in flight, and the few
-sent before the picker sees it down; with Envoy's Override Host cluster and retries, its requests in flight
-only)."""
+Kubernetes (Pods or EndpointSlices in the in-repo API server) or to the config file gets requests within a
+second, one removed drains with no client error and no new request, and a killed server's cost is bounded (its
+requests in flight, and the few sent before the picker sees it down; with Envoy's Override Host cluster and
+retries, its requests in flight only)."""
 
 from __future__ import annotations
 
@@ -52,11 +52,12 @@ def test_with_override_host_a_killed_server_costs_only_its_requests_in_flight(tm
     assert kill["failed_after_kill"] <= 1, kill
 
 
-def test_kubernetes_membership_under_load(tmp_path: Path) -> None:
-    """Pods in the in-repo API server (no real one can run here), each with a loopback IP of its own."""
+@pytest.mark.parametrize("kind", [membership.KubeMembers, membership.KubeSliceMembers], ids=["pods", "slices"])
+def test_kubernetes_membership_under_load(tmp_path: Path, kind: type[membership.KubeMembers]) -> None:
+    """Pods, or a Service's EndpointSlice, in the in-repo API server (no real one can run here), each server with
+    a loopback IP of its own."""
     with membership.kube_api(tmp_path) as url:
-        source = membership.KubeMembers(url, free_port("127.0.0.11"))
-        check(membership._run(source, membership.QUICK, tmp_path, "test"))
+        check(membership._run(kind(url, free_port("127.0.0.11")), membership.QUICK, tmp_path, "test"))
 
 
 def test_config_file_membership_under_load(tmp_path: Path) -> None:
