@@ -83,6 +83,34 @@ def features_from_headers(
     return RequestFeatures.of(found)
 
 
+# The Endpoint Picker protocol's subset hint: Envoy's filter metadata in this namespace, under this key, lists the
+# only endpoints (ip:port) the picker may choose (a list of strings, or one comma-separated string).
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+MAX_SUBSET = 4096  # more than any pool; a longer list is cut here
+
+
+def subset_hint(metadata: Any) -> frozenset[str] | None:
+    """The addresses of the gateway's subset hint in an ext_proc request's ``metadata_context`` (an Envoy
+    ``Metadata``), or None when there is none. A value of another type counts as an empty list (nothing is
+    eligible: the request gets a 503, as the protocol says), never as no hint."""
+    namespaces = metadata.filter_metadata
+    if SUBSET_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[SUBSET_NAMESPACE].fields
+    if SUBSET_KEY not in fields:
+        return None
+    value = fields[SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values[:MAX_SUBSET] if v.WhichOneof("kind") == "string_value"]
+    elif kind == "string_value":
+        items = value.string_value.split(",", MAX_SUBSET)[:MAX_SUBSET]
+    else:
+        items = []
+    return frozenset(item.strip() for item in items if item.strip())
+
+
 def header_text(header: Any) -> str:
     # Envoy fills raw_value (bytes); older versions, or send_raw_value off, fill value instead.
     raw = header.raw_value

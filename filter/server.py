@@ -42,7 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from inferlb.filter.errors import MalformedRequestError, OverloadedError, RequestError, from_routing_error
 from inferlb.filter.observe import ObserveStats, time_response
 from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, listed_reply, with_body, with_header
-from inferlb.filter.request import apply_body, features_from_headers, with_model
+from inferlb.filter.request import apply_body, features_from_headers, subset_hint, with_model
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.filter.requestend import add_to_server as add_access_log_service
 from inferlb.filter.xds import ControlPlane
@@ -184,6 +184,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     features = features_from_headers(
                         headers.headers.headers, self.session_header, self.class_header, self.experiment_headers
                     )
+                    if message.HasField("metadata_context"):  # the gateway's subset hint, if it sent one
+                        hint = subset_hint(message.metadata_context)
+                        if hint is not None:
+                            features = features.hinted(hint)
                     wants_body = message.protocol_config.request_body_mode in _BUFFERED
                     if wants_body and not headers.end_of_stream:
                         yield CONTINUE["request_headers"]

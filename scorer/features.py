@@ -131,6 +131,8 @@ class RequestFeatures:
     # The headers experiments assign by (name in lower case -> value), read only where an experiment asks.
     headers: Mapping[str, str] | None = None
     arm: Any = None  # the experiment arm admission assigned the request to (`scorer.experiments.Arm`), if any
+    # The gateway's subset hint (Endpoint Picker protocol): the only addresses that may serve it; None: any.
+    subset: frozenset[str] | None = None
 
     # Every request is built two or three times (from headers, with its body, with its class). A frozen
     # dataclass's __init__ sets its fields one object.__setattr__ call at a time, a fifth of the whole cost of
@@ -175,6 +177,10 @@ class RequestFeatures:
         return self._copy(
             {"request_class": request_class, "priority": priority, "ttft_slo_s": ttft_slo_s, "pool_mask": pool_mask}
         )
+
+    def hinted(self, subset: frozenset[str]) -> RequestFeatures:
+        """These features with the gateway's subset hint: only endpoints at these addresses may serve it."""
+        return self._copy({"subset": subset})
 
     def assigned(self, arm: Any, pool_mask: Any, model: str | None = None) -> RequestFeatures:
         """These features with the experiment arm they were assigned (None: none) and the endpoints it leaves;

@@ -6,7 +6,7 @@ carry a slow-start `Ramp`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,6 +70,7 @@ class Pool:
             model: np.array([e.serves(model) for e in built], dtype=bool) & serving for model in self.served_models
         }
         self._all = serving
+        self._by_address = {e.address: e.index for e in built}
         self.all_indices = np.flatnonzero(serving)
         ramps = ramps or {}
         self.ramping: tuple[tuple[int, Ramp], ...] = tuple(
@@ -95,6 +96,15 @@ class Pool:
     def index_of(self) -> dict[str, int]:
         """Each endpoint's index by its address."""
         return {e.address: e.index for e in self.endpoints}
+
+    def address_mask(self, addresses: Iterable[str]) -> np.ndarray:
+        """Boolean mask of the serving endpoints at ``addresses`` (addresses not in the pool are ignored)."""
+        mask = np.zeros(len(self.endpoints), dtype=bool)
+        for address in addresses:
+            index = self._by_address.get(address)
+            if index is not None:
+                mask[index] = True
+        return mask & self._all
 
     def model_mask(self, model: str | None) -> np.ndarray:
         """Boolean mask of endpoints that serve ``model`` (all of them for None).

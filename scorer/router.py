@@ -24,7 +24,7 @@ import numpy as np
 
 from inferlb.scorer.classes import Admission, Classifier, RequestClass, WaitQueue
 from inferlb.scorer.engine import Decision, Engine
-from inferlb.scorer.errors import RoutingError
+from inferlb.scorer.errors import NoEndpointError, RoutingError, shown
 from inferlb.scorer.experiments import Arm, Experiments
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
@@ -81,6 +81,9 @@ class Router:
         says) when every endpoint that could serve it is saturated."""
         request_class = self.classifier.classify(request)
         pool_mask = self.admission.pool_mask(request_class)
+        if request.subset is not None:  # the gateway's subset hint: only those of its endpoints
+            hinted = self.pool.address_mask(request.subset)
+            pool_mask = hinted if pool_mask is None else pool_mask & hinted
         request = request.classified(request_class.name, request_class.priority, request_class.ttft_slo_s, pool_mask)
         experiments = self.experiments
         arm = None
@@ -107,6 +110,19 @@ class Router:
             return Admit("shed", request, request_class, candidates)
         return Admit("wait", request, request_class, candidates)
 
+    def _check_subset(self, request: RequestFeatures) -> None:
+        """Raise ``NoEndpointError`` when no endpoint of the gateway's subset hint may serve ``request`` (the
+        protocol's 503); ``UnknownModelError`` when none in the pool serves its model."""
+        candidates = self.pool.model_indices(request.model)
+        if request.pool_mask is not None:
+            candidates = candidates[request.pool_mask[candidates]]
+        if not candidates.size:
+            listed = len(request.subset or ())
+            raise NoEndpointError(
+                f"none of the {listed} endpoint(s) in the gateway's subset hint is a serving member of this pool "
+                f"for model {shown(request.model)}"
+            )
+
     async def wait(self, admit: Admit) -> bool:
         """Hold a ``wait`` request until room comes (True) or its class's ``max_wait_s`` runs out (False)."""
         assert admit.candidates is not None
@@ -121,6 +137,8 @@ class Router:
         if arm is not None and (experiments is None or not experiments.owns(arm)):
             arm = None  # admitted before a reload that ended its experiment: it routes as the rest do now
         engine = self.engine if arm is None else arm.engine
+        if request.subset is not None:
+            self._check_subset(request)
         started = time.perf_counter()
         decision = engine.decide(request)
         if saturated:

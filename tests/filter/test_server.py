@@ -321,3 +321,52 @@ async def test_a_release_arm_with_a_model_rewrites_the_body_it_forwards() -> Non
     assert destination(control) == ENDPOINTS[0]
     assert not control.request_body.response.HasField("body_mutation")
     assert service.decisions.recent(2)[1]["model"] == "m-next"  # the canary's decision, routed as m-next
+
+
+def with_subset_hint(message: ProcessingRequest, subset: list[str] | str) -> ProcessingRequest:
+    """``message`` carrying the gateway's subset hint in its metadata context, as a list or as one string."""
+    hint = message.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+    value = hint.fields["x-gateway-destination-endpoint-subset"]
+    if isinstance(subset, str):
+        value.string_value = subset
+    else:
+        value.list_value.SetInParent()
+        for address in subset:
+            value.list_value.values.add().string_value = address
+    return message
+
+
+@pytest.mark.parametrize(
+    "subset",
+    [[ENDPOINTS[2]], [ENDPOINTS[2], "10.9.9.9:8000"], f"{ENDPOINTS[2]}, 10.9.9.9:8000"],
+    ids=["list", "list-with-a-non-member", "comma-separated"],
+)
+async def test_the_gateways_subset_hint_is_the_only_choice(picker: PickerServer, subset: list[str] | str) -> None:
+    # least-request would spread open streams over all three; the hint allows one.
+    envoys = [FakeEnvoy(picker) for _ in range(4)]
+    for envoy in envoys:
+        reply = await envoy.send(with_subset_hint(headers_message("/v1/embeddings", eos=True), subset))
+        assert destination(reply) == ENDPOINTS[2]
+    assert picker.service.engine.inflight.requests.tolist() == [0, 0, 4]
+    # Without a hint the next request may go anywhere: least-request sends it to an idle endpoint.
+    envoys.append(FakeEnvoy(picker))
+    assert destination(await envoys[-1].send(headers_message("/v1/embeddings", eos=True))) in ENDPOINTS[:2]
+    for envoy in envoys:
+        await envoy.close()
+
+
+@pytest.mark.parametrize("subset", [[], ["10.9.9.9:8000"], "not-an-address"], ids=["empty", "no-member", "garbage"])
+async def test_a_subset_hint_with_no_eligible_endpoint_is_a_503(picker: PickerServer, subset: list[str] | str) -> None:
+    envoy = FakeEnvoy(picker)
+    code, payload = immediate(await envoy.send(with_subset_hint(headers_message("/v1/embeddings", eos=True), subset)))
+    assert code == 503 and "subset hint" in payload["error"]["message"]
+    assert picker.service.engine.inflight.total() == 0
+    await envoy.close()
+
+
+async def test_a_subset_hint_reaches_body_routes_too(picker: PickerServer) -> None:
+    envoy = FakeEnvoy(picker)
+    await envoy.send(with_subset_hint(headers_message(body_mode=ProcessingMode.BUFFERED), [ENDPOINTS[0]]))
+    reply = await envoy.send(body_message({"model": MODEL, "prompt": "hello"}))
+    assert destination(reply) == ENDPOINTS[0]
+    await envoy.close()

@@ -95,4 +95,5 @@ def test_the_builders_know_every_field() -> None:
         "ttft_slo_s",
         "headers",
         "arm",
+        "subset",
     ]
