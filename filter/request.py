@@ -72,6 +72,8 @@ def features_from_headers(
             found["request_id"] = header_text(header)
         elif key == "traceparent":
             found["traceparent"] = header_text(header)
+        elif key in OBJECTIVE_HEADERS:
+            found["objective"] = header_text(header) or None
         if key == session_header:
             found["session_key"] = header_text(header) or None
         if key == class_header:
@@ -82,6 +84,9 @@ def features_from_headers(
             tagged[key] = header_text(header)
     return RequestFeatures.of(found)
 
+
+# The Endpoint Picker protocol's inference objective (llm-d's name for it too): the request's class, by name.
+OBJECTIVE_HEADERS = frozenset({"x-gateway-inference-objective", "x-llm-d-inference-objective"})
 
 # The Endpoint Picker protocol's subset hint: Envoy's filter metadata in this namespace, under this key, lists the
 # only endpoints (ip:port) the picker may choose (a list of strings, or one comma-separated string).

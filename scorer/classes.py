@@ -1,12 +1,15 @@
 """Request classes and admission control.
 
-A class is chosen per request by the first rule that matches (prompt size, stream flag, model, or the value of
-a class header the client sends); requests no rule matches get the default class. A class says what happens
-when every endpoint that could serve the request is saturated: ``wait`` (interactive traffic waits up to
-``max_wait_s`` for capacity, then is routed anyway to the best endpoint) or ``shed`` (batch traffic is refused
-at once with 429 and ``retry-after``). Waiting requests are let through highest ``priority`` first, then in
-arrival order, at most one per endpoint with room per tick (`WaitQueue`). A class may also restrict the request
-to endpoints with given labels (its pool) and carry a TTFT objective, which the ``ttft-slo`` filter routes by.
+A class is chosen per request by its objective, when the gateway names one (the Endpoint Picker protocol's
+``x-gateway-inference-objective`` header: the class of that name), else by the first rule that matches (prompt
+size, stream flag, model, or the value of a class header the client sends); requests no rule matches get the
+default class. A class says what happens when every endpoint that could serve the request is saturated:
+``wait`` (interactive traffic waits up to ``max_wait_s`` for capacity, then is routed anyway to the best
+endpoint) or ``shed`` (batch traffic is refused at once with 429 and ``retry-after``); a class with a negative
+priority is sheddable (the protocol's rule) unless its config says otherwise. Waiting requests are let through
+highest ``priority`` first, then in arrival order, at most one per endpoint with room per tick (`WaitQueue`). A
+class may also restrict the request to endpoints with given labels (its pool) and carry a TTFT objective, which
+the ``ttft-slo`` filter routes by.
 
 Saturated means what `scorer.saturation.Saturation` says (the one rule, shared with the ``saturation`` filter):
 more than ``max_waiting`` queued requests, counting those sent since the last scrape began, or KV-cache use above
@@ -69,8 +72,13 @@ class Classifier:
     def __init__(self, rules: Sequence[ClassRule] = (), default: RequestClass | None = None) -> None:
         self.rules = tuple(rules)
         self.default = default or RequestClass("default")
+        self.by_name = {rule.request_class.name: rule.request_class for rule in self.rules}
 
     def classify(self, request: RequestFeatures) -> RequestClass:
+        if request.objective is not None:
+            named = self.by_name.get(request.objective)
+            if named is not None:
+                return named
         for rule in self.rules:
             if rule.matches(request):
                 return rule.request_class

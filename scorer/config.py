@@ -591,13 +591,17 @@ class ClassFile(Model):
     match: MatchFile = Field(default_factory=MatchFile)
     priority: Annotated[int, integer()] = _CLASS.priority
     ttft_slo_s: Annotated[float | None, number(ge=0.001, le=3600)] = None
-    on_saturation: Annotated[str, one_of("wait", "shed")] = _CLASS.on_saturation
+    # Unset: "shed" for a negative priority (sheddable, as the Endpoint Picker protocol's objectives say), else
+    # "wait".
+    on_saturation: Annotated[str | None, optional(one_of("wait", "shed"))] = None
     max_wait_s: Annotated[float, number(ge=0, le=30)] = _CLASS.max_wait_s
     retry_after_s: Annotated[int, integer(ge=1, le=3600, noun="an integer number of seconds")] = _CLASS.retry_after_s
     labels: dict[Text, Text] = Field(default_factory=dict)
 
     def rule(self) -> ClassRule:
         fields = self.model_dump(exclude={"match"})
+        if fields["on_saturation"] is None:
+            fields["on_saturation"] = "shed" if self.priority < 0 else _CLASS.on_saturation
         match = self.match
         return ClassRule(
             RequestClass(**fields),

@@ -109,7 +109,8 @@ class RequestFeatures:
     ``model`` is None for requests whose body was not read (headers-only routes). ``prompt_tokens`` is an
     estimate unless the prompt was given as token ids. ``prefix_hashes`` are the prompt's chained block hashes
     (see ``text_block_hashes``; empty without a body or for prompts shorter than one block). ``session_key`` is
-    the value of the configured session header, None when it is absent or empty.
+    the value of the configured session header, None when it is absent or empty; ``objective`` the inference
+    objective the gateway names (``x-gateway-inference-objective``), None when it names none.
     """
 
     path: str = ""
@@ -123,6 +124,7 @@ class RequestFeatures:
     prefix_hashes: tuple[int, ...] = ()
     session_key: str | None = None
     class_hint: str | None = None
+    objective: str | None = None  # the gateway's inference objective: the name of a class
     traceparent: str | None = None
     request_class: str | None = None
     pool_mask: Any = None  # numpy bool array over the pool: the endpoints the request's class may use

@@ -72,6 +72,21 @@ MAX = 1 << 20
             RequestFeatures(),
             id="other-keys-ignored",
         ),
+        pytest.param(
+            [HeaderValue(key="x-gateway-inference-objective", raw_value=b"critical")],
+            RequestFeatures(objective="critical"),
+            id="inference-objective",
+        ),
+        pytest.param(
+            [HeaderValue(key="x-llm-d-inference-objective", raw_value=b"batch")],
+            RequestFeatures(objective="batch"),
+            id="llm-d-objective",
+        ),
+        pytest.param(
+            [HeaderValue(key="x-gateway-inference-objective", raw_value=b"")],
+            RequestFeatures(),
+            id="empty-objective-is-none",
+        ),
     ],
 )
 def test_features_from_headers(headers: list[HeaderValue], expected: RequestFeatures) -> None:

@@ -95,6 +95,24 @@ async def test_shed_classes_get_429_with_retry_after_when_everything_is_full(sat
     assert service.decisions.shed["batch"] == 1 and service.stats.refused[429] == 1
 
 
+@pytest.mark.parametrize("header", ["x-gateway-inference-objective", "x-llm-d-inference-objective"])
+async def test_a_sheddable_inference_objective_gets_429_when_everything_is_full(saturated, header: str) -> None:
+    """The Endpoint Picker protocol's objective names the class; a negative priority is sheddable."""
+    server, signals = saturated
+    sheddable = parse_config(
+        {"pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}, "classes": [{"name": "bulk", "priority": -1}]}
+    ).classes
+    engine = server.service.engine
+    server.service.swap_router(Router(engine, Classifier((*RULES, *sheddable)), poll_s=3600))
+    signals.publish(signals.snapshot.with_values(waiting=[50, 50, 50]))
+    body = {"model": MODEL, "prompt": "hi", "stream": True}  # would be "interactive" (which waits) by the rules
+    reply = await route_buffered(server, body, {header: "bulk"})
+    assert (
+        reply.immediate_response.status.code == 429 and b"'bulk' are shed under load" in reply.immediate_response.body
+    )
+    assert server.service.decisions.shed["bulk"] == 1
+
+
 async def test_waiting_classes_wait_a_bounded_time_then_go(saturated, clock) -> None:
     server, signals = saturated
     service = server.service

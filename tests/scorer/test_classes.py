@@ -61,6 +61,9 @@ def publish(st: State, **values: list[float]) -> None:
         pytest.param(RequestFeatures(prompt_tokens=100, stream=True), "interactive", id="short-stream"),
         pytest.param(RequestFeatures(prompt_tokens=100, stream=False), "default", id="no-rule-matches"),
         pytest.param(RequestFeatures(class_hint="other", prompt_tokens=100, stream=True), "interactive", id="hint"),
+        # The gateway's inference objective names a class: it wins over the rules.
+        pytest.param(RequestFeatures(objective="long", prompt_tokens=100, stream=True), "long", id="objective"),
+        pytest.param(RequestFeatures(objective="nope", prompt_tokens=100, stream=True), "interactive", id="unknown"),
     ],
 )
 def test_the_first_matching_rule_classifies(features: RequestFeatures, expected: str) -> None:
@@ -206,3 +209,16 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_takes_no_room(clock):
     assert queue.release() == 1
     await asyncio.gather(tasks[1])
     assert went == [("stays", True)]
+
+
+def test_a_class_with_a_negative_priority_is_shed_unless_it_says_otherwise() -> None:
+    from inferlb.scorer.config import parse_config
+
+    classes = [
+        {"name": "sheddable", "priority": -1},
+        {"name": "sheddable-but-waits", "priority": -1, "on_saturation": "wait"},
+        {"name": "critical", "priority": 5},
+    ]
+    config = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}, "classes": classes})
+    got = {rule.request_class.name: rule.request_class.on_saturation for rule in config.classes}
+    assert got == {"sheddable": "shed", "sheddable-but-waits": "wait", "critical": "wait"}

@@ -88,6 +88,7 @@ def test_the_builders_know_every_field() -> None:
         "prefix_hashes",
         "session_key",
         "class_hint",
+        "objective",
         "traceparent",
         "request_class",
         "pool_mask",
