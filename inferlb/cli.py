@@ -143,6 +143,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=TIERS,
         help="per-request: the picker picks each request; weights: Envoy's own balancer over the picker's weights",
     )
+    envoy.add_argument(
+        "--picker-address",
+        help="where Envoy reaches the picker, ip:port or dns-name:port (a name is re-resolved every second and each "
+        "address health-checked); default: the config's listen address",
+    )
     envoy.add_argument("--out", type=Path, help="write here instead of stdout")
     envoy.set_defaults(run=_envoy_config)
 
@@ -251,6 +256,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
         cluster_mode=args.cluster_mode,
         retries=args.retries,
         tier=args.tier,
+        picker_address=args.picker_address,
     )
     text = render_bootstrap(load_config(args.config), options)
     if args.out:

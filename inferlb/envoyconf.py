@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import re
 from dataclasses import dataclass
 
 import jinja2
@@ -27,6 +28,9 @@ UPSTREAM_IDLE_TIMEOUT_MS = 4000
 # How often Envoy sends the picker the ends of the requests it routed (inflight.end: access-log): a request's
 # in-flight count outlives the request by up to this long.
 REQUEST_END_FLUSH_MS = 10
+# A DNS name for the picker (``picker_address``): RFC 1123 labels, the last not all digits (so that a mistyped IP
+# is not taken for a name).
+_DNS_NAME = re.compile(r"(?=.{1,253}$)([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\.)*[a-z]([-a-z0-9]{0,61}[a-z0-9])?", re.I)
 
 
 class EnvoyConfigError(ValueError):
@@ -38,7 +42,12 @@ class EnvoyOptions:
     """What the bootstrap needs beyond the picker's config.
 
     ``picker=False`` renders Envoy alone (no ext_proc; every request to the fallback cluster), the baseline
-    the benchmarks compare against. ``access_log_path`` None turns the access log off.
+    the benchmarks compare against. ``access_log_path`` None turns the access log off. ``picker_address``: where
+    Envoy reaches the picker when that is not the config's ``listen`` address (Envoy in another pod or host):
+    ``ip:port``, or ``name:port``, a DNS name that Envoy resolves every second (a STRICT_DNS cluster: a
+    headless Kubernetes Service's name lists its ready pickers), health-checking each address it finds through
+    the picker's gRPC ``readiness`` service, so that a draining picker gets no new streams.
+    None: the config's ``listen`` address, loopback for a wildcard bind.
     """
 
     listen: str = "127.0.0.1:8080"
@@ -69,16 +78,14 @@ class EnvoyOptions:
     request_headers_timeout_ms: int = 10_000
     request_timeout_ms: int = 30_000
     stream_idle_timeout_ms: int = 300_000
+    picker_address: str | None = None
 
 
 def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
     """The bootstrap YAML text. Raises ``EnvoyConfigError`` for an invalid option."""
     listen_host, listen_port = _address(options.listen, "listen")
     admin_host, admin_port = _address(options.admin, "admin")
-    picker_host, picker_port = _address(config.listen, "the picker's listen address")
-    if picker_host in ("0.0.0.0", "::"):
-        # The picker listens on every interface; Envoy reaches it over loopback.
-        picker_host = "127.0.0.1" if picker_host == "0.0.0.0" else "::1"
+    picker_host, picker_port, picker_dns = _picker_address(config, options.picker_address)
     if options.fallback_lb_policy not in FALLBACK_POLICIES:
         raise EnvoyConfigError(
             f"fallback LB policy must be one of {', '.join(FALLBACK_POLICIES)}; got {options.fallback_lb_policy!r}"
@@ -119,6 +126,9 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         raise EnvoyConfigError("xds needs the picker: it is the control plane")
     tracer_host, tracer_port = "", 0
     if options.tracing:
+        if options.picker_address is not None:
+            # The receiver's address comes from the config, which says where it binds, not where Envoy finds it.
+            raise EnvoyConfigError("Envoy tracing needs the picker on Envoy's host: it cannot go with picker_address")
         if config.otel.receiver is None:
             raise EnvoyConfigError(
                 "Envoy tracing sends spans to the picker's receiver: set otel.receiver in its config"
@@ -144,6 +154,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         tracer_port=tracer_port,
         picker_host=picker_host,
         picker_port=picker_port,
+        picker_dns=picker_dns,
         endpoints=[parse_address(e.address) for e in config.endpoints],
         failure_mode_allow=options.fail_open,
         message_timeout=_duration(options.message_timeout_ms),
@@ -174,6 +185,29 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
     )
     yaml.safe_load(text)  # a template bug shows here, not as an Envoy start-up failure
     return text
+
+
+def _picker_address(config: Config, address: str | None) -> tuple[str, int, bool]:
+    """Where Envoy reaches the picker: host, port, and whether the host is a DNS name."""
+    if address is None:
+        host, port = _address(config.listen, "the picker's listen address")
+        if host in ("0.0.0.0", "::"):
+            # The picker listens on every interface; Envoy reaches it over loopback.
+            host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+        return host, port, False
+    try:
+        return (*parse_address(address), False)
+    except ValueError:
+        pass
+    name, _, port_text = address.rpartition(":")
+    if not _DNS_NAME.fullmatch(name) or not (
+        port_text.isascii() and port_text.isdigit() and 0 < int(port_text) < 65536
+    ):
+        raise EnvoyConfigError(
+            "picker_address must be 'ip:port' or 'dns-name:port' such as 'inferlb-picker.llm.svc.cluster.local:9002'"
+            f"; got {address!r}"
+        )
+    return name.lower(), int(port_text), True
 
 
 def _address(text: str, what: str) -> tuple[str, int]:

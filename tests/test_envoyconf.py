@@ -21,6 +21,8 @@ CONFIG = parse_config(
     }
 )
 # Latency timed from the response stream instead of the servers' spans.
+# Envoy in a pod of its own, reaching the pickers through a headless Service's name.
+BY_NAME = "inferlb-picker-headless.llm.svc.cluster.local:9002"
 STREAM_TIMED = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:80"}]}, "otel": {"latency_source": "stream"}})
 
 
@@ -45,6 +47,7 @@ def clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         pytest.param("plain", EnvoyOptions(xds=True, cluster_mode="override-host"), id="xds-override-host"),
         pytest.param("plain", EnvoyOptions(cluster_mode="override-host"), id="static-override-host"),
         pytest.param("plain", EnvoyOptions(xds=True, tier="weights"), id="weights-tier"),
+        pytest.param("plain", EnvoyOptions(xds=True, picker_address=BY_NAME), id="picker-by-name"),
     ],
 )
 def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, config: str, options: EnvoyOptions) -> None:
@@ -128,6 +131,46 @@ def test_picker_on_all_interfaces_is_reached_over_loopback() -> None:
     doc = yaml.safe_load(render_bootstrap(config, EnvoyOptions()))
     address = clusters(doc)["inferlb_picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     assert address["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        pytest.param(BY_NAME, ("STRICT_DNS", "inferlb-picker-headless.llm.svc.cluster.local", 9002), id="dns-name"),
+        pytest.param("10.96.0.12:9002", ("STATIC", "10.96.0.12", 9002), id="ip"),
+        pytest.param("[fd00::12]:9002", ("STATIC", "fd00::12", 9002), id="ipv6"),
+    ],
+)
+def test_the_picker_may_be_reached_at_an_address_of_its_own(address: str, expected: tuple[str, str, int]) -> None:
+    config = parse_config({"listen": "0.0.0.0:9002", "pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}})
+    picker = clusters(yaml.safe_load(render_bootstrap(config, EnvoyOptions(picker_address=address))))["inferlb_picker"]
+    socket = picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert (picker["type"], socket["address"], socket["port_value"]) == expected
+    by_name = expected[0] == "STRICT_DNS"
+    assert ("dns_refresh_rate" in picker) == by_name
+    checks = [c["grpc_health_check"] for c in picker.get("health_checks", [])]
+    assert checks == ([{"service_name": "readiness"}] if by_name else [])
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        pytest.param("inferlb-picker", id="no-port"),
+        pytest.param("inferlb_picker.llm:9002", id="underscore"),
+        pytest.param("10.0.0.300:9002", id="bad-ip"),
+        pytest.param("inferlb-picker:0", id="port-0"),
+        pytest.param("http://inferlb-picker:9002", id="url"),
+    ],
+)
+def test_a_bad_picker_address_is_named(address: str) -> None:
+    with pytest.raises(EnvoyConfigError, match="picker_address"):
+        render_bootstrap(CONFIG, EnvoyOptions(picker_address=address))
+
+
+def test_tracing_does_not_go_with_a_picker_elsewhere() -> None:
+    config = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:80"}]}, "otel": {"receiver": "0.0.0.0:4317"}})
+    with pytest.raises(EnvoyConfigError, match="picker_address"):
+        render_bootstrap(config, EnvoyOptions(tracing=True, picker_address=BY_NAME))
 
 
 @pytest.mark.parametrize(
