@@ -52,13 +52,15 @@ def features_from_headers(
     session_header: str | None = None,
     class_header: str | None = None,
     experiment_headers: frozenset[str] = frozenset(),
+    objectives: bool = False,
 ) -> RequestFeatures:
     """Features from Envoy's ``HeaderValue`` list (``key`` and ``raw_value``); no body has been read.
 
     ``session_header`` names (in lower case, as Envoy sends header names) the header whose value becomes
     ``session_key``; an empty value counts as absent, and a repeated header's last value wins. ``class_header``
     likewise fills ``class_hint``, which request-class rules may match. The ``experiment_headers`` present go into
-    ``headers`` (name -> value), which experiments assign by.
+    ``headers`` (name -> value), which experiments assign by. With ``objectives``, an inference objective header
+    (`OBJECTIVE_HEADERS`) fills ``objective``.
     """
     found: dict[str, Any] = {}
     tagged: dict[str, str] | None = None
@@ -72,7 +74,7 @@ def features_from_headers(
             found["request_id"] = header_text(header)
         elif key == "traceparent":
             found["traceparent"] = header_text(header)
-        elif key in OBJECTIVE_HEADERS:
+        elif objectives and key in OBJECTIVE_HEADERS:
             found["objective"] = header_text(header) or None
         if key == session_header:
             found["session_key"] = header_text(header) or None

@@ -100,6 +100,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         leases: OpenLeases | None = None,
         experiments: Experiments | None = None,
         experiment_headers: Iterable[str] = (),
+        objectives: bool = False,
     ) -> None:
         for name, value in (("session_header", session_header), ("class_header", class_header)):
             if value is not None and (not value or value != value.strip()):
@@ -110,6 +111,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.class_header = class_header.lower() if class_header is not None else None
         # The headers experiments assign by: read from each request (Envoy forwards them) into its features.
         self.experiment_headers = frozenset(h.lower() for h in experiment_headers)
+        # Whether the inference objective header names the request's class (config inference_objectives).
+        self.objectives = objectives
         # With a join, every routed request gets a W3C traceparent (continuing the client's trace if it sent one)
         # and its trace id is remembered with the endpoint, so the server's span can be matched to the decision.
         self.trace_join = trace_join
@@ -182,7 +185,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 if kind == "request_headers":
                     headers = message.request_headers
                     features = features_from_headers(
-                        headers.headers.headers, self.session_header, self.class_header, self.experiment_headers
+                        headers.headers.headers,
+                        self.session_header,
+                        self.class_header,
+                        self.experiment_headers,
+                        self.objectives,
                     )
                     if message.HasField("metadata_context"):  # the gateway's subset hint, if it sent one
                         hint = subset_hint(message.metadata_context)

@@ -10,6 +10,7 @@ import jinja2
 import yaml
 
 from inferlb.filter.observe import OBSERVED_HEADERS
+from inferlb.filter.request import OBJECTIVE_HEADERS
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.config import Config
 
@@ -180,6 +181,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
                 *(h.lower() for h in options.forward_headers),
                 *filter(None, [config.session_header, config.class_header]),
                 *config.experiment_headers,  # experiments assign by them
+                *(OBJECTIVE_HEADERS if config.inference_objectives else ()),
             }
         ),
     )

@@ -311,6 +311,7 @@ class PickerProcess:
         self.service.max_body_bytes = config.max_body_bytes
         self.service.session_header = config.session_header
         self.service.class_header = config.class_header
+        self.service.objectives = config.inference_objectives
         self.service.experiment_headers = frozenset(config.experiment_headers)
         if self.spans is not None:
             self.spans.rebind(
@@ -471,6 +472,7 @@ def create_picker(
         leases=OpenLeases(max_age_s=config.inflight.max_age_s) if config.inflight.end == "access-log" else None,
         experiments=_experiments(config, engine, rng),
         experiment_headers=config.experiment_headers,
+        objectives=config.inference_objectives,
     )
     collector, gpu = _collectors(config, pool, signals, engine.inflight)
     spans = None

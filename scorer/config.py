@@ -764,6 +764,9 @@ class ConfigFile(Model):
     signals: SignalsConfig = Field(default_factory=SignalsConfig)
     profiles: dict[Text, ProfileFile] = Field(default_factory=dict)
     class_header: HeaderName = None
+    # The Endpoint Picker protocol's inference objective header names the request's class (off: whoever sends
+    # requests could pick any class by name; turn it on behind a gateway that sets or strips the header).
+    inference_objectives: Annotated[bool, FLAG] = False
     classes: tuple[ClassFile, ...] = ()
     default_class: Text | None = None
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
@@ -860,6 +863,7 @@ class Config:
     session_header: str | None = None
     admin: str | None = DEFAULT_ADMIN
     class_header: str | None = None
+    inference_objectives: bool = False
     classes: tuple[ClassRule, ...] = ()
     default_class: RequestClass = field(default_factory=lambda: RequestClass("default"))
     admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
@@ -936,6 +940,7 @@ def parse_config(data: Any) -> Config:
         session_header=doc.session_header,
         admin=doc.admin,
         class_header=doc.class_header,
+        inference_objectives=doc.inference_objectives,
         classes=rules,
         default_class=RequestClass("default") if doc.default_class is None else by_name[doc.default_class],
         admission=doc.admission,

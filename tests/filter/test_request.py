@@ -90,9 +90,15 @@ MAX = 1 << 20
     ],
 )
 def test_features_from_headers(headers: list[HeaderValue], expected: RequestFeatures) -> None:
-    features = features_from_headers(headers)
+    features = features_from_headers(headers, objectives=True)
     assert features == expected
     assert features.model is None
+
+
+def test_the_objective_header_names_nothing_unless_the_operator_turns_it_on() -> None:
+    headers = [HeaderValue(key="x-gateway-inference-objective", raw_value=b"critical")]
+    assert features_from_headers(headers).objective is None  # inference_objectives: false, the default
+    assert features_from_headers(headers, objectives=True).objective == "critical"
 
 
 def _apply(body: bytes, *, complete: bool = True, max_bytes: int = MAX) -> RequestFeatures:

@@ -104,6 +104,7 @@ async def test_a_sheddable_inference_objective_gets_429_when_everything_is_full(
     ).classes
     engine = server.service.engine
     server.service.swap_router(Router(engine, Classifier((*RULES, *sheddable)), poll_s=3600))
+    server.service.objectives = True  # config inference_objectives: true
     signals.publish(signals.snapshot.with_values(waiting=[50, 50, 50]))
     body = {"model": MODEL, "prompt": "hi", "stream": True}  # would be "interactive" (which waits) by the rules
     reply = await route_buffered(server, body, {header: "bulk"})

@@ -119,8 +119,8 @@ ERRORS = [
     pytest.param(
         _doc(polcy="round-robin"),
         r"^config: unknown key 'polcy' \(allowed: admin, admin_auth, admission, class_header, classes, default_class, "
-        r"destinations, drain_s, experiments, inflight, listen, max_body_bytes, otel, policy, pool, profiles, "
-        r"session_header, signals, weights_interval_s\)$",
+        r"destinations, drain_s, experiments, inference_objectives, inflight, listen, max_body_bytes, otel, policy, "
+        r"pool, profiles, session_header, signals, weights_interval_s\)$",
         id="unknown-top-key",
     ),
     pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
@@ -962,8 +962,8 @@ def _at(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
             (),
             "config",
             "admin, admin_auth, admission, class_header, classes, default_class, destinations, drain_s, "
-            "experiments, inflight, listen, max_body_bytes, otel, policy, pool, profiles, session_header, signals, "
-            "weights_interval_s",
+            "experiments, inference_objectives, inflight, listen, max_body_bytes, otel, policy, pool, profiles, "
+            "session_header, signals, weights_interval_s",
             id="top",
         ),
         pytest.param(("pool",), "pool", "allowed_networks, discovery, endpoints, slow_start", id="pool"),
