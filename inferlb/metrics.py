@@ -58,6 +58,11 @@ __all__ = [
 ]
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+# Refusals shown as zero before the first: a malformed request, an unknown model, a body too large, a request shed
+# under load, no endpoint available.
+KNOWN_REFUSALS = (400, 404, 413, 429, 503)
+# The experiment guard's changes of weight, shown per arm as zero before the first.
+GUARD_CHANGES = ("cut", "rolled-back")
 """What ``/metrics`` answers with: the text format `generate_latest` writes (0.0.4)."""
 
 
@@ -134,8 +139,10 @@ class Readings:
         now = time.monotonic()
         readings = cls(
             decisions=dict(log.by_endpoint),
-            refused=dict(log.refused),
-            shed=dict(log.shed),
+            # Every refusal the filter answered (400, 404, 413, 429, 503, ...), and a zero for the usual ones and for
+            # every class that sheds: a series that appears only at its first event hides that event from rate().
+            refused=dict.fromkeys(KNOWN_REFUSALS, 0) | dict(picker.service.stats.refused),
+            shed=dict.fromkeys(_shedding(picker), 0) | dict(log.shed),
             pick_s=log.pick_s.copy(),
             addresses=addresses,
             scrape_errors=None if errors is None else [errors.get(a, 0) for a in addresses],
@@ -171,10 +178,20 @@ class Readings:
                 for arm in experiment.arms:
                     o = arm.outcomes
                     arms[name, arm.name] = (weights[arm.name], o.requests, o.finished, o.failed, o.shed)
+                for arm in experiment.arms:  # the guard's changes, zero until the first
+                    for kind in GUARD_CHANGES:
+                        changes[name, arm.name, kind] = 0
                 for (arm_name, kind), n in experiment.changes.items():
                     changes[name, arm_name, kind] = n
             extra["arms"], extra["weight_changes"] = arms, changes
         return dataclasses.replace(readings, **extra) if extra else readings
+
+
+def _shedding(picker: PickerProcess) -> list[str]:
+    """The names of the request classes that shed under load."""
+    classifier = picker.service.router.classifier
+    classes = [rule.request_class for rule in classifier.rules] + [classifier.default]
+    return [c.name for c in classes if c.on_saturation == "shed"]
 
 
 def _states(engine: Engine) -> dict[str, int]:

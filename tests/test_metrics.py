@@ -102,7 +102,7 @@ async def test_counters_read_the_pickers_own_counts_at_scrape_time() -> None:
     log = picker.service.decisions
     log.by_endpoint[ENDPOINTS[0], "max-score"] += 3
     log.by_endpoint[ENDPOINTS[1], 'odd "reason"\\\n'] += 1
-    log.refused[429] += 2
+    picker.service.stats.refused[429] += 2  # every refusal the filter answers, not only the routing ones
     log.shed["batch"] += 1
     picker.engine.scorer_errors["kv-cache"] += 4
     registry = picker_registry(picker)
@@ -112,7 +112,8 @@ async def test_counters_read_the_pickers_own_counts_at_scrape_time() -> None:
         (("endpoint", ENDPOINTS[0]), ("reason", "max-score")): 3,
         (("endpoint", ENDPOINTS[1]), ("reason", 'odd "reason"\\\n')): 1,
     }
-    assert _values(families["inferlb_refused"]) == {(("status", "429"),): 2}
+    zero = {(("status", str(status)),): 0 for status in (400, 404, 413, 429, 503)}  # present before the first
+    assert _values(families["inferlb_refused"]) == zero | {(("status", "429"),): 2}
     assert _values(families["inferlb_shed"]) == {(("class", "batch"),): 1}
     assert _values(families["inferlb_scorer_errors"]) == {(("scorer", "kv-cache"),): 4}
     assert _values(families["inferlb_config_reloads"]) == {(): 0}
@@ -143,9 +144,9 @@ async def test_counters_read_the_pickers_own_counts_at_scrape_time() -> None:
         )
     }
     # Read again, the same registry sees what changed since: nothing is cached or counted twice.
-    log.refused[429] += 1
+    picker.service.stats.refused[429] += 1
     again = {f.name: f for f in registry.collect()}
-    assert _values(again["inferlb_refused"]) == {(("status", "429"),): 3}
+    assert _values(again["inferlb_refused"]) == zero | {(("status", "429"),): 3}
 
 
 async def test_histograms_are_cumulative_with_sum_and_count() -> None:
@@ -188,11 +189,11 @@ def test_a_histogram_family_of_several_series() -> None:
 
 async def test_two_pickers_each_have_their_own_registry() -> None:
     one, two = _picker(), _picker()
-    one.service.decisions.refused[404] += 1
+    one.service.stats.refused[404] += 1
     first, second = picker_registry(one), picker_registry(two)
     assert first is not second
     refused = [{f.name: f for f in r.collect()}["inferlb_refused"] for r in (first, second)]
-    assert [len(f.samples) for f in refused] == [1, 0]
+    assert [_values(f)[(("status", "404"),)] for f in refused] == [1, 0]
 
 
 async def test_the_admin_app_serves_the_text_format() -> None:
@@ -209,10 +210,26 @@ async def test_the_admin_app_serves_the_text_format() -> None:
 
 async def test_a_scrape_formats_on_a_worker_thread_what_it_read_on_the_loop() -> None:
     picker = _picker(otel={"latency_source": "stream"})
-    picker.service.decisions.refused[503] += 1
+    picker.service.stats.refused[503] += 1
     registry = picker_registry(picker)
     body = await scrape(registry, picker)
     assert body.decode() == prometheus_text(picker)
     # What the scrape read is its own: counting on afterwards changes the next scrape only.
-    picker.service.decisions.refused[503] += 1
-    assert _values(_families((await scrape(registry, picker)).decode())["inferlb_refused"]) == {(("status", "503"),): 2}
+    picker.service.stats.refused[503] += 1
+    assert _values(_families((await scrape(registry, picker)).decode())["inferlb_refused"])[(("status", "503"),)] == 2
+
+
+async def test_a_shedding_class_and_the_guards_changes_show_zero_before_their_first() -> None:
+    """A series that appears only at its first event hides that event from rate() and increase()."""
+    arms = [{"name": "a", "profile": "default", "weight": 0.5}, {"name": "b", "profile": "round-robin", "weight": 0.5}]
+    picker = _picker(
+        classes=[{"name": "bulk", "priority": -1}, {"name": "chat", "priority": 1}],
+        experiments=[{"name": "ab", "arms": arms}],
+    )
+    families = _families(prometheus_text(picker))
+    assert _values(families["inferlb_shed"]) == {(("class", "bulk"),): 0}  # chat waits: it is never shed
+    changes = _values(families["inferlb_experiment_weight_changes"])
+    for arm in ("a", "b"):
+        for kind in ("cut", "rolled-back"):
+            assert changes[(("arm", arm), ("experiment", "ab"), ("kind", kind))] == 0
+    assert changes[(("arm", ""), ("experiment", "ab"), ("kind", "started"))] == 1
