@@ -355,6 +355,34 @@ def _trace_id(traceparent: str | None) -> bytes | None:
     return raw if any(raw) else None
 
 
+class WaitingHealth:
+    """The picker's gRPC port while it waits for its discovery source's first member, before it can route: gRPC
+    health only, ``liveness`` SERVING (the process is fine: a kubelet must not restart it) and the rest
+    NOT_SERVING (it takes no request yet). ``stop`` frees the port for the `PickerServer`."""
+
+    def __init__(self, listen: str) -> None:
+        self.listen = listen
+        self.health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        try:
+            self.port = self._server.add_insecure_port(self.listen)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {self.listen}: {exc}") from exc
+        await self._server.start()
+        for name in HEALTH_SERVICES:
+            alive = name == "liveness"
+            await self.health.set(
+                name, health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+
+    async def stop(self) -> None:
+        await self._server.stop(0)
+
+
 class PickerServer:
     """The picker's gRPC server: the ext_proc service, Envoy's access-log service (which ends held leases) and
     gRPC health (``liveness``, ``readiness`` and the service names). ``start`` binds and serves; ``stop`` reports

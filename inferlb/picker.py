@@ -25,7 +25,7 @@ import numpy as np
 
 from inferlb.admin import create_admin_app
 from inferlb.filter.requestend import OpenLeases
-from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer
+from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer, WaitingHealth
 from inferlb.filter.xds import ControlPlane, Member
 from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
@@ -577,7 +577,13 @@ async def serve(config: Config, config_path: Path | None = None, *, listen_overr
     if config.discovery is not None and not config.endpoints:
         source = discovery_source(config)
         assert source is not None
-        discovered = await first_membership(source)
+        # Meanwhile the gRPC port answers health checks: alive, not ready.
+        waiting = WaitingHealth(listen_override or config.listen)
+        await waiting.start()
+        try:
+            discovered = await first_membership(source)
+        finally:
+            await waiting.stop()
     picker = create_picker(config, config_path=config_path, discovered=discovered)
     picker.listen_override = listen_override
     await picker.start()

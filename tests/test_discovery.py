@@ -5,14 +5,17 @@ latency statistics), and /endpoints and /metrics say so. Real etcd, emulated ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.bench.etcdserver import delete, etcd_server, put
-from inferlb.picker import create_picker, first_membership
+from inferlb.picker import create_picker, first_membership, serve
 from inferlb.procs import free_port
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.etcd import EtcdSource
@@ -154,3 +157,33 @@ async def test_without_static_endpoints_the_picker_waits_for_its_first_member(et
     put(etcd, PREFIX + "x", {"address": "127.0.0.9:8000"})
     found = await asyncio.wait_for(waiting, 5)
     assert [e.address for e in found] == ["127.0.0.9:8000"]
+
+
+async def test_while_it_waits_for_its_first_member_the_picker_is_alive_but_not_ready(etcd: str, servers) -> None:
+    """A kubelet's probes: liveness SERVING from the start (waiting for servers is no fault to restart for),
+    readiness NOT_SERVING until the picker can route, then SERVING on the same port."""
+    config = parse_config({**document(etcd, []), "admin": None})
+    running = asyncio.create_task(serve(config))
+
+    async def status(service: str) -> int | None:
+        try:
+            async with grpc.aio.insecure_channel(config.listen) as channel:
+                request = health_pb2.HealthCheckRequest(service=service)
+                reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=1)
+                return int(reply.status)
+        except grpc.aio.AioRpcError:
+            return None  # not listening (yet, or between the two servers)
+
+    async def both_are(liveness: int, readiness: int) -> bool:
+        return (await status("liveness"), await status("readiness")) == (liveness, readiness)
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        await until(lambda: both_are(serving, not_serving), "alive, not ready, while it waits", timeout=10)
+        assert not running.done()
+        put(etcd, PREFIX + "a", {"address": servers[0].address, "models": ["m"]})
+        await until(lambda: both_are(serving, serving), "ready once it routes", timeout=10)
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
