@@ -10,12 +10,14 @@ import json
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
     BodyResponse,
     CommonResponse,
     HeaderMutation,
     HeadersResponse,
     ImmediateResponse,
     ProcessingResponse,
+    StreamedBodyResponse,
     TrailersResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
@@ -100,6 +102,24 @@ def with_header(reply: ProcessingResponse, key: str, value: str) -> ProcessingRe
         HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode("ascii")), append_action=_OVERWRITE)
     )
     return out
+
+
+STREAMED_CHUNK_BYTES = 64 << 10  # Envoy's advice for a streamed body response's chunk
+
+
+def streamed_body(body: bytes, *, trailers: bool) -> list[ProcessingResponse]:
+    """The replies that give Envoy back a request body the picker took in FULL_DUPLEX_STREAMED mode (which
+    forwards only what comes back): its bytes in chunks of at most ``STREAMED_CHUNK_BYTES``, the last one ending
+    the stream, or, with ``trailers`` (they ended it), followed by the trailers' reply."""
+    pieces = [body[i : i + STREAMED_CHUNK_BYTES] for i in range(0, len(body), STREAMED_CHUNK_BYTES)] or [b""]
+    replies = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1 and not trailers
+        mutation = BodyMutation(streamed_response=StreamedBodyResponse(body=piece, end_of_stream=last))
+        replies.append(ProcessingResponse(request_body=BodyResponse(response=CommonResponse(body_mutation=mutation))))
+    if trailers:
+        replies.append(CONTINUE["request_trailers"])
+    return replies
 
 
 def with_body(reply: ProcessingResponse, body: bytes) -> ProcessingResponse:

@@ -39,9 +39,23 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from inferlb.filter.errors import MalformedRequestError, OverloadedError, RequestError, from_routing_error
+from inferlb.filter.errors import (
+    MalformedRequestError,
+    OverloadedError,
+    PayloadTooLargeError,
+    RequestError,
+    from_routing_error,
+)
 from inferlb.filter.observe import ObserveStats, time_response
-from inferlb.filter.replies import CONTINUE, RouteReplies, error_reply, listed_reply, with_body, with_header
+from inferlb.filter.replies import (
+    CONTINUE,
+    RouteReplies,
+    error_reply,
+    listed_reply,
+    streamed_body,
+    with_body,
+    with_header,
+)
 from inferlb.filter.request import apply_body, features_from_headers, subset_hint, with_model
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.filter.requestend import add_to_server as add_access_log_service
@@ -158,6 +172,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         features: RequestFeatures | None = None
         raw_body: bytes | None = None
         decided = False
+        # FULL_DUPLEX_STREAMED: the body's chunks as they come (Envoy forwards only what the picker sends back).
+        duplex: list[bytes] | None = None
+        duplex_bytes = 0
+        trailers = False
         # With Envoy's own tracing on, Envoy sends its trace context on this gRPC stream and later replaces the
         # traceparent we set on the upstream request with its own: the server's span then carries Envoy's trace
         # id, so the join remembers that one too.
@@ -178,11 +196,33 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         )
                     return
                 kind = message.WhichOneof("request")
-                if decided or kind not in ("request_headers", "request_body"):
+                if duplex is not None and not decided and kind in ("request_body", "request_trailers"):
+                    if kind == "request_body":
+                        chunk = message.request_body
+                        duplex_bytes += len(chunk.body)
+                        if duplex_bytes > self.max_body_bytes:
+                            limit = f"request body is over the limit of {self.max_body_bytes} bytes"
+                            yield self._refuse(PayloadTooLargeError(limit))
+                            return
+                        duplex.append(chunk.body)
+                        if not chunk.end_of_stream:
+                            continue  # no reply per chunk: the whole body comes back once routed
+                    else:
+                        trailers = True  # they end a body whose last chunk did not say so
+                    raw_body = b"".join(duplex)
+                    try:
+                        features = apply_body(
+                            features or RequestFeatures(), raw_body, complete=True, max_bytes=self.max_body_bytes
+                        )
+                    except RequestError as exc:
+                        yield self._refuse(exc)
+                        return
+                    replies = self.replies.headers  # the headers' reply, held back until the body was in
+                elif decided or kind not in ("request_headers", "request_body"):
                     if kind in CONTINUE:
                         yield CONTINUE[kind]
                     continue
-                if kind == "request_headers":
+                elif kind == "request_headers":
                     headers = message.request_headers
                     features = features_from_headers(
                         headers.headers.headers,
@@ -195,7 +235,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         hint = subset_hint(message.metadata_context)
                         if hint is not None:
                             features = features.hinted(hint)
-                    wants_body = message.protocol_config.request_body_mode in _BUFFERED
+                    body_mode = message.protocol_config.request_body_mode
+                    wants_body = body_mode in _BUFFERED or body_mode == ProcessingMode.FULL_DUPLEX_STREAMED
+                    if body_mode == ProcessingMode.FULL_DUPLEX_STREAMED and not headers.end_of_stream:
+                        duplex = []  # the headers' reply waits for the body, which Envoy streams meanwhile
+                        continue
                     if wants_body and not headers.end_of_stream:
                         yield CONTINUE["request_headers"]
                         continue
@@ -227,10 +271,15 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
                     yield self._refuse(refusal)
                     return  # an ImmediateResponse ends the request: nothing more will come
-                reply, lease = self._route(features, replies, saturated, envoy_trace, raw_body)
+                reply, lease, forwarded = self._route(
+                    features, replies, saturated, envoy_trace, raw_body, streamed=duplex is not None
+                )
                 yield reply
                 if lease is None:
                     return  # refused by the engine
+                if duplex is not None:
+                    for part in streamed_body(forwarded or b"", trailers=trailers):
+                        yield part
                 leases = self.leases
                 if leases is not None and features.request_id:
                     # Nothing more to say on this stream. Ending it here means a picker that exits later cannot cut
@@ -278,9 +327,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         saturated: bool = False,
         envoy_trace: bytes | None = None,
         body: bytes | None = None,
-    ) -> tuple[ProcessingResponse, Lease | None]:
-        """The reply that routes ``features`` (and its lease), or a refusal. ``body``: the request's body, which a
-        release arm that sends its requests as another model rewrites."""
+        *,
+        streamed: bool = False,
+    ) -> tuple[ProcessingResponse, Lease | None, bytes | None]:
+        """The reply that routes ``features``, its lease and the body to forward; or a refusal (no lease).
+        ``body``: the request's body, which a release arm that sends its requests as another model rewrites: in
+        the reply, or, ``streamed`` (FULL_DUPLEX_STREAMED, where the body goes back in pieces after the reply), in
+        the body returned."""
         spans = self.route_spans
         started_ns = time.time_ns() if spans is not None else 0
         try:
@@ -290,7 +343,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             self.decisions.record_refusal(features.request_id, features.model, error.status)
             if spans is not None:
                 spans.refused(features, error.status, error.type, started_ns)
-            return self._refuse(error), None
+            return self._refuse(error), None, None
         decision = routed.decision
         arm = routed.arm
         label = None if arm is None else (arm.experiment, arm.name)
@@ -306,15 +359,17 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if arm is not None and arm.spec.model is not None and body is not None:
             # features.model is already the arm's (admission set it); the client's body still names its own.
             try:
-                reply = with_body(reply, with_model(body, arm.spec.model))
+                body = with_model(body, arm.spec.model)
             except RequestError as exc:  # apply_body read this body, so only a parser's disagreement gets here
                 routed.lease.release()
-                return self._refuse(exc), None
+                return self._refuse(exc), None, None
+            if not streamed:
+                reply = with_body(reply, body)
         join = self.trace_join
         traced = spans.routed(features, decision, started_ns) if spans is not None else None
         if traced is None:
             if join is None:
-                return reply, routed.lease
+                return reply, routed.lease, body
             trace_id = _trace_id(features.traceparent) or os.urandom(16)
             traceparent = f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"
         else:
@@ -322,7 +377,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if join is not None:
             # One decision, one span: Envoy's trace id (with Envoy's tracing on) is an alias of the same decision.
             join.record(trace_id, index, also=envoy_trace, request_id=features.request_id)
-        return with_header(reply, "traceparent", traceparent), routed.lease
+        return with_header(reply, "traceparent", traceparent), routed.lease, body
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:
         self.stats.refused[error.status] += 1

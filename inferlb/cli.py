@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from inferlb import configcmd
-from inferlb.envoyconf import CLUSTER_MODES, FALLBACK_POLICIES, TIERS, EnvoyConfigError, EnvoyOptions, render_bootstrap
+from inferlb.envoyconf import (
+    BODY_MODES,
+    CLUSTER_MODES,
+    FALLBACK_POLICIES,
+    TIERS,
+    EnvoyConfigError,
+    EnvoyOptions,
+    render_bootstrap,
+)
 from inferlb.scorer.config import load_config
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.presets import PRESET_NAMES
@@ -144,6 +152,12 @@ def _parser() -> argparse.ArgumentParser:
         help="per-request: the picker picks each request; weights: Envoy's own balancer over the picker's weights",
     )
     envoy.add_argument(
+        "--body-mode",
+        default="buffered",
+        choices=BODY_MODES,
+        help="how body routes reach the picker: buffered (whole), or full-duplex (FULL_DUPLEX_STREAMED, streamed)",
+    )
+    envoy.add_argument(
         "--picker-address",
         help="where Envoy reaches the picker, ip:port or dns-name:port (a name is re-resolved every second and each "
         "address health-checked); default: the config's listen address",
@@ -257,6 +271,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
         retries=args.retries,
         tier=args.tier,
         picker_address=args.picker_address,
+        body_mode=args.body_mode,
     )
     text = render_bootstrap(load_config(args.config), options)
     if args.out:

@@ -20,6 +20,7 @@ BODY_ROUTES = ("/v1/completions", "/v1/chat/completions")
 FALLBACK_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
 CLUSTER_MODES = ("original-dst", "override-host")
 TIERS = ("per-request", "weights")
+BODY_MODES = ("buffered", "full-duplex")
 # The request headers Envoy sends to the picker; it reads nothing else.
 # traceparent: the picker continues the client's trace when it injects its own into the upstream request.
 FORWARD_HEADERS = (":path", ":method", "x-request-id", "traceparent")
@@ -80,6 +81,9 @@ class EnvoyOptions:
     request_timeout_ms: int = 30_000
     stream_idle_timeout_ms: int = 300_000
     picker_address: str | None = None
+    # How the body routes' JSON reaches the picker: "buffered" (Envoy buffers it whole and sends it in one
+    # message) or "full-duplex" (FULL_DUPLEX_STREAMED: chunks as they arrive; the picker gives the body back).
+    body_mode: str = "buffered"
 
 
 def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
@@ -110,6 +114,8 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
     xds = options.xds if options.xds is not None else config.discovery is not None
     if options.cluster_mode not in CLUSTER_MODES:
         raise EnvoyConfigError(f"cluster_mode must be one of {', '.join(CLUSTER_MODES)}; got {options.cluster_mode!r}")
+    if options.body_mode not in BODY_MODES:
+        raise EnvoyConfigError(f"body_mode must be one of {', '.join(BODY_MODES)}; got {options.body_mode!r}")
     if options.tier not in TIERS:
         raise EnvoyConfigError(f"tier must be one of {', '.join(TIERS)}; got {options.tier!r}")
     if options.tier == "weights" and not (xds and options.picker):
@@ -172,6 +178,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         max_requests=options.max_requests,
         access_log_path=options.access_log_path,
         body_routes=BODY_ROUTES,
+        full_duplex=options.body_mode == "full-duplex",
         observe=options.picker and config.otel.latency_source == "stream",
         observed_headers=OBSERVED_HEADERS,
         # The session header is the picker's input for session affinity: Envoy must send it.

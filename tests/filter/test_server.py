@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
     HttpHeaders,
+    HttpTrailers,
     ProcessingRequest,
     ProcessingResponse,
     ProtocolConfiguration,
@@ -370,3 +371,55 @@ async def test_a_subset_hint_reaches_body_routes_too(picker: PickerServer) -> No
     reply = await envoy.send(body_message({"model": MODEL, "prompt": "hello"}))
     assert destination(reply) == ENDPOINTS[0]
     await envoy.close()
+
+
+class DuplexEnvoy(FakeEnvoy):
+    """A stream in FULL_DUPLEX_STREAMED mode: Envoy sends on without waiting for replies."""
+
+    async def write(self, message: ProcessingRequest) -> None:
+        await self.call.write(message)
+
+    async def read(self, count: int) -> list[ProcessingResponse]:
+        return [await asyncio.wait_for(self.call.read(), 5) for _ in range(count)]
+
+
+def streamed(reply: ProcessingResponse) -> tuple[bytes, bool]:
+    assert reply.WhichOneof("response") == "request_body"
+    part = reply.request_body.response.body_mutation.streamed_response
+    return part.body, part.end_of_stream
+
+
+@pytest.mark.parametrize("trailers", [False, True], ids=["last-chunk-ends", "trailers-end"])
+async def test_full_duplex_streamed_bodies_are_routed_once_whole_and_given_back(trailers: bool) -> None:
+    picker = PickerServer(ExtProcService(make_engine(), max_body_bytes=1 << 20), "127.0.0.1:0")
+    await picker.start()
+    body = json.dumps({"model": MODEL, "prompt": "x" * 100_000}).encode()  # two chunks back: 64 KiB at most each
+    envoy = DuplexEnvoy(picker)
+    await envoy.write(headers_message(body_mode=ProcessingMode.FULL_DUPLEX_STREAMED))
+    half = len(body) // 2
+    await envoy.write(body_message(body[:half], eos=False))
+    await envoy.write(body_message(body[half:], eos=not trailers))
+    if trailers:
+        await envoy.write(ProcessingRequest(request_trailers=HttpTrailers()))
+    first, *rest = await envoy.read(4 if trailers else 3)
+    assert first.WhichOneof("response") == "request_headers" and destination(first) in ENDPOINTS
+    parts = [streamed(r) for r in rest[:2]]
+    assert b"".join(p for p, _ in parts) == body and all(len(p) <= 64 << 10 for p, _ in parts)
+    assert [eos for _, eos in parts] == [False, not trailers]
+    if trailers:
+        assert rest[2].WhichOneof("response") == "request_trailers"
+    assert picker.service.engine.inflight.total() == 1
+    await envoy.close()
+    await picker.stop(0)
+
+
+async def test_a_full_duplex_body_over_the_limit_is_a_413(picker: PickerServer) -> None:
+    envoy = DuplexEnvoy(picker)
+    await envoy.write(headers_message(body_mode=ProcessingMode.FULL_DUPLEX_STREAMED))
+    await envoy.write(body_message(b"x" * 3000, eos=False))
+    await envoy.write(body_message(b"x" * 3000, eos=False))  # 6000 bytes: the limit is 4096
+    [reply] = await envoy.read(1)
+    code, payload = immediate(reply)
+    assert code == 413 and "4096" in payload["error"]["message"]
+    assert picker.service.engine.inflight.total() == 0
+    await envoy.channel.close()
