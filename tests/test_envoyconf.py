@@ -48,6 +48,7 @@ def clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         pytest.param("plain", EnvoyOptions(cluster_mode="override-host"), id="static-override-host"),
         pytest.param("plain", EnvoyOptions(xds=True, tier="weights"), id="weights-tier"),
         pytest.param("plain", EnvoyOptions(xds=True, picker_address=BY_NAME), id="picker-by-name"),
+        pytest.param("plain", EnvoyOptions(body_mode="full-duplex"), id="full-duplex"),
     ],
 )
 def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, config: str, options: EnvoyOptions) -> None:
@@ -112,6 +113,12 @@ def test_routes_opt_in_and_out_of_the_picker() -> None:
         mode = routes[path]["typed_per_filter_config"][per_route]["overrides"]["processing_mode"]
         # BUFFERED, not BUFFERED_PARTIAL: with a partial buffer Envoy may route before the picker's answer.
         assert mode["request_body_mode"] == "BUFFERED"
+    # Full duplex streams the body (its trailers end it, when there are any: Envoy requires them sent).
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(body_mode="full-duplex")))
+    duplex = {r["name"]: r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        mode = duplex[path]["typed_per_filter_config"][per_route]["overrides"]["processing_mode"]
+        assert (mode["request_body_mode"], mode["request_trailer_mode"]) == ("FULL_DUPLEX_STREAMED", "SEND")
     # Order matters: "picked" must be matched before the fallback routes once the picker set the header.
     names = list(routes)
     assert names.index("models") < names.index("picked") < names.index("/v1/completions") < names.index("v1")
@@ -180,6 +187,7 @@ def test_tracing_does_not_go_with_a_picker_elsewhere() -> None:
         pytest.param(EnvoyOptions(admin="127.0.0.1"), "admin", id="admin-without-port"),
         pytest.param(EnvoyOptions(fallback_lb_policy="MAGLEV"), "fallback LB policy", id="lb-policy"),
         pytest.param(EnvoyOptions(message_timeout_ms=0), "message_timeout_ms", id="timeout"),
+        pytest.param(EnvoyOptions(body_mode="streamed"), "body_mode", id="body-mode"),
     ],
 )
 def test_invalid_options_are_named(options: EnvoyOptions, words: str) -> None:
