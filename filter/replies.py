@@ -122,6 +122,19 @@ def streamed_body(body: bytes, *, trailers: bool) -> list[ProcessingResponse]:
     return replies
 
 
+SCORES_KEY = "x-inferlb-scores"  # config debug_scores: the candidates' scores, in envoy.lb metadata and a header
+SCORES_LISTED = 8  # the best this many
+
+
+def with_scores(reply: ProcessingResponse, scores: str) -> ProcessingResponse:
+    """A copy of a route reply whose ``envoy.lb`` metadata also holds ``scores`` (Envoy puts it in a response
+    header: config ``debug_scores``)."""
+    out = ProcessingResponse()
+    out.CopyFrom(reply)
+    out.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields[SCORES_KEY].string_value = scores
+    return out
+
+
 def with_body(reply: ProcessingResponse, body: bytes) -> ProcessingResponse:
     """A copy of a prebuilt body-phase route reply that also replaces the request body Envoy forwards with ``body``,
     and sets its content-length: with headers sent and the body buffered, Envoy leaves that to the processor (the

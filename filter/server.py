@@ -49,12 +49,14 @@ from inferlb.filter.errors import (
 from inferlb.filter.observe import ObserveStats, time_response
 from inferlb.filter.replies import (
     CONTINUE,
+    SCORES_LISTED,
     RouteReplies,
     error_reply,
     listed_reply,
     streamed_body,
     with_body,
     with_header,
+    with_scores,
 )
 from inferlb.filter.request import apply_body, features_from_headers, subset_hint, with_model
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
@@ -127,6 +129,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.experiment_headers = frozenset(h.lower() for h in experiment_headers)
         # Whether the inference objective header names the request's class (config inference_objectives).
         self.objectives = objectives
+        # Whether each route reply lists the candidates' scores (config debug_scores).
+        self.debug_scores = False
         # With a join, every routed request gets a W3C traceparent (continuing the client's trace if it sent one)
         # and its trace id is remembered with the endpoint, so the server's span can be matched to the decision.
         self.trace_join = trace_join
@@ -356,6 +360,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             endpoints = self.router.pool.endpoints
             listed = ",".join(endpoints[i].address for i in decision.ranked[: self.destinations])
             reply = listed_reply(listed, replies is self.replies.body)
+        if self.debug_scores:
+            endpoints = self.router.pool.endpoints
+            by = dict(zip(decision.candidates.tolist(), decision.totals.tolist(), strict=True))
+            ranked = [f"{endpoints[i].address}={by[i]:.3f}" for i in decision.ranked[:SCORES_LISTED]]
+            reply = with_scores(reply, ",".join(ranked))
         if arm is not None and arm.spec.model is not None and body is not None:
             # features.model is already the arm's (admission set it); the client's body still names its own.
             try:

@@ -179,6 +179,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         access_log_path=options.access_log_path,
         body_routes=BODY_ROUTES,
         full_duplex=options.body_mode == "full-duplex",
+        debug_scores=config.debug_scores,
         observe=options.picker and config.otel.latency_source == "stream",
         observed_headers=OBSERVED_HEADERS,
         # The session header is the picker's input for session affinity: Envoy must send it.

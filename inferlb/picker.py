@@ -312,6 +312,7 @@ class PickerProcess:
         self.service.session_header = config.session_header
         self.service.class_header = config.class_header
         self.service.objectives = config.inference_objectives
+        self.service.debug_scores = config.debug_scores
         self.service.experiment_headers = frozenset(config.experiment_headers)
         if self.spans is not None:
             self.spans.rebind(
@@ -474,6 +475,7 @@ def create_picker(
         experiment_headers=config.experiment_headers,
         objectives=config.inference_objectives,
     )
+    service.debug_scores = config.debug_scores
     collector, gpu = _collectors(config, pool, signals, engine.inflight)
     spans = None
     if config.otel.receiver is not None or config.otel.latency_source == "stream":

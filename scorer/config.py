@@ -767,6 +767,9 @@ class ConfigFile(Model):
     # The Endpoint Picker protocol's inference objective header names the request's class (off: whoever sends
     # requests could pick any class by name; turn it on behind a gateway that sets or strips the header).
     inference_objectives: Annotated[bool, FLAG] = False
+    # For debugging: each routed response names the candidates' scores (header x-inferlb-scores). Off: it shows
+    # clients the pool's addresses.
+    debug_scores: Annotated[bool, FLAG] = False
     classes: tuple[ClassFile, ...] = ()
     default_class: Text | None = None
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
@@ -864,6 +867,7 @@ class Config:
     admin: str | None = DEFAULT_ADMIN
     class_header: str | None = None
     inference_objectives: bool = False
+    debug_scores: bool = False
     classes: tuple[ClassRule, ...] = ()
     default_class: RequestClass = field(default_factory=lambda: RequestClass("default"))
     admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig())
@@ -941,6 +945,7 @@ def parse_config(data: Any) -> Config:
         admin=doc.admin,
         class_header=doc.class_header,
         inference_objectives=doc.inference_objectives,
+        debug_scores=doc.debug_scores,
         classes=rules,
         default_class=RequestClass("default") if doc.default_class is None else by_name[doc.default_class],
         admission=doc.admission,

@@ -108,7 +108,8 @@ async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, se
         routed = sum(s.value for s in metrics["inferlb_decisions"].samples)
         assert routed == 5
         assert metrics["inferlb_pick_seconds"].type == "histogram"
-        assert [s.labels for s in metrics["inferlb_refused"].samples] == [{"status": "404"}]
+        refused = {s.labels["status"]: s.value for s in metrics["inferlb_refused"].samples}
+        assert refused == {"400": 0, "404": 1, "413": 0, "429": 0, "503": 0}  # the usual ones, zero before the first
         assert all(s.value == 0 for s in metrics["inferlb_endpoint_stale"].samples)
 
 
@@ -258,12 +259,13 @@ async def test_experiments_are_shown_steered_by_the_operator_only_and_counted_in
                 (s.labels["arm"], s.labels["kind"]): s.value
                 for s in metrics["inferlb_experiment_weight_changes"].samples
             }
-            assert changes == {("", "started"): 1, ("", "set"): 1, ("", "paused"): 1}
+            guard = {(arm, kind): 0 for arm in ("stable", "canary") for kind in ("cut", "rolled-back")}
+            assert changes == guard | {("", "started"): 1, ("", "set"): 1, ("", "paused"): 1}
         # Paused: covered requests route as the rest do, and the canary's endpoint stays reserved for its arm.
         for i in range(20):
             admitted = router.admit(RequestFeatures(model="m", request_id=f"p{i}", prompt_tokens=10)).request
             assert admitted.arm is None
-            reply, lease = picker.service._route(admitted, tuple(range(3)))
+            reply, lease, _ = picker.service._route(admitted, tuple(range(3)))
             assert reply != 2
             lease.release()
     finally:
@@ -294,7 +296,7 @@ async def test_with_span_latency_the_servers_spans_are_the_experiments_outcomes(
     for i in range(40):
         trace = f"{i + 1:032x}"
         features = RequestFeatures(model="m", request_id=f"r{i}", traceparent=f"00-{trace}-{1:016x}-01")
-        _, lease = picker.service._route(router.admit(features).request, replies)
+        _, lease, _ = picker.service._route(router.admit(features).request, replies)
         lease.release()
         traces.append(bytes.fromhex(trace))
     joiner = picker.spans.receiver.joiner

@@ -118,9 +118,9 @@ ERRORS = [
     pytest.param("pool", r"^config must be a mapping; got str$", id="top-level-string"),
     pytest.param(
         _doc(polcy="round-robin"),
-        r"^config: unknown key 'polcy' \(allowed: admin, admin_auth, admission, class_header, classes, default_class, "
-        r"destinations, drain_s, experiments, inference_objectives, inflight, listen, max_body_bytes, otel, policy, "
-        r"pool, profiles, session_header, signals, weights_interval_s\)$",
+        r"^config: unknown key 'polcy' \(allowed: admin, admin_auth, admission, class_header, classes, debug_scores, "
+        r"default_class, destinations, drain_s, experiments, inference_objectives, inflight, listen, max_body_bytes, "
+        r"otel, policy, pool, profiles, session_header, signals, weights_interval_s\)$",
         id="unknown-top-key",
     ),
     pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
@@ -961,7 +961,7 @@ def _at(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
         pytest.param(
             (),
             "config",
-            "admin, admin_auth, admission, class_header, classes, default_class, destinations, drain_s, "
+            "admin, admin_auth, admission, class_header, classes, debug_scores, default_class, destinations, drain_s, "
             "experiments, inference_objectives, inflight, listen, max_body_bytes, otel, policy, pool, profiles, "
             "session_header, signals, weights_interval_s",
             id="top",
