@@ -177,8 +177,8 @@ class KubeSliceMembers(KubeMembers):
         for address in members:
             self.ready[address.rsplit(":", 1)[0]] = True
         self._put()
-        kubernetes = {"namespace": "default", "service": "bench", "models": [MODEL], "api_url": self.url}
-        kubernetes.update(token_file=None, ca_file=None)
+        kubernetes: dict[str, Any] = {"namespace": "default", "service": "bench", "models": [MODEL]}
+        kubernetes.update(api_url=self.url, token_file=None, ca_file=None)
         return {"endpoints": [_entry(static)], "discovery": {"kubernetes": kubernetes}}
 
     def _put(self) -> None:

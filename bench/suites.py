@@ -59,6 +59,7 @@ SUITES: Mapping[str, Suite] = MappingProxyType(
             Suite("membership", "servers that join (slow start), leave (drain) and die under load, per source"),
             Suite("bodycost", "what the worst request bodies cost the picker's parser"),
             Suite("experiments", "A/B tests between policies: false verdicts, power, grey releases that roll back"),
+            Suite("conformance", "an Endpoint Picker against the protocol: over ext_proc, and through real Envoy"),
         )
     }
 )

@@ -233,11 +233,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("argv", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
+    conformance = sub.add_parser(
+        "conformance",
+        help="check an Endpoint Picker against the protocol (`inferlb conformance --help`)",
+        add_help=False,
+        prefix_chars="\0",
+    )
+    conformance.add_argument("argv", nargs=argparse.REMAINDER)
+    conformance.set_defaults(run=_conformance)
     return parser
 
 
 def _bench(args: argparse.Namespace) -> int:
     result: int = importlib.import_module(BENCH_COMMAND).main(args.argv)
+    return result
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    """``inferlb conformance ...`` is ``inferlb bench conformance ...``."""
+    result: int = importlib.import_module(BENCH_COMMAND).main(["conformance", *args.argv], prog="inferlb")
     return result
 
 

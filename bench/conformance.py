@@ -1,0 +1,376 @@
+"""An Endpoint Picker against the Gateway API Inference Extension's protocol (its proposal 004): our own
+conformance suite, modelled on the extension's gateway conformance scenarios, for any picker.
+
+    inferlb conformance [--picker HOST:PORT --model NAME] [--body-mode buffered|full-duplex ...] [--out DIR]
+
+With ``--picker`` it plays the data plane to that picker over ext_proc, message by message as Envoy sends
+them, in each body mode: a pick names ``ip:port`` endpoints in the destination header and the same value in
+``envoy.lb`` metadata; the subset hint is honoured (only those endpoints; none eligible, an empty list or a
+malformed hint: 503); a malformed body is refused; in FULL_DUPLEX_STREAMED mode the body comes back whole.
+Without ``--picker`` it starts inferlb itself (emulated servers, real Envoy) and runs those scenarios against
+it and, through Envoy, the ones that need the data plane: picks are followed (Envoy's access log: the picked
+endpoint is the one that served), and the picker down with fail-open (the fallback cluster serves) and with
+fail-closed (a JSON 5xx). Each scenario is a MUST or a SHOULD of the protocol (or of a production gateway);
+the exit status is 1 if a MUST fails. Results: ``conformance.json`` and ``conformance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+    ProtocolConfiguration,
+)
+
+from inferlb.bench.report import header, table, write
+from inferlb.envoyconf import EnvoyOptions
+from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
+
+__all__ = ["MODES", "Result", "add_arguments", "picker_scenarios", "run"]
+
+MODES = {"buffered": ProcessingMode.BUFFERED, "full-duplex": ProcessingMode.FULL_DUPLEX_STREAMED}
+DESTINATION = "x-gateway-destination-endpoint"
+NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+OUTSIDE = "198.51.100.1:8000"  # TEST-NET-2: in no pool
+TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    scenario: str
+    mode: str  # the body mode, or "envoy" for the scenarios through the data plane
+    level: str  # MUST or SHOULD
+    passed: bool
+    detail: str
+
+
+class Failed(Exception):
+    """A scenario's expectation that did not hold (the message says what was seen)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--picker", help="HOST:PORT of the picker to check (default: start inferlb and check it)")
+    parser.add_argument("--model", default="m1", help="a model the picker's pool serves")
+    parser.add_argument("--body-mode", action="append", choices=MODES, help="the body modes to check (default: both)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = args.body_mode or list(MODES)
+    meta = header(args.command)
+    results: list[Result] = []
+    if args.picker:
+        for mode in modes:
+            results += asyncio.run(picker_scenarios(args.picker, args.model, mode))
+        target = args.picker
+    else:
+        target = "inferlb (started here: emulated servers, real Envoy)"
+        with tempfile.TemporaryDirectory(prefix="inferlb-conformance-") as folder:
+            for mode in modes:
+                with _stack(Path(folder) / mode, mode) as stack:
+                    results += asyncio.run(picker_scenarios(stack.picker_address, "m1", mode))
+                    results += envoy_scenarios(stack, mode)
+            results += [_picker_down(Path(folder) / "fail-closed", fail_open=False)]
+    for r in results:
+        print(f"  {'pass' if r.passed else 'FAIL'}  {r.level:<6} {r.mode:<11} {r.scenario}: {r.detail}", flush=True)
+    failed = [r for r in results if not r.passed and r.level == "MUST"]
+    document = {"meta": {**meta, "picker": target, "modes": modes}, "results": [asdict(r) for r in results]}
+    write(args.out, "conformance", document, _markdown(document))
+    return 1 if failed else 0
+
+
+# ---- the picker over ext_proc, as the data plane drives it --------------------------------------------------
+
+
+def _headers(path: str, mode: str, *, eos: bool = False, subset: Any = None) -> ProcessingRequest:
+    pairs = [(":path", path), (":method", "POST"), ("content-type", "application/json"), ("x-request-id", "c")]
+    message = ProcessingRequest(
+        request_headers=HttpHeaders(
+            headers=HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]), end_of_stream=eos
+        ),
+        protocol_config=ProtocolConfiguration(request_body_mode=MODES[mode]),
+    )
+    if subset is not None:
+        value = message.metadata_context.filter_metadata[SUBSET_NAMESPACE].fields[SUBSET_KEY]
+        if isinstance(subset, list):
+            value.list_value.SetInParent()
+            for address in subset:
+                value.list_value.values.add().string_value = address
+        else:
+            value.number_value = float(subset)
+    return message
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What the picker answered to one request: the replies, in order."""
+
+    replies: list[ProcessingResponse]
+
+    @property
+    def immediate(self) -> int | None:
+        """The status of the picker's immediate response, if it answered with one."""
+        for reply in self.replies:
+            if reply.WhichOneof("response") == "immediate_response":
+                return int(reply.immediate_response.status.code)
+        return None
+
+    def destination(self) -> tuple[str, str]:
+        """The destination header's value and the ``envoy.lb`` metadata's; Failed if the reply routes nowhere."""
+        for reply in self.replies:
+            phase = reply.WhichOneof("response")
+            if phase not in ("request_headers", "request_body"):
+                continue
+            common = getattr(reply, phase).response
+            headers = [h.header for h in common.header_mutation.set_headers if h.header.key == DESTINATION]
+            if headers:
+                metadata = reply.dynamic_metadata.fields[NAMESPACE].struct_value.fields[DESTINATION].string_value
+                return (headers[0].raw_value or headers[0].value.encode()).decode(), metadata
+        raise Failed(f"no reply set {DESTINATION} (replies: {[r.WhichOneof('response') for r in self.replies]})")
+
+    def body(self) -> bytes:
+        """The body the picker streamed back (FULL_DUPLEX_STREAMED)."""
+        parts = [
+            r.request_body.response.body_mutation.streamed_response.body
+            for r in self.replies
+            if r.WhichOneof("response") == "request_body"
+        ]
+        return b"".join(parts)
+
+
+async def _exchange(target: str, mode: str, body: bytes | None, *, subset: Any = None, path: str = "") -> Exchange:
+    """One request on its own stream: headers, then the body (two chunks in full-duplex mode); the replies until
+    the picker has answered all it owes (or ends the stream)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = external_processor_pb2_grpc.ExternalProcessorStub(channel).Process(timeout=TIMEOUT_S)
+        path = path or "/v1/completions"
+        await call.write(_headers(path, mode, eos=body is None, subset=subset))
+        replies: list[ProcessingResponse] = []
+        if body is not None and mode == "buffered":
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                return Exchange(replies)
+            replies.append(first)
+            if first.WhichOneof("response") == "immediate_response":
+                return Exchange(replies)
+            await call.write(ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)))
+        elif body is not None:
+            half = len(body) // 2
+            await call.write(ProcessingRequest(request_body=HttpBody(body=body[:half])))
+            await call.write(ProcessingRequest(request_body=HttpBody(body=body[half:], end_of_stream=True)))
+        await call.done_writing()
+        while True:
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                break
+            replies.append(reply)
+            if reply.WhichOneof("response") == "immediate_response":
+                break
+            if mode == "full-duplex" and body is not None:
+                streamed = reply.request_body.response.body_mutation.streamed_response
+                if reply.WhichOneof("response") == "request_body" and streamed.end_of_stream:
+                    break
+            elif reply.WhichOneof("response") in ("request_headers", "request_body") and (
+                body is None or reply.WhichOneof("response") == "request_body"
+            ):
+                break
+        call.cancel()
+        return Exchange(replies)
+
+
+def _ip_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+async def picker_scenarios(target: str, model: str, mode: str) -> list[Result]:
+    """The scenarios any picker must pass over ext_proc, in body mode ``mode``."""
+    body = json.dumps({"model": model, "prompt": "conformance " * 200, "max_tokens": 4}).encode()
+    results: list[Result] = []
+    seen: set[str] = set()
+
+    async def check(name: str, level: str, scenario: Callable[[], Any]) -> None:
+        try:
+            detail = await scenario()
+            results.append(Result(name, mode, level, True, detail))
+        except (Failed, grpc.aio.AioRpcError, TimeoutError) as exc:
+            results.append(Result(name, mode, level, False, str(exc).splitlines()[0][:300]))
+
+    async def routes() -> str:
+        for _ in range(12):
+            got = await _exchange(target, mode, body)
+            header_value, metadata = got.destination()
+            listed = header_value.split(",")
+            if header_value != metadata:
+                raise Failed(f"header {header_value!r} and envoy.lb metadata {metadata!r} differ")
+            if not all(_ip_port(a) for a in listed):
+                raise Failed(f"{header_value!r} is not ip:port[,ip:port...]")
+            seen.add(listed[0])
+        return f"12 picks, header = metadata, ip:port; {len(seen)} endpoint(s) seen"
+
+    async def subset_honoured() -> str:
+        if not seen:
+            raise Failed("no endpoint was picked before")
+        chosen = sorted(seen)[-1]
+        for _ in range(6):
+            header_value, _ = (await _exchange(target, mode, body, subset=[chosen, OUTSIDE])).destination()
+            if header_value.split(",")[0] != chosen:
+                raise Failed(f"hint [{chosen}, {OUTSIDE}]: picked {header_value}")
+        return f"6 picks with the hint [{chosen}, an address in no pool]: all {chosen}"
+
+    def refused(subset: Any, what: str) -> Callable[[], Any]:
+        async def scenario() -> str:
+            got = await _exchange(target, mode, body, subset=subset)
+            if got.immediate != 503:
+                raise Failed(f"{what}: expected an immediate 503, got {got.immediate or 'a pick'}")
+            return f"{what}: 503"
+
+        return scenario
+
+    async def malformed() -> str:
+        got = await _exchange(target, mode, b'{"model": "m", "prompt": ')
+        if got.immediate is None or not 400 <= got.immediate < 500:
+            raise Failed(f"a body that is not JSON: expected a 4xx, got {got.immediate or 'a pick'}")
+        return f"a body that is not JSON: {got.immediate}"
+
+    async def returned() -> str:
+        got = await _exchange(target, mode, body)
+        got.destination()
+        kinds = [r.WhichOneof("response") for r in got.replies]
+        if kinds[0] != "request_headers":
+            raise Failed(f"the headers' reply must come first; got {kinds}")
+        if got.body() != body:
+            raise Failed(f"the body came back as {len(got.body())} of {len(body)} bytes")
+        return f"headers reply, then the body back whole ({len(body)} bytes, {len(kinds) - 1} piece(s))"
+
+    await check("routes-with-header-and-metadata", "MUST", routes)
+    await check("subset-hint-honoured", "MUST", subset_honoured)
+    await check("subset-hint-none-eligible", "MUST", refused([OUTSIDE], "a hint of no pool member"))
+    await check("subset-hint-empty", "MUST", refused([], "an empty hint"))
+    await check("subset-hint-malformed", "SHOULD", refused(7, "a hint that is not a list"))
+    await check("malformed-body-refused", "SHOULD", malformed)
+    if mode == "full-duplex":
+        await check("full-duplex-body-returned", "MUST", returned)
+    return results
+
+
+# ---- through real Envoy (inferlb started here) --------------------------------------------------------------
+
+
+@contextmanager
+def _stack(workdir: Path, mode: str, *, fail_open: bool = True) -> Iterator[LocalStack]:
+    options = StackOptions(backends=3, models=("m1",), envoy=EnvoyOptions(body_mode=mode, fail_open=fail_open))
+    with LocalStack(options, workdir) as stack:
+        yield stack
+
+
+def envoy_scenarios(stack: LocalStack, mode: str) -> list[Result]:
+    """Picks are followed, and the picker down with fail-open; ``stack``'s picker is stopped at the end."""
+    results = []
+    body = {"model": "m1", "prompt": "through envoy " * 50, "max_tokens": 4}
+    with httpx.Client(base_url=stack.gateway_url, timeout=TIMEOUT_S) as client:
+        mismatches, served = [], set()
+        ids = []
+        for _ in range(12):
+            response = client.post("/v1/completions", json=body)
+            if response.status_code != 200:
+                mismatches.append(f"status {response.status_code}")
+                continue
+            ids.append((response.headers["x-request-id"], response.headers[SERVER_HEADER]))
+        entries = _log_entries(stack, [i for i, _ in ids])
+        for request_id, server in ids:
+            entry = entries.get(request_id)
+            if entry is None or entry.get("picked") != entry.get("upstream") or entry.get("upstream") != server:
+                mismatches.append(f"{request_id}: picked {entry and entry.get('picked')}, served by {server}")
+            served.add(server)
+        detail = f"12 requests: each served by the endpoint picked ({len(served)} endpoints)"
+        results.append(
+            Result("picks-followed", "envoy/" + mode, "MUST", not mismatches, "; ".join(mismatches) or detail)
+        )
+        assert stack.picker is not None
+        stack.picker.stop()
+        down = client.post("/v1/completions", json=body)
+        fallback = _log_entries(stack, [down.headers.get("x-request-id", "")]).get(down.headers.get("x-request-id", ""))
+        passed = down.status_code == 200 and fallback is not None and fallback.get("cluster") == "inferlb_fallback"
+        detail = f"picker stopped: {down.status_code} from cluster {fallback and fallback.get('cluster')}"
+        results.append(Result("picker-down-fail-open", "envoy/" + mode, "MUST", passed, detail))
+    return results
+
+
+def _picker_down(workdir: Path, *, fail_open: bool) -> Result:
+    with _stack(workdir, "buffered", fail_open=fail_open) as stack, httpx.Client(timeout=TIMEOUT_S) as client:
+        assert stack.picker is not None
+        stack.picker.stop()
+        response = client.post(f"{stack.gateway_url}/v1/completions", json={"model": "m1", "prompt": "x"})
+        try:
+            error = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            error = None
+        passed = response.status_code >= 500 and error is not None
+        detail = f"picker stopped: {response.status_code}, {error['type'] if error else 'no JSON error'}"
+    return Result("picker-down-fail-closed", "envoy/buffered", "MUST", passed, detail)
+
+
+def _log_entries(stack: LocalStack, request_ids: Sequence[str], timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+    """Envoy's access-log entries of ``request_ids`` (it flushes the log every 100 ms: polled until all are in)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {str(e["request_id"]): e for e in stack.access_log() if e.get("request_id") in request_ids}
+        if len(found) == len(set(request_ids)) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _markdown(document: dict[str, Any]) -> str:
+    meta, results = document["meta"], [Result(**r) for r in document["results"]]
+    must = [r for r in results if r.level == "MUST"]
+    out = [
+        "# Endpoint Picker conformance",
+        "",
+        f"{meta['date']} · `{meta['command']}` · {meta['machine']}",
+        "",
+        f"Picker: {meta['picker']}. The protocol is the Gateway API Inference Extension's Endpoint Picker protocol",
+        "(proposal 004); each scenario is a MUST or a SHOULD of it (or of a production gateway). Scenarios in a body",
+        "mode play the data plane to the picker over ext_proc; those marked envoy/ go through a real Envoy.",
+        "",
+        f"**{sum(r.passed for r in must)} of {len(must)} MUST scenarios pass; "
+        f"{sum(r.passed for r in results if r.level == 'SHOULD')} of {sum(r.level == 'SHOULD' for r in results)} "
+        "SHOULD.**",
+        "",
+    ]
+    rows = [[r.mode, r.scenario, r.level, "pass" if r.passed else "FAIL", r.detail] for r in results]
+    out += table(["mode", "scenario", "level", "result", "what was seen"], rows, "lllll")
+    out += [
+        "",
+        "Not covered yet: the served endpoint the data plane reports on the response",
+        "(`x-gateway-destination-endpoint-served`), and a weighted split across two pools.",
+    ]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from inferlb.bench.suites import script
+
+    raise SystemExit(script(sys.modules[__name__]))

@@ -1,0 +1,47 @@
+"""The Endpoint Picker conformance suite (bench/conformance.py) over ext_proc: inferlb's picker passes every
+scenario in both body modes, and a picker that ignores the subset hint fails the hint's MUSTs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from inferlb.bench import conformance
+from inferlb.filter import server as filter_server
+from inferlb.filter.server import ExtProcService, PickerServer
+from inferlb.scorer.config import parse_config
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+
+ENDPOINTS = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
+
+
+@pytest.fixture
+async def picker() -> AsyncIterator[str]:
+    config = parse_config({"pool": {"endpoints": [{"address": a, "models": ["m1"]} for a in ENDPOINTS]}})
+    engine = Engine(Pool(config.endpoints), build_profile("least-request", np.random.default_rng(1)))
+    server = PickerServer(ExtProcService(engine, max_body_bytes=1 << 20), "127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{server.port}"
+    await server.stop(0)
+
+
+@pytest.mark.parametrize("mode", list(conformance.MODES))
+async def test_inferlb_passes_every_scenario(picker: str, mode: str) -> None:
+    results = await conformance.picker_scenarios(picker, "m1", mode)
+    assert results and all(r.passed for r in results), [r for r in results if not r.passed]
+    assert ("full-duplex-body-returned" in {r.scenario for r in results}) == (mode == "full-duplex")
+
+
+async def test_a_picker_that_ignores_the_subset_hint_fails_its_musts(
+    picker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(filter_server, "subset_hint", lambda metadata: None)
+    results = {r.scenario: r for r in await conformance.picker_scenarios(picker, "m1", "buffered")}
+    assert results["routes-with-header-and-metadata"].passed
+    for name in ("subset-hint-none-eligible", "subset-hint-empty"):
+        assert not results[name].passed and results[name].level == "MUST"
+    assert "503" in results["subset-hint-empty"].detail
