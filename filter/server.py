@@ -419,6 +419,16 @@ def _trace_id(traceparent: str | None) -> bytes | None:
     return raw if any(raw) else None
 
 
+async def _listen(server: grpc.aio.Server, listen: str) -> int:
+    """Bind ``server`` to ``listen`` and start it; the port bound. OSError naming the address if it cannot."""
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
+    await server.start()
+    return port
+
+
 class WaitingHealth:
     """The picker's gRPC port while it waits for its discovery source's first member, before it can route: gRPC
     health only, ``liveness`` SERVING (the process is fine: a kubelet must not restart it) and the rest
@@ -432,11 +442,7 @@ class WaitingHealth:
         self.port: int | None = None
 
     async def start(self) -> None:
-        try:
-            self.port = self._server.add_insecure_port(self.listen)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {self.listen}: {exc}") from exc
-        await self._server.start()
+        self.port = await _listen(self._server, self.listen)
         for name in HEALTH_SERVICES:
             alive = name == "liveness"
             await self.health.set(
@@ -486,11 +492,7 @@ class PickerServer:
         self.port: int | None = None
 
     async def start(self) -> None:
-        try:
-            self.port = self._server.add_insecure_port(self.listen)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {self.listen}: {exc}") from exc
-        await self._server.start()
+        self.port = await _listen(self._server, self.listen)
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 

@@ -7,12 +7,15 @@ import asyncio
 import inspect
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from inferlb.procs import find_tool
 from inferlb.scorer.config import EndpointConfig
 
 # Tests that drive a real etcd (Debian's etcd-server) skip without it here, never on CI, where .ci/run installs it.
@@ -81,3 +84,14 @@ class Published:
     def addresses(self) -> list[str]:
         """The addresses of the last membership published ([] before the first)."""
         return [e.address for e in self.lists[-1]] if self.lists else []
+
+
+def envoy_accepts(path: Path) -> None:
+    """``envoy --mode validate`` accepts the bootstrap at ``path`` (else the assertion shows Envoy's output)."""
+    result = subprocess.run(
+        [find_tool("envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -27,6 +27,8 @@ from inferlb.procs import ProcessError, find_tool, free_port
 from inferlb.scorer.address import parse_address
 from inferlb.scorer.config import Config, load_config, parse_config
 
+from .conftest import envoy_accepts
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
@@ -194,16 +196,6 @@ def picker_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
 
 def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-def envoy_accepts(path: Path) -> None:
-    result = subprocess.run(
-        [find_tool("envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 async def test_every_dashboard_query_names_a_metric_the_picker_exposes() -> None:
