@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -226,6 +227,18 @@ class LocalStack:
             if sep and value.strip().lstrip("-").isdigit():
                 out[name] = int(value)
         return out
+
+    def wait_picker_marked_down(self, timeout_s: float = 10.0) -> float:
+        """Wait until Envoy's health check of the picker has failed (full-duplex fail-open bootstraps check it);
+        the seconds waited. TimeoutError if it has not within ``timeout_s``."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            lines = httpx.get(f"{self.admin_url}/clusters", timeout=5.0).text.splitlines()
+            flags = [line for line in lines if line.startswith("inferlb_picker::") and "::health_flags::" in line]
+            if flags and all("failed_active_hc" in line for line in flags):
+                return time.monotonic() - start
+            time.sleep(0.05)
+        raise TimeoutError(f"Envoy's health check did not mark the picker down within {timeout_s} s")
 
     def access_log(self) -> list[dict[str, Any]]:
         """Envoy's access log so far, one dict per finished request. Envoy flushes it every 100 ms, so poll for

@@ -68,3 +68,19 @@ def test_a_body_over_the_limit_is_a_413(stack: LocalStack) -> None:
     with httpx.Client(timeout=30) as client:
         response = client.post(f"{stack.gateway_url}/v1/completions", json=body)
     assert response.status_code == 413 and response.json()["error"]["type"] == "payload_too_large"
+
+
+def test_with_the_picker_down_a_full_duplex_body_fails_open_once_envoy_has_marked_it_down(tmp_path) -> None:
+    """Envoy streams a full-duplex body before the picker's stream is open, so a refused connection found after
+    the first chunk cannot fail open; the bootstrap's health check of the picker closes that window: once it
+    has marked the picker down, every body request goes to the fallback cluster."""
+    options = StackOptions(backends=2, models=(MODEL,), envoy=EnvoyOptions(body_mode="full-duplex", fail_open=True))
+    with LocalStack(options, tmp_path) as stack, httpx.Client(base_url=stack.gateway_url, timeout=10.0) as client:
+        assert stack.picker is not None
+        stack.picker.stop()
+        stack.wait_picker_marked_down()
+        body = {"model": MODEL, "prompt": "after the picker " * 4000, "max_tokens": 2}
+        responses = [client.post("/v1/completions", json=body) for _ in range(10)]
+        assert [r.status_code for r in responses] == [200] * 10
+        for response in responses:
+            assert log_entry(stack, response.headers["x-request-id"])["cluster"] == "inferlb_fallback"
