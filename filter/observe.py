@@ -7,7 +7,9 @@ chunks to the picker without waiting for answers, so it adds nothing to the requ
 1. ``request_headers``: the clock starts; the destination header names the endpoint (an address outside the
    pool, or none, ends the stream: nothing to measure).
 2. ``response_headers``: anything but a 200 ends the stream (errors are not latency). ``text/event-stream``
-   marks a streamed response.
+   marks a streamed response. Their ``envoy.lb`` metadata names the endpoint that served (the protocol's
+   served endpoint; inferlb's bootstrap sets it from Envoy's upstream address): when a retry went to the next
+   endpoint listed, the measurement is that endpoint's, and the request's in-flight count moves there.
 3. The first non-empty body chunk: for a streamed response the first token is in it (TTFT); any other response
    is complete by then, up to the transfer of its own body (E2E). The measurement is recorded and the stream
    ends, so Envoy sends nothing more: one extra stream of three messages per request, whatever its length.
@@ -26,7 +28,7 @@ from typing import Any
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from inferlb.filter.request import header_text
+from inferlb.filter.request import header_text, served_endpoint
 
 __all__ = ["OBSERVED_HEADERS", "ObserveStats", "RequestOutcome", "time_response"]
 
@@ -48,6 +50,7 @@ class ObserveStats:
     not_ok: int = 0  # responses with a status other than 200: not timed
     unknown_endpoint: int = 0  # no destination header, or an address outside the pool
     unfinished: int = 0  # the stream ended before a body chunk came (client gone, empty body)
+    served_elsewhere: int = 0  # timed for the endpoint the data plane reports served, not the one picked first
 
 
 async def time_response(
@@ -58,24 +61,37 @@ async def time_response(
     stats: ObserveStats,
     clock: Callable[[], float] = time.monotonic,
     outcome: RequestOutcome | None = None,
+    served: Callable[[str, str], None] | None = None,
 ) -> None:
     """Read one observing stream, starting with its ``first`` message, until there is a measurement to give
     ``observe(address, ttft_s, e2e_s)`` (``address`` one of ``endpoints``) or nothing to measure; then return,
     which ends the stream. ``outcome``, if given, is told of the request (by its ``x-request-id``): its
-    measurement, or that it failed (a 5xx)."""
+    measurement, or that it failed (a 5xx). ``served``, if given, is told of the served endpoint the data plane
+    reports on the response headers: (request id, address)."""
     started = clock()
     if first.WhichOneof("request") != "request_headers":
         stats.unknown_endpoint += 1
         return
-    endpoint = _header(first.request_headers, DESTINATION_HEADER) or ""
+    # The picker's first choice (with Override Host, the header lists the next ones after it).
+    endpoint = (_header(first.request_headers, DESTINATION_HEADER) or "").split(",", 1)[0]
     if endpoint not in endpoints:
         stats.unknown_endpoint += 1
         return
-    request_id = _header(first.request_headers, "x-request-id") if outcome is not None else None
+    request_id = _header(first.request_headers, "x-request-id")
     streamed = False
     async for message in messages:
         kind = message.WhichOneof("request")
         if kind == "response_headers":
+            # The endpoint that served: the data plane reports it (the protocol's served endpoint), and when a
+            # retry went to the next one listed, the measurement is that endpoint's.
+            if message.HasField("metadata_context"):
+                address = served_endpoint(message.metadata_context)
+                if address is not None:
+                    if served is not None and request_id:
+                        served(request_id, address)
+                    if address != endpoint and address in endpoints:
+                        endpoint = address
+                        stats.served_elsewhere += 1
             headers = message.response_headers
             status = _header(headers, ":status")
             if status != "200":

@@ -95,6 +95,8 @@ OBJECTIVE_HEADERS = frozenset({"x-gateway-inference-objective", "x-llm-d-inferen
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 MAX_SUBSET = 4096  # more than any pool; a longer list is cut here
+DESTINATION_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 
 
 def subset_hint(metadata: Any) -> frozenset[str] | None:
@@ -116,6 +118,19 @@ def subset_hint(metadata: Any) -> frozenset[str] | None:
     else:
         items = []
     return frozenset(item.strip() for item in items if item.strip())
+
+
+def served_endpoint(metadata: Any) -> str | None:
+    """The endpoint the data plane reports served the request (the Endpoint Picker protocol's
+    ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` in a response message's ``metadata_context``), or
+    None when the message carries none. Only metadata counts: a response header could come from the server."""
+    namespaces = metadata.filter_metadata
+    if DESTINATION_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[DESTINATION_NAMESPACE].fields
+    if SERVED_KEY not in fields or fields[SERVED_KEY].WhichOneof("kind") != "string_value":
+        return None
+    return fields[SERVED_KEY].string_value.strip() or None
 
 
 def header_text(header: Any) -> str:

@@ -109,6 +109,13 @@ class OpenLeases:
             self._by_id[request_id] = [known, serial]
         self.stats.held += 1
 
+    def lease_of(self, request_id: str) -> Lease | None:
+        """The oldest lease held for ``request_id`` (the one its next reported end releases), or None."""
+        known = self._by_id.get(request_id)
+        if known is None:
+            return None
+        return self._held[known[0] if isinstance(known, list) else known][2]
+
     def finish(self, request_id: str) -> bool:
         """The request ``request_id`` ended: release its oldest held lease. False if none was held."""
         known = self._by_id.get(request_id)

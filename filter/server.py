@@ -58,7 +58,7 @@ from inferlb.filter.replies import (
     with_header,
     with_scores,
 )
-from inferlb.filter.request import apply_body, features_from_headers, subset_hint, with_model
+from inferlb.filter.request import apply_body, features_from_headers, served_endpoint, subset_hint, with_model
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.filter.requestend import add_to_server as add_access_log_service
 from inferlb.filter.xds import ControlPlane
@@ -93,6 +93,8 @@ class FilterStats:
     failed: int = 0
     waited: int = 0
     waited_out: int = 0
+    # Served-endpoint reports from the data plane, by outcome: as-picked, elsewhere (the count moved), unknown.
+    served: Counter[str] = field(default_factory=Counter)
 
 
 class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
@@ -196,7 +198,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         experiments = self.router.experiments
                         outcome = None if experiments is None else experiments.observed
                         await time_response(
-                            message, messages, self._endpoints, timer, self.observe_stats, outcome=outcome
+                            message,
+                            messages,
+                            self._endpoints,
+                            timer,
+                            self.observe_stats,
+                            outcome=outcome,
+                            served=self._served_by_id,
                         )
                     return
                 kind = message.WhichOneof("request")
@@ -223,6 +231,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         return
                     replies = self.replies.headers  # the headers' reply, held back until the body was in
                 elif decided or kind not in ("request_headers", "request_body"):
+                    if kind == "response_headers" and lease is not None and message.HasField("metadata_context"):
+                        # A gateway that keeps the routing stream to the response reports the endpoint that served.
+                        address = served_endpoint(message.metadata_context)
+                        if address is not None:
+                            self.stats.served[self.router.served(lease, address, features)] += 1
                     if kind in CONTINUE:
                         yield CONTINUE[kind]
                     continue
@@ -301,6 +314,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             aclose = getattr(messages, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    def _served_by_id(self, request_id: str, address: str) -> None:
+        """The served endpoint the observing stream of request ``request_id`` reported: its held lease moves if a
+        retry served it elsewhere. (Without leases the routing stream holds the count and is not reached.)"""
+        leases = self.leases
+        lease = leases.lease_of(request_id) if leases is not None else None
+        self.stats.served["unknown" if lease is None else self.router.served(lease, address)] += 1
 
     async def _not_admitted(self, admit: Admit) -> tuple[RequestError | None, bool]:
         """For a request admission did not let go ahead at once: a refusal (shed, 429), or None to go ahead after

@@ -61,6 +61,7 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 # Refusals shown as zero before the first: a malformed request, an unknown model, a body too large, a request shed
 # under load, no endpoint available.
 KNOWN_REFUSALS = (400, 404, 413, 429, 503)
+SERVED_OUTCOMES = ("as-picked", "elsewhere", "unknown")
 # The experiment guard's changes of weight, shown per arm as zero before the first.
 GUARD_CHANGES = ("cut", "rolled-back")
 """What ``/metrics`` answers with: the text format `generate_latest` writes (0.0.4)."""
@@ -108,6 +109,7 @@ class Readings:
     decisions: dict[tuple[str, str], int]  # (endpoint, reason) -> requests routed
     refused: dict[int, int]  # HTTP status -> requests
     shed: dict[str, int]  # request class -> requests
+    served: dict[str, int]  # served-endpoint reports by outcome (SERVED_OUTCOMES)
     pick_s: Histogram
     addresses: list[str]  # the engine's pool
     scrape_errors: list[int] | None  # per endpoint; None without a metrics collector
@@ -143,6 +145,7 @@ class Readings:
             # every class that sheds: a series that appears only at its first event hides that event from rate().
             refused=dict.fromkeys(KNOWN_REFUSALS, 0) | dict(picker.service.stats.refused),
             shed=dict.fromkeys(_shedding(picker), 0) | dict(log.shed),
+            served=dict.fromkeys(SERVED_OUTCOMES, 0) | dict(picker.service.stats.served),
             pick_s=log.pick_s.copy(),
             addresses=addresses,
             scrape_errors=None if errors is None else [errors.get(a, 0) for a in addresses],
@@ -215,6 +218,13 @@ def families(readings: Readings) -> Iterator[Metric]:
         "Requests refused, by HTTP status.",
         ("status",),
         [((str(status),), n) for status, n in sorted(r.refused.items())],
+    )
+    yield _counter(
+        "inferlb_served_reports_total",
+        "Served endpoints the data plane reported, by outcome: as-picked, elsewhere (a retry served it; its count "
+        "moved there), unknown (outside the pool, or a request not held).",
+        ("outcome",),
+        [((outcome,), n) for outcome, n in sorted(r.served.items())],
     )
     yield _counter(
         "inferlb_shed_total",

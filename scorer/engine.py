@@ -273,6 +273,12 @@ class Engine:
             prefill,
         )
 
+    def observe_pick(self, request: RequestFeatures, endpoint: int) -> None:
+        """Tell the plugins that keep state of decisions (the prefix index) that ``request`` went to ``endpoint``
+        after all: the data plane served it there instead of where `decide` sent it."""
+        for observe in self._observers:
+            observe(request, endpoint)
+
     def adopt(self, old: Engine, mapping: np.ndarray, restarted: Sequence[int] = ()) -> None:
         """Take over the learned state of ``old``'s plugins (the prefix index) after a membership change or a
         reload: endpoint j of this pool is endpoint ``mapping[j]`` of the old one (-1: joined); ``restarted``

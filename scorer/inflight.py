@@ -93,15 +93,39 @@ class Lease:
         self.tokens = tokens
         self.released = False
 
-    def release(self) -> None:
+    def current(self) -> tuple[InFlight, int] | None:
+        """The counters this request counts in now and its endpoint's index there (the pool may have changed
+        since the decision); None once released, or when its endpoint's state is gone."""
         if self.released:
-            return
-        self.released = True
+            return None
         inflight, index = self._inflight, self.index
         while inflight.successor is not None:  # the pool changed while the request was in flight
             inflight, forward = inflight.successor
             index = int(forward[index])
             if index < 0:
-                return  # its endpoint's state is gone (it can go only once its last request has ended)
+                return None  # its endpoint's state is gone (it can go only once its last request has ended)
+        return inflight, index
+
+    def move(self, index: int) -> bool:
+        """The request is served by endpoint ``index`` of the counters it counts in now (`current`), not by the
+        one it was counted to (the data plane retried it elsewhere): its request and tokens count there from now
+        on. False if it counts nowhere (released, or its endpoint gone). ``sent`` stays: it counts decisions."""
+        where = self.current()
+        if where is None:
+            return False
+        inflight, old = where
+        inflight.requests[old] -= 1
+        inflight.tokens[old] -= self.tokens
+        inflight.requests[index] += 1
+        inflight.tokens[index] += self.tokens
+        self._inflight, self.index = inflight, index
+        return True
+
+    def release(self) -> None:
+        where = self.current()
+        self.released = True
+        if where is None:
+            return
+        inflight, index = where
         inflight.requests[index] -= 1
         inflight.tokens[index] -= self.tokens

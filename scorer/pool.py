@@ -93,6 +93,10 @@ class Pool:
     def draining(self) -> tuple[Endpoint, ...]:
         return tuple(e for e in self.endpoints if e.draining)
 
+    def find(self, address: str) -> int | None:
+        """The index of the member at ``address``, or None."""
+        return self._by_address.get(address)
+
     def index_of(self) -> dict[str, int]:
         """Each endpoint's index by its address."""
         return {e.address: e.index for e in self.endpoints}

@@ -123,6 +123,23 @@ class Router:
                 f"for model {shown(request.model)}"
             )
 
+    def served(self, lease: Lease, address: str, request: RequestFeatures | None = None) -> str:
+        """The data plane reports that ``address`` served the request counted by ``lease`` (the Endpoint Picker
+        protocol's served endpoint). If that is another member than the one picked (a retry went to the next
+        endpoint listed), the request counts there from now on and, given its ``request``, the prefix index
+        learns where its prompt went. The outcome: ``as-picked``, ``elsewhere`` (moved), or ``unknown`` (an
+        address outside the pool, or a request no longer counted here)."""
+        where = lease.current()
+        index = self.pool.find(address) if where is not None and where[0] is self.engine.inflight else None
+        if where is None or index is None:
+            return "unknown"
+        if index == where[1]:
+            return "as-picked"
+        lease.move(index)
+        if request is not None:
+            self.engine.observe_pick(request, index)
+        return "elsewhere"
+
     async def wait(self, admit: Admit) -> bool:
         """Hold a ``wait`` request until room comes (True) or its class's ``max_wait_s`` runs out (False)."""
         assert admit.candidates is not None

@@ -216,6 +216,7 @@ def test_stream_timing_adds_an_observing_filter_that_envoy_never_waits_for() -> 
     assert [f["name"] for f in filters] == [
         "envoy.filters.http.ext_proc",
         "inferlb.observe",
+        "inferlb.served",
         "envoy.filters.http.router",
     ]
     observe = filters[1]["typed_config"]
@@ -228,6 +229,17 @@ def test_stream_timing_adds_an_observing_filter_that_envoy_never_waits_for() -> 
     )
     patterns = {p["exact"] for p in observe["forward_rules"]["allowed_headers"]["patterns"]}
     assert patterns == {"x-gateway-destination-endpoint", ":status", "content-type", "x-request-id"}
+    # The served endpoint: Envoy's upstream address, over whatever the server sent, into envoy.lb metadata and off
+    # the response, forwarded on the observing stream.
+    assert observe["metadata_options"]["forwarding_namespaces"] == {"untyped": ["envoy.lb"]}
+    [rule] = filters[2]["typed_config"]["response_rules"]
+    assert rule["header"] == "x-gateway-destination-endpoint-served" and rule["remove"] is True
+    assert rule["on_header_present"]["metadata_namespace"] == "envoy.lb"
+    routes = hcm(yaml.safe_load(render_bootstrap(STREAM_TIMED, EnvoyOptions())))["route_config"]["virtual_hosts"][0]
+    picked = next(r for r in routes["routes"] if r["name"] == "picked")
+    [added] = picked["response_headers_to_add"]
+    assert added["header"] == {"key": "x-gateway-destination-endpoint-served", "value": "%UPSTREAM_REMOTE_ADDRESS%"}
+    assert added["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD"
     # Spans (the default) or no picker: no observing filter.
     for config, options in ((CONFIG, EnvoyOptions()), (STREAM_TIMED, EnvoyOptions(picker=False))):
         names = [f["name"] for f in hcm(yaml.safe_load(render_bootstrap(config, options)))["http_filters"]]

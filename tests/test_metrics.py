@@ -24,6 +24,7 @@ ALWAYS = {
     "inferlb_decisions": "counter",
     "inferlb_refused": "counter",
     "inferlb_shed": "counter",
+    "inferlb_served_reports": "counter",
     "inferlb_pick_seconds": "histogram",
     "inferlb_scrape_errors": "counter",
     "inferlb_endpoint_stale": "gauge",
@@ -104,6 +105,7 @@ async def test_counters_read_the_pickers_own_counts_at_scrape_time() -> None:
     log.by_endpoint[ENDPOINTS[1], 'odd "reason"\\\n'] += 1
     picker.service.stats.refused[429] += 2  # every refusal the filter answers, not only the routing ones
     log.shed["batch"] += 1
+    picker.service.stats.served["elsewhere"] += 5
     picker.engine.scorer_errors["kv-cache"] += 4
     registry = picker_registry(picker)
     families = _families(prometheus_text(picker))
@@ -115,6 +117,8 @@ async def test_counters_read_the_pickers_own_counts_at_scrape_time() -> None:
     zero = {(("status", str(status)),): 0 for status in (400, 404, 413, 429, 503)}  # present before the first
     assert _values(families["inferlb_refused"]) == zero | {(("status", "429"),): 2}
     assert _values(families["inferlb_shed"]) == {(("class", "batch"),): 1}
+    served = {(("outcome", "as-picked"),): 0, (("outcome", "elsewhere"),): 5, (("outcome", "unknown"),): 0}
+    assert _values(families["inferlb_served_reports"]) == served
     assert _values(families["inferlb_scorer_errors"]) == {(("scorer", "kv-cache"),): 4}
     assert _values(families["inferlb_config_reloads"]) == {(): 0}
     assert _values(families["inferlb_pool_endpoints"]) == {

@@ -12,6 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
 
 from inferlb.filter.observe import ObserveStats, time_response
+from inferlb.filter.requestend import OpenLeases
 from inferlb.filter.server import ExtProcService, PickerServer
 
 from .test_server import ENDPOINTS, make_engine, until
@@ -210,3 +211,69 @@ async def test_the_outcome_is_told_by_request_id(status: str, content_type: str,
         first, rest, POOL, lambda *m: None, ObserveStats(), Clock(0.25), outcome=lambda *o: outcomes.append(o)
     )
     assert outcomes == told
+
+
+# ---- the served endpoint the data plane reports ---------------------------------------------------------------
+
+
+def served_response(address: str, status: str = "200") -> ProcessingRequest:
+    message = response(status, "text/event-stream")
+    fields = message.metadata_context.filter_metadata["envoy.lb"].fields
+    fields["x-gateway-destination-endpoint-served"].string_value = address
+    return message
+
+
+async def test_a_response_served_by_the_next_endpoint_listed_is_timed_for_that_one() -> None:
+    # Override Host lists the picker's choices; a retry served the second, and Envoy says so.
+    first = _headers({"x-gateway-destination-endpoint": f"{ENDPOINTS[1]},{ENDPOINTS[2]}", "x-request-id": "r-7"})
+    reports: list[tuple[str, str]] = []
+    seen: Observed = []
+    stats = ObserveStats()
+    rest = _aiter([served_response(ENDPOINTS[2]), _chunk(b"data: x")], [0])
+    await time_response(
+        first, rest, POOL, lambda *m: seen.append(m), stats, Clock(0.25), served=lambda *r: reports.append(r)
+    )
+    assert reports == [("r-7", ENDPOINTS[2])]
+    assert [s[0] for s in seen] == [ENDPOINTS[2]] and stats.served_elsewhere == 1
+
+
+async def test_a_list_of_destinations_is_timed_for_the_first_when_nothing_is_reported() -> None:
+    first = _headers({"x-gateway-destination-endpoint": f"{ENDPOINTS[0]},{ENDPOINTS[1]}"})
+    seen, stats = [], ObserveStats()
+    await time_response(
+        first, _aiter([response(), _chunk(b"x")], [0]), POOL, lambda *m: seen.append(m), stats, Clock(0.1)
+    )
+    assert [s[0] for s in seen] == [ENDPOINTS[0]] and stats.served_elsewhere == 0
+
+
+async def test_a_served_address_outside_the_pool_moves_nothing() -> None:
+    first = _headers({"x-gateway-destination-endpoint": ENDPOINTS[0], "x-request-id": "r-8"})
+    seen, stats = [], ObserveStats()
+    rest = _aiter([served_response("10.9.9.9:80"), _chunk(b"x")], [0])
+    await time_response(first, rest, POOL, lambda *m: seen.append(m), stats, Clock(0.1))
+    assert [s[0] for s in seen] == [ENDPOINTS[0]] and stats.served_elsewhere == 0
+
+
+async def test_a_served_report_moves_the_held_lease_to_the_endpoint_that_served() -> None:
+    """With leases (routing streams end at the decision), the observing stream's report finds the request's lease
+    by its id: its in-flight count moves to the endpoint that served, and its end releases it there."""
+    service = ExtProcService(make_engine(), max_body_bytes=4096, leases=OpenLeases())
+    service.response_timer = lambda *m: None
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    try:
+        lease = service.engine.inflight.acquire(0, 40)
+        service.leases.hold("r-9", lease)
+        first = _headers({"x-gateway-destination-endpoint": f"{ENDPOINTS[0]},{ENDPOINTS[1]}", "x-request-id": "r-9"})
+        await _mirror(server, [first, served_response(ENDPOINTS[1]), _chunk(b"data: x")])
+        await until(lambda: service.stats.served["elsewhere"] == 1)
+        inflight = service.engine.inflight
+        assert inflight.requests.tolist() == [0, 1, 0] and inflight.tokens.tolist() == [0, 40, 0]
+        service.leases.finish("r-9")
+        assert inflight.requests.tolist() == [0, 0, 0] and inflight.tokens.tolist() == [0, 0, 0]
+        # A report for a request the picker does not hold (ended, or routed before a restart) changes nothing.
+        await _mirror(server, [first, served_response(ENDPOINTS[2]), _chunk(b"data: x")])
+        await until(lambda: service.stats.served["unknown"] == 1)
+        assert inflight.requests.tolist() == [0, 0, 0]
+    finally:
+        await server.stop(0)

@@ -24,12 +24,15 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferlb.filter.replies import DESTINATION_HEADER
+from inferlb.filter.request import apply_body
 from inferlb.filter.server import GRPC_ENVELOPE_BYTES, HEALTH_SERVICES, ExtProcService, PickerServer
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine, Profile
 from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec
+from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.plugins import MaxScorePicker, ModelFilter
 from inferlb.scorer.pool import Pool
+from inferlb.scorer.prefix import PrefixAffinityScorer
 from inferlb.scorer.presets import build_profile
 
 from ..conftest import until
@@ -230,6 +233,36 @@ async def test_response_phases_are_let_through(picker: PickerServer) -> None:
     reply = await envoy.send(ProcessingRequest(response_body=HttpBody(body=b"data", end_of_stream=True)))
     assert reply.WhichOneof("response") == "response_body"
     await envoy.close()
+
+
+async def test_a_served_endpoint_on_the_routing_stream_moves_the_count_and_the_prefix() -> None:
+    """A gateway that keeps the routing stream to the response reports the endpoint that served (the Endpoint Picker
+    protocol's ``envoy.lb`` / ``x-gateway-destination-endpoint-served``): when a retry served it elsewhere, the
+    request counts there and the prefix index learns that its prompt went there."""
+    engine = make_engine(build_profile("prefix-aware", np.random.default_rng(7), size=len(ENDPOINTS)))
+    [prefix] = [w.scorer for w in engine.profile.scorers if isinstance(w.scorer, PrefixAffinityScorer)]
+    picker = PickerServer(ExtProcService(engine, max_body_bytes=1 << 16), "127.0.0.1:0")
+    await picker.start()
+    body = {"model": MODEL, "prompt": "shared words " * 200}
+    envoy = FakeEnvoy(picker)
+    await envoy.send(headers_message(body_mode=ProcessingMode.BUFFERED))
+    picked = destination(await envoy.send(body_message(body)))
+    elsewhere = next(a for a in ENDPOINTS if a != picked)
+    message = ProcessingRequest(response_headers=HttpHeaders(end_of_stream=False))
+    message.metadata_context.filter_metadata["envoy.lb"].fields[
+        "x-gateway-destination-endpoint-served"
+    ].string_value = elsewhere
+    reply = await envoy.send(message)
+    assert reply.WhichOneof("response") == "response_headers"
+    inflight = engine.inflight
+    index = {a: i for i, a in enumerate(ENDPOINTS)}
+    assert inflight.requests[index[elsewhere]] == 1 and inflight.requests[index[picked]] == 0
+    assert picker.service.stats.served == {"elsewhere": 1}
+    hashes = apply_body(RequestFeatures(), json.dumps(body).encode(), complete=True, max_bytes=1 << 16).prefix_hashes
+    assert prefix.index.match(hashes)[index[elsewhere]] == len(hashes) > 0
+    await envoy.close()
+    await until(lambda: inflight.total() == 0)  # released where it was served
+    await picker.stop(0)
 
 
 async def test_a_failing_engine_ends_only_its_own_stream(picker: PickerServer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -110,3 +110,28 @@ def test_the_prefill_backlog_drains_at_the_given_rate_and_outlives_the_request()
     assert inflight.pending_prefill(np.array([2, 0]), rates[[2, 0]]).tolist() == [1500, 1300]
     now[0] = 200.0  # long drained: never below zero
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 0]
+
+
+def test_a_lease_moved_to_the_endpoint_that_served_releases_there() -> None:
+    inflight = InFlight(3)
+    lease = inflight.acquire(0, 50)
+    assert lease.move(2)
+    assert inflight.requests.tolist() == [0, 0, 1] and inflight.tokens.tolist() == [0, 0, 50]
+    assert inflight.sent.tolist() == [1, 0, 0]  # decisions stay where they were made
+    lease.release()
+    assert inflight.requests.tolist() == [0, 0, 0] and inflight.tokens.tolist() == [0, 0, 0]
+    assert not lease.move(1)  # released: it counts nowhere
+    assert inflight.requests.tolist() == [0, 0, 0]
+
+
+def test_a_lease_moves_within_the_counters_that_replaced_its_own() -> None:
+    old = InFlight(3)
+    lease = old.acquire(1, 10)
+    mapping = np.array([1, 2, -1])  # old 1 is now 0, old 2 is now 1, a new endpoint joined as 2
+    new = old.moved(mapping)
+    old.hand_over(new, mapping)
+    assert lease.current() == (new, 0)
+    assert lease.move(2)
+    assert new.requests.tolist() == [0, 0, 1] and new.tokens.tolist() == [0, 0, 10]
+    lease.release()
+    assert new.requests.tolist() == [0, 0, 0] and old.requests.tolist() == [0, 1, 0]  # the old ones are not read
