@@ -9,15 +9,18 @@ them, in each body mode: a pick names ``ip:port`` endpoints in the destination h
 malformed hint: 503); a malformed body is refused; in FULL_DUPLEX_STREAMED mode the body comes back whole.
 Without ``--picker`` it starts inferlb itself (emulated servers, real Envoy) and runs those scenarios against
 it and, through Envoy, the ones that need the data plane: picks are followed (Envoy's access log: the picked
-endpoint is the one that served), and the picker down with fail-open (the fallback cluster serves) and with
-fail-closed (a JSON 5xx). Each scenario is a MUST or a SHOULD of the protocol (or of a production gateway);
-the exit status is 1 if a MUST fails. Results: ``conformance.json`` and ``conformance.md``.
+endpoint is the one that served), the picker down with fail-open (the fallback cluster serves) and with
+fail-closed (a JSON 5xx), a weighted split across two pools (each share picked by its own pool's picker), the
+subset hint set by a filter before the picker's, and the served endpoint Envoy reports after a retry. Each
+scenario is a MUST or a SHOULD of the protocol (or of a production gateway); the exit status is 1 if a MUST
+fails. Results: ``conformance.json`` and ``conformance.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import tempfile
 import time
@@ -29,6 +32,7 @@ from typing import Any
 
 import grpc
 import httpx
+import yaml
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -42,7 +46,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from inferlb.bench.report import header, table, write
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
+from inferlb.procs import free_port
+from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions, start_envoy
 
 __all__ = ["MODES", "Result", "add_arguments", "picker_scenarios", "run"]
 
@@ -91,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
                     results += asyncio.run(picker_scenarios(stack.picker_address, "m1", mode))
                     results += envoy_scenarios(stack, mode)
             results += [_picker_down(Path(folder) / "fail-closed", fail_open=False)]
+            for mode in modes:
+                results += gateway_scenarios(Path(folder) / f"gateway-{mode}", mode)
     for r in results:
         print(f"  {'pass' if r.passed else 'FAIL'}  {r.level:<6} {r.mode:<11} {r.scenario}: {r.detail}", flush=True)
     failed = [r for r in results if not r.passed and r.level == "MUST"]
@@ -278,8 +285,9 @@ async def picker_scenarios(target: str, model: str, mode: str) -> list[Result]:
 
 
 @contextmanager
-def _stack(workdir: Path, mode: str, *, fail_open: bool = True) -> Iterator[LocalStack]:
-    options = StackOptions(backends=3, models=("m1",), envoy=EnvoyOptions(body_mode=mode, fail_open=fail_open))
+def _stack(workdir: Path, mode: str, *, fail_open: bool = True, backends: int = 3, **more: Any) -> Iterator[LocalStack]:
+    envoy = EnvoyOptions(body_mode=mode, fail_open=fail_open, **more.pop("envoy", {}))
+    options = StackOptions(backends=backends, models=("m1",), envoy=envoy, **more)
     with LocalStack(options, workdir) as stack:
         yield stack
 
@@ -337,7 +345,253 @@ def _picker_down(workdir: Path, *, fail_open: bool) -> Result:
     return Result("picker-down-fail-closed", "envoy/buffered", "MUST", passed, detail)
 
 
-def _log_entries(stack: LocalStack, request_ids: Sequence[str], timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
+# ---- gateways built here around inferlb's pickers: two pools, a subset hint, the served endpoint ---------------
+
+
+EXT_PROC = "envoy.filters.http.ext_proc"
+EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+SPLIT = (80, 20)  # pool A's and pool B's weights in the split
+SPLIT_REQUESTS = 100
+SPLIT_TOLERANCE = 0.15  # of the share; the binomial's spread at 100 requests is 0.04
+
+
+@dataclass(slots=True)
+class Gateway:
+    """A further Envoy, on a bootstrap changed from a stack's: its listener, admin API and access log."""
+
+    url: str
+    admin_url: str
+    log_path: Path
+
+    def access_log(self) -> list[dict[str, Any]]:
+        if not self.log_path.exists():
+            return []
+        return [json.loads(line) for line in self.log_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@contextmanager
+def _gateway(document: dict[str, Any], workdir: Path) -> Iterator[Gateway]:
+    """Run Envoy on ``document`` (a stack's bootstrap, changed) with a listener, admin API and access log of its own."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    listener = document["static_resources"]["listeners"][0]
+    listen, admin = free_port(), free_port()
+    listener["address"]["socket_address"]["port_value"] = listen
+    document["admin"]["address"]["socket_address"]["port_value"] = admin
+    log_path = workdir / "access.log"
+    for logger in _hcm(document)["access_log"]:
+        if logger["name"] == "envoy.access_loggers.file":
+            logger["typed_config"]["path"] = str(log_path)
+    bootstrap = workdir / "envoy.yaml"
+    bootstrap.write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
+    envoy = start_envoy(bootstrap, workdir / "envoy.log", f"http://127.0.0.1:{admin}", concurrency=1)
+    try:
+        yield Gateway(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{admin}", log_path)
+    finally:
+        envoy.stop()
+
+
+def _hcm(document: dict[str, Any]) -> dict[str, Any]:
+    typed: dict[str, Any] = document["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]
+    return typed
+
+
+def _bootstrap(stack: LocalStack) -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load(stack.envoy_path.read_text(encoding="utf-8"))
+    return document
+
+
+def _split_bootstrap(a: LocalStack, b: LocalStack, weights: tuple[int, int]) -> dict[str, Any]:
+    """One Envoy in front of two pools, as a gateway serves an HTTPRoute with weighted backendRefs to two
+    InferencePools: each picker route splits by weight between pool A's fallback cluster and pool B's, and each
+    share asks its own pool's picker (a per-cluster ext_proc override); the pick then goes where it names."""
+    document = _bootstrap(a)
+    clusters = document["static_resources"]["clusters"]
+    by_name = {c["name"]: c for c in clusters}
+    for name, stack in (("inferlb_picker", b), ("inferlb_fallback", b)):
+        twin = copy.deepcopy(by_name[name])
+        twin["name"] = twin["load_assignment"]["cluster_name"] = f"{name}_b"
+        addresses = [stack.picker_address] if name == "inferlb_picker" else stack.endpoints
+        twin["load_assignment"]["endpoints"] = [
+            {"lb_endpoints": [{"endpoint": {"address": _socket(address)}} for address in addresses]}
+        ]
+        clusters.append(twin)
+    hcm = _hcm(document)
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        target = route.get("route", {})
+        if target.get("cluster") != "inferlb_fallback" or route["name"] == "models":
+            continue
+        own = route.get("typed_per_filter_config", {}).get(EXT_PROC) or {"@type": EXT_PROC_PER_ROUTE, "overrides": {}}
+        shares = []
+        for (cluster, picker), weight in zip(
+            (("inferlb_fallback", "inferlb_picker"), ("inferlb_fallback_b", "inferlb_picker_b")), weights, strict=True
+        ):
+            override = copy.deepcopy(own)
+            override.setdefault("overrides", {})["grpc_service"] = {"envoy_grpc": {"cluster_name": picker}}
+            shares.append({"name": cluster, "weight": weight, "typed_per_filter_config": {EXT_PROC: override}})
+        del target["cluster"]
+        target["weighted_clusters"] = {"clusters": shares}
+    # Each picker learns of its requests' ends from the access log: both get every entry, and end their own.
+    loggers = hcm["access_log"]
+    [request_end] = [logger for logger in loggers if logger["name"] == "inferlb.request_end"]
+    twin = copy.deepcopy(request_end)
+    twin["name"] = twin["typed_config"]["common_config"]["log_name"] = "inferlb.request_end_b"
+    twin["typed_config"]["common_config"]["grpc_service"] = {"envoy_grpc": {"cluster_name": "inferlb_picker_b"}}
+    loggers.append(twin)
+    return document
+
+
+def _subset_bootstrap(stack: LocalStack, subset: list[str]) -> dict[str, Any]:
+    """The stack's Envoy with a gateway's subset hint: a filter before the picker's sets ``envoy.lb.subset_hint``
+    to ``subset`` on every request (as a gateway that narrows a route to some endpoints does)."""
+    document = _bootstrap(stack)
+    hint = {
+        "name": "envoy.filters.http.set_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [{"metadata_namespace": SUBSET_NAMESPACE, "value": {SUBSET_KEY: subset}}],
+        },
+    }
+    _hcm(document)["http_filters"].insert(0, hint)
+    return document
+
+
+def _socket(address: str) -> dict[str, Any]:
+    host, _, port = address.rpartition(":")
+    return {"socket_address": {"address": host, "port_value": int(port)}}
+
+
+def gateway_scenarios(workdir: Path, mode: str) -> list[Result]:
+    """Through Envoys built here around inferlb's pickers: a weighted split across two pools, the subset hint
+    honoured (and a hint of no member refused), and the served endpoint reported after a retry."""
+    results: list[Result] = []
+    with _stack(workdir / "pool-a", mode, backends=2) as a, _stack(workdir / "pool-b", mode, backends=2) as b:
+        results.append(_weighted_split(a, b, workdir / "split", mode))
+        results += _subset_through_envoy(a, workdir / "subset", mode)
+    results.append(_served_reported(workdir / "served", mode))
+    return results
+
+
+def _weighted_split(a: LocalStack, b: LocalStack, workdir: Path, mode: str) -> Result:
+    body = {"model": "m1", "prompt": "split " * 40, "max_tokens": 2}
+    pools = {"A": set(a.endpoints), "B": set(b.endpoints)}
+    with _gateway(_split_bootstrap(a, b, SPLIT), workdir) as gateway, httpx.Client(timeout=TIMEOUT_S) as client:
+        ids, problems = [], []
+        for _ in range(SPLIT_REQUESTS):
+            response = client.post(f"{gateway.url}/v1/completions", json=body)
+            if response.status_code != 200:
+                problems.append(f"status {response.status_code}")
+            ids.append(response.headers.get("x-request-id", ""))
+        entries = _log_entries(gateway, ids)
+    shares = {"A": 0, "B": 0}
+    for request_id in ids:
+        entry = entries.get(request_id) or {}
+        picked, upstream = str(entry.get("picked") or ""), entry.get("upstream")
+        pool = next((name for name, members in pools.items() if picked in members), None)
+        if pool is None or upstream != picked:
+            problems.append(f"{request_id}: picked {picked or 'nothing'}, served by {upstream}")
+            continue
+        shares[pool] += 1
+    expected = SPLIT[0] / sum(SPLIT)
+    share = shares["A"] / SPLIT_REQUESTS
+    if abs(share - expected) > SPLIT_TOLERANCE:
+        problems.append(f"pool A got {share:.2f} of the requests, not {expected:.2f} +- {SPLIT_TOLERANCE}")
+    detail = (
+        f"{SPLIT_REQUESTS} requests split {SPLIT[0]}/{SPLIT[1]}: {shares['A']} to pool A, {shares['B']} to pool B, "
+        "each picked by its pool's picker among its members and served there"
+    )
+    return Result("weighted-split-two-pools", "envoy/" + mode, "MUST", not problems, "; ".join(problems[:3]) or detail)
+
+
+def _subset_through_envoy(stack: LocalStack, workdir: Path, mode: str) -> list[Result]:
+    body = {"model": "m1", "prompt": "subset " * 40, "max_tokens": 2}
+    chosen = sorted(stack.endpoints)[-1]
+    results = []
+    with (
+        _gateway(_subset_bootstrap(stack, [chosen, OUTSIDE]), workdir / "one") as gateway,
+        httpx.Client(timeout=TIMEOUT_S) as client,
+    ):
+        responses = [client.post(f"{gateway.url}/v1/completions", json=body) for _ in range(8)]
+        entries = _log_entries(gateway, [r.headers.get("x-request-id", "") for r in responses])
+        wrong = [
+            f"status {r.status_code}, served by {entries.get(r.headers.get('x-request-id', ''), {}).get('upstream')}"
+            for r in responses
+            if r.status_code != 200 or entries.get(r.headers.get("x-request-id", ""), {}).get("upstream") != chosen
+        ]
+        detail = f"8 requests, the gateway's hint [{chosen}, an address in no pool]: all served by {chosen}"
+        results.append(
+            Result("subset-hint-through-envoy", "envoy/" + mode, "MUST", not wrong, "; ".join(wrong[:3]) or detail)
+        )
+    with (
+        _gateway(_subset_bootstrap(stack, [OUTSIDE]), workdir / "none") as gateway,
+        httpx.Client(timeout=TIMEOUT_S) as client,
+    ):
+        response = client.post(f"{gateway.url}/v1/completions", json=body)
+        try:
+            error = response.json()["error"]["type"]
+        except (ValueError, KeyError, TypeError):
+            error = None
+        passed = response.status_code == 503 and error is not None
+        detail = f"a hint of no pool member: {response.status_code}, {error or 'no JSON error'}"
+        results.append(Result("subset-hint-none-eligible-through-envoy", "envoy/" + mode, "MUST", passed, detail))
+    return results
+
+
+def _served_reported(workdir: Path, mode: str) -> Result:
+    """Override Host with two endpoints listed, and one server answering 503 (its cold start) that the picker does
+    not know of (no scrapes): Envoy retries on the next endpoint and reports the endpoint that served; the picker
+    counts each report as the pick or elsewhere (its /metrics), and every request is reported."""
+    more = {
+        "latency_source": "stream",
+        "envoy": {"cluster_mode": "override-host"},
+        "picker_config": {"destinations": 2, "signals": {"scrape_metrics": False}},
+    }
+    body = {"model": "m1", "prompt": "served " * 40, "max_tokens": 2}
+    with _stack(workdir, mode, **more) as stack, httpx.Client(timeout=TIMEOUT_S) as client:
+        cold = stack.endpoints[0]
+        client.post(f"http://{cold}/admin/faults", json={"crash": True, "cold_start_s": 600}).raise_for_status()
+        responses = [client.post(f"{stack.gateway_url}/v1/completions", json=body) for _ in range(24)]
+        entries = _log_entries(stack, [r.headers.get("x-request-id", "") for r in responses])
+        retried = sum(
+            str(entries.get(r.headers.get("x-request-id", ""), {}).get("picked", "")).split(",")[0]
+            != entries.get(r.headers.get("x-request-id", ""), {}).get("upstream")
+            for r in responses
+        )
+        failed = sum(r.status_code != 200 for r in responses)
+        deadline = time.monotonic() + 5
+        while True:
+            reports = _served_reports(stack)
+            if sum(reports.values()) >= len(responses) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    passed = (
+        failed == 0
+        and retried > 0
+        and reports.get("elsewhere") == retried
+        and reports.get("as-picked") == len(responses) - retried
+    )
+    detail = (
+        f"{len(responses)} requests, {retried} retried on the next endpoint listed, {failed} failed; reports: "
+        f"{reports.get('as-picked', 0):.0f} as picked, {reports.get('elsewhere', 0):.0f} elsewhere (counted there), "
+        f"{reports.get('unknown', 0):.0f} unknown"
+    )
+    return Result("served-endpoint-reported", "envoy/" + mode, "MUST", passed, detail)
+
+
+def _served_reports(stack: LocalStack) -> dict[str, float]:
+    text = httpx.get(f"{stack.picker_admin_url}/metrics", timeout=TIMEOUT_S).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("inferlb_served_reports_total{"):
+            labels, _, value = line.rpartition(" ")
+            out[labels.split('"')[1]] = float(value)
+    return out
+
+
+def _log_entries(
+    stack: LocalStack | Gateway, request_ids: Sequence[str], timeout_s: float = 5.0
+) -> dict[str, dict[str, Any]]:
     """Envoy's access-log entries of ``request_ids`` (it flushes the log every 100 ms: polled until all are in)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -368,8 +622,12 @@ def _markdown(document: dict[str, Any]) -> str:
     out += table(["mode", "scenario", "level", "result", "what was seen"], rows, "lllll")
     out += [
         "",
-        "Not covered yet: the served endpoint the data plane reports on the response",
-        "(`x-gateway-destination-endpoint-served`), and a weighted split across two pools.",
+        "The gateway scenarios run Envoys built here around inferlb's pickers: one in front of two pools (each",
+        "picker route split by weight between the pools' clusters, each share asking its own pool's picker, as a",
+        "gateway serves an HTTPRoute with weighted backendRefs to two InferencePools); one whose filter before the",
+        "picker's sets the subset hint; and Override Host with one server answering 503 that the picker does not",
+        "know of, so Envoy retries on the next endpoint listed and reports the endpoint that served. With",
+        "`--picker`, only the scenarios over ext_proc run: the others need the pickers started here.",
     ]
     return "\n".join(out)
 

@@ -57,6 +57,30 @@ class StackOptions:
     endpoint_labels: tuple[Mapping[str, str], ...] = ()  # the pool's endpoints' labels, in order (default none)
 
 
+def start_envoy(bootstrap: Path, log_path: Path, admin_url: str, concurrency: int = 2) -> ManagedProcess:
+    """Envoy on the bootstrap file ``bootstrap``, once its admin API at ``admin_url`` says it is ready."""
+    argv = [
+        find_tool("envoy"),
+        "-c",
+        str(bootstrap),
+        "--concurrency",
+        str(concurrency),
+        "--disable-hot-restart",
+        "--log-level",
+        "warning",
+        # The access log is read back by the demo and the tests; Envoy's default flush interval is 10 s.
+        "--file-flush-interval-msec",
+        "100",
+    ]
+    envoy = ManagedProcess("envoy", argv, log_path).start()
+    try:
+        envoy.wait_ready(http_ok(f"{admin_url}/ready"), READY_TIMEOUT_S, "ready")
+    except BaseException:
+        envoy.stop()
+        raise
+    return envoy
+
+
 def start_sim(addresses: Sequence[str], log_path: Path, *args: str) -> ManagedProcess:
     """Start ``inferlb sim`` serving ``addresses`` (plus ``args``) as its own process; return once every server
     answers ``/health``. ProcessError (with the log's tail) if it exits or is not ready within READY_TIMEOUT_S."""
@@ -199,21 +223,9 @@ class LocalStack:
         self.picker.wait_ready(http_ok(f"{self.picker_admin_url}/healthz"), READY_TIMEOUT_S, "admin API")
 
     def start_envoy(self) -> None:
-        argv = [
-            find_tool("envoy"),
-            "-c",
-            str(self.envoy_path),
-            "--concurrency",
-            str(self.options.envoy_concurrency),
-            "--disable-hot-restart",
-            "--log-level",
-            "warning",
-            # The access log is read back by the demo and the tests; Envoy's default flush interval is 10 s.
-            "--file-flush-interval-msec",
-            "100",
-        ]
-        self.envoy = ManagedProcess("envoy", argv, self.workdir / "envoy.log").start()
-        self.envoy.wait_ready(http_ok(f"{self.admin_url}/ready"), READY_TIMEOUT_S, "ready")
+        self.envoy = start_envoy(
+            self.envoy_path, self.workdir / "envoy.log", self.admin_url, self.options.envoy_concurrency
+        )
 
     def stop(self) -> None:
         stop_all([p for p in (self.envoy, self.picker, self.backends) if p is not None])

@@ -4,6 +4,7 @@ scenario in both body modes, and a picker that ignores the subset hint fails the
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,3 +46,26 @@ async def test_a_picker_that_ignores_the_subset_hint_fails_its_musts(
     for name in ("subset-hint-none-eligible", "subset-hint-empty"):
         assert not results[name].passed and results[name].level == "MUST"
     assert "503" in results["subset-hint-empty"].detail
+
+
+@pytest.mark.envoy
+def test_the_gateway_scenarios_pass_through_real_envoy_and_a_split_that_ignores_the_weights_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = conformance.gateway_scenarios(tmp_path / "gateway", "buffered")
+    assert {r.scenario for r in results} == {
+        "weighted-split-two-pools",
+        "subset-hint-through-envoy",
+        "subset-hint-none-eligible-through-envoy",
+        "served-endpoint-reported",
+    }
+    assert all(r.passed for r in results), [r for r in results if not r.passed]
+    # A gateway that sends every request to pool A: the split's MUST fails and says so.
+    real = conformance._split_bootstrap
+    monkeypatch.setattr(conformance, "_split_bootstrap", lambda a, b, weights: real(a, b, (100, 0)))
+    with (
+        conformance._stack(tmp_path / "a", "buffered", backends=2) as a,
+        conformance._stack(tmp_path / "b", "buffered", backends=2) as b,
+    ):
+        split = conformance._weighted_split(a, b, tmp_path / "split", "buffered")
+    assert not split.passed and "pool A got 1.00" in split.detail
