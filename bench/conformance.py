@@ -542,7 +542,7 @@ def _served_reported(workdir: Path, mode: str) -> Result:
     """Override Host with two endpoints listed, and one server answering 503 (its cold start) that the picker does
     not know of (no scrapes): Envoy retries on the next endpoint and reports the endpoint that served; the picker
     counts each report as the pick or elsewhere (its /metrics), and every request is reported."""
-    more = {
+    more: dict[str, Any] = {
         "latency_source": "stream",
         "envoy": {"cluster_mode": "override-host"},
         "picker_config": {"destinations": 2, "signals": {"scrape_metrics": False}},
