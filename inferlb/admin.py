@@ -3,7 +3,8 @@
 | route | what it answers |
 |---|---|
 | ``GET /healthz`` | 200 while the process runs |
-| ``GET /readyz`` | 200 once the gRPC server serves and the first metrics round is in; else 503 |
+| ``GET /readyz`` | 200 once the gRPC server serves, the first metrics round is in and (with ``replicas``) |
+|  | the shared state is replayed or Redis is known down (``notes`` then says it routes alone); else 503 |
 | ``GET /endpoints`` | each endpoint's state (serving, ramping in with its slow start, draining), latest signals, |
 |  | their age, staleness, last scrape error, in-flight counts; where the pool comes from (``membership``: |
 |  | the discovery source, whether it is in touch, entries it skipped and why, changes counted) |
@@ -169,7 +170,8 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
         reasons = picker.not_ready()
         if reasons:
             return JSONResponse({"status": "not ready", "reasons": reasons}, status_code=503)
-        return JSONResponse({"status": "ready"})
+        notes = picker.notes()
+        return JSONResponse({"status": "ready", "notes": notes} if notes else {"status": "ready"})
 
     @app.get("/endpoints")
     async def endpoints() -> dict[str, Any]:

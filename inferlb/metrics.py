@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from inferlb.scorer.histogram import Histogram
+from inferlb.scorer.replicas import ReplicaStats
 
 if TYPE_CHECKING:
     from inferlb.filter.observe import ObserveStats
@@ -130,6 +131,7 @@ class Readings:
     membership: dict[str, int] = dataclasses.field(default_factory=dict)  # changes by kind (joined, left, ...)
     endpoint_states: dict[str, int] = dataclasses.field(default_factory=dict)  # endpoints by state
     discovery: tuple[str, bool] | None = None  # the source's name and whether it is in touch
+    replicas: tuple[bool, int, ReplicaStats] | None = None  # Redis in touch, peers counted, the exchange's counts
 
     @classmethod
     def take(cls, picker: PickerProcess) -> Readings:
@@ -157,6 +159,9 @@ class Readings:
             membership=dict(picker.membership.changes),
             endpoint_states=_states(engine),
             discovery=None if picker.discovery is None else (picker.discovery.name, picker.discovery.healthy),
+            replicas=None
+            if picker.replicas is None
+            else (bool(picker.replicas.up), picker.replicas.peers(), copy.copy(picker.replicas.stats)),
         )
         spans, leases = picker.spans, picker.service.leases
         extra: dict[str, Any] = {}
@@ -337,6 +342,23 @@ def families(readings: Readings) -> Iterator[Metric]:
             ("source",),
             [((r.discovery[0],), int(r.discovery[1]))],
         )
+    if r.replicas is not None:
+        up, peers, stats = r.replicas
+        yield _gauge(
+            "inferlb_replicas_redis_up",
+            "1 while this replica is in touch with Redis (0: it routes on its own view).",
+            (),
+            [((), int(up))],
+        )
+        yield _gauge("inferlb_replicas_peers", "Other replicas whose in-flight counts count here.", (), [((), peers)])
+        yield _counter(
+            "inferlb_replicas_entries_total",
+            "Entries of the replicas' exchange: published by this replica, applied from peers, rejected (malformed or "
+            "naming no member of the pool).",
+            ("kind",),
+            [(("published",), stats.published), (("applied",), stats.applied), (("rejected",), stats.rejected)],
+        )
+        yield _counter("inferlb_replicas_outages_total", "Times Redis went out of reach.", (), [((), stats.outages)])
     if r.arms:
         labels = ("experiment", "arm")
         arms = sorted(r.arms.items())

@@ -47,6 +47,7 @@ from inferlb.scorer.kubernetes import KubernetesSource
 from inferlb.scorer.membership import REAP_INTERVAL_S, Membership, Plan
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
+from inferlb.scorer.replicas import Replicas
 from inferlb.scorer.router import Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
@@ -92,6 +93,8 @@ class PickerProcess:
     discovered: tuple[EndpointConfig, ...] | None = None
     static_endpoints: tuple[EndpointConfig, ...] = ()
     membership_refusals: int = 0
+    # Other pickers of the pool, through Redis (config replicas): what they have in flight counts here too.
+    replicas: Replicas | None = None
 
     async def start(self) -> None:
         await self.server.start()
@@ -125,6 +128,8 @@ class PickerProcess:
         self._tasks.append(loop.create_task(self._push_weights(), name="weights"))
         if self.discovery is not None:
             self._tasks.append(loop.create_task(self.discovery.run(self.discovered_endpoints), name="discovery"))
+        if self.replicas is not None:
+            self._tasks.append(loop.create_task(self.replicas.run(), name="replicas"))
         self._started = True
 
     async def drain(self, seconds: float) -> None:
@@ -147,6 +152,8 @@ class PickerProcess:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._tasks.clear()
+            if self.replicas is not None:
+                await self.replicas.close()
             if self.service.leases is not None:
                 self.service.leases.release_all()
 
@@ -159,7 +166,14 @@ class PickerProcess:
             reasons.append("draining: the picker is shutting down")
         if self.collector is not None and not self.collector.first_round_done:
             reasons.append("no metrics scrape finished yet")
+        if self.replicas is not None and not self.replicas.ready():
+            reasons.append("replicas: catching up from Redis")
         return reasons
+
+    def notes(self) -> list[str]:
+        """What a ready picker should tell whoever asks (``/readyz``): it routes, but not as it would like to."""
+        replicas = self.replicas
+        return [replicas.problem] if replicas is not None and replicas.problem else []
 
     # ---- collectors ---------------------------------------------------------------------------------------
 
@@ -253,6 +267,8 @@ class PickerProcess:
                 "otel.latency_source cannot change while the picker runs: Envoy's bootstrap changes with it "
                 "(inferlb envoy-config); restart both"
             )
+        if config.replicas != old.replicas:
+            raise ConfigError("replicas cannot change while the picker runs; restart it")
         if config.inflight.end != old.inflight.end:
             raise ConfigError(
                 "inflight.end cannot change while the picker runs: Envoy's bootstrap changes with it "
@@ -510,6 +526,8 @@ def create_picker(
         static_endpoints=listed,
     )
     picker.spans = spans
+    if config.replicas is not None:
+        picker.replicas = Replicas(config.replicas, lambda: picker.engine)
     service.destinations = config.destinations
     picker.publish_endpoints()
     return picker

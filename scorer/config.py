@@ -520,6 +520,63 @@ class KubernetesConfig(Section):
         return self
 
 
+def _redis_url(value: Any) -> str:
+    if not isinstance(value, str):
+        raise invalid(f" must be a Redis URL such as 'redis://10.0.0.5:6379/0'; got {shown(value)}")
+    parts = urlsplit(value)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname or parts.query or parts.fragment:
+        raise invalid(
+            f" must be redis:// or rediss:// with a host (and a port, a database), nothing else; got {shown(value)}"
+        )
+    if parts.username or parts.password:
+        raise invalid(" must not carry a user or password: give username and password (a file or variable)")
+    if parts.path not in ("", "/") and not parts.path.lstrip("/").isdigit():
+        raise invalid(f"'s path must be a database number such as /0; got {shown(value)}")
+    try:
+        parts.port  # noqa: B018 - a bad port raises here
+    except ValueError:
+        raise invalid(f" has a bad port; got {shown(value)}") from None
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicasConfig(Section):
+    """``replicas``: several pickers share routing state through Redis (``url``), off the hot path: each publishes
+    its own in-flight requests and tokens per endpoint every ``publish_interval_s`` (a full snapshot every
+    second) and adds the others' to its own view. ``username`` and ``password`` (``{token_file: ...}`` or
+    ``{token_env: ...}``) for Redis AUTH; a ``rediss://`` URL uses TLS (``ca_file`` for a private CA). Pickers
+    share state only under the same ``key``. A peer not heard from for ``peer_ttl_s`` counts no more."""
+
+    url: Annotated[str, Parsed(_redis_url)] = field(
+        metadata={"description": "a Redis URL such as 'redis://10.0.0.5:6379/0'"}
+    )
+    key: Annotated[
+        str,
+        must(
+            "a key name of letters, digits and ':-_.' such as 'inferlb:pool-a'",
+            lambda v: isinstance(v, str) and 0 < len(v) <= 200 and all(c.isalnum() or c in ":-_." for c in v),
+        ),
+    ] = "inferlb"
+    username: Annotated[str | None, optional(TEXT)] = None
+    password: Annotated[TokenSource | None, Parsed(_token, input=TokenFile | None)] = None
+    ca_file: Annotated[str | None, optional(TEXT)] = None
+    publish_interval_s: Annotated[float, number(ge=0.001, le=1)] = 0.005
+    peer_ttl_s: Annotated[float, number(ge=0.1, le=600)] = 3.0
+    timeout_s: Annotated[float, number(ge=0.01, le=60)] = 1.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ReplicasConfig:
+        if self.username is not None and self.password is None:
+            raise invalid(" needs a password", "username")
+        if self.ca_file is not None and not self.url.startswith("rediss://"):
+            raise invalid(" is set but the URL is not rediss://", "ca_file")
+        if self.peer_ttl_s <= 1.0:
+            raise invalid(
+                " must be more than a second: every replica sends a full snapshot once a second", "peer_ttl_s"
+            )
+        return self
+
+
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig(Section):
     """``pool.discovery``: where the endpoints come from besides ``pool.endpoints`` (which then may be empty):
@@ -777,6 +834,7 @@ class ConfigFile(Model):
     experiments: tuple[ExperimentFile, ...] = ()
     destinations: Annotated[int, integer(ge=1, le=8)] = 1
     weights_interval_s: Annotated[float, number(ge=0.05, le=60)] = 1.0
+    replicas: ReplicasConfig | None = None
     pool: PoolFile = Field(description="a mapping with a list 'endpoints'")
 
     @model_validator(mode="after")
@@ -882,6 +940,7 @@ class Config:
     # retries a request that never reached a server on the next); how often it pushes Envoy endpoint weights.
     destinations: int = 1
     weights_interval_s: float = 1.0
+    replicas: ReplicasConfig | None = None  # several pickers share routing state through Redis
 
     def profile_spec(self, name: str | None = None) -> ProfileSpec | str:
         """The spec of the chosen policy (or of the profile ``name``): a profile of this file, else the preset's
@@ -958,4 +1017,5 @@ def parse_config(data: Any) -> Config:
         slow_start=doc.pool.slow_start.spec(),
         destinations=doc.destinations,
         weights_interval_s=doc.weights_interval_s,
+        replicas=doc.replicas,
     )

@@ -35,6 +35,9 @@ class InFlight:
         self._prefill_at = np.zeros(size)
         # Set by `moved`: the counters that replaced these, and where each endpoint went there (-1: gone).
         self.successor: tuple[InFlight, np.ndarray] | None = None
+        # What other picker replicas have in flight (`set_peers`), included in ``requests`` and ``tokens``.
+        self.peer_requests = np.zeros(size, dtype=np.int64)
+        self.peer_tokens = np.zeros(size, dtype=np.int64)
 
     def moved(self, mapping: np.ndarray) -> InFlight:
         """The counters of the next pool after a membership change: endpoint j of the new pool has what endpoint
@@ -42,7 +45,7 @@ class InFlight:
         new = InFlight(len(mapping), clock=self.clock)
         kept = mapping >= 0
         source = mapping[kept]
-        for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at"):
+        for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at", "peer_requests", "peer_tokens"):
             getattr(new, name)[kept] = getattr(self, name)[source]
         new.decisions = self.decisions
         return new
@@ -74,6 +77,18 @@ class InFlight:
 
     def total(self) -> int:
         return int(self.requests.sum())
+
+    def set_peers(self, requests: np.ndarray, tokens: np.ndarray) -> None:
+        """Other replicas have ``requests`` and ``tokens`` in flight per endpoint (aligned with the pool): from now
+        on ``requests`` and ``tokens`` count them with this replica's own, which stay as they are (`own`)."""
+        self.requests += requests - self.peer_requests
+        self.tokens += tokens - self.peer_tokens
+        self.peer_requests = requests.astype(np.int64, copy=True)
+        self.peer_tokens = tokens.astype(np.int64, copy=True)
+
+    def own(self) -> tuple[np.ndarray, np.ndarray]:
+        """This replica's own requests and tokens in flight per endpoint (new arrays): what it tells its peers."""
+        return self.requests - self.peer_requests, self.tokens - self.peer_tokens
 
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
         """Per candidate, the prompt tokens sent there that it has not had time to prefill, at ``tokens_per_s``

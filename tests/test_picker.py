@@ -11,6 +11,7 @@ import yaml
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferlb.bench.redisserver import REDIS, redis_server
 from inferlb.picker import create_picker
 from inferlb.procs import free_port
 from inferlb.scorer.config import load_config
@@ -305,3 +306,43 @@ async def test_with_span_latency_the_servers_spans_are_the_experiments_outcomes(
     arms = router.experiments.running["ab"].arms
     assert sum(arm.outcomes.ttft.moments.count for arm in arms) == 40
     assert sum(arm.outcomes.finished for arm in arms) == 40 and router.experiments.unattributed == 0
+
+
+@pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+async def test_two_pickers_sharing_redis_count_each_others_requests_and_say_when_redis_is_gone(servers, tmp_path: Path):
+    with redis_server(tmp_path / "redis") as redis:
+        secret = tmp_path / "redis-password"
+        secret.write_text(redis.password)
+        shared = {"url": redis.url, "password": {"token_file": str(secret)}, "key": "inferlb:test-pool"}
+        pickers = []
+        for name in ("a", "b"):
+            folder = tmp_path / name
+            folder.mkdir()
+            doc = document(servers, replicas=shared)
+            pickers.append((create_picker(load_config(_write(folder, doc))), doc))
+        (a, _), (b, b_doc) = pickers
+        for picker, _ in pickers:
+            await picker.start()
+        try:
+            await until(lambda: not a.not_ready() and not b.not_ready(), "both ready")
+            routed = a.service.router.route(RequestFeatures(model="m", request_id="r1"))
+            index = routed.decision.endpoint.index
+            await until(lambda: b.engine.inflight.requests[index] == 1, "b counts a's request")
+            async with httpx.AsyncClient(base_url=f"http://{b.config.admin}", timeout=5, headers=AUTH) as client:
+                metrics = _families((await client.get("/metrics")).text)
+                assert metrics["inferlb_replicas_redis_up"].samples[0].value == 1
+                assert metrics["inferlb_replicas_peers"].samples[0].value == 1
+                refused = await client.post(
+                    "/config", content=yaml.safe_dump({**b_doc, "replicas": None}), headers=YAML
+                )
+                assert refused.status_code == 400 and "replicas cannot change" in refused.json()["error"]["message"]
+                redis.stop()
+                await until(lambda: b.replicas is not None and b.replicas.up is False, "b sees Redis gone")
+                ready = await client.get("/readyz")
+                assert ready.status_code == 200 and "routing alone" in ready.json()["notes"][0]
+                metrics = _families((await client.get("/metrics")).text)
+                assert metrics["inferlb_replicas_redis_up"].samples[0].value == 0
+            routed.lease.release()
+        finally:
+            for picker, _ in pickers:
+                await picker.stop(0.5)

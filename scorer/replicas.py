@@ -1,0 +1,327 @@
+"""Picker replicas that share routing state through Redis (config ``replicas``).
+
+Several pickers serve one pool at once (processes on a node, pods behind a Service). Each counts what it routed
+itself; to route as one picker would, each must also see what the others have in flight. They exchange it
+through one Redis stream per pool (``replicas.key``), off the hot path:
+
+* **Publishing.** Every ``publish_interval_s`` a replica appends one entry with its own in-flight requests and
+  tokens of the endpoints whose counts changed since its last entry, as absolute values; once a second, all of
+  them (a full snapshot, which is also its heartbeat). A decision never waits on Redis: it changes the local
+  counters only, and the next tick reads them.
+* **Following.** A background task reads the others' entries as they come (``XREAD BLOCK``) and sets what each
+  peer has per endpoint; the sum over peers goes into the engine's counters (`InFlight.set_peers`), which every
+  scorer reads as one view. A replica that starts late, restarts or comes back after an outage first replays the
+  stream (bounded: the newest ``STREAM_MAXLEN`` entries), so it is caught up before it reports ready.
+
+Consistency: each replica's counts are its own truth, sent as absolute values, so an entry lost or applied twice
+costs nothing once the next one (at most a second later) arrives; a replica sees its peers' counts as they were
+one publishing interval plus a Redis round trip ago (a few ms). Routing needs no more: a decision weighs load
+that changes on that scale anyway, and each replica's own decisions count at once. A peer not heard from for
+``peer_ttl_s`` (it died, or Redis is down) counts no more, so a lost peer's requests do not weigh forever.
+
+Trust: Redis AUTH (``username``, ``password`` from a file or variable) and TLS (``rediss://``). An entry is
+applied only as far as it is well formed and names members of this replica's own pool; anything else is
+counted (``rejected``) and changes nothing. Without Redis (unreachable, refusing the credentials, slow) every
+replica routes on its own view and says so: a log line per transition, `problem`, and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from inferlb.scorer.config import ReplicasConfig
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.inflight import InFlight
+
+__all__ = ["FULL_EVERY_S", "STREAM_MAXLEN", "ReplicaStats", "Replicas"]
+
+logger = logging.getLogger(__name__)
+
+STREAM_MAXLEN = 20_000  # entries kept in the stream (trimmed approximately): the replay of a replica that starts
+FULL_EVERY_S = 1.0  # a full snapshot (and heartbeat) this often
+MAX_PEERS = 1024  # more writers than this are refused: no real fleet has them, and each costs memory
+MAX_COUNT = 1 << 30  # a count beyond this is not a count
+_RETRY_S = (0.1, 2.0)  # reconnecting: the first wait and the longest
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    """Counters (event-loop owned)."""
+
+    published: int = 0  # entries this replica appended
+    applied: int = 0  # peers' entries applied
+    rejected: int = 0  # peers' entries (or parts of them) refused: malformed, or naming no member of the pool
+    outages: int = 0  # transitions to "Redis unreachable"
+    caught_up: int = 0  # replays of the stream (at start and after each outage)
+
+
+@dataclass(slots=True)
+class _Peer:
+    seen: float  # monotonic time of its newest entry
+    counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # address -> (requests, tokens)
+
+
+class Replicas:
+    """This replica's side of the exchange. ``engine`` gives the engine in force (it changes on a reload or a
+    membership change). `run` until cancelled; `ready` once caught up (or once Redis is known to be down: the
+    replica then routes alone). One event loop; not thread-safe."""
+
+    def __init__(
+        self,
+        config: ReplicasConfig,
+        engine: Callable[[], Engine],
+        *,
+        replica_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.id = replica_id or uuid.uuid4().hex[:12]
+        self._engine = engine
+        self._clock = clock
+        self.stats = ReplicaStats()
+        self.up: bool | None = None  # None: not tried yet
+        self.caught_up = False
+        self.problem: str | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._applied_to: InFlight | None = None  # the counters the peers' sum was last put into
+        self._dirty = False
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._full_at = -FULL_EVERY_S
+        self._client: aioredis.Redis | None = None
+
+    # ---- state for the picker ---------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self.caught_up or self.up is False
+
+    def peers(self) -> int:
+        return len(self._peers)
+
+    # ---- the exchange -----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        retry = _RETRY_S[0]
+        while True:
+            replays = self.stats.caught_up
+            try:
+                await self._session()
+            except (RedisError, OSError, ValueError, ConfigError) as exc:
+                self._down(exc)
+            if self.stats.caught_up > replays:
+                retry = _RETRY_S[0]  # it was in touch: the outage starts now
+            # Peers expire on schedule while Redis is away, so that their counts stop weighing.
+            deadline = self._clock() + retry
+            while self._clock() < deadline:
+                self._expire()
+                await asyncio.sleep(min(0.25, retry))
+            retry = min(retry * 2, _RETRY_S[1])
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def _session(self) -> None:
+        await self.close()
+        client = self._client = self._connect()
+        last_id = await self._catch_up(client)
+        self._sent, self._full_at = {}, -FULL_EVERY_S  # the first entry after a (re)connection is a full one
+        tasks = {
+            asyncio.create_task(self._publish(client), name="replicas-publish"),
+            asyncio.create_task(self._follow(client, last_id), name="replicas-follow"),
+        }
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            task.result()  # the error that ended the session
+
+    def _connect(self) -> aioredis.Redis:
+        config = self.config
+        password = config.password.read("replicas.password").reveal().decode() if config.password else None
+        extra: dict[str, Any] = {}
+        if config.ca_file is not None:
+            extra["ssl_ca_certs"] = config.ca_file
+        return aioredis.Redis.from_url(
+            config.url,
+            username=config.username,
+            password=password,
+            socket_timeout=config.timeout_s + self._block_s(),
+            socket_connect_timeout=config.timeout_s,
+            retry_on_timeout=False,
+            **extra,
+        )
+
+    def _block_s(self) -> float:
+        return 0.1
+
+    async def _catch_up(self, client: aioredis.Redis) -> str:
+        """Replay the stream: every peer's newest counts, aged by Redis's clock. The id to follow from."""
+        now_s, now_us = await client.time()
+        now_ms = int(now_s) * 1000 + int(now_us) // 1000
+        entries: Any = await client.xrange(self.config.key, "-", "+")
+        local = self._clock()
+        for entry_id, fields in entries:
+            age_s = max(now_ms - _entry_ms(entry_id), 0) / 1000
+            self._apply(fields, local - age_s)
+        self._expire()
+        self._put()
+        self.stats.caught_up += 1
+        self.caught_up = True
+        self._up()
+        return _text(entries[-1][0]) if entries else "0-0"
+
+    async def _publish(self, client: aioredis.Redis) -> None:
+        interval = self.config.publish_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            engine = self._engine()
+            requests, tokens = engine.inflight.own()
+            current = {
+                e.address: (int(r), int(t))
+                for e, r, t in zip(engine.pool.endpoints, requests.tolist(), tokens.tolist(), strict=True)
+            }
+            now = self._clock()
+            if now - self._full_at >= FULL_EVERY_S:
+                kind, payload = "full", current
+                self._full_at = now
+            else:
+                kind = "changes"
+                payload = {a: v for a, v in current.items() if self._sent.get(a) != v}
+                payload.update({a: (0, 0) for a in self._sent.keys() - current.keys()})  # left the pool
+            if payload:
+                fields: Any = {"r": self.id, "k": kind, "d": orjson.dumps(payload)}
+                await client.xadd(self.config.key, fields, maxlen=STREAM_MAXLEN, approximate=True)
+                self.stats.published += 1
+            self._sent = current
+
+    async def _follow(self, client: aioredis.Redis, last_id: str) -> None:
+        block_ms = int(self._block_s() * 1000)
+        while True:
+            reply: Any = await client.xread({self.config.key: last_id}, count=1000, block=block_ms)
+            now = self._clock()
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    last_id = _text(entry_id)
+                    self._apply(fields, now)
+            self._expire()
+            self._put()
+
+    # ---- applying peers' entries ------------------------------------------------------------------------
+
+    def _apply(self, fields: dict[Any, Any], seen: float) -> None:
+        replica = _text(fields.get(b"r", b""))
+        if replica == self.id:
+            return
+        kind = _text(fields.get(b"k", b""))
+        try:
+            payload = orjson.loads(fields.get(b"d", b""))
+        except orjson.JSONDecodeError:
+            payload = None
+        if not replica or kind not in ("full", "changes") or not isinstance(payload, dict):
+            self.stats.rejected += 1
+            return
+        peer = self._peers.get(replica)
+        if peer is None:
+            if len(self._peers) >= MAX_PEERS:
+                self.stats.rejected += 1
+                return
+            peer = self._peers[replica] = _Peer(seen)
+        counts = {} if kind == "full" else peer.counts
+        pool = self._engine().pool
+        refused = False
+        for address, value in payload.items():
+            if (
+                pool.find(address) is None
+                or not isinstance(value, list)
+                or len(value) != 2
+                or not all(isinstance(v, int) and 0 <= v <= MAX_COUNT for v in value)
+            ):
+                refused = True  # not a member of this pool (or not counts): this replica's pool is its own
+                continue
+            counts[address] = (value[0], value[1])
+        peer.counts = counts
+        peer.seen = max(peer.seen, seen)
+        self.stats.applied += 1
+        self.stats.rejected += refused
+        self._dirty = True
+
+    def _expire(self) -> None:
+        limit = self._clock() - self.config.peer_ttl_s
+        gone = [replica for replica, peer in self._peers.items() if peer.seen < limit]
+        for replica in gone:
+            del self._peers[replica]
+        if gone:
+            logger.info(
+                "replicas: %d peer(s) not heard from for %.1f s no longer count", len(gone), self.config.peer_ttl_s
+            )
+            self._dirty = True
+        if self._dirty or self._engine().inflight is not self._applied_to:
+            self._put()
+
+    def _put(self) -> None:
+        """Put the peers' sum into the engine's counters (the pool's order)."""
+        engine = self._engine()
+        pool = engine.pool
+        requests = np.zeros(len(pool), dtype=np.int64)
+        tokens = np.zeros(len(pool), dtype=np.int64)
+        for peer in self._peers.values():
+            for address, (r, t) in peer.counts.items():
+                index = pool.find(address)
+                if index is not None:
+                    requests[index] += r
+                    tokens[index] += t
+        engine.inflight.set_peers(requests, tokens)
+        self._applied_to = engine.inflight
+        self._dirty = False
+
+    # ---- transitions ------------------------------------------------------------------------------------
+
+    def _up(self) -> None:
+        if self.up is not True:
+            logger.info(
+                "replicas: in touch with Redis at %s as replica %s; %d peer(s)",
+                self._where(),
+                self.id,
+                len(self._peers),
+            )
+        self.up, self.problem = True, None
+
+    def _down(self, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+        if self.up is not False:
+            self.stats.outages += 1
+            logger.warning(
+                "replicas: Redis at %s is out of reach (%s): routing on this replica's own view until it is back",
+                self._where(),
+                reason,
+            )
+        self.up, self.problem = False, f"Redis at {self._where()} is out of reach ({reason}): routing alone"
+
+    def _where(self) -> str:
+        url = self.config.url
+        return url.split("://", 1)[-1]
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _entry_ms(entry_id: Any) -> int:
+    head = _text(entry_id).partition("-")[0]
+    return int(head) if head.isdigit() else 0

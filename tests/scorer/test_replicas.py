@@ -1,0 +1,181 @@
+"""Picker replicas sharing in-flight counts through a real Redis (Debian's redis-server, with a password)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
+from inferlb.scorer.config import ReplicasConfig, parse_config
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+from inferlb.scorer.replicas import Replicas
+
+from ..conftest import until
+
+pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+
+ENDPOINTS = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
+
+
+def _engine(endpoints: list[str] = ENDPOINTS) -> Engine:
+    config = parse_config({"pool": {"endpoints": [{"address": a, "models": ["m"]} for a in endpoints]}})
+    return Engine(Pool(config.endpoints), build_profile("least-request", np.random.default_rng(3)))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    with redis_server(tmp_path / "redis") as running:
+        yield running
+
+
+def _config(server: RedisServer, tmp_path: Path, **more: object) -> ReplicasConfig:
+    secret = tmp_path / "redis-password"
+    secret.write_text(server.password + "\n")
+    document = {"url": server.url, "password": {"token_file": str(secret)}, "peer_ttl_s": 1.5, **more}
+    config = parse_config({"pool": {"endpoints": [{"address": ENDPOINTS[0]}]}, "replicas": document}).replicas
+    assert config is not None
+    return config
+
+
+class Running:
+    """Replicas running on this loop, each with its own engine."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task[None]] = []
+        self.replicas: list[Replicas] = []
+
+    def start(self, config: ReplicasConfig, engine: Engine, name: str) -> Replicas:
+        replica = Replicas(config, lambda: engine, replica_id=name)
+        self.replicas.append(replica)
+        self.tasks.append(asyncio.create_task(replica.run()))
+        return replica
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for replica in self.replicas:
+            await replica.close()
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Running]:
+    group = Running()
+    yield group
+    await group.stop()
+
+
+async def test_what_one_replica_has_in_flight_the_other_counts_within_milliseconds(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    config = _config(server, tmp_path)
+    a, b = _engine(), _engine()
+    ra, rb = running.start(config, a, "a"), running.start(config, b, "b")
+    await until(lambda: ra.ready() and rb.ready(), "both caught up")
+    leases = [a.inflight.acquire(0, 100), a.inflight.acquire(0, 50), a.inflight.acquire(2, 7)]
+    own = b.inflight.acquire(1, 10)
+    await until(lambda: b.inflight.requests.tolist() == [2, 1, 1], "b counts a's requests")
+    assert b.inflight.tokens.tolist() == [150, 10, 7]
+    assert [x.tolist() for x in b.inflight.own()] == [[0, 1, 0], [0, 10, 0]]  # what b tells: only its own
+    await until(lambda: a.inflight.requests.tolist() == [2, 1, 1], "a counts b's request")
+    for lease in leases:
+        lease.release()
+    await until(lambda: b.inflight.requests.tolist() == [0, 1, 0], "a's ends reach b")
+    own.release()
+    await until(lambda: a.inflight.requests.tolist() == [0, 0, 0], "b's end reaches a")
+    assert ra.peers() == rb.peers() == 1 and ra.up and rb.up
+
+
+async def test_a_replica_that_starts_late_is_caught_up_when_it_reports_ready(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    config = _config(server, tmp_path)
+    a, late = _engine(), _engine()
+    ra = running.start(config, a, "a")
+    await until(ra.ready, "a caught up")
+    a.inflight.acquire(1, 30)
+    await until(lambda: ra.stats.published > 0, "a published")
+    rl = running.start(config, late, "late")
+    await until(rl.ready, "late caught up")
+    assert late.inflight.requests.tolist() == [0, 1, 0] and late.inflight.tokens.tolist() == [0, 30, 0]
+
+
+async def test_only_well_formed_counts_of_its_own_pool_members_are_applied(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    config = _config(server, tmp_path)
+    b = _engine()
+    rb = running.start(config, b, "b")
+    await until(rb.ready, "b caught up")
+    forger = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        entries = [
+            {"r": "x", "k": "full", "d": orjson.dumps({"10.9.9.9:80": [50, 5000], ENDPOINTS[2]: [3, 30]})},
+            {"r": "y", "k": "full", "d": orjson.dumps({ENDPOINTS[0]: [-4, 1], ENDPOINTS[1]: ["9", 1]})},
+            {"r": "z", "k": "full", "d": b"not json"},
+            {"r": "w", "k": "orders", "d": orjson.dumps({ENDPOINTS[0]: [1, 1]})},
+        ]
+        for fields in entries:
+            await forger.xadd(config.key, fields)  # type: ignore[arg-type]
+        await until(lambda: rb.stats.rejected >= 4, "the bad entries refused")
+    finally:
+        await forger.aclose()
+    # Only the member's well-formed count counts; the address outside the pool steers nothing.
+    assert b.inflight.requests.tolist() == [0, 0, 3] and b.inflight.tokens.tolist() == [0, 0, 30]
+
+
+async def test_without_redis_each_replica_routes_alone_says_so_and_resynchronises(
+    server: RedisServer, tmp_path: Path, running: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="inferlb.scorer.replicas")
+    config = _config(server, tmp_path)
+    a, b = _engine(), _engine()
+    ra, rb = running.start(config, a, "a"), running.start(config, b, "b")
+    a.inflight.acquire(0, 10)
+    await until(lambda: b.inflight.requests[0] == 1, "b counts a's request")
+    server.stop()
+    await until(lambda: rb.up is False and ra.up is False, "both see Redis gone")
+    assert rb.ready() and "out of reach" in (rb.problem or "")
+    # A's request stops weighing once A has not been heard from for peer_ttl_s; B's own routing goes on.
+    await until(lambda: b.inflight.requests.tolist() == [0, 0, 0], "a's count expired at b", timeout=10)
+    b.inflight.acquire(2, 1)
+    server.start()  # empty: Redis kept nothing
+    await until(lambda: rb.up and ra.up, "both back", timeout=15)
+    await until(lambda: b.inflight.requests.tolist() == [1, 0, 1], "b has a's count again", timeout=10)
+    await until(lambda: a.inflight.requests.tolist() == [1, 0, 1], "a has b's count", timeout=10)
+    outages = [r.message for r in caplog.records if "out of reach" in r.message]
+    assert len(outages) == 2  # one line per replica per transition, not one per retry
+    assert rb.stats.outages == 1 and rb.stats.caught_up >= 2
+
+
+async def test_wrong_credentials_leave_it_routing_alone_with_the_reason(server: RedisServer, tmp_path: Path) -> None:
+    secret = tmp_path / "wrong"
+    secret.write_text("not-the-password-at-all-0000")
+    parsed = _config(server, tmp_path)
+    config = parse_config(
+        {
+            "pool": {"endpoints": [{"address": ENDPOINTS[0]}]},
+            "replicas": {"url": parsed.url, "password": {"token_file": str(secret)}},
+        }
+    ).replicas
+    assert config is not None
+    engine = _engine()
+    replica = Replicas(config, lambda: engine, replica_id="a")
+    task = asyncio.create_task(replica.run())
+    try:
+        await until(lambda: replica.up is False, "refused")
+        assert replica.ready() and not replica.caught_up
+        assert "out of reach" in (replica.problem or "") and "invalid" in (replica.problem or "").lower()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await replica.close()
