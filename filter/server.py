@@ -149,6 +149,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.decisions = DecisionLog()
         # With leases, routing streams end at the decision and Envoy's access log ends each request's count.
         self.leases = leases
+        # Told of every decision (endpoint address, prompt block hashes): the replicas' exchange publishes them.
+        self.on_routed: Callable[[str, tuple[int, ...]], None] | None = None
 
     @property
     def engine(self) -> Engine:
@@ -374,6 +376,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.decisions.record(features.request_id, features.model, decision, routed.pick_s, label)
         index = decision.endpoint.index
         self.stats.routed += 1
+        if self.on_routed is not None:
+            self.on_routed(decision.endpoint.address, features.prefix_hashes)
         reply = replies[index]
         if self.destinations > 1 and len(decision.candidates) > 1:
             # The chosen endpoint first, then the next best: where Envoy retries a request that never arrived.

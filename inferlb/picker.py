@@ -528,6 +528,7 @@ def create_picker(
     picker.spans = spans
     if config.replicas is not None:
         picker.replicas = Replicas(config.replicas, lambda: picker.engine)
+        service.on_routed = picker.replicas.routed
     service.destinations = config.destinations
     picker.publish_endpoints()
     return picker

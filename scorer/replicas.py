@@ -8,6 +8,11 @@ through one Redis stream per pool (``replicas.key``), off the hot path:
   tokens of the endpoints whose counts changed since its last entry, as absolute values; once a second, all of
   them (a full snapshot, which is also its heartbeat). A decision never waits on Redis: it changes the local
   counters only, and the next tick reads them.
+* **Prefixes.** Each decision's prompt blocks (its prefix hashes) are published with the next tick, and peers
+  record them in their prefix index as if they had made the decision: a prompt's prefix is found on the
+  endpoint any replica sent it to. Prefix hashes are Python's ``hash``, salted per process: replicas agree on
+  them only with the same ``PYTHONHASHSEED`` (a secret number, the same on every replica, and the same Python),
+  which each entry's fingerprint checks; without it, only in-flight counts are shared (`hash_seed_problem`).
 * **Following.** A background task reads the others' entries as they come (``XREAD BLOCK``) and sets what each
   peer has per endpoint; the sum over peers goes into the engine's counters (`InFlight.set_peers`), which every
   scorer reads as one view. A replica that starts late, restarts or comes back after an outage first replays the
@@ -29,8 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +50,10 @@ from redis.exceptions import RedisError
 from inferlb.scorer.config import ReplicasConfig
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.features import MAX_PREFIX_BLOCKS, RequestFeatures
 from inferlb.scorer.inflight import InFlight
 
-__all__ = ["FULL_EVERY_S", "STREAM_MAXLEN", "ReplicaStats", "Replicas"]
+__all__ = ["FULL_EVERY_S", "STREAM_MAXLEN", "ReplicaStats", "Replicas", "hash_seed_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +61,11 @@ STREAM_MAXLEN = 20_000  # entries kept in the stream (trimmed approximately): th
 FULL_EVERY_S = 1.0  # a full snapshot (and heartbeat) this often
 MAX_PEERS = 1024  # more writers than this are refused: no real fleet has them, and each costs memory
 MAX_COUNT = 1 << 30  # a count beyond this is not a count
+MAX_PENDING_PREFIXES = 10_000  # decisions waiting to be published (Redis down: the oldest are dropped)
+MAX_PREFIXES_PER_ENTRY = 1_000
+FINGERPRINT_TEXT = "inferlb: prefix block hashes"
 _RETRY_S = (0.1, 2.0)  # reconnecting: the first wait and the longest
+_HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # what hash() gives on a 64-bit build
 
 
 @dataclass(slots=True)
@@ -65,6 +77,8 @@ class ReplicaStats:
     rejected: int = 0  # peers' entries (or parts of them) refused: malformed, or naming no member of the pool
     outages: int = 0  # transitions to "Redis unreachable"
     caught_up: int = 0  # replays of the stream (at start and after each outage)
+    prefixes_published: int = 0  # decisions whose prompt blocks this replica published
+    prefixes_applied: int = 0  # peers' decisions recorded in the prefix index
 
 
 @dataclass(slots=True)
@@ -100,6 +114,12 @@ class Replicas:
         self._sent: dict[str, tuple[int, int]] = {}
         self._full_at = -FULL_EVERY_S
         self._client: aioredis.Redis | None = None
+        # Prefix block hashes are Python's hash(), salted per process: replicas agree on them only with the same
+        # PYTHONHASHSEED (and Python). The fingerprint, one such hash, tells whether a peer's agree with ours.
+        self.share_prefixes = hash_seed_problem() is None
+        self.fingerprint = str(hash(FINGERPRINT_TEXT))
+        self._pending: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PENDING_PREFIXES)
+        self._told_fingerprint = False
 
     # ---- state for the picker ---------------------------------------------------------------------------
 
@@ -109,9 +129,17 @@ class Replicas:
     def peers(self) -> int:
         return len(self._peers)
 
+    def routed(self, address: str, hashes: tuple[int, ...]) -> None:
+        """A decision of this replica: its prompt's blocks went to ``address`` (published with the next tick)."""
+        if hashes and self.share_prefixes:
+            self._pending.append((address, hashes))
+
     # ---- the exchange -----------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        problem = hash_seed_problem()
+        if problem is not None:
+            logger.warning("replicas: the prefix index is not shared (%s); in-flight counts are", problem)
         retry = _RETRY_S[0]
         while True:
             replays = self.stats.caught_up
@@ -209,6 +237,17 @@ class Replicas:
                 await client.xadd(self.config.key, fields, maxlen=STREAM_MAXLEN, approximate=True)
                 self.stats.published += 1
             self._sent = current
+            pending = self._pending
+            while pending:
+                batch = [pending.popleft() for _ in range(min(len(pending), MAX_PREFIXES_PER_ENTRY))]
+                fields = {"r": self.id, "k": "prefix", "h": self.fingerprint, "d": orjson.dumps(batch)}
+                try:
+                    await client.xadd(self.config.key, fields, maxlen=STREAM_MAXLEN, approximate=True)
+                except BaseException:
+                    pending.extendleft(reversed(batch))  # kept for the next attempt (within MAX_PENDING_PREFIXES)
+                    raise
+                self.stats.published += 1
+                self.stats.prefixes_published += len(batch)
 
     async def _follow(self, client: aioredis.Redis, last_id: str) -> None:
         block_ms = int(self._block_s() * 1000)
@@ -233,6 +272,9 @@ class Replicas:
             payload = orjson.loads(fields.get(b"d", b""))
         except orjson.JSONDecodeError:
             payload = None
+        if kind == "prefix":
+            self._apply_prefixes(_text(fields.get(b"h", b"")), payload)
+            return
         if not replica or kind not in ("full", "changes") or not isinstance(payload, dict):
             self.stats.rejected += 1
             return
@@ -260,6 +302,44 @@ class Replicas:
         self.stats.applied += 1
         self.stats.rejected += refused
         self._dirty = True
+
+    def _apply_prefixes(self, fingerprint: str, payload: Any) -> None:
+        """A peer's decisions: its prompts' blocks went to those endpoints; the prefix index records them as if
+        this replica had sent them."""
+        if not self.share_prefixes:
+            return
+        if fingerprint != self.fingerprint:
+            self.stats.rejected += 1
+            if not self._told_fingerprint:
+                self._told_fingerprint = True
+                logger.warning(
+                    "replicas: a peer's prefix hashes do not agree with this replica's (another PYTHONHASHSEED or "
+                    "Python build): its prompts do not count in this prefix index; give every replica the same"
+                )
+            return
+        if not isinstance(payload, list):
+            self.stats.rejected += 1
+            return
+        engine = self._engine()
+        pool = engine.pool
+        for item in payload:
+            if not (
+                isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)
+            ):
+                self.stats.rejected += 1
+                continue
+            address, hashes = item
+            index = pool.find(address)
+            if (
+                index is None
+                or len(hashes) > MAX_PREFIX_BLOCKS
+                or not all(type(h) is int and _HASH_MIN <= h <= _HASH_MAX for h in hashes)
+            ):
+                self.stats.rejected += 1
+                continue
+            engine.observe_pick(RequestFeatures(prefix_hashes=tuple(hashes)), index)
+            self.stats.prefixes_applied += 1
+        self.stats.applied += 1
 
     def _expire(self) -> None:
         limit = self._clock() - self.config.peer_ttl_s
@@ -316,6 +396,18 @@ class Replicas:
     def _where(self) -> str:
         url = self.config.url
         return url.split("://", 1)[-1]
+
+
+def hash_seed_problem() -> str | None:
+    """Why this process's prefix hashes cannot agree with other replicas' (None: they can): Python salts
+    ``hash`` per process unless PYTHONHASHSEED fixes it, and 0 turns the salt off altogether (predictable hashes
+    let a client flood the picker's dicts), so it must be the same secret number on every replica."""
+    seed = os.environ.get("PYTHONHASHSEED", "")
+    if not seed or seed == "random":
+        return "PYTHONHASHSEED is not set, so Python salts hashes per process"
+    if not seed.isdigit() or not 0 < int(seed) <= 4294967295:
+        return f"PYTHONHASHSEED must be a secret number 1..4294967295 (0 turns the salt off); got {seed!r}"
+    return None
 
 
 def _text(value: Any) -> str:

@@ -15,9 +15,11 @@ import redis.asyncio as aioredis
 from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
 from inferlb.scorer.config import ReplicasConfig, parse_config
 from inferlb.scorer.engine import Engine
+from inferlb.scorer.features import text_block_hashes
 from inferlb.scorer.pool import Pool
+from inferlb.scorer.prefix import PrefixAffinityScorer, PrefixIndex
 from inferlb.scorer.presets import build_profile
-from inferlb.scorer.replicas import Replicas
+from inferlb.scorer.replicas import Replicas, hash_seed_problem
 
 from ..conftest import until
 
@@ -179,3 +181,54 @@ async def test_wrong_credentials_leave_it_routing_alone_with_the_reason(server: 
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await replica.close()
+
+
+def _prefix_engine() -> Engine:
+    config = parse_config({"pool": {"endpoints": [{"address": a, "models": ["m"]} for a in ENDPOINTS]}})
+    profile = build_profile("prefix-aware", np.random.default_rng(3), size=len(ENDPOINTS))
+    return Engine(Pool(config.endpoints), profile)
+
+
+def _index(engine: Engine) -> PrefixIndex:
+    [index] = [w.scorer.index for w in engine.profile.scorers if isinstance(w.scorer, PrefixAffinityScorer)]
+    return index
+
+
+async def test_a_prompt_one_replica_routed_is_found_in_the_others_prefix_index(
+    server: RedisServer, tmp_path: Path, running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "4242")  # the same on every replica (here: one process anyway)
+    config = _config(server, tmp_path)
+    a, b = _prefix_engine(), _prefix_engine()
+    ra, rb = running.start(config, a, "a"), running.start(config, b, "b")
+    await until(lambda: ra.ready() and rb.ready(), "both caught up")
+    hashes = text_block_hashes("a shared system prompt. " * 100, seed=7)
+    ra.routed(ENDPOINTS[1], hashes)
+    await until(lambda: _index(b).match(hashes)[1] == len(hashes), "b's index holds a's prompt on endpoint 1")
+    assert _index(b).match(hashes).tolist() == [0, len(hashes), 0]
+    assert rb.stats.prefixes_applied == 1 and ra.stats.prefixes_published == 1
+    # Hashes of another seed (their fingerprint differs), or naming no member of the pool, are not recorded.
+    forger = aioredis.Redis.from_url(server.url, password=server.password)
+    other = text_block_hashes("another prompt entirely. " * 100, seed=7)
+    try:
+        rejected = rb.stats.rejected
+        for fingerprint, address in (("12345", ENDPOINTS[0]), (rb.fingerprint, "10.9.9.9:80")):
+            fields = {"r": "x", "k": "prefix", "h": fingerprint, "d": orjson.dumps([[address, list(other)]])}
+            await forger.xadd(config.key, fields)  # type: ignore[arg-type]
+        await until(lambda: rb.stats.rejected == rejected + 2, "both refused")
+    finally:
+        await forger.aclose()
+    assert not _index(b).match(other).any()
+
+
+def test_prefix_hashes_are_shared_only_under_a_fixed_secret_hash_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, shared in (
+        ("", False),
+        ("random", False),
+        ("0", False),
+        ("-3", False),
+        ("99999999999", False),
+        ("17", True),
+    ):
+        monkeypatch.setenv("PYTHONHASHSEED", value)
+        assert (hash_seed_problem() is None) == shared, value
