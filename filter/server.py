@@ -151,6 +151,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.leases = leases
         # Told of every decision (endpoint address, prompt block hashes): the replicas' exchange publishes them.
         self.on_routed: Callable[[str, tuple[int, ...]], None] | None = None
+        # Without leases: the leases of requests whose routing stream is open, by request id (for the served
+        # endpoint, which the observing stream reports).
+        self._open: dict[str, Lease] = {}
 
     @property
     def engine(self) -> Engine:
@@ -306,6 +309,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     leases.hold(features.request_id, lease)
                     lease = None
                     return
+                if features.request_id:
+                    self._open[features.request_id] = lease
         except Exception:
             self.stats.failed += 1
             logger.exception("ext_proc stream failed; Envoy's failure mode decides what happens to the request")
@@ -313,15 +318,17 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         finally:
             if lease is not None:
                 lease.release()
+                if features is not None and self._open.get(features.request_id) is lease:
+                    del self._open[features.request_id]
             aclose = getattr(messages, "aclose", None)
             if aclose is not None:
                 await aclose()
 
     def _served_by_id(self, request_id: str, address: str) -> None:
-        """The served endpoint the observing stream of request ``request_id`` reported: its held lease moves if a
-        retry served it elsewhere. (Without leases the routing stream holds the count and is not reached.)"""
+        """The served endpoint the observing stream of request ``request_id`` reported: its lease (held, or that of
+        its open routing stream) moves if a retry served it elsewhere."""
         leases = self.leases
-        lease = leases.lease_of(request_id) if leases is not None else None
+        lease = leases.lease_of(request_id) if leases is not None else self._open.get(request_id)
         self.stats.served["unknown" if lease is None else self.router.served(lease, address)] += 1
 
     async def _not_admitted(self, admit: Admit) -> tuple[RequestError | None, bool]:

@@ -15,7 +15,7 @@ from inferlb.filter.observe import ObserveStats, time_response
 from inferlb.filter.requestend import OpenLeases
 from inferlb.filter.server import ExtProcService, PickerServer
 
-from .test_server import ENDPOINTS, make_engine, until
+from .test_server import ENDPOINTS, FakeEnvoy, destination, headers_message, make_engine, until
 
 POOL = {address: i for i, address in enumerate(ENDPOINTS)}
 
@@ -275,5 +275,27 @@ async def test_a_served_report_moves_the_held_lease_to_the_endpoint_that_served(
         await _mirror(server, [first, served_response(ENDPOINTS[2]), _chunk(b"data: x")])
         await until(lambda: service.stats.served["unknown"] == 1)
         assert inflight.requests.tolist() == [0, 0, 0]
+    finally:
+        await server.stop(0)
+
+
+async def test_without_leases_a_served_report_moves_the_count_of_the_open_routing_stream() -> None:
+    # inflight.end: stream (the Kubernetes deployment's): the routing stream holds the count until the request ends.
+    service = ExtProcService(make_engine(), max_body_bytes=4096)
+    service.response_timer = lambda *m: None
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    try:
+        envoy = FakeEnvoy(server)
+        picked = destination(await envoy.send(headers_message(eos=True)))  # x-request-id rid-1
+        other = next(a for a in ENDPOINTS if a != picked)
+        first = _headers({"x-gateway-destination-endpoint": picked, "x-request-id": "rid-1"})
+        await _mirror(server, [first, served_response(other), _chunk(b"data: x")])
+        await until(lambda: service.stats.served["elsewhere"] == 1)
+        inflight = service.engine.inflight
+        assert inflight.requests[ENDPOINTS.index(other)] == 1 and inflight.total() == 1
+        await envoy.close()
+        await until(lambda: inflight.total() == 0)
+        assert service._open == {}
     finally:
         await server.stop(0)
