@@ -116,11 +116,12 @@ class OpenLeases:
             return None
         return self._held[known[0] if isinstance(known, list) else known][2]
 
-    def finish(self, request_id: str) -> bool:
-        """The request ``request_id`` ended: release its oldest held lease. False if none was held."""
+    def finish(self, request_id: str, *, count_unknown: bool = True) -> bool:
+        """The request ``request_id`` ended: release its oldest held lease. False if none was held (counted in
+        ``unknown_entries`` unless ``count_unknown`` is False: a peer replica's report of ends it did not hold)."""
         known = self._by_id.get(request_id)
         if known is None:
-            self.stats.unknown_entries += 1
+            self.stats.unknown_entries += count_unknown
             return False
         if isinstance(known, list):
             serial = known.pop(0)
@@ -177,10 +178,14 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self,
         leases: Callable[[], OpenLeases | None],
         failures: Callable[[], Callable[[str], None] | None] | None = None,
+        elsewhere: Callable[[], Callable[[str], None] | None] | None = None,
     ) -> None:
         self._leases = leases
         # Read on every message, like ``leases``: what to tell of each failed request's id (experiments), if anything.
         self._failures = failures
+        # Likewise: who takes the ends of requests this picker does not hold (another replica routed them, and
+        # Envoy's access-log stream reached this one): the replicas' exchange passes them on.
+        self._elsewhere = elsewhere
         self._streams: set[asyncio.Task[object]] = set()
         self._closed = False
 
@@ -207,10 +212,13 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                     if leases is None:
                         continue
                     tell = self._failures() if self._failures is not None else None
+                    elsewhere = self._elsewhere() if self._elsewhere is not None else None
                     for entry in message.http_logs.log_entry:
-                        leases.finish(entry.request.request_id)
+                        request_id = entry.request.request_id
+                        if not leases.finish(request_id) and elsewhere is not None and request_id:
+                            elsewhere(request_id)
                         if tell is not None and failed(entry):
-                            tell(entry.request.request_id)
+                            tell(request_id)
         except asyncio.CancelledError:
             if not self._closed or task is None:
                 raise

@@ -151,6 +151,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.leases = leases
         # Told of every decision (endpoint address, prompt block hashes): the replicas' exchange publishes them.
         self.on_routed: Callable[[str, tuple[int, ...]], None] | None = None
+        # Told of each reported end of a request this picker holds no lease for (another replica may).
+        self.on_end_elsewhere: Callable[[str], None] | None = None
         # Without leases: the leases of requests whose routing stream is open, by request id (for the served
         # endpoint, which the observing stream reports).
         self._open: dict[str, Lease] = {}
@@ -515,7 +517,9 @@ class PickerServer:
             ]
         )
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(service, self._server)
-        self._access_logs = AccessLogReceiver(lambda: service.leases, service.failure_listener)
+        self._access_logs = AccessLogReceiver(
+            lambda: service.leases, service.failure_listener, lambda: service.on_end_elsewhere
+        )
         add_access_log_service(self._access_logs, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if control_plane is not None:  # Envoy's endpoints over ADS (filter/xds.py)

@@ -529,6 +529,12 @@ def create_picker(
     if config.replicas is not None:
         picker.replicas = Replicas(config.replicas, lambda: picker.engine)
         service.on_routed = picker.replicas.routed
+        leases = service.leases
+        if leases is not None:
+            # With several replicas behind one Envoy, a request's end may reach another replica than the one that
+            # routed it: the exchange passes such ends on, and each replica releases the leases it holds.
+            service.on_end_elsewhere = picker.replicas.ended_elsewhere
+            picker.replicas.finish = lambda request_id: leases.finish(request_id, count_unknown=False)
     service.destinations = config.destinations
     picker.publish_endpoints()
     return picker

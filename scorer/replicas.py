@@ -63,6 +63,9 @@ MAX_PEERS = 1024  # more writers than this are refused: no real fleet has them, 
 MAX_COUNT = 1 << 30  # a count beyond this is not a count
 MAX_PENDING_PREFIXES = 10_000  # decisions waiting to be published (Redis down: the oldest are dropped)
 MAX_PREFIXES_PER_ENTRY = 1_000
+MAX_PENDING_ENDS = 100_000  # request ends waiting to be passed on (Redis down: the oldest are dropped)
+MAX_ENDS_PER_ENTRY = 5_000
+MAX_REQUEST_ID_CHARS = 256
 FINGERPRINT_TEXT = "inferlb: prefix block hashes"
 _RETRY_S = (0.1, 2.0)  # reconnecting: the first wait and the longest
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # what hash() gives on a 64-bit build
@@ -79,6 +82,8 @@ class ReplicaStats:
     caught_up: int = 0  # replays of the stream (at start and after each outage)
     prefixes_published: int = 0  # decisions whose prompt blocks this replica published
     prefixes_applied: int = 0  # peers' decisions recorded in the prefix index
+    ends_passed: int = 0  # ends of requests this replica did not hold, passed on to the others
+    ends_taken: int = 0  # ends passed on by a peer that released a lease held here
 
 
 @dataclass(slots=True)
@@ -120,6 +125,9 @@ class Replicas:
         self.fingerprint = str(hash(FINGERPRINT_TEXT))
         self._pending: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PENDING_PREFIXES)
         self._told_fingerprint = False
+        self._ends: deque[str] = deque(maxlen=MAX_PENDING_ENDS)
+        # Releases this replica's lease of a request id, if it holds one (True then): set by the picker.
+        self.finish: Callable[[str], bool] | None = None
 
     # ---- state for the picker ---------------------------------------------------------------------------
 
@@ -128,6 +136,11 @@ class Replicas:
 
     def peers(self) -> int:
         return len(self._peers)
+
+    def ended_elsewhere(self, request_id: str) -> None:
+        """Envoy reported the end of a request this replica holds no lease for: another replica routed it (Envoy's
+        access-log stream reached this one). Passed on with the next tick."""
+        self._ends.append(request_id)
 
     def routed(self, address: str, hashes: tuple[int, ...]) -> None:
         """A decision of this replica: its prompt's blocks went to ``address`` (published with the next tick)."""
@@ -217,6 +230,7 @@ class Replicas:
     async def _publish(self, client: aioredis.Redis) -> None:
         interval = self.config.publish_interval_s
         while True:
+            _raise_if_cancelled()
             await asyncio.sleep(interval)
             engine = self._engine()
             requests, tokens = engine.inflight.own()
@@ -237,6 +251,17 @@ class Replicas:
                 await client.xadd(self.config.key, fields, maxlen=STREAM_MAXLEN, approximate=True)
                 self.stats.published += 1
             self._sent = current
+            ends = self._ends
+            while ends:
+                batch_ids = [ends.popleft() for _ in range(min(len(ends), MAX_ENDS_PER_ENTRY))]
+                fields = {"r": self.id, "k": "ends", "d": orjson.dumps(batch_ids)}
+                try:
+                    await client.xadd(self.config.key, fields, maxlen=STREAM_MAXLEN, approximate=True)
+                except BaseException:
+                    ends.extendleft(reversed(batch_ids))
+                    raise
+                self.stats.published += 1
+                self.stats.ends_passed += len(batch_ids)
             pending = self._pending
             while pending:
                 batch = [pending.popleft() for _ in range(min(len(pending), MAX_PREFIXES_PER_ENTRY))]
@@ -252,6 +277,7 @@ class Replicas:
     async def _follow(self, client: aioredis.Redis, last_id: str) -> None:
         block_ms = int(self._block_s() * 1000)
         while True:
+            _raise_if_cancelled()
             reply: Any = await client.xread({self.config.key: last_id}, count=1000, block=block_ms)
             now = self._clock()
             for _, entries in reply or ():
@@ -274,6 +300,9 @@ class Replicas:
             payload = None
         if kind == "prefix":
             self._apply_prefixes(_text(fields.get(b"h", b"")), payload)
+            return
+        if kind == "ends":
+            self._apply_ends(payload, seen)
             return
         if not replica or kind not in ("full", "changes") or not isinstance(payload, dict):
             self.stats.rejected += 1
@@ -339,6 +368,19 @@ class Replicas:
                 continue
             engine.observe_pick(RequestFeatures(prefix_hashes=tuple(hashes)), index)
             self.stats.prefixes_applied += 1
+        self.stats.applied += 1
+
+    def _apply_ends(self, payload: Any, seen: float) -> None:
+        """Ends a peer received for requests it did not hold: each releases this replica's lease, if it holds one.
+        Only live ones count: a replay at start does not end requests routed since."""
+        if not isinstance(payload, list) or not all(
+            isinstance(r, str) and len(r) <= MAX_REQUEST_ID_CHARS for r in payload
+        ):
+            self.stats.rejected += 1
+            return
+        finish = self.finish
+        if finish is not None and self._clock() - seen < self.config.peer_ttl_s:
+            self.stats.ends_taken += sum(map(finish, payload))
         self.stats.applied += 1
 
     def _expire(self) -> None:
@@ -408,6 +450,14 @@ def hash_seed_problem() -> str | None:
     if not seed.isdigit() or not 0 < int(seed) <= 4294967295:
         return f"PYTHONHASHSEED must be a secret number 1..4294967295 (0 turns the salt off); got {seed!r}"
     return None
+
+
+def _raise_if_cancelled() -> None:
+    """A loop around redis-py calls checks this: a cancellation that reaches a call at the wrong moment may come
+    back as an ordinary return, and the loop must still end."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _text(value: Any) -> str:

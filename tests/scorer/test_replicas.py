@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
+from inferlb.filter.requestend import OpenLeases
 from inferlb.scorer.config import ReplicasConfig, parse_config
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.features import text_block_hashes
@@ -232,3 +233,25 @@ def test_prefix_hashes_are_shared_only_under_a_fixed_secret_hash_seed(monkeypatc
     ):
         monkeypatch.setenv("PYTHONHASHSEED", value)
         assert (hash_seed_problem() is None) == shared, value
+
+
+async def test_an_end_reported_to_another_replica_releases_the_lease_where_it_is_held(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """Envoy's access-log stream reaches one replica; the request it reports may have been routed by another."""
+    config = _config(server, tmp_path)
+    a, b = _engine(), _engine()
+    ra, rb = running.start(config, a, "a"), running.start(config, b, "b")
+    held_a, held_b = OpenLeases(), OpenLeases()
+    ra.finish = lambda rid: held_a.finish(rid, count_unknown=False)
+    rb.finish = lambda rid: held_b.finish(rid, count_unknown=False)
+    await until(lambda: ra.ready() and rb.ready(), "both caught up")
+    held_a.hold("req-1", a.inflight.acquire(0, 10))
+    held_a.hold("req-2", a.inflight.acquire(1, 10))
+    for request_id in ("req-1", "req-9"):  # req-9: nobody holds it (routed before a restart)
+        assert not held_b.finish(request_id)
+        rb.ended_elsewhere(request_id)
+    await until(lambda: ra.stats.ends_taken == 1, "a released req-1")
+    assert a.inflight.own()[0].tolist() == [0, 1, 0] and len(held_a) == 1
+    assert held_a.stats.unknown_entries == 0 and rb.stats.ends_passed == 2
+    await until(lambda: b.inflight.requests.tolist() == [0, 1, 0], "b sees a's remaining request")
