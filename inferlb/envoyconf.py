@@ -81,6 +81,9 @@ class EnvoyOptions:
     request_timeout_ms: int = 30_000
     stream_idle_timeout_ms: int = 300_000
     picker_address: str | None = None
+    # More picker replicas (ip:port each) that Envoy spreads its streams over with the first (config replicas:
+    # they share their routing state through Redis).
+    more_pickers: tuple[str, ...] = ()
     # How the body routes' JSON reaches the picker: "buffered" (Envoy buffers it whole and sends it in one
     # message) or "full-duplex" (FULL_DUPLEX_STREAMED: chunks as they arrive; the picker gives the body back).
     body_mode: str = "buffered"
@@ -91,6 +94,9 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
     listen_host, listen_port = _address(options.listen, "listen")
     admin_host, admin_port = _address(options.admin, "admin")
     picker_host, picker_port, picker_dns = _picker_address(config, options.picker_address)
+    if options.more_pickers and picker_dns:
+        raise EnvoyConfigError("more_pickers lists ip:port addresses: it does not go with a picker_address DNS name")
+    pickers = [(picker_host, picker_port)] + [_address(a, "more_pickers") for a in options.more_pickers]
     if options.fallback_lb_policy not in FALLBACK_POLICIES:
         raise EnvoyConfigError(
             f"fallback LB policy must be one of {', '.join(FALLBACK_POLICIES)}; got {options.fallback_lb_policy!r}"
@@ -159,8 +165,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         tracer=options.tracing,
         tracer_host=tracer_host,
         tracer_port=tracer_port,
-        picker_host=picker_host,
-        picker_port=picker_port,
+        pickers=pickers,
         picker_dns=picker_dns,
         endpoints=[parse_address(e.address) for e in config.endpoints],
         failure_mode_allow=options.fail_open,

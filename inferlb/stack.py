@@ -54,6 +54,10 @@ class StackOptions:
     # On SIGTERM the picker keeps answering this long; 0 here, so that stopping a local stack takes no time.
     picker_drain_s: float = 0.0
     picker_config: Mapping[str, Any] = field(default_factory=dict)  # more keys of the picker's YAML
+    # Picker processes (replicas) behind the one Envoy, each with its own ports and the same config otherwise
+    # (give them `replicas:` in picker_config to share state); picker_env: more environment for each.
+    pickers: int = 1
+    picker_env: Mapping[str, str] = field(default_factory=dict)
     endpoint_labels: tuple[Mapping[str, str], ...] = ()  # the pool's endpoints' labels, in order (default none)
 
 
@@ -106,6 +110,11 @@ class LocalStack:
         self.endpoints = list(options.servers) or [f"127.0.0.1:{free_port()}" for _ in range(options.backends)]
         self.picker_address = f"127.0.0.1:{free_port()}"
         self.picker_admin_address = f"127.0.0.1:{free_port()}"
+        # The other replicas' (listen, admin) addresses, and their processes once started.
+        self.replica_addresses = [
+            (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}") for _ in range(options.pickers - 1)
+        ]
+        self.replicas: list[ManagedProcess] = []
         self.receiver_address = f"127.0.0.1:{free_port()}" if options.spans else None
         self.gateway_address = f"127.0.0.1:{free_port()}"
         self.admin_address = f"127.0.0.1:{free_port()}"
@@ -139,10 +148,15 @@ class LocalStack:
         """The picker's admin API (``/endpoints``, ``/decisions``, ``/config``, ``/metrics``)."""
         return f"http://{self.picker_admin_address}"
 
-    def _config_document(self) -> dict[str, Any]:
+    @property
+    def picker_admin_urls(self) -> list[str]:
+        """Every picker replica's admin API, the first picker's first."""
+        return [self.picker_admin_url, *(f"http://{admin}" for _, admin in self.replica_addresses)]
+
+    def _config_document(self, listen: str | None = None, admin: str | None = None) -> dict[str, Any]:
         return {
-            "listen": self.picker_address,
-            "admin": self.picker_admin_address,
+            "listen": listen or self.picker_address,
+            "admin": admin or self.picker_admin_address,
             **({"otel": self._otel()} if self._otel() else {}),
             "policy": self.options.policy,
             "drain_s": self.options.picker_drain_s,
@@ -184,11 +198,15 @@ class LocalStack:
         self.admin_token_path.write_text(self.admin_token + "\n", encoding="utf-8")
         self.admin_token_path.chmod(0o600)
         self.config_path.write_text(yaml.safe_dump(self._config_document(), sort_keys=False), encoding="utf-8")
+        for i, (listen, admin) in enumerate(self.replica_addresses, 1):
+            document = self._config_document(listen, admin)
+            (self.workdir / f"picker-{i}.yaml").write_text(yaml.safe_dump(document, sort_keys=False), encoding="utf-8")
         envoy_options = replace(
             self.options.envoy,
             listen=self.gateway_address,
             admin=self.admin_address,
             access_log_path=str(self.access_log_path),
+            more_pickers=tuple(listen for listen, _ in self.replica_addresses),
         )
         self.envoy_path.write_text(render_bootstrap(self.config, envoy_options), encoding="utf-8")
         if not self.options.servers:
@@ -214,13 +232,23 @@ class LocalStack:
             self.options.picker_log_level,
             "serve",
         ]
-        argv += ["--config", str(self.config_path)]
-        self.picker = ManagedProcess("picker", argv, self.workdir / "picker.log").start()
-        self.picker.wait_ready(grpc_serving(self.picker_address), READY_TIMEOUT_S, "serving")
+        env = dict(self.options.picker_env) or None
+        self.picker = ManagedProcess(
+            "picker", [*argv, "--config", str(self.config_path)], self.workdir / "picker.log", env
+        )
+        self.picker.start().wait_ready(grpc_serving(self.picker_address), READY_TIMEOUT_S, "serving")
+        for i, (listen, _) in enumerate(self.replica_addresses, 1):
+            config = self.workdir / f"picker-{i}.yaml"
+            replica = ManagedProcess(
+                f"picker-{i}", [*argv, "--config", str(config)], self.workdir / f"picker-{i}.log", env
+            )
+            self.replicas.append(replica)
+            replica.start().wait_ready(grpc_serving(listen), READY_TIMEOUT_S, "serving")
         if self.options.picker_command:
             return  # another picker (the hop benchmark's do-nothing one) serves gRPC only
         # The admin API comes up after the gRPC server (after the span receiver's process, where there is one).
-        self.picker.wait_ready(http_ok(f"{self.picker_admin_url}/healthz"), READY_TIMEOUT_S, "admin API")
+        for process, url in zip([self.picker, *self.replicas], self.picker_admin_urls, strict=True):
+            process.wait_ready(http_ok(f"{url}/healthz"), READY_TIMEOUT_S, "admin API")
 
     def start_envoy(self) -> None:
         self.envoy = start_envoy(
@@ -228,7 +256,7 @@ class LocalStack:
         )
 
     def stop(self) -> None:
-        stop_all([p for p in (self.envoy, self.picker, self.backends) if p is not None])
+        stop_all([p for p in (self.envoy, self.picker, *self.replicas, self.backends) if p is not None])
 
     def envoy_counters(self, prefix: str = "") -> dict[str, int]:
         """Envoy's counters and gauges whose names start with ``prefix`` (from the admin /stats endpoint)."""

@@ -1,0 +1,90 @@
+"""Two picker replicas behind one real Envoy, sharing routing state through a real Redis: Envoy spreads its picker
+streams over both, each replica counts the other's requests in flight, and a request's end that Envoy's access
+log reports to the replica that did not route it still releases its count."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from inferlb.bench.redisserver import REDIS, redis_server
+from inferlb.stack import LocalStack, StackOptions
+
+pytestmark = [
+    pytest.mark.envoy,
+    pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)"),
+]
+
+REQUESTS = 8
+
+
+def _inflight(stack: LocalStack) -> list[int]:
+    """Each replica's view: the requests in flight it counts over the pool (its own and its peers')."""
+    views = []
+    for url in stack.picker_admin_urls:
+        rows = httpx.get(f"{url}/endpoints", headers=stack.admin_headers, timeout=5).json()["endpoints"]
+        views.append(sum(r["inflight_requests"] for r in rows))
+    return views
+
+
+def _wait(check, what: str, timeout: float = 15.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.02)
+    return result
+
+
+def test_two_replicas_behind_one_envoy_see_every_request_in_flight_and_every_end(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as redis:
+        secret = tmp_path / "redis-password"
+        secret.write_text(redis.password)
+        options = StackOptions(
+            backends=2,
+            models=("m1",),
+            pickers=2,
+            picker_env={"PYTHONHASHSEED": "977"},
+            picker_config={"replicas": {"url": redis.url, "password": {"token_file": str(secret)}}},
+        )
+        with LocalStack(options, tmp_path / "stack") as stack:
+            _wait(
+                lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
+                "ready",
+            )
+            body = {"model": "m1", "prompt": "hold on " * 20, "max_tokens": 300, "stream": True}
+
+            async def load() -> list[int]:
+                async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60) as client:
+
+                    async def one() -> int:
+                        async with client.stream("POST", "/v1/completions", json=body) as response:
+                            async for _ in response.aiter_bytes():
+                                pass
+                            return response.status_code
+
+                    tasks = [asyncio.create_task(one()) for _ in range(REQUESTS)]
+                    # While the answers stream, each replica counts all of them: its own and its peer's.
+                    seen = await asyncio.to_thread(
+                        _wait, lambda: _inflight(stack) == [REQUESTS, REQUESTS], "both see all"
+                    )
+                    assert seen
+                    return await asyncio.gather(*tasks)
+
+            assert asyncio.run(load()) == [200] * REQUESTS
+            # Every end released its count, whichever replica Envoy's access log reached.
+            _wait(lambda: _inflight(stack) == [0, 0], "all ended everywhere")
+            routed = []
+            for url in stack.picker_admin_urls:
+                text = httpx.get(f"{url}/metrics", timeout=5).text
+                routed.append(
+                    sum(
+                        float(line.rsplit(" ", 1)[1])
+                        for line in text.splitlines()
+                        if line.startswith("inferlb_decisions_total{")
+                    )
+                )
+            assert sum(routed) == REQUESTS and all(n > 0 for n in routed), routed
