@@ -34,7 +34,7 @@ from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.promtext import read_vllm
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
-__all__ = ["LIVE_CONTENDERS", "run_live"]
+__all__ = ["LIVE_CONTENDERS", "measure", "run_live"]
 
 MODEL = "bench-model"
 ENVOY_CONTENDERS = ("envoy:ROUND_ROBIN", "envoy:LEAST_REQUEST", "envoy:RANDOM")
@@ -182,14 +182,14 @@ def _run_one(
             processes.append(router)
             url = f"http://{listen}"
             watched = [router, backends]
-        return _measure(trace, requests, policy, load, rate, url, endpoints, router, watched, scale, workdir)
+        return measure(trace, requests, policy, load, rate, url, endpoints, router, watched, scale, workdir)
     finally:
         if stack is not None:
             stack.stop()
         stop_all(processes)
 
 
-def _measure(
+def measure(
     trace: str,
     requests: int,
     policy: str,

@@ -117,6 +117,7 @@ class Replicas:
         self._applied_to: InFlight | None = None  # the counters the peers' sum was last put into
         self._dirty = False
         self._sent: dict[str, tuple[int, int]] = {}
+        self._sent_arrays: tuple[Any, np.ndarray, np.ndarray] | None = None  # (pool, requests, tokens) last read
         self._full_at = -FULL_EVERY_S
         self._client: aioredis.Redis | None = None
         # Prefix block hashes are Python's hash(), salted per process: replicas agree on them only with the same
@@ -179,6 +180,7 @@ class Replicas:
         client = self._client = self._connect()
         last_id = await self._catch_up(client)
         self._sent, self._full_at = {}, -FULL_EVERY_S  # the first entry after a (re)connection is a full one
+        self._sent_arrays = None
         tasks = {
             asyncio.create_task(self._publish(client), name="replicas-publish"),
             asyncio.create_task(self._follow(client, last_id), name="replicas-follow"),
@@ -234,12 +236,23 @@ class Replicas:
             await asyncio.sleep(interval)
             engine = self._engine()
             requests, tokens = engine.inflight.own()
+            now = self._clock()
+            full = now - self._full_at >= FULL_EVERY_S
+            last = self._sent_arrays
+            unchanged = (
+                last is not None
+                and last[0] is engine.pool
+                and np.array_equal(last[1], requests)
+                and np.array_equal(last[2], tokens)
+            )
+            self._sent_arrays = (engine.pool, requests, tokens)
+            if unchanged and not full and not self._ends and not self._pending:
+                continue  # most ticks: nothing to say
             current = {
                 e.address: (int(r), int(t))
                 for e, r, t in zip(engine.pool.endpoints, requests.tolist(), tokens.tolist(), strict=True)
             }
-            now = self._clock()
-            if now - self._full_at >= FULL_EVERY_S:
+            if full:
                 kind, payload = "full", current
                 self._full_at = now
             else:

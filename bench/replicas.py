@@ -1,0 +1,326 @@
+"""Picker replicas, live: one picker beside two that share their routing state through Redis and two that share
+nothing, on the same workload through the same real Envoy and emulated servers, and two sharing ones whose Redis
+is killed and restarted mid-run.
+
+    inferlb bench replicas [--trace FILE] [--requests N] [--load F] [--servers N] [--out DIR]
+
+Each run starts fresh emulated servers (no run inherits another's warm caches) and replays the first requests
+of a shared-prefix trace (Mooncake's conversation trace by default) open-loop at ``--load`` of the fleet's
+capacity. The prefix-cache hit rate is the servers' own (their vLLM counters); TTFT is the client's. Two pickers
+that share nothing keep ``inflight: {end: stream}`` (each then learns the ends of its own requests); sharing ones
+keep the default access log, whose entries for the other replica's requests pass through Redis. Results:
+``replicas.json`` and ``replicas.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import secrets
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inferlb.bench.desrun import capacity_rps, load_arrivals
+from inferlb.bench.liverun import MAX_WALL_RPS, MAX_WALL_TOKENS_PER_S, measure
+from inferlb.bench.load import cpu_seconds
+from inferlb.bench.redisserver import RedisServer, redis_server
+from inferlb.bench.report import header, table, write
+from inferlb.envoyconf import EnvoyOptions
+from inferlb.sim.profiles import PROFILES, get_profile
+from inferlb.stack import LocalStack, StackOptions
+
+__all__ = ["RUNS", "Setup", "add_arguments", "run"]
+
+# The default workload: chats that share long system prompts (GROUPS of them, PREFIX_BLOCKS Mooncake blocks of
+# 512 tokens each), each request a group's prefix and a block of its own, the group drawn at random. The first
+# requests of the real Mooncake trace share only their first block, which every router caches alike.
+GROUPS = 48
+PREFIX_BLOCKS = 16
+OUTPUT_TOKENS = 64
+MODEL = "bench-model"
+PUBLISH_INTERVAL_MS = 5.0
+RESYNC_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    name: str
+    pickers: int
+    shared: bool
+    redis_restart: bool = False
+
+
+RUNS = (
+    Setup("1 picker", 1, False),
+    Setup("2 pickers, shared", 2, True),
+    Setup("2 pickers, unshared", 2, False),
+    Setup("2 pickers, shared, Redis restarted", 2, True, redis_restart=True),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", help="a trace file (default: chats sharing long system prompts, made here)")
+    parser.add_argument("--requests", type=int, default=300, help="requests replayed from the trace's start")
+    parser.add_argument("--load", type=float, default=0.7, help="the offered rate, a fraction of the fleet's capacity")
+    parser.add_argument("--servers", type=int, default=4)
+    parser.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES))
+    parser.add_argument("--policy", default="default", help="the pickers' preset")
+    parser.add_argument("--runs", nargs="+", choices=[s.name for s in RUNS], help="which runs (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="inferlb-bench-replicas-") as folder:
+        if args.trace is None:
+            trace = Path(folder) / "shared-prefix-chats.jsonl"
+            shared_prefix_trace(trace, args.requests, seed=args.seed)
+        else:
+            trace = Path(args.trace)
+            if not trace.is_file():
+                print(f"inferlb bench replicas: error: trace file not found: {trace}")
+                return 2
+        return _run_all(args, trace, Path(folder))
+
+
+def shared_prefix_trace(path: Path, requests: int, *, groups: int = GROUPS, seed: int = 0) -> None:
+    """Write ``requests`` chats in Mooncake's trace format: a random one of ``groups`` shared prefixes of
+    PREFIX_BLOCKS blocks, then a block of the request's own; one request every 100 ms (the replay rescales)."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(requests):
+        group = rng.randrange(groups)
+        blocks = [1 + group * PREFIX_BLOCKS + k for k in range(PREFIX_BLOCKS)] + [1_000_000 + i]
+        row = {
+            "timestamp": i * 100,
+            "input_length": 512 * len(blocks),
+            "output_length": OUTPUT_TOKENS,
+            "hash_ids": blocks,
+        }
+        lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _run_all(args: argparse.Namespace, trace: Path, folder: Path) -> int:
+    profile = get_profile(args.profile)
+    arrivals = load_arrivals(str(trace), args.requests, profile.block_size)
+    capacity = capacity_rps(arrivals, profile, args.seed) * args.servers
+    rate = args.load * capacity
+    mean_output = sum(a.output_tokens for a in arrivals) / len(arrivals)
+    scale = min(MAX_WALL_RPS / rate, MAX_WALL_TOKENS_PER_S / (rate * mean_output))
+    meta = header(args.command)
+    setups = [s for s in RUNS if not args.runs or s.name in args.runs]
+    rows = []
+    for setup in setups:
+        row = _run(setup, args, trace, rate, scale, folder / setup.name.replace(" ", "-").replace(",", ""))
+        rows.append(row)
+        print(
+            f"  {setup.name}: prefix hit rate {row['prefix_hit_rate']}, TTFT p99 {row['ttft_p99_ms']} ms, "
+            f"{row['errors']} errors",
+            flush=True,
+        )
+    document = {
+        "meta": {
+            **meta,
+            "trace": trace.name
+            if args.trace
+            else f"shared-prefix chats ({GROUPS} prompts of {PREFIX_BLOCKS * 512} tokens)",
+            "requests": args.requests,
+            "load": args.load,
+            "rate_rps": round(rate, 3),
+            "time_scale": round(scale, 4),
+            "servers": args.servers,
+            "policy": args.policy,
+        },
+        "runs": rows,
+    }
+    write(args.out, "replicas", document, _markdown(document))
+    return 0
+
+
+def _run(
+    setup: Setup, args: argparse.Namespace, trace: Path, rate: float, scale: float, workdir: Path
+) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    with redis_server(workdir / "redis") as redis:
+        secret = workdir / "redis-password"
+        secret.write_text(redis.password, encoding="utf-8")
+        picker_config: dict[str, Any] = {}
+        if setup.shared:
+            picker_config["replicas"] = {"url": redis.url, "password": {"token_file": str(secret)}}
+        elif setup.pickers > 1:
+            picker_config["inflight"] = {"end": "stream"}
+        options = StackOptions(
+            backends=args.servers,
+            models=(MODEL,),
+            policy=args.policy,
+            profile=args.profile,
+            time_scale=scale,
+            sim_args=("--seed", str(args.seed)),
+            envoy=EnvoyOptions(access_log_path=None),
+            envoy_concurrency=1,
+            picker_log_level="warning",
+            pickers=setup.pickers,
+            # The same secret hash seed on every replica: their prefix hashes agree (scorer/replicas.py).
+            picker_env={"PYTHONHASHSEED": str(secrets.randbelow(2**32 - 1) + 1)},
+            picker_config=picker_config,
+        )
+        with LocalStack(options, workdir / "stack") as stack:
+            _wait_ready(stack)
+            pickers = [p for p in (stack.picker, *stack.replicas) if p is not None]
+            cpu_before = [cpu_seconds(p.pid) for p in pickers]
+            fault = _RedisFault(redis, stack, args.requests / rate / scale) if setup.redis_restart else None
+            if fault is not None:
+                fault.start()
+            watched = [p for p in (stack.envoy, *pickers, stack.backends) if p is not None]
+            row = measure(
+                trace.as_posix(), args.requests, setup.name, args.load, rate, stack.gateway_url, stack.endpoints,
+                None, watched, scale, workdir,
+            )  # fmt: skip
+            if fault is not None:
+                fault.join()
+            picker_cpu = sum(cpu_seconds(p.pid) - before for p, before in zip(pickers, cpu_before, strict=True))
+            shared = _shared_stats(stack) if setup.shared else None
+    row.pop("_ttft_s", None)
+    row.update(
+        {
+            "replicas": setup.pickers,
+            "shared": setup.shared,
+            "sync_delay_ms": PUBLISH_INTERVAL_MS if setup.shared else None,
+            "picker_cpu_us": round(picker_cpu / max(row["requests"], 1) * 1e6, 1),
+            "redis_restart": fault.report() if fault is not None else None,
+            "exchange": shared,
+        }
+    )
+    return row
+
+
+RUNS_WINDOW = (1 / 3, 1 / 2)  # Redis is killed a third of the way into the replay and started again halfway
+
+
+class _RedisFault(threading.Thread):
+    """Kills Redis a third of the way into the replay, starts it again (empty) halfway, and measures how long the
+    replicas take to be in touch again and to count each other (their /metrics)."""
+
+    def __init__(self, redis: RedisServer, stack: LocalStack, duration_s: float) -> None:
+        super().__init__(daemon=True)
+        self.redis, self.stack, self.duration_s = redis, stack, duration_s
+        self.down_s: float | None = None
+        self.resync_s: float | None = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            started = time.monotonic()
+            time.sleep(self.duration_s * RUNS_WINDOW[0])  # a scheduled fault, not a wait for readiness
+            self.redis.stop()
+            killed = time.monotonic()
+            time.sleep(max(self.duration_s * RUNS_WINDOW[1] - (killed - started), 0.5))
+            self.redis.start()
+            restarted = time.monotonic()
+            self.down_s = round(restarted - killed, 2)
+            deadline = restarted + RESYNC_TIMEOUT_S
+            while not all(_gauge(url, "inferlb_replicas_redis_up") == 1 and _gauge(url, "inferlb_replicas_peers") == 1
+                          for url in self.stack.picker_admin_urls):  # fmt: skip
+                if time.monotonic() > deadline:
+                    self.error = f"not resynchronised within {RESYNC_TIMEOUT_S} s"
+                    return
+                time.sleep(0.01)
+            self.resync_s = round(time.monotonic() - restarted, 3)
+        except Exception as exc:  # reported in the results, not lost in a thread
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def report(self) -> dict[str, Any]:
+        return {"down_s": self.down_s, "resync_s": self.resync_s, "error": self.error}
+
+
+def _gauge(url: str, name: str) -> float | None:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _wait_ready(stack: LocalStack, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for url in stack.picker_admin_urls:
+        while httpx.get(f"{url}/readyz", timeout=5).status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the picker at {url} was not ready within {timeout_s} s")
+            time.sleep(0.05)
+
+
+def _shared_stats(stack: LocalStack) -> dict[str, float]:
+    """The exchange's counters, summed over the replicas."""
+    out: dict[str, float] = {}
+    for url in stack.picker_admin_urls:
+        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("inferlb_replicas_entries_total{"):
+                kind = line.split('"')[1]
+                out[kind] = out.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _markdown(document: dict[str, Any]) -> str:
+    meta, rows = document["meta"], document["runs"]
+    out = [
+        "# Picker replicas",
+        "",
+        f"{meta['date']} · `{meta['command']}` · {meta['machine']}",
+        "",
+        f"{meta['requests']} requests of `{meta['trace']}`, open-loop at {meta['load']} of {meta['servers']} emulated "
+        f"servers' capacity ({meta['rate_rps']} req/s in model time, time scale {meta['time_scale']}), preset "
+        f"`{meta['policy']}`, through one real Envoy; fresh servers for every run. Prefix hit rate: the servers' own "
+        "counters. Sharing replicas exchange state through a real Redis (AUTH on).",
+        "",
+    ]
+    head = ["run", "replicas", "shared", "prefix hit rate", "TTFT p50 ms", "TTFT p99 ms", "throughput rps", "errors",
+            "picker CPU µs/req"]  # fmt: skip
+    body = [
+        [r["policy"], r["replicas"], "yes" if r["shared"] else "no", r["prefix_hit_rate"], r["ttft_p50_ms"],
+         r["ttft_p99_ms"], r["throughput_rps"], r["errors"], r["picker_cpu_us"]]
+        for r in rows
+    ]  # fmt: skip
+    out += table(head, body)
+    one = next((r for r in rows if r["policy"] == "1 picker"), None)
+    shared = next((r for r in rows if r["policy"] == "2 pickers, shared"), None)
+    alone = next((r for r in rows if r["policy"] == "2 pickers, unshared"), None)
+    out.append("")
+    if one and shared and one["prefix_hit_rate"] and shared["prefix_hit_rate"]:
+        out.append(
+            f"Two sharing replicas against one picker: prefix hit rate {_ratio(shared, one, 'prefix_hit_rate')}, "
+            f"TTFT p99 {_ratio(shared, one, 'ttft_p99_ms')}."
+        )
+    if alone and shared and alone["prefix_hit_rate"] and shared["prefix_hit_rate"]:
+        out.append(
+            f"Two sharing replicas against two that share nothing: prefix hit rate "
+            f"{_ratio(shared, alone, 'prefix_hit_rate')}, TTFT p99 {_ratio(shared, alone, 'ttft_p99_ms')}."
+        )
+    for r in rows:
+        fault = r.get("redis_restart")
+        if fault:
+            out.append(
+                f"Redis killed a third of the way in and started again (empty) after {fault['down_s']} s: "
+                f"{r['errors']} client errors; the replicas were in touch and counting each other again "
+                f"{fault['resync_s']} s after the restart" + (f" ({fault['error']})" if fault["error"] else "") + "."
+            )
+    return "\n".join(out) + "\n"
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> str:
+    return f"{a[key]} vs {b[key]} ({a[key] / b[key]:.3f}x)" if b[key] else f"{a[key]} vs {b[key]}"
+
+
+if __name__ == "__main__":
+    import sys
+
+    from inferlb.bench.suites import script
+
+    raise SystemExit(script(sys.modules[__name__]))
