@@ -16,13 +16,30 @@ from pathlib import Path
 from typing import Any
 
 from inferlb.bench.metrics import Outcome, summarise
-from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RandomPolicy, RoundRobin, WeightsTier
+from inferlb.bench.policies import (
+    LeastRequest,
+    Oracle,
+    PresetPolicy,
+    RandomPolicy,
+    Replicated,
+    RoundRobin,
+    WeightsTier,
+)
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.sim.des import Arrival, FleetView, Hold, Policy, Refuse, RequestRecord, SimResult, simulate, trace_arrivals
 from inferlb.sim.profiles import ServerProfile, get_profile
 from inferlb.sim.traces import load_trace
 
-__all__ = ["DES_CONTENDERS", "DesJob", "capacity_rps", "load_arrivals", "make_policy", "run_job", "scaled"]
+__all__ = [
+    "DES_CONTENDERS",
+    "DesJob",
+    "capacity_rps",
+    "load_arrivals",
+    "make_policy",
+    "replicated_name",
+    "run_job",
+    "scaled",
+]
 
 DES_CONTENDERS: tuple[str, ...] = (
     "envoy:ROUND_ROBIN",
@@ -110,7 +127,32 @@ def make_policy(name: str, profiles: Sequence[ServerProfile], seed: int) -> Poli
         return WeightsTier(name.removeprefix("inferlb-weights:"), profiles, seed=seed)
     if name.startswith("inferlb:") and name.removeprefix("inferlb:") in PRESET_NAMES:
         return PresetPolicy(name.removeprefix("inferlb:"), profiles, seed=seed)
+    replicated = _replicated(name)
+    if replicated is not None:
+        preset, count, delay = replicated
+        return Replicated(preset, profiles, seed=seed, replicas=count, sync_delay_s=delay)
     raise ValueError(f"unknown DES contender {name!r}; known: {', '.join(DES_CONTENDERS)}")
+
+
+def replicated_name(preset: str, replicas: int, sync_delay_ms: float | None) -> str:
+    """The DES contender of ``replicas`` pickers of ``preset`` syncing after ``sync_delay_ms`` (None: unsynced):
+    ``inferlb:default@4/5ms``, ``inferlb:default@4/unsynced``."""
+    return f"inferlb:{preset}@{replicas}/{'unsynced' if sync_delay_ms is None else f'{sync_delay_ms:g}ms'}"
+
+
+def _replicated(name: str) -> tuple[str, int, float | None] | None:
+    head, _, tail = name.partition("@")
+    preset = head.removeprefix("inferlb:")
+    count, _, sync = tail.partition("/")
+    if not head.startswith("inferlb:") or preset not in PRESET_NAMES or not count.isdigit() or int(count) < 1:
+        return None
+    if sync == "unsynced":
+        return preset, int(count), None
+    try:
+        delay_ms = float(sync.removesuffix("ms")) if sync.endswith("ms") else -1.0
+    except ValueError:
+        return None
+    return (preset, int(count), delay_ms / 1000) if 0 <= delay_ms < 60_000 else None
 
 
 def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str, Any]:
@@ -136,7 +178,9 @@ def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str,
     # a request held for capacity is presented again at every tick of the wait queue.
     cpu_s = getattr(policy, "decide_cpu_s", timed.cpu_s)
     row["picker_cpu_us"] = round(cpu_s / max(getattr(policy, "decisions", timed.calls), 1) * 1e6, 1)
-    if isinstance(policy, PresetPolicy):  # admission control: requests held for capacity, and those that waited out
+    if isinstance(
+        policy, PresetPolicy | Replicated
+    ):  # admission: requests held for capacity, and those that waited out
         row["held"], row["waited_out"] = policy.held, policy.waited_out
     row["wall_s"] = round(result.wall_s, 2)
     row["_ttft_s"] = [r.ttft_s for r in result.records if r.error is None and r.ttft_s is not None]

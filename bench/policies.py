@@ -12,6 +12,7 @@ counts are exact here, where the live filter estimates them from the text.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import time
@@ -36,7 +37,16 @@ from inferlb.scorer.weights import endpoint_weights
 from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, RequestRecord
 from inferlb.sim.profiles import ServerProfile
 
-__all__ = ["MODEL", "LeastRequest", "Oracle", "PresetPolicy", "RandomPolicy", "RoundRobin", "WeightsTier"]
+__all__ = [
+    "MODEL",
+    "LeastRequest",
+    "Oracle",
+    "PresetPolicy",
+    "RandomPolicy",
+    "Replicated",
+    "RoundRobin",
+    "WeightsTier",
+]
 
 MODEL = "bench-model"
 
@@ -329,3 +339,101 @@ class WeightsTier(PresetPolicy):
         if record.error is None:  # the spans still arrive: the latencies are the picker's to know
             self.latency.observe(record.server, record.ttft_s, record.e2e_s, now=now)
             self._latency_dirty = True
+
+
+class Replicated:
+    """``replicas`` pickers (a `PresetPolicy` each: its own routing unit, in-flight counts and prefix index), each
+    given the arrivals in turn, as Envoy spreads its picker streams. With ``sync_delay_s`` (None: they share
+    nothing) each replica sees what the others have in flight, and the prompts they routed, as they were
+    ``sync_delay_s`` earlier: the Redis exchange of `scorer.replicas` (its publishing interval plus a round
+    trip), on the simulator's clock; 0 is a perfect exchange. Each request's end and latency go to the replica
+    that routed it."""
+
+    def __init__(
+        self,
+        preset: str | ProfileSpec,
+        profiles: Sequence[ServerProfile],
+        *,
+        seed: int,
+        replicas: int,
+        sync_delay_s: float | None,
+    ) -> None:
+        if replicas < 1 or (sync_delay_s is not None and sync_delay_s < 0):
+            raise ValueError(f"replicas must be >= 1 and sync_delay_s >= 0 or None; got {replicas}, {sync_delay_s}")
+        self.replicas = [PresetPolicy(preset, profiles, seed=seed + 7919 * i) for i in range(replicas)]
+        self.sync_delay_s = sync_delay_s
+        n = len(profiles)
+        zero = np.zeros(n, dtype=np.int64)
+        # Per replica: the times its own counts changed, and the counts (requests, tokens) from then on.
+        self._times: list[list[float]] = [[-math.inf] for _ in range(replicas)]
+        self._counts: list[list[tuple[np.ndarray, np.ndarray]]] = [[(zero, zero)] for _ in range(replicas)]
+        # Every decision's prompt blocks, in time order: (time, replica, endpoint, hashes); a cursor per replica.
+        self._prompts: list[tuple[float, int, int, tuple[int, ...]]] = []
+        self._cursor = [0] * replicas
+        self._owner: dict[str, int] = {}
+        self._next = 0
+
+    @property
+    def decisions(self) -> int:
+        return sum(r.decisions for r in self.replicas)
+
+    @property
+    def decide_cpu_s(self) -> float:
+        return sum(r.decide_cpu_s for r in self.replicas)
+
+    @property
+    def held(self) -> int:
+        return sum(r.held for r in self.replicas)
+
+    @property
+    def waited_out(self) -> int:
+        return sum(r.waited_out for r in self.replicas)
+
+    def __call__(self, arrival: Arrival, view: FleetView) -> int | Hold | Refuse:
+        owner = self._owner.get(arrival.id)
+        if owner is None:
+            owner = self._owner[arrival.id] = self._next % len(self.replicas)
+            self._next += 1
+        replica = self.replicas[owner]
+        if self.sync_delay_s is not None and len(self.replicas) > 1:
+            self._sync(owner, view.now - self.sync_delay_s)
+        answer = replica(arrival, view)
+        if isinstance(answer, int):
+            self._changed(owner, view.now)
+            hashes = replica._features(arrival).prefix_hashes
+            if hashes:
+                self._prompts.append((view.now, owner, answer, hashes))
+        return answer
+
+    def finished(self, record: RequestRecord, now: float) -> None:
+        owner = self._owner.pop(record.id, None)
+        if owner is None:
+            return
+        self.replicas[owner].finished(record, now)
+        self._changed(owner, now)
+
+    def _changed(self, owner: int, now: float) -> None:
+        requests, tokens = self.replicas[owner].inflight.own()
+        self._times[owner].append(now)
+        self._counts[owner].append((requests, tokens))
+
+    def _sync(self, owner: int, cutoff: float) -> None:
+        """What replica ``owner`` has heard by now: the others' counts and prompts as of ``cutoff``."""
+        replica = self.replicas[owner]
+        requests = np.zeros(len(replica.pool), dtype=np.int64)
+        tokens = np.zeros(len(replica.pool), dtype=np.int64)
+        for other in range(len(self.replicas)):
+            if other == owner:
+                continue
+            at = bisect.bisect_right(self._times[other], cutoff) - 1
+            r, t = self._counts[other][at]
+            requests += r
+            tokens += t
+        replica.inflight.set_peers(requests, tokens)
+        prompts, cursor = self._prompts, self._cursor[owner]
+        while cursor < len(prompts) and prompts[cursor][0] <= cutoff:
+            _, source, endpoint, hashes = prompts[cursor]
+            if source != owner:
+                replica.engine.observe_pick(RequestFeatures(prefix_hashes=hashes), endpoint)
+            cursor += 1
+        self._cursor[owner] = cursor

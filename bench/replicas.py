@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from inferlb.bench.desrun import capacity_rps, load_arrivals
+from inferlb.bench.desrun import DesJob, capacity_rps, load_arrivals, replicated_name, run_job
 from inferlb.bench.liverun import MAX_WALL_RPS, MAX_WALL_TOKENS_PER_S, measure
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.redisserver import RedisServer, redis_server
@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="default", help="the pickers' preset")
     parser.add_argument("--runs", nargs="+", choices=[s.name for s in RUNS], help="which runs (default: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", nargs="+", choices=("live", "des"), default=["live", "des"], help="default: both")
+    parser.add_argument("--des-requests", type=int, default=1500, help="the simulator's requests per run")
+    parser.add_argument("--des-servers", type=int, default=8, help="the simulator's fleet")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
 
 
@@ -109,13 +112,57 @@ def shared_prefix_trace(path: Path, requests: int, *, groups: int = GROUPS, seed
 
 
 def _run_all(args: argparse.Namespace, trace: Path, folder: Path) -> int:
+    meta = header(args.command)
+    rows = _live(args, trace, folder, meta) if "live" in args.modes else []
+    if "des" in args.modes:
+        rows += _des(args, folder)
+    document = {"meta": meta, "runs": rows}
+    write(args.out, "replicas", document, _markdown(document))
+    return 0
+
+
+DES_REPLICAS = (2, 4, 8)
+DES_DELAYS_MS: tuple[float | None, ...] = (0.0, 5.0, 50.0, None)  # None: unsynced
+
+
+def _des(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
+    """The simulator's replica model (bench/policies.py `Replicated`): quality against replica count and sync delay,
+    on the same kind of workload (12 shared prompts per server), through the routing unit Envoy's requests take."""
+    profile = get_profile(args.profile)
+    trace = folder / "des-chats.jsonl"
+    if args.trace is None:
+        shared_prefix_trace(trace, args.des_requests, groups=12 * args.des_servers, seed=args.seed)
+    else:
+        trace = Path(args.trace)
+    arrivals = load_arrivals(str(trace), args.des_requests, profile.block_size)
+    rate = args.load * capacity_rps(arrivals, profile, args.seed) * args.des_servers
+    grid = [(1, 0.0)] + [(n, d) for n in DES_REPLICAS for d in DES_DELAYS_MS]
+    rows = []
+    for count, delay_ms in grid:
+        name = replicated_name(args.policy, count, delay_ms)
+        job = DesJob(str(trace), args.des_requests, args.des_servers, profile.name, name, args.load, rate, args.seed)
+        row = run_job(job, arrivals)
+        row.pop("_ttft_s", None)
+        shared = delay_ms is not None and count > 1
+        row.update({"replicas": count, "shared": shared, "sync_delay_ms": delay_ms if shared else None})
+        row["policy"] = f"{count} picker{'s' if count > 1 else ''}" + (
+            "" if count == 1 else ", unsynced" if delay_ms is None else f", sync {delay_ms:g} ms"
+        )
+        rows.append(row)
+        print(
+            f"  des {row['policy']}: prefix hit rate {row['prefix_hit_rate']}, TTFT p99 {row['ttft_p99_ms']} ms",
+            flush=True,
+        )
+    return rows
+
+
+def _live(args: argparse.Namespace, trace: Path, folder: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
     profile = get_profile(args.profile)
     arrivals = load_arrivals(str(trace), args.requests, profile.block_size)
     capacity = capacity_rps(arrivals, profile, args.seed) * args.servers
     rate = args.load * capacity
     mean_output = sum(a.output_tokens for a in arrivals) / len(arrivals)
     scale = min(MAX_WALL_RPS / rate, MAX_WALL_TOKENS_PER_S / (rate * mean_output))
-    meta = header(args.command)
     setups = [s for s in RUNS if not args.runs or s.name in args.runs]
     rows = []
     for setup in setups:
@@ -126,23 +173,19 @@ def _run_all(args: argparse.Namespace, trace: Path, folder: Path) -> int:
             f"{row['errors']} errors",
             flush=True,
         )
-    document = {
-        "meta": {
-            **meta,
-            "trace": trace.name
-            if args.trace
-            else f"shared-prefix chats ({GROUPS} prompts of {PREFIX_BLOCKS * 512} tokens)",
+    prompts = f"shared-prefix chats ({GROUPS} prompts of {PREFIX_BLOCKS * 512} tokens)"
+    meta.update(
+        {
+            "trace": trace.name if args.trace else prompts,
             "requests": args.requests,
             "load": args.load,
             "rate_rps": round(rate, 3),
             "time_scale": round(scale, 4),
             "servers": args.servers,
             "policy": args.policy,
-        },
-        "runs": rows,
-    }
-    write(args.out, "replicas", document, _markdown(document))
-    return 0
+        }
+    )
+    return rows
 
 
 def _run(
@@ -191,6 +234,7 @@ def _run(
     row.pop("_ttft_s", None)
     row.update(
         {
+            "mode": "live",
             "replicas": setup.pickers,
             "shared": setup.shared,
             "sync_delay_ms": PUBLISH_INTERVAL_MS if setup.shared else None,
@@ -270,15 +314,25 @@ def _shared_stats(stack: LocalStack) -> dict[str, float]:
 
 def _markdown(document: dict[str, Any]) -> str:
     meta, rows = document["meta"], document["runs"]
+    out = ["# Picker replicas", "", f"{meta['date']} · `{meta['command']}` · {meta['machine']}", ""]
+    live = [r for r in rows if r["mode"] == "live"]
+    des = [r for r in rows if r["mode"] == "des"]
+    if live:
+        out += _live_markdown(meta, live)
+    if des:
+        out += _des_markdown(des)
+    return "\n".join(out) + "\n"
+
+
+def _live_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "# Picker replicas",
+        "## Live: real Envoy, emulated servers, real Redis",
         "",
-        f"{meta['date']} · `{meta['command']}` · {meta['machine']}",
-        "",
-        f"{meta['requests']} requests of `{meta['trace']}`, open-loop at {meta['load']} of {meta['servers']} emulated "
+        f"{meta['requests']} requests of {meta['trace']}, open-loop at {meta['load']} of {meta['servers']} emulated "
         f"servers' capacity ({meta['rate_rps']} req/s in model time, time scale {meta['time_scale']}), preset "
         f"`{meta['policy']}`, through one real Envoy; fresh servers for every run. Prefix hit rate: the servers' own "
-        "counters. Sharing replicas exchange state through a real Redis (AUTH on).",
+        "counters. Sharing replicas exchange state through a real Redis (AUTH on). Picker CPU: all the pickers' CPU "
+        "over the run (scrapes and the exchange included) per request.",
         "",
     ]
     head = ["run", "replicas", "shared", "prefix hit rate", "TTFT p50 ms", "TTFT p99 ms", "throughput rps", "errors",
@@ -311,7 +365,35 @@ def _markdown(document: dict[str, Any]) -> str:
                 f"{r['errors']} client errors; the replicas were in touch and counting each other again "
                 f"{fault['resync_s']} s after the restart" + (f" ({fault['error']})" if fault["error"] else "") + "."
             )
-    return "\n".join(out) + "\n"
+    return [*out, ""]
+
+
+def _des_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    first = rows[0]
+    out = [
+        "## Simulator: the replica model",
+        "",
+        f"{first['requests']} requests of chats sharing {12 * first['servers']} long prompts on {first['servers']} "
+        f"simulated servers at {first['load']} of their capacity; each of N replicas (the routing unit Envoy's "
+        "requests take, its own counts and prefix index) gets the arrivals in turn and sees the others' in-flight "
+        "counts and routed prompts as they were the sync delay earlier (unsynced: never). Each cell: prefix hit "
+        "rate / TTFT p99 ms.",
+        "",
+    ]
+    delays = [d for d in DES_DELAYS_MS]
+    head = ["replicas", *("unsynced" if d is None else f"sync {d:g} ms" for d in delays)]
+    body = []
+    for count in sorted({r["replicas"] for r in rows}):
+        cells = []
+        for delay in delays:
+            if count == 1:  # one picker has nothing to sync: its figure stands in the first column
+                row = rows[0] if delay == delays[0] and rows[0]["replicas"] == 1 else None
+            else:
+                row = next((r for r in rows if r["replicas"] == count and r["sync_delay_ms"] == delay), None)
+            cells.append(None if row is None else f"{row['prefix_hit_rate']} / {row['ttft_p99_ms']}")
+        body.append([count, *cells])
+    out += table(head, body)
+    return [*out, ""]
 
 
 def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> str:

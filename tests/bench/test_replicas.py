@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 from inferlb.bench import replicas
+from inferlb.bench.desrun import DesJob, capacity_rps, load_arrivals, replicated_name, run_job
+from inferlb.bench.policies import Replicated
 from inferlb.bench.redisserver import REDIS
+from inferlb.sim.des import Arrival, FleetView
+from inferlb.sim.profiles import get_profile
 from inferlb.sim.traces import load_trace
 
 
@@ -30,7 +34,9 @@ def test_the_workload_is_chats_that_share_long_prefixes(tmp_path: Path) -> None:
 def test_a_short_run_restarts_redis_under_load_without_a_client_error(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     replicas.add_arguments(parser)
-    args = parser.parse_args(["--requests", "60", "--runs", "2 pickers, shared, Redis restarted", "--out", str(tmp_path)])
+    args = parser.parse_args(
+        ["--requests", "60", "--runs", "2 pickers, shared, Redis restarted", "--modes", "live", "--out", str(tmp_path)]
+    )
     args.command = "inferlb bench replicas (test)"
     assert replicas.run(args) == 0
     [row] = json.loads((tmp_path / "replicas.json").read_text())["runs"]
@@ -40,3 +46,37 @@ def test_a_short_run_restarts_redis_under_load_without_a_client_error(tmp_path: 
     fault = row["redis_restart"]
     assert fault["error"] is None and fault["resync_s"] is not None and fault["down_s"] > 0
     assert "Redis killed" in (tmp_path / "replicas.md").read_text()
+
+
+def _view(now: float, n: int) -> FleetView:
+    return FleetView(now, tuple(f"server-{i}" for i in range(n)), [None] * n, [0] * n, [0] * n, ())
+
+
+def test_the_replica_model_shows_each_replica_the_others_as_they_were_the_delay_earlier() -> None:
+    profiles = [get_profile("h100-llama3.1-8b")] * 3
+    model = Replicated("least-request", profiles, seed=1, replicas=2, sync_delay_s=0.05)
+    first = model(Arrival("a", 0.0, 100, 10), _view(0.0, 3))  # replica 0 routes it
+    assert isinstance(first, int)
+    peer = model.replicas[1]
+    model(Arrival("b", 0.01, 100, 10), _view(0.01, 3))  # replica 1, 10 ms later: it has not heard yet
+    assert peer.inflight.peer_requests.sum() == 0
+    model(Arrival("c", 0.02, 100, 10), _view(0.02, 3))  # replica 0 again
+    model(Arrival("d", 0.065, 100, 10), _view(0.065, 3))  # replica 1, 65 ms: it counts a, not c (20 ms)
+    assert peer.inflight.peer_requests.tolist() == [int(i == first) for i in range(3)]
+    unsynced = Replicated("least-request", profiles, seed=1, replicas=2, sync_delay_s=None)
+    for i, at in enumerate((0.0, 1.0, 2.0, 3.0)):
+        unsynced(Arrival(f"u{i}", at, 100, 10), _view(at, 3))
+    assert all(r.inflight.peer_requests.sum() == 0 for r in unsynced.replicas)
+
+
+def test_replicas_that_share_nothing_find_fewer_prefixes_in_the_simulator(tmp_path: Path) -> None:
+    trace = tmp_path / "chats.jsonl"
+    replicas.shared_prefix_trace(trace, 400, groups=24, seed=0)
+    profile = get_profile("h100-llama3.1-8b")
+    arrivals = load_arrivals(str(trace), 400, profile.block_size)
+    rate = 0.6 * capacity_rps(arrivals, profile, 0) * 4
+    hit = {}
+    for delay in (0.0, None):
+        name = replicated_name("default", 4, delay)
+        hit[delay] = run_job(DesJob(str(trace), 400, 4, profile.name, name, 0.6, rate, 0), arrivals)["prefix_hit_rate"]
+    assert hit[0.0] > hit[None] + 0.05, hit
