@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import secrets
+import statistics
 import tempfile
 import threading
 import time
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="default", help="the pickers' preset")
     parser.add_argument("--runs", nargs="+", choices=[s.name for s in RUNS], help="which runs (default: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="live: the runs without a fault this many times")
     parser.add_argument("--modes", nargs="+", choices=("live", "des"), default=["live", "des"], help="default: both")
     parser.add_argument("--des-requests", type=int, default=1500, help="the simulator's requests per run")
     parser.add_argument("--des-servers", type=int, default=8, help="the simulator's fleet")
@@ -165,12 +167,17 @@ def _live(args: argparse.Namespace, trace: Path, folder: Path, meta: dict[str, A
     scale = min(MAX_WALL_RPS / rate, MAX_WALL_TOKENS_PER_S / (rate * mean_output))
     setups = [s for s in RUNS if not args.runs or s.name in args.runs]
     rows = []
-    for setup in setups:
-        row = _run(setup, args, trace, rate, scale, folder / setup.name.replace(" ", "-").replace(",", ""))
+    # Rounds: the runs without a fault again, in turn (the machine's noise moves between them, not within a
+    # round's comparison); the Redis restart once, last.
+    plan = [(r, s) for r in range(1, args.rounds + 1) for s in setups if not s.redis_restart or r == args.rounds]
+    for round_number, setup in plan:
+        workdir = folder / f"{round_number}-{setup.name.replace(' ', '-').replace(',', '')}"
+        row = _run(setup, args, trace, rate, scale, workdir)
+        row["round"] = round_number
         rows.append(row)
         print(
-            f"  {setup.name}: prefix hit rate {row['prefix_hit_rate']}, TTFT p99 {row['ttft_p99_ms']} ms, "
-            f"{row['errors']} errors",
+            f"  round {round_number}, {setup.name}: prefix hit rate {row['prefix_hit_rate']}, TTFT p99 "
+            f"{row['ttft_p99_ms']} ms, {row['errors']} errors",
             flush=True,
         )
     prompts = f"shared-prefix chats ({GROUPS} prompts of {PREFIX_BLOCKS * 512} tokens)"
@@ -335,28 +342,25 @@ def _live_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str
         "over the run (scrapes and the exchange included) per request.",
         "",
     ]
-    head = ["run", "replicas", "shared", "prefix hit rate", "TTFT p50 ms", "TTFT p99 ms", "throughput rps", "errors",
-            "picker CPU µs/req"]  # fmt: skip
+    head = ["round", "run", "replicas", "shared", "prefix hit rate", "TTFT p50 ms", "TTFT p99 ms",
+            "throughput rps", "errors", "picker CPU µs/req"]  # fmt: skip
+    keys = ("prefix_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "throughput_rps", "errors", "picker_cpu_us")
     body = [
-        [r["policy"], r["replicas"], "yes" if r["shared"] else "no", r["prefix_hit_rate"], r["ttft_p50_ms"],
-         r["ttft_p99_ms"], r["throughput_rps"], r["errors"], r["picker_cpu_us"]]
+        [r.get("round", 1), r["policy"], r["replicas"], "yes" if r["shared"] else "no", *(r[k] for k in keys)]
         for r in rows
-    ]  # fmt: skip
+    ]
     out += table(head, body)
-    one = next((r for r in rows if r["policy"] == "1 picker"), None)
-    shared = next((r for r in rows if r["policy"] == "2 pickers, shared"), None)
-    alone = next((r for r in rows if r["policy"] == "2 pickers, unshared"), None)
     out.append("")
-    if one and shared and one["prefix_hit_rate"] and shared["prefix_hit_rate"]:
-        out.append(
-            f"Two sharing replicas against one picker: prefix hit rate {_ratio(shared, one, 'prefix_hit_rate')}, "
-            f"TTFT p99 {_ratio(shared, one, 'ttft_p99_ms')}."
-        )
-    if alone and shared and alone["prefix_hit_rate"] and shared["prefix_hit_rate"]:
-        out.append(
-            f"Two sharing replicas against two that share nothing: prefix hit rate "
-            f"{_ratio(shared, alone, 'prefix_hit_rate')}, TTFT p99 {_ratio(shared, alone, 'ttft_p99_ms')}."
-        )
+    for against, label in (("1 picker", "one picker"), ("2 pickers, unshared", "two that share nothing")):
+        ratios = _round_ratios(rows, "2 pickers, shared", against)
+        if ratios:
+            hits = ", ".join(f"{h:.3f}x" for h, _ in ratios)
+            p99s = ", ".join(f"{p:.3f}x" for _, p in ratios)
+            out.append(
+                f"Two sharing replicas against {label}, per round: prefix hit rate {hits} (median "
+                f"{statistics.median(h for h, _ in ratios):.3f}x); TTFT p99 {p99s} (median "
+                f"{statistics.median(p for _, p in ratios):.3f}x)."
+            )
     for r in rows:
         fault = r.get("redis_restart")
         if fault:
@@ -396,8 +400,15 @@ def _des_markdown(rows: list[dict[str, Any]]) -> list[str]:
     return [*out, ""]
 
 
-def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> str:
-    return f"{a[key]} vs {b[key]} ({a[key] / b[key]:.3f}x)" if b[key] else f"{a[key]} vs {b[key]}"
+def _round_ratios(rows: list[dict[str, Any]], run: str, against: str) -> list[tuple[float, float]]:
+    """Per round: (prefix hit rate, TTFT p99) of ``run`` over ``against``'s in the same round."""
+    out = []
+    for number in sorted({r.get("round", 1) for r in rows}):
+        a = next((r for r in rows if r["policy"] == run and r.get("round", 1) == number), None)
+        b = next((r for r in rows if r["policy"] == against and r.get("round", 1) == number), None)
+        if a and b and a["prefix_hit_rate"] and b["prefix_hit_rate"] and a["ttft_p99_ms"] and b["ttft_p99_ms"]:
+            out.append((a["prefix_hit_rate"] / b["prefix_hit_rate"], a["ttft_p99_ms"] / b["ttft_p99_ms"]))
+    return out
 
 
 if __name__ == "__main__":
