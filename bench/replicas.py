@@ -52,6 +52,8 @@ RESYNC_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class Setup:
+    """One live run: how many pickers, and whether they share their state through Redis."""
+
     name: str
     pickers: int
     shared: bool

@@ -6,7 +6,8 @@ through one Redis stream per pool (``replicas.key``), off the hot path:
 
 * **Publishing.** Every ``publish_interval_s`` a replica appends one entry with its own in-flight requests and
   tokens of the endpoints whose counts changed since its last entry, as absolute values; once a second, all of
-  them (a full snapshot, which is also its heartbeat). A decision never waits on Redis: it changes the local
+  them (a full snapshot, which is also its heartbeat). While nothing changes it looks every ``IDLE_TICK_S``
+  instead, until its next decision. The tick's entries go in one pipelined round trip. A decision never waits on Redis: it changes the local
   counters only, and the next tick reads them.
 * **Prefixes.** Each decision's prompt blocks (its prefix hashes) are published with the next tick, and peers
   record them in their prefix index as if they had made the decision: a prompt's prefix is found on the
@@ -67,6 +68,7 @@ MAX_PENDING_ENDS = 100_000  # request ends waiting to be passed on (Redis down: 
 MAX_ENDS_PER_ENTRY = 5_000
 MAX_REQUEST_ID_CHARS = 256
 FINGERPRINT_TEXT = "inferlb: prefix block hashes"
+IDLE_TICK_S = 0.05  # the publishing tick while nothing changes
 _RETRY_S = (0.1, 2.0)  # reconnecting: the first wait and the longest
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # what hash() gives on a 64-bit build
 
@@ -126,6 +128,7 @@ class Replicas:
         self.fingerprint = str(hash(FINGERPRINT_TEXT))
         self._pending: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PENDING_PREFIXES)
         self._told_fingerprint = False
+        self._busy = True  # whether the last tick or a decision since had something to publish
         self._ends: deque[str] = deque(maxlen=MAX_PENDING_ENDS)
         # Releases this replica's lease of a request id, if it holds one (True then): set by the picker.
         self.finish: Callable[[str], bool] | None = None
@@ -142,9 +145,11 @@ class Replicas:
         """Envoy reported the end of a request this replica holds no lease for: another replica routed it (Envoy's
         access-log stream reached this one). Passed on with the next tick."""
         self._ends.append(request_id)
+        self._busy = True
 
     def routed(self, address: str, hashes: tuple[int, ...]) -> None:
         """A decision of this replica: its prompt's blocks went to ``address`` (published with the next tick)."""
+        self._busy = True
         if hashes and self.share_prefixes:
             self._pending.append((address, hashes))
 
@@ -233,7 +238,10 @@ class Replicas:
         interval = self.config.publish_interval_s
         while True:
             _raise_if_cancelled()
-            await asyncio.sleep(interval)
+            # Every interval while requests come; when nothing has changed, a slower tick (each wake-up of the event
+            # loop costs ~0.15 ms of CPU here). A decision makes it busy again, for the next tick.
+            await asyncio.sleep(interval if self._busy else max(interval, IDLE_TICK_S))
+            self._busy = False
             engine = self._engine()
             requests, tokens = engine.inflight.own()
             now = self._clock()
@@ -248,6 +256,7 @@ class Replicas:
             self._sent_arrays = (engine.pool, requests, tokens)
             if unchanged and not full and not self._ends and not self._pending:
                 continue  # most ticks: nothing to say
+            self._busy = True
             current = {
                 e.address: (int(r), int(t))
                 for e, r, t in zip(engine.pool.endpoints, requests.tolist(), tokens.tolist(), strict=True)
