@@ -413,7 +413,8 @@ async def test_a_client_that_leaves_frees_its_request(live):
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 break
-    await until(lambda: not server.engine.running and server.engine.cache.used == 0)
+    # The request is freed first and logged after, in the server's own task: wait for both.
+    await until(lambda: not server.engine.running and server.engine.cache.used == 0 and server._log)
     assert server._log[-1]["status"] == "aborted"
 
 
