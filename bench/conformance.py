@@ -44,6 +44,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProtocolConfiguration,
 )
 
+from inferlb.bench.metrics import picker_samples
 from inferlb.bench.report import header, table, write
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import free_port
@@ -580,13 +581,7 @@ def _served_reported(workdir: Path, mode: str) -> Result:
 
 
 def _served_reports(stack: LocalStack) -> dict[str, float]:
-    text = httpx.get(f"{stack.picker_admin_url}/metrics", timeout=TIMEOUT_S).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("inferlb_served_reports_total{"):
-            labels, _, value = line.rpartition(" ")
-            out[labels.split('"')[1]] = float(value)
-    return out
+    return picker_samples(stack.picker_admin_url, "inferlb_served_reports_total")
 
 
 def _log_entries(

@@ -7,7 +7,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import httpx
+
 from inferlb.bench.stats import cv, percentile, rounded
+from inferlb.scorer.promtext import read_families
 
 __all__ = ["Outcome", "summarise"]
 
@@ -78,3 +81,9 @@ def goodput(points: Sequence[tuple[float, float | None]], slo_ms: float) -> floa
             best = r0 + (rate - r0) * (slo_ms - y0) / (p99 - y0)
         break
     return None if best is None else round(best, 3)
+
+
+def picker_samples(admin_url: str, name: str) -> dict[str, float]:
+    """The samples a picker's ``/metrics`` prints as ``name``, by the value of their one label ("" without one)."""
+    text = httpx.get(f"{admin_url}/metrics", timeout=10).text
+    return {next(iter(s.labels.values()), ""): s.value for s in read_families(text, [name]).samples(name)}

@@ -31,6 +31,7 @@ import httpx
 from inferlb.bench.desrun import DesJob, capacity_rps, load_arrivals, replicated_name, run_job
 from inferlb.bench.liverun import MAX_WALL_RPS, MAX_WALL_TOKENS_PER_S, measure
 from inferlb.bench.load import cpu_seconds
+from inferlb.bench.metrics import picker_samples
 from inferlb.bench.redisserver import RedisServer, redis_server
 from inferlb.bench.report import header, table, write
 from inferlb.envoyconf import EnvoyOptions
@@ -295,10 +296,7 @@ class _RedisFault(threading.Thread):
 
 
 def _gauge(url: str, name: str) -> float | None:
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return picker_samples(url, name).get("")
 
 
 def _wait_ready(stack: LocalStack, timeout_s: float = 30.0) -> None:
@@ -314,10 +312,8 @@ def _shared_stats(stack: LocalStack) -> dict[str, float]:
     """The exchange's counters, summed over the replicas."""
     out: dict[str, float] = {}
     for url in stack.picker_admin_urls:
-        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-            if line.startswith("inferlb_replicas_entries_total{"):
-                kind = line.split('"')[1]
-                out[kind] = out.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
+        for kind, value in picker_samples(url, "inferlb_replicas_entries_total").items():
+            out[kind] = out.get(kind, 0.0) + value
     return out
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from inferlb.filter.errors import MalformedRequestError, PayloadTooLargeError, RequestError
+from inferlb.filter.replies import METADATA_NAMESPACE
 from inferlb.filter.tokenscan import parse_body
 from inferlb.scorer.errors import shown
 from inferlb.scorer.features import (
@@ -95,7 +96,6 @@ OBJECTIVE_HEADERS = frozenset({"x-gateway-inference-objective", "x-llm-d-inferen
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 MAX_SUBSET = 4096  # more than any pool; a longer list is cut here
-DESTINATION_NAMESPACE = "envoy.lb"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 
 
@@ -125,9 +125,9 @@ def served_endpoint(metadata: Any) -> str | None:
     ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` in a response message's ``metadata_context``), or
     None when the message carries none. Only metadata counts: a response header could come from the server."""
     namespaces = metadata.filter_metadata
-    if DESTINATION_NAMESPACE not in namespaces:
+    if METADATA_NAMESPACE not in namespaces:
         return None
-    fields = namespaces[DESTINATION_NAMESPACE].fields
+    fields = namespaces[METADATA_NAMESPACE].fields
     if SERVED_KEY not in fields or fields[SERVED_KEY].WhichOneof("kind") != "string_value":
         return None
     return fields[SERVED_KEY].string_value.strip() or None

@@ -223,24 +223,19 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--json", type=Path, metavar="OUT.json", help="also write the report as JSON")
     report.set_defaults(run=_experiment_report)
 
-    # Everything after `bench`, options included, is the bench harness's to parse (prefix_chars leaves none to
-    # this parser), so that building this parser never imports the benchmarks.
-    bench = sub.add_parser(
-        "bench",
-        help="benchmarks: routing quality, the picker hop, pick cost, faults ... (`inferlb bench --help` lists them)",
-        add_help=False,
-        prefix_chars="\0",
-    )
-    bench.add_argument("argv", nargs=argparse.REMAINDER)
-    bench.set_defaults(run=_bench)
-    conformance = sub.add_parser(
-        "conformance",
-        help="check an Endpoint Picker against the protocol (`inferlb conformance --help`)",
-        add_help=False,
-        prefix_chars="\0",
-    )
-    conformance.add_argument("argv", nargs=argparse.REMAINDER)
-    conformance.set_defaults(run=_conformance)
+    # Everything after `bench` (or `conformance`), options included, is the bench harness's to parse (prefix_chars
+    # leaves none to this parser), so that building this parser never imports the benchmarks.
+    for name, text, run in (
+        (
+            "bench",
+            "benchmarks: routing quality, the picker hop, pick cost, faults ... (`inferlb bench --help` lists them)",
+            _bench,
+        ),
+        ("conformance", "check an Endpoint Picker against the protocol (`inferlb conformance --help`)", _conformance),
+    ):
+        passed_on = sub.add_parser(name, help=text, add_help=False, prefix_chars="\0")
+        passed_on.add_argument("argv", nargs=argparse.REMAINDER)
+        passed_on.set_defaults(run=run)
     return parser
 
 

@@ -69,6 +69,7 @@ MAX_ENDS_PER_ENTRY = 5_000
 MAX_REQUEST_ID_CHARS = 256
 FINGERPRINT_TEXT = "inferlb: prefix block hashes"
 IDLE_TICK_S = 0.05  # the publishing tick while nothing changes
+BLOCK_S = 0.1  # how long one read of the stream waits for entries (expiry runs between reads)
 _RETRY_S = (0.1, 2.0)  # reconnecting: the first wait and the longest
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # what hash() gives on a 64-bit build
 
@@ -124,7 +125,8 @@ class Replicas:
         self._client: aioredis.Redis | None = None
         # Prefix block hashes are Python's hash(), salted per process: replicas agree on them only with the same
         # PYTHONHASHSEED (and Python). The fingerprint, one such hash, tells whether a peer's agree with ours.
-        self.share_prefixes = hash_seed_problem() is None
+        self.hash_problem = hash_seed_problem()
+        self.share_prefixes = self.hash_problem is None
         self.fingerprint = str(hash(FINGERPRINT_TEXT))
         self._pending: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=MAX_PENDING_PREFIXES)
         self._told_fingerprint = False
@@ -164,9 +166,8 @@ class Replicas:
     # ---- the exchange -----------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        problem = hash_seed_problem()
-        if problem is not None:
-            logger.warning("replicas: the prefix index is not shared (%s); in-flight counts are", problem)
+        if self.hash_problem is not None:
+            logger.warning("replicas: the prefix index is not shared (%s); in-flight counts are", self.hash_problem)
         retry = _RETRY_S[0]
         while True:
             replays = self.stats.caught_up
@@ -217,14 +218,11 @@ class Replicas:
             config.url,
             username=config.username,
             password=password,
-            socket_timeout=config.timeout_s + self._block_s(),
+            socket_timeout=config.timeout_s + BLOCK_S,
             socket_connect_timeout=config.timeout_s,
             retry_on_timeout=False,
             **extra,
         )
-
-    def _block_s(self) -> float:
-        return 0.1
 
     async def _catch_up(self, client: aioredis.Redis) -> str:
         """Replay the stream: every peer's newest counts, aged by Redis's clock. The id to follow from."""
@@ -317,7 +315,7 @@ class Replicas:
             self._waker = None
 
     async def _follow(self, client: aioredis.Redis, last_id: str) -> None:
-        block_ms = int(self._block_s() * 1000)
+        block_ms = int(BLOCK_S * 1000)
         while True:
             _raise_if_cancelled()
             reply: Any = await client.xread({self.config.key: last_id}, count=1000, block=block_ms)
