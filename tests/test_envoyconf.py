@@ -300,3 +300,19 @@ def test_the_weights_tier_sends_no_request_to_the_picker() -> None:
     assert v1["route"]["cluster"] == "inferlb_fallback"
     assert v1["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
     assert "inferlb.request_end" not in str(hcm(doc).get("access_log", []))  # nothing for the picker to count
+
+
+def test_more_pickers_are_listed_in_the_picker_cluster_and_only_as_ip_port() -> None:
+    doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(more_pickers=("127.0.0.1:9102", "127.0.0.1:9104"))))
+    picker = next(c for c in doc["static_resources"]["clusters"] if c["name"] == "inferlb_picker")
+    ports = [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in picker["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert ports[1:] == [9102, 9104] and len(ports) == 3
+    with pytest.raises(EnvoyConfigError, match="more_pickers"):
+        render_bootstrap(CONFIG, EnvoyOptions(more_pickers=("picker-2.example:9002",)))
+    with pytest.raises(EnvoyConfigError, match="DNS name"):
+        render_bootstrap(
+            CONFIG, EnvoyOptions(picker_address="inferlb-picker.llm.svc:9002", more_pickers=("127.0.0.1:9102",))
+        )

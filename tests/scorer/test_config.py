@@ -1102,3 +1102,31 @@ def test_class_config_parses() -> None:
     assert config.classes[0].header_values == frozenset({"batch", "offline"})
     assert config.default_class.name == "chat" and config.default_class.ttft_slo_s == 0.5
     assert config.admission.max_waiting == 4
+
+
+@pytest.mark.parametrize(
+    ("replicas", "message"),
+    [
+        ({"url": "http://10.0.0.5:6379"}, r"replicas\.url must be redis:// or rediss://"),
+        ({"url": "redis://user:secret@10.0.0.5:6379"}, r"replicas\.url must not carry a user or password"),
+        ({"url": "redis://10.0.0.5:6379/db"}, r"replicas\.url's path must be a database number"),
+        ({"url": "redis://10.0.0.5:6379", "ca_file": "/ca.pem"}, r"replicas\.ca_file is set but the URL is not rediss"),
+        ({"url": "redis://10.0.0.5:6379", "username": "inferlb"}, r"replicas\.username needs a password"),
+        ({"url": "redis://10.0.0.5:6379", "peer_ttl_s": 0.5}, r"replicas\.peer_ttl_s must be more than a second"),
+        ({"url": "redis://10.0.0.5:6379", "key": "a key"}, r"replicas\.key must be a key name"),
+        ({"url": "redis://10.0.0.5:6379", "passwd": "x"}, r"replicas: unknown key 'passwd'"),
+    ],
+)
+def test_a_bad_replicas_section_is_refused_naming_its_field(replicas: dict[str, Any], message: str) -> None:
+    """The Redis the replicas share their state through: credentials come from a file or variable, never the URL."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(_doc(replicas=replicas))
+
+
+def test_a_replicas_section_with_its_password_from_a_file() -> None:
+    config = parse_config(
+        _doc(replicas={"url": "rediss://redis.llm.svc:6380/2", "password": {"token_file": "/run/secrets/redis"}})
+    )
+    assert config.replicas is not None and config.replicas.url == "rediss://redis.llm.svc:6380/2"
+    assert config.replicas.password is not None and config.replicas.password.file == "/run/secrets/redis"
+    assert parse_config(_doc()).replicas is None  # off unless configured
