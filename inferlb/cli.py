@@ -80,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the picker (Envoy ext_proc gRPC service)")
     serve.add_argument("--config", required=True, type=Path, help="picker config YAML")
     serve.add_argument("--listen", help="override the config's listen address (ip:port)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="picker processes sharing state through Redis (config replicas), worker i on the listen and admin "
+        "ports plus i (default 1)",
+    )
+    serve.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # set by the supervisor of --workers
     serve.set_defaults(run=_serve)
 
     configcmd.add_parser(sub)
@@ -161,6 +169,12 @@ def _parser() -> argparse.ArgumentParser:
         "--picker-address",
         help="where Envoy reaches the picker, ip:port or dns-name:port (a name is re-resolved every second and each "
         "address health-checked); default: the config's listen address",
+    )
+    envoy.add_argument(
+        "--picker-workers",
+        type=int,
+        default=1,
+        help="the picker runs as `inferlb serve --workers N`: Envoy spreads streams over its N workers' ports",
     )
     envoy.add_argument("--out", type=Path, help="write here instead of stdout")
     envoy.set_defaults(run=_envoy_config)
@@ -258,11 +272,25 @@ def _serve(args: argparse.Namespace) -> int:
     if args.listen:
         parse_address(args.listen)
         config = replace(config, listen=args.listen)
-    asyncio.run(serve(config, args.config, listen_override=args.listen))
+    if args.worker is None and args.workers != 1:
+        from inferlb.workers import supervise
+
+        extra = ["--listen", args.listen] if args.listen else []
+        return supervise(config, args.config, args.workers, log_level=args.log_level, extra_args=extra)
+    asyncio.run(serve(config, args.config, listen_override=args.listen, worker=args.worker))
     return 0
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    more_pickers: tuple[str, ...] = ()
+    if args.picker_workers != 1:
+        from inferlb.workers import check_workers, worker_addresses
+
+        if args.picker_address is not None:
+            raise EnvoyConfigError("--picker-workers names the workers' ports on this host: not with --picker-address")
+        check_workers(config, args.picker_workers)
+        more_pickers = tuple(worker_addresses(config, args.picker_workers)[1:])
     options = EnvoyOptions(
         listen=args.listen,
         admin=args.admin,
@@ -280,9 +308,10 @@ def _envoy_config(args: argparse.Namespace) -> int:
         retries=args.retries,
         tier=args.tier,
         picker_address=args.picker_address,
+        more_pickers=more_pickers,
         body_mode=args.body_mode,
     )
-    text = render_bootstrap(load_config(args.config), options)
+    text = render_bootstrap(config, options)
     if args.out:
         args.out.write_text(text, encoding="utf-8")
     else:

@@ -53,6 +53,7 @@ from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
 from inferlb.scorer.weights import endpoint_weights
 from inferlb.serving import serve as serve_asgi
+from inferlb.workers import say_ready, watch_supervisor, worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class PickerProcess:
     reloads: int = 0
     config_refusals: int = 0
     listen_override: str | None = None
+    worker: int | None = None  # which worker of `inferlb serve --workers N` this is (None: the only picker)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _collector_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _started: bool = False
@@ -209,8 +211,9 @@ class PickerProcess:
         self._apply(self._overridden(load_config(self.config_path)))
 
     def _overridden(self, config: Config) -> Config:
-        # A --listen given on the command line holds for every later config too.
-        return replace(config, listen=self.listen_override) if self.listen_override else config
+        # A --listen given on the command line holds for every later config too, and so do a worker's ports.
+        config = replace(config, listen=self.listen_override) if self.listen_override else config
+        return config if self.worker is None else worker_config(config, self.worker)
 
     def _wanted(self, listed: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
         """The endpoints that should serve: those the config file lists, then those discovered (a discovered entry
@@ -596,16 +599,23 @@ def _trace_join(config: Config, spans: SpanLoop) -> TraceJoin | None:
     return spans.join if config.otel.receiver is not None and config.otel.inject_traceparent else None
 
 
-async def serve(config: Config, config_path: Path | None = None, *, listen_override: str | None = None) -> None:
+async def serve(
+    config: Config, config_path: Path | None = None, *, listen_override: str | None = None, worker: int | None = None
+) -> None:
     """Run a picker until SIGTERM or SIGINT, then drain: readiness goes NOT_SERVING while the picker goes on
     answering for ``config.drain_s`` seconds (a second signal cuts that short), then streams still open get
-    ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the file is watched and reloaded on change."""
+    ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the file is watched and reloaded on change.
+    ``worker``: this picker is that worker of ``inferlb serve --workers N`` (its ports follow; inferlb/workers.py)."""
+    if listen_override:
+        config = replace(config, listen=listen_override)
+    if worker is not None:
+        config = worker_config(config, worker)
     discovered = None
     if config.discovery is not None and not config.endpoints:
         source = discovery_source(config)
         assert source is not None
         # Meanwhile the gRPC port answers health checks: alive, not ready.
-        waiting = WaitingHealth(listen_override or config.listen)
+        waiting = WaitingHealth(config.listen)
         await waiting.start()
         try:
             discovered = await first_membership(source)
@@ -613,13 +623,18 @@ async def serve(config: Config, config_path: Path | None = None, *, listen_overr
             await waiting.stop()
     picker = create_picker(config, config_path=config_path, discovered=discovered)
     picker.listen_override = listen_override
+    picker.worker = worker
     await picker.start()
+    if worker is not None:
+        say_ready()
+        watch_supervisor(asyncio.get_running_loop())
     # Everything built so far lives as long as the process: move it out of the collector's way, so that
     # the collections that per-request garbage triggers stay cheap.
     gc.collect()
     gc.freeze()
     logger.info(
-        "inferlb picker listening on %s (policy %s, %d endpoints, metrics scrape %s, admin API %s)",
+        "inferlb picker%s listening on %s (policy %s, %d endpoints, metrics scrape %s, admin API %s)",
+        "" if worker is None else f" worker {worker}",
         config.listen,
         config.policy,
         len(picker.engine.pool),

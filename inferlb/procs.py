@@ -67,6 +67,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports that are free now (as `free_port`): for ``inferlb serve
+    --workers N``, whose worker ``i`` listens on a port plus ``i``."""
+    for _ in range(200):
+        first = free_port(host)
+        if first + count - 1 > 65535:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        rest = []
+        for port in range(first + 1, first + count):
+            if port in _handed_out:
+                break
+            with socket.socket(family) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    break
+            rest.append(port)
+        if len(rest) == count - 1:
+            _handed_out.update(rest)
+            return first
+    raise ProcessError(f"no {count} consecutive free ports on {host}")
+
+
 def find_tool(name: str) -> str:
     """The path of a command, preferring the one beside this Python (the venv's ``envoy``, ``inferlb``)."""
     beside = Path(sys.executable).parent / name

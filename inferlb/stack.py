@@ -18,7 +18,8 @@ import httpx
 import yaml
 
 from inferlb.envoyconf import EnvoyOptions, render_bootstrap
-from inferlb.procs import ManagedProcess, find_tool, free_port, grpc_serving, http_ok, stop_all
+from inferlb.procs import ManagedProcess, find_tool, free_port, free_ports, grpc_serving, http_ok, stop_all
+from inferlb.scorer.address import format_address, parse_address
 from inferlb.scorer.config import Config, parse_config
 
 READY_TIMEOUT_S = 30.0
@@ -57,6 +58,8 @@ class StackOptions:
     # Picker processes (replicas) behind the one Envoy, each with its own ports and the same config otherwise
     # (give them `replicas:` in picker_config to share state); picker_env: more environment for each.
     pickers: int = 1
+    # The (first) picker runs as `inferlb serve --workers N`: worker i on its listen and admin ports plus i.
+    picker_workers: int = 1
     picker_env: Mapping[str, str] = field(default_factory=dict)
     endpoint_labels: tuple[Mapping[str, str], ...] = ()  # the pool's endpoints' labels, in order (default none)
 
@@ -108,8 +111,9 @@ class LocalStack:
         self.options = options
         self.workdir = workdir
         self.endpoints = list(options.servers) or [f"127.0.0.1:{free_port()}" for _ in range(options.backends)]
-        self.picker_address = f"127.0.0.1:{free_port()}"
-        self.picker_admin_address = f"127.0.0.1:{free_port()}"
+        workers = options.picker_workers
+        self.picker_address = f"127.0.0.1:{free_ports(workers) if workers > 1 else free_port()}"
+        self.picker_admin_address = f"127.0.0.1:{free_ports(workers) if workers > 1 else free_port()}"
         # The other replicas' (listen, admin) addresses, and their processes once started.
         self.replica_addresses = [
             (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}") for _ in range(options.pickers - 1)
@@ -149,9 +153,18 @@ class LocalStack:
         return f"http://{self.picker_admin_address}"
 
     @property
+    def worker_addresses(self) -> list[tuple[str, str]]:
+        """The first picker's workers' (listen, admin) addresses (one pair without ``picker_workers``)."""
+        return [
+            (_plus(self.picker_address, i), _plus(self.picker_admin_address, i))
+            for i in range(self.options.picker_workers)
+        ]
+
+    @property
     def picker_admin_urls(self) -> list[str]:
-        """Every picker replica's admin API, the first picker's first."""
-        return [self.picker_admin_url, *(f"http://{admin}" for _, admin in self.replica_addresses)]
+        """Every picker replica's (and worker's) admin API, the first picker's first."""
+        pickers = [*self.worker_addresses, *self.replica_addresses]
+        return [f"http://{admin}" for _, admin in pickers]
 
     def _config_document(self, listen: str | None = None, admin: str | None = None) -> dict[str, Any]:
         return {
@@ -206,7 +219,7 @@ class LocalStack:
             listen=self.gateway_address,
             admin=self.admin_address,
             access_log_path=str(self.access_log_path),
-            more_pickers=tuple(listen for listen, _ in self.replica_addresses),
+            more_pickers=tuple(listen for listen, _ in [*self.worker_addresses[1:], *self.replica_addresses]),
         )
         self.envoy_path.write_text(render_bootstrap(self.config, envoy_options), encoding="utf-8")
         if not self.options.servers:
@@ -233,10 +246,13 @@ class LocalStack:
             "serve",
         ]
         env = dict(self.options.picker_env) or None
+        workers = ["--workers", str(self.options.picker_workers)] if self.options.picker_workers > 1 else []
         self.picker = ManagedProcess(
-            "picker", [*argv, "--config", str(self.config_path)], self.workdir / "picker.log", env
+            "picker", [*argv, "--config", str(self.config_path), *workers], self.workdir / "picker.log", env
         )
-        self.picker.start().wait_ready(grpc_serving(self.picker_address), READY_TIMEOUT_S, "serving")
+        self.picker.start()
+        for listen, _ in self.worker_addresses:
+            self.picker.wait_ready(grpc_serving(listen), READY_TIMEOUT_S, f"serving on {listen}")
         for i, (listen, _) in enumerate(self.replica_addresses, 1):
             config = self.workdir / f"picker-{i}.yaml"
             replica = ManagedProcess(
@@ -247,7 +263,8 @@ class LocalStack:
         if self.options.picker_command:
             return  # another picker (the hop benchmark's do-nothing one) serves gRPC only
         # The admin API comes up after the gRPC server (after the span receiver's process, where there is one).
-        for process, url in zip([self.picker, *self.replicas], self.picker_admin_urls, strict=True):
+        processes = [self.picker] * len(self.worker_addresses) + self.replicas
+        for process, url in zip(processes, self.picker_admin_urls, strict=True):
             process.wait_ready(http_ok(f"{url}/healthz"), READY_TIMEOUT_S, "admin API")
 
     def start_envoy(self) -> None:
@@ -287,3 +304,8 @@ class LocalStack:
             return []
         lines = self.access_log_path.read_text(encoding="utf-8").splitlines()
         return [json.loads(line) for line in lines if line.strip()]
+
+
+def _plus(address: str, ports: int) -> str:
+    host, port = parse_address(address)
+    return format_address(host, port + ports)

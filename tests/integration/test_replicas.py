@@ -77,14 +77,54 @@ def test_two_replicas_behind_one_envoy_see_every_request_in_flight_and_every_end
             assert asyncio.run(load()) == [200] * REQUESTS
             # Every end released its count, whichever replica Envoy's access log reached.
             _wait(lambda: _inflight(stack) == [0, 0], "all ended everywhere")
-            routed = []
-            for url in stack.picker_admin_urls:
-                text = httpx.get(f"{url}/metrics", timeout=5).text
-                routed.append(
-                    sum(
-                        float(line.rsplit(" ", 1)[1])
-                        for line in text.splitlines()
-                        if line.startswith("inferlb_decisions_total{")
-                    )
-                )
+            routed = _routed(stack)
+            assert sum(routed) == REQUESTS and all(n > 0 for n in routed), routed
+
+
+def _routed(stack: LocalStack) -> list[float]:
+    """The decisions each picker (replica or worker) has made."""
+    routed = []
+    for url in stack.picker_admin_urls:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        lines = [line for line in text.splitlines() if line.startswith("inferlb_decisions_total{")]
+        routed.append(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
+    return routed
+
+
+def test_the_workers_of_one_picker_share_envoys_streams_and_their_counts(tmp_path: Path) -> None:
+    """``inferlb serve --workers 2`` behind Envoy (``picker_workers``): Envoy's picker cluster lists both workers'
+    ports, spreads the routing streams over them, and each worker counts the other's requests in flight."""
+    with redis_server(tmp_path / "redis") as redis:
+        secret = tmp_path / "redis-password"
+        secret.write_text(redis.password)
+        options = StackOptions(
+            backends=2,
+            models=("m1",),
+            picker_workers=2,
+            picker_config={"replicas": {"url": redis.url, "password": {"token_file": str(secret)}}},
+        )
+        with LocalStack(options, tmp_path / "stack") as stack:
+            assert len(stack.picker_admin_urls) == 2
+            _wait(
+                lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
+                "ready",
+            )
+            body = {"model": "m1", "prompt": "hold on " * 20, "max_tokens": 300, "stream": True}
+
+            async def load() -> list[int]:
+                async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60) as client:
+
+                    async def one() -> int:
+                        async with client.stream("POST", "/v1/completions", json=body) as response:
+                            async for _ in response.aiter_bytes():
+                                pass
+                            return response.status_code
+
+                    tasks = [asyncio.create_task(one()) for _ in range(REQUESTS)]
+                    await asyncio.to_thread(_wait, lambda: _inflight(stack) == [REQUESTS, REQUESTS], "both see all")
+                    return await asyncio.gather(*tasks)
+
+            assert asyncio.run(load()) == [200] * REQUESTS
+            _wait(lambda: _inflight(stack) == [0, 0], "all ended everywhere")
+            routed = _routed(stack)
             assert sum(routed) == REQUESTS and all(n > 0 for n in routed), routed

@@ -1,0 +1,307 @@
+"""Several picker processes on one node: ``inferlb serve --workers N``.
+
+One picker process routes on one core (the GIL: about 1.5k requests/s here with buffered bodies). With
+``--workers N`` a small supervisor starts N full pickers, each its own process, and keeps them running:
+
+* **Ports.** Worker ``i`` (0 to N-1) listens on the config's ``listen`` port plus ``i``, and serves its admin API
+  on ``admin``'s port plus ``i``: Envoy's picker cluster lists the N addresses (``inferlb envoy-config
+  --picker-workers N``) and spreads streams over them per stream, and Prometheus scrapes each worker. One port
+  shared with SO_REUSEPORT would look simpler, but the kernel spreads *connections* over the processes and Envoy
+  keeps a few long-lived HTTP/2 connections to a picker (one per Envoy worker thread): all of one Envoy's
+  streams could land on one worker. Separate ports let Envoy balance every stream and health-check each worker.
+* **Shared state.** The workers are replicas of one picker and share routing state through Redis (``replicas:``
+  in the config, required): each routes as if it saw every worker's decisions. They share prefix hashes only
+  with the same ``PYTHONHASHSEED``; where none is set the supervisor picks one secret seed for its workers.
+* **Life.** SIGTERM or SIGINT goes to every worker (each drains as one picker does); a second one cuts the
+  drain short. A worker that exits before it has ever started stops the whole group (a port in use, an
+  unreadable secret: the same error would come again); one that dies later is started again after a pause
+  that doubles from ``RESTART_PAUSE_S`` up to ``MAX_RESTART_PAUSE_S``, and is reset once a worker has run for
+  ``STABLE_S``. Each worker tells the supervisor it is serving through a pipe (``READY_FD_ENV``).
+* **Not shared.** Spans come to one OTLP receiver address, so ``otel.receiver`` is refused with workers (each
+  worker can time the responses it observes: ``otel.latency_source: stream``); each worker scrapes every
+  endpoint's metrics itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from inferlb.scorer.address import format_address, parse_address
+from inferlb.scorer.config import Config
+from inferlb.scorer.errors import ConfigError
+
+__all__ = [
+    "MAX_WORKERS",
+    "READY_FD_ENV",
+    "SUPERVISOR_FD_ENV",
+    "check_workers",
+    "say_ready",
+    "supervise",
+    "watch_supervisor",
+    "worker_addresses",
+    "worker_config",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_WORKERS = 64
+READY_FD_ENV = "INFERLB_WORKER_READY_FD"  # a worker writes one byte to this file descriptor once it serves
+# A worker watches this file descriptor (a pipe's read end whose write end only the supervisor holds): at its end
+# of file the supervisor is gone (killed, even with SIGKILL), and the worker stops as if sent SIGTERM.
+SUPERVISOR_FD_ENV = "INFERLB_SUPERVISOR_FD"
+RESTART_PAUSE_S = 1.0
+MAX_RESTART_PAUSE_S = 30.0
+STABLE_S = 60.0  # a worker that ran this long restarts after the first pause again
+_HASH_SEED_MAX = (1 << 32) - 1
+
+
+def _shifted(address: str, by: int, name: str) -> str:
+    host, port = parse_address(address)
+    if port + by > 65535:
+        raise ConfigError(f"{name}: {address!r} plus {by} worker ports goes past port 65535; choose a lower port")
+    return format_address(host, port + by)
+
+
+def worker_config(config: Config, index: int) -> Config:
+    """The config worker ``index`` runs: ``listen`` and ``admin`` on their ports plus ``index``."""
+    if index == 0:
+        return config
+    admin = None if config.admin is None else _shifted(config.admin, index, "admin")
+    return replace(config, listen=_shifted(config.listen, index, "listen"), admin=admin)
+
+
+def worker_addresses(config: Config, workers: int) -> list[str]:
+    """Where the ``workers`` workers of ``config`` listen for Envoy (the first is ``config.listen``)."""
+    return [worker_config(config, i).listen for i in range(workers)]
+
+
+def check_workers(config: Config, workers: int) -> None:
+    """ConfigError unless ``config`` can run as ``workers`` workers."""
+    if not 1 <= workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers: {workers} is not between 1 and {MAX_WORKERS}")
+    if workers == 1:
+        return
+    if config.replicas is None:
+        raise ConfigError(
+            f"--workers {workers}: the workers share routing state through Redis; set replicas.url in the config "
+            "(README, 'Replicas'), or run one worker"
+        )
+    if config.otel.receiver is not None:
+        raise ConfigError(
+            f"--workers {workers}: otel.receiver takes the servers' spans at one address, which one worker of "
+            f"{workers} would hold; set otel.latency_source: stream (each worker times the responses it sees) "
+            "and remove otel.receiver, or run one worker"
+        )
+    ports: dict[str, str] = {}
+    for index in range(workers):
+        worker = worker_config(config, index)
+        for name, address in (("listen", worker.listen), ("admin", worker.admin)):
+            if address is None:
+                continue
+            if address in ports:
+                raise ConfigError(
+                    f"--workers {workers}: worker {index}'s {name} {address} is also {ports[address]}; "
+                    "listen and admin need ports at least the worker count apart"
+                )
+            ports[address] = f"worker {index}'s {name}"
+
+
+def say_ready() -> None:
+    """Tell the supervisor (if any) that this worker serves: one byte down the pipe it gave."""
+    fd = os.environ.pop(READY_FD_ENV, None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        os.write(int(fd), b"r")
+        os.close(int(fd))
+
+
+def watch_supervisor(loop: asyncio.AbstractEventLoop) -> None:
+    """In a worker: send this process SIGTERM once the supervisor is gone (see `SUPERVISOR_FD_ENV`)."""
+    fd_text = os.environ.pop(SUPERVISOR_FD_ENV, None)
+    if fd_text is None:
+        return
+    fd = int(fd_text)
+
+    def on_readable() -> None:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            logger.error("the supervisor of this worker is gone: stopping")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    loop.add_reader(fd, on_readable)
+
+
+@dataclass(slots=True)
+class _Worker:
+    index: int
+    process: asyncio.subprocess.Process | None = None
+    ready: asyncio.Future[bool] | None = None
+    started_at: float = 0.0
+    ever_ready: bool = False
+    pause_s: float = RESTART_PAUSE_S
+
+
+class _Group:
+    def __init__(self, config_path: Path, workers: int, argv_prefix: list[str], env: dict[str, str]) -> None:
+        self.config_path = config_path
+        self.workers = [_Worker(i) for i in range(workers)]
+        self.argv_prefix = argv_prefix
+        self.env = env
+        self.stopping = False
+        # Every worker inherits the read end; only the supervisor holds the write end (closed when it dies).
+        self.alive_read, self.alive_write = os.pipe()
+        os.set_inheritable(self.alive_write, False)
+
+    async def start(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        read_fd, write_fd = os.pipe()
+        ready: asyncio.Future[bool] = loop.create_future()
+        worker.ready = ready
+
+        def on_readable() -> None:
+            loop.remove_reader(read_fd)
+            with contextlib.suppress(OSError):
+                said = os.read(read_fd, 1)
+                if not ready.done():
+                    ready.set_result(said == b"r")
+            os.close(read_fd)
+
+        loop.add_reader(read_fd, on_readable)
+        env = {**self.env, READY_FD_ENV: str(write_fd), SUPERVISOR_FD_ENV: str(self.alive_read)}
+        argv = [*self.argv_prefix, "--config", str(self.config_path), "--worker", str(worker.index)]
+        try:
+            worker.process = await asyncio.create_subprocess_exec(*argv, env=env, pass_fds=(write_fd, self.alive_read))
+        finally:
+            os.close(write_fd)  # the worker holds its own copy; EOF (no byte) once it exits
+        worker.started_at = time.monotonic()
+
+    def signal_all(self, signum: int) -> None:
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signum)
+
+
+async def _run_group(group: _Group) -> int:
+    loop = asyncio.get_running_loop()
+    signals: asyncio.Queue[int] = asyncio.Queue()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, signals.put_nowait, signum)
+    try:
+        for worker in group.workers:
+            await group.start(worker)
+        exits: dict[asyncio.Future[int | None], _Worker] = {asyncio.ensure_future(_exit(w)): w for w in group.workers}
+        readies: dict[asyncio.Future[bool], _Worker] = {asyncio.ensure_future(_ready(w)): w for w in group.workers}
+        signalled: asyncio.Future[int] = asyncio.ensure_future(signals.get())
+        restarts: dict[asyncio.Future[None], _Worker] = {}
+        status = 0
+        while exits or restarts:
+            waiting: list[asyncio.Future[Any]] = [*exits, *readies, *restarts, signalled]
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if signalled in done:
+                got = signal.Signals(signalled.result()).name
+                if not group.stopping:
+                    logger.info("got %s: stopping %d workers", got, len(group.workers))
+                group.stopping = True
+                group.signal_all(signal.SIGTERM)  # a second one cuts the workers' drain short
+                for pending in restarts:
+                    pending.cancel()
+                restarts.clear()
+                signalled = asyncio.ensure_future(signals.get())
+            for future in [f for f in done if f in readies]:
+                worker = readies.pop(future)
+                if future.result():
+                    worker.ever_ready = True
+                    logger.info("worker %d (pid %d) serving", worker.index, _pid(worker))
+            for future in [f for f in done if f in restarts]:
+                worker = restarts.pop(future)
+                if not group.stopping:
+                    await group.start(worker)
+                    exits[asyncio.ensure_future(_exit(worker))] = worker
+                    readies[asyncio.ensure_future(_ready(worker))] = worker
+            for future in [f for f in done if f in exits]:
+                worker = exits.pop(future)
+                code = future.result()
+                if group.stopping:
+                    continue
+                if not worker.ever_ready:
+                    logger.error(
+                        "worker %d exited (status %s) before it served; stopping the other workers", worker.index, code
+                    )
+                    status = 2 if code in (None, 0) else code
+                    group.stopping = True
+                    group.signal_all(signal.SIGTERM)
+                    continue
+                ran_s = time.monotonic() - worker.started_at
+                worker.pause_s = RESTART_PAUSE_S if ran_s >= STABLE_S else worker.pause_s
+                logger.error(
+                    "worker %d exited (status %s) after %.0f s; starting it again in %.0f s",
+                    worker.index,
+                    code,
+                    ran_s,
+                    worker.pause_s,
+                )
+                restarts[asyncio.ensure_future(asyncio.sleep(worker.pause_s))] = worker
+                worker.pause_s = min(worker.pause_s * 2, MAX_RESTART_PAUSE_S)
+        signalled.cancel()
+        for future in readies:
+            future.cancel()
+        return status
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        group.signal_all(signal.SIGKILL)
+        os.close(group.alive_read)
+        os.close(group.alive_write)
+
+
+async def _exit(worker: _Worker) -> int | None:
+    assert worker.process is not None
+    return await worker.process.wait()
+
+
+async def _ready(worker: _Worker) -> bool:
+    assert worker.ready is not None
+    return await worker.ready
+
+
+def _pid(worker: _Worker) -> int:
+    return worker.process.pid if worker.process is not None else 0
+
+
+def supervise(
+    config: Config,
+    config_path: Path,
+    workers: int,
+    *,
+    log_level: str = "info",
+    extra_args: Sequence[str] = (),
+) -> int:
+    """Run ``workers`` workers of the picker configured by ``config_path`` (already loaded as ``config``, with
+    ``extra_args`` of ``inferlb serve`` such as ``--listen``) until SIGTERM or SIGINT; the exit status (0, or the
+    status of a worker that could not start)."""
+    check_workers(config, workers)
+    env = dict(os.environ)
+    if not env.get("PYTHONHASHSEED"):
+        # Prefix hashes agree between processes only under one seed; a secret one, for this group's workers.
+        env["PYTHONHASHSEED"] = str(secrets.randbelow(_HASH_SEED_MAX) + 1)
+    argv = [sys.executable, "-m", "inferlb", "--log-level", log_level, "serve", *extra_args]
+    addresses = ", ".join(worker_addresses(config, workers))
+    logger.info("inferlb picker: %d workers on %s", workers, addresses)
+    return asyncio.run(_run_group(_Group(config_path, workers, argv, env)))

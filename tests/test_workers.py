@@ -1,0 +1,182 @@
+"""``inferlb serve --workers N``: the ports each worker takes, the configs it refuses, and the supervisor's life
+with real processes and a real Redis — workers that see each other, a killed worker started again, a worker
+that cannot start stopping the group, and workers that stop when their supervisor is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
+from inferlb.cli import main
+from inferlb.procs import ManagedProcess, find_tool, free_ports
+from inferlb.scorer.config import parse_config
+from inferlb.scorer.errors import ConfigError
+from inferlb.workers import check_workers, worker_addresses, worker_config
+
+from .conftest import envoy_accepts
+
+needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+
+
+def _document(listen: str = "127.0.0.1:9002", admin: str | None = "127.0.0.1:9102", **more: object) -> dict:
+    return {
+        "listen": listen,
+        "admin": admin,
+        "pool": {"endpoints": [{"address": "127.0.0.1:8001", "models": ["m"]}]},
+        "replicas": {"url": "redis://127.0.0.1:6379/0"},
+        **more,
+    }
+
+
+def test_each_worker_listens_and_serves_its_admin_api_on_the_ports_plus_its_index() -> None:
+    config = parse_config(_document())
+    assert worker_config(config, 0) == config
+    second = worker_config(config, 2)
+    assert (second.listen, second.admin) == ("127.0.0.1:9004", "127.0.0.1:9104")
+    assert worker_addresses(config, 3) == ["127.0.0.1:9002", "127.0.0.1:9003", "127.0.0.1:9004"]
+    assert worker_config(parse_config(_document(admin=None)), 1).admin is None
+    check_workers(config, 3)
+
+
+@pytest.mark.parametrize(
+    ("document", "workers", "says"),
+    [
+        ({**_document(), "replicas": None}, 2, "share routing state through Redis; set replicas.url"),
+        (_document(otel={"receiver": "127.0.0.1:4317"}), 2, "set otel.latency_source: stream"),
+        (_document(admin="127.0.0.1:9003"), 2, "worker 1's listen 127.0.0.1:9003 is also worker 0's admin"),
+        (_document(listen="127.0.0.1:65535"), 2, "goes past port 65535"),
+        (_document(), 0, "not between 1 and 64"),
+        (_document(), 65, "not between 1 and 64"),
+    ],
+)
+def test_a_config_the_workers_cannot_run_is_refused_with_the_fix(document: dict, workers: int, says: str) -> None:
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        check_workers(parse_config(document), workers)
+
+
+def test_one_worker_needs_no_redis() -> None:
+    check_workers(parse_config({**_document(), "replicas": None}), 1)
+
+
+def test_envoy_config_spreads_streams_over_every_worker(tmp_path: Path) -> None:
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(_document()))
+    out = tmp_path / "envoy.yaml"
+    assert main(["envoy-config", "--config", str(path), "--picker-workers", "3", "--out", str(out)]) == 0
+    text = out.read_text()
+    for port in (9002, 9003, 9004):
+        assert f"port_value: {port}}}" in text
+    envoy_accepts(out)
+    assert main(["envoy-config", "--config", str(path), "--picker-workers", "2", "--picker-address", "p:9002"]) == 2
+    path.write_text(yaml.safe_dump({**_document(), "replicas": None}))
+    assert main(["envoy-config", "--config", str(path), "--picker-workers", "2"]) == 2
+
+
+def _write_config(tmp_path: Path, redis: RedisServer, listen_port: int, admin_port: int) -> Path:
+    secret = tmp_path / "redis-password"
+    secret.write_text(redis.password)
+    document = _document(
+        listen=f"127.0.0.1:{listen_port}",
+        admin=f"127.0.0.1:{admin_port}",
+        drain_s=0,
+        replicas={"url": redis.url, "password": {"token_file": str(secret)}},
+        signals={"scrape_metrics": False},
+    )
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def _workers(supervisor: int) -> dict[int, int]:
+    """The supervisor's live workers: index -> pid (from /proc)."""
+    out = {}
+    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    for pid in map(int, children):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"--worker" in argv:
+            out[int(argv[argv.index(b"--worker") + 1])] = pid
+    return out
+
+
+def _gauge(url: str, name: str) -> float | None:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def _wait(check, what: str, timeout: float = 20.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.02)
+    return result
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@needs_redis
+def test_workers_see_each_other_a_killed_one_comes_back_and_all_stop_with_the_supervisor(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as redis:
+        listen, admin = free_ports(2), free_ports(2)
+        config = _write_config(tmp_path, redis, listen, admin)
+        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
+        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
+        try:
+            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
+            # Each worker is a replica of the other: one peer each, through Redis.
+            _wait(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "each sees one peer")
+            workers = _wait(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers")
+            os.kill(workers[1], signal.SIGKILL)
+            back = _wait(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart")
+            _wait(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "the restarted one sees its peer")
+            assert back[0] == workers[0]  # the other went on serving
+            log = (tmp_path / "supervisor.log").read_text()
+            assert "worker 1 exited (status -9)" in log and "starting it again in 1 s" in log
+            # The supervisor killed outright (no chance to stop them): the workers see it and stop.
+            os.kill(supervisor.pid, signal.SIGKILL)
+            _wait(lambda: not any(_alive(pid) for pid in back.values()), "workers gone")
+        finally:
+            supervisor.stop()
+
+
+@needs_redis
+def test_a_worker_that_cannot_start_stops_the_whole_group_with_its_status(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as redis:
+        listen, admin = free_ports(2), free_ports(2)
+        config = _write_config(tmp_path, redis, listen, admin)
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind(("127.0.0.1", admin + 1))  # worker 1's admin port
+            taken.listen()
+            argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
+            supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
+            try:
+                assert supervisor.proc is not None
+                assert supervisor.proc.wait(60) == 2
+            finally:
+                supervisor.stop()
+        log = (tmp_path / "supervisor.log").read_text()
+        assert f"cannot bind 127.0.0.1:{admin + 1}" in log
+        assert "worker 1 exited (status 2) before it served; stopping the other workers" in log
