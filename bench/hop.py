@@ -41,7 +41,18 @@ from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
 from inferlb.stack import LocalStack, StackOptions
 
-__all__ = ["POLICY", "VARIANTS", "add_arguments", "cpu_ratio_to_floor", "run", "weights_to_envoy"]
+__all__ = [
+    "BODY",
+    "MODEL",
+    "POLICY",
+    "VARIANTS",
+    "Backends",
+    "add_arguments",
+    "cpu_ratio_to_floor",
+    "run",
+    "start_backends",
+    "weights_to_envoy",
+]
 
 POLICY = "default"  # the preset every inferlb variant runs
 MODEL = "bench-model"
@@ -128,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         "decide_cold": {policy: micro.decide_cold_us(policy) for policy in ("round-robin", "least-request", POLICY)},
     }
 
-    backends = _start_backends(args.backends, workdir)
+    backends = start_backends(args.backends, workdir)
     stacks: dict[str, LocalStack] = {}
     try:
         common = StackOptions(servers=tuple(backends.addresses), models=(MODEL,), envoy_concurrency=1)
@@ -256,12 +267,13 @@ def cpu_ratio_to_floor(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, fl
 
 
 @dataclass
-class _Backends:
+class Backends:
     process: ManagedProcess
     addresses: list[str]
 
 
-def _start_backends(count: int, workdir: Path) -> _Backends:
+def start_backends(count: int, workdir: Path) -> Backends:
+    """``count`` backends that cost next to nothing: one Envoy answering every request with COMPLETION."""
     ports = [free_port() for _ in range(count)]
     admin = free_port()
     template = files("inferlb.bench").joinpath("backends.yaml.j2").read_text(encoding="utf-8")
@@ -275,7 +287,7 @@ def _start_backends(count: int, workdir: Path) -> _Backends:
     argv = [find_tool("envoy"), "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "warning"]
     process = ManagedProcess("backend envoy", argv, workdir / "backends.log").start()
     process.wait_ready(http_ok(f"http://127.0.0.1:{admin}/ready"), 30, "ready")
-    return _Backends(process, [f"127.0.0.1:{p}" for p in ports])
+    return Backends(process, [f"127.0.0.1:{p}" for p in ports])
 
 
 def _measure(stack: LocalStack, variant: Variant, concurrency: int, duration: float) -> Row:

@@ -34,6 +34,7 @@ from inferlb.bench.load import cpu_seconds
 from inferlb.bench.metrics import picker_samples
 from inferlb.bench.redisserver import RedisServer, redis_server
 from inferlb.bench.report import header, table, write
+from inferlb.bench.workersload import CONCURRENCY, throughput_rows, worker_ratios
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.sim.profiles import PROFILES, get_profile
 from inferlb.stack import LocalStack, StackOptions
@@ -49,6 +50,7 @@ OUTPUT_TOKENS = 64
 MODEL = "bench-model"
 PUBLISH_INTERVAL_MS = 5.0
 RESYNC_TIMEOUT_S = 30.0
+MODES = ("live", "des", "throughput")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", nargs="+", choices=[s.name for s in RUNS], help="which runs (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="live: the runs without a fault this many times")
-    parser.add_argument("--modes", nargs="+", choices=("live", "des"), default=["live", "des"], help="default: both")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="live: the runs above; des: the simulator's replica model; throughput: 1 and 2 workers (default: all)",
+    )
+    parser.add_argument("--throughput-rounds", type=int, default=3, help="throughput: rounds of the three runs")
+    parser.add_argument("--throughput-duration", type=float, default=8.0, help="throughput: seconds per run")
     parser.add_argument("--des-requests", type=int, default=1500, help="the simulator's requests per run")
     parser.add_argument("--des-servers", type=int, default=8, help="the simulator's fleet")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -121,7 +131,18 @@ def _run_all(args: argparse.Namespace, trace: Path, folder: Path) -> int:
     rows = _live(args, trace, folder, meta) if "live" in args.modes else []
     if "des" in args.modes:
         rows += _des(args, folder)
+    if "throughput" in args.modes:
+        print("throughput at 1 and 2 workers ...", flush=True)
+        rows += throughput_rows(
+            folder / "throughput",
+            rounds=args.throughput_rounds,
+            duration_s=args.throughput_duration,
+            policy=args.policy,
+        )
     document = {"meta": meta, "runs": rows}
+    ratios = worker_ratios([r for r in rows if r["mode"] == "throughput"])
+    if ratios is not None:
+        document["workers_2_over_1"] = ratios
     write(args.out, "replicas", document, _markdown(document))
     return 0
 
@@ -322,11 +343,40 @@ def _markdown(document: dict[str, Any]) -> str:
     out = ["# Picker replicas", "", f"{meta['date']} · `{meta['command']}` · {meta['machine']}", ""]
     live = [r for r in rows if r["mode"] == "live"]
     des = [r for r in rows if r["mode"] == "des"]
+    throughput = [r for r in rows if r["mode"] == "throughput"]
     if live:
         out += _live_markdown(meta, live)
     if des:
         out += _des_markdown(des)
+    if throughput:
+        out += _throughput_markdown(throughput, document.get("workers_2_over_1"))
     return "\n".join(out) + "\n"
+
+
+def _throughput_markdown(rows: list[dict[str, Any]], ratios: dict[str, float] | None) -> list[str]:
+    out = [
+        "## Throughput: 1 and 2 workers (`inferlb serve --workers N`)",
+        "",
+        f"wrk, {CONCURRENCY} connections, closed loop, buffered-body completions through real Envoy (2 worker "
+        "threads) to backends that cost next to nothing, everything on this machine (wrk, both Envoys, the pickers "
+        "and Redis share its cores). Picker CPU: all its workers' processes, per request; cores: picker CPU "
+        "seconds per second.",
+        "",
+    ]
+    head = ["round", "run", "workers", "Redis", "req/s", "p50 ms", "p99 ms", "picker CPU µs/req", "picker cores",
+            "Envoy CPU µs/req", "errors"]  # fmt: skip
+    keys = ("throughput_rps", "p50_ms", "p99_ms", "picker_cpu_us", "picker_cores", "envoy_cpu_us", "errors")
+    out += table(
+        head,
+        [[r["round"], r["policy"], r["workers"], "yes" if r["shared"] else "no", *(r[k] for k in keys)] for r in rows],
+    )
+    if ratios is not None:
+        out += [
+            "",
+            f"Two workers over one (median over rounds): requests/s {ratios['throughput']:.2f}x, picker CPU per "
+            f"request {ratios['cpu_per_request']:.2f}x.",
+        ]
+    return [*out, ""]
 
 
 def _live_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:

@@ -18,8 +18,8 @@ from inferlb.bench.hop import (
     TIER,
     VARIANTS,
     _markdown,
-    _start_backends,
     cpu_ratio_to_floor,
+    start_backends,
     weights_to_envoy,
 )
 from inferlb.envoyconf import EnvoyOptions
@@ -153,7 +153,7 @@ def test_a_run_without_the_round_robin_variants_has_no_split(results: dict[str, 
 @pytest.mark.envoy
 def test_the_floor_gateway_starts_and_routes_through_the_do_nothing_picker(tmp_path: Path) -> None:
     # The floor's picker serves gRPC only (no admin API): the gateway must not wait for one.
-    backends = _start_backends(2, tmp_path)
+    backends = start_backends(2, tmp_path)
     try:
         options = StackOptions(
             servers=tuple(backends.addresses),
@@ -173,7 +173,7 @@ def test_the_floor_gateway_starts_and_routes_through_the_do_nothing_picker(tmp_p
 def test_the_weights_tier_routes_through_envoy_over_the_pickers_endpoints(tmp_path: Path) -> None:
     """The picker is Envoy's control plane: the fallback cluster's endpoints (none in the bootstrap) come over ADS
     with the picker's weights, and the weights tier's requests reach the servers without a picker hop."""
-    backends = _start_backends(2, tmp_path)
+    backends = start_backends(2, tmp_path)
     try:
         options = StackOptions(
             servers=tuple(backends.addresses),

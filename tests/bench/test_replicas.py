@@ -1,10 +1,14 @@
-"""The replicas benchmark (bench/replicas.py): its workload shares long prefixes, and a short live run through
-real Envoy and Redis restarts Redis under load without a client error and reports the resynchronisation."""
+"""The replicas benchmark (bench/replicas.py): its workload shares long prefixes, a short live run through real
+Envoy and Redis restarts Redis under load without a client error and reports the resynchronisation, and the
+throughput runs load 1 and 2 workers and count every worker's CPU."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from inferlb.bench import replicas
 from inferlb.bench.desrun import DesJob, capacity_rps, load_arrivals, replicated_name, run_job
 from inferlb.bench.policies import Replicated
 from inferlb.bench.redisserver import REDIS
+from inferlb.bench.workersload import picker_pids, worker_ratios
 from inferlb.sim.des import Arrival, FleetView
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.traces import load_trace
@@ -80,3 +85,51 @@ def test_replicas_that_share_nothing_find_fewer_prefixes_in_the_simulator(tmp_pa
         name = replicated_name("default", 4, delay)
         hit[delay] = run_job(DesJob(str(trace), 400, 4, profile.name, name, 0.6, rate, 0), arrivals)["prefix_hit_rate"]
     assert hit[0.0] > hit[None] + 0.05, hit
+
+
+@pytest.mark.envoy
+@pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+def test_the_throughput_runs_load_one_and_two_workers_and_count_every_workers_cpu(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    replicas.add_arguments(parser)
+    args = parser.parse_args(
+        ["--modes", "throughput", "--throughput-rounds", "1", "--throughput-duration", "1", "--out", str(tmp_path)]
+    )
+    args.command = "inferlb bench replicas (test)"
+    assert replicas.run(args) == 0
+    document = json.loads((tmp_path / "replicas.json").read_text())
+    rows = {r["policy"]: r for r in document["runs"]}
+    assert set(rows) == {"1 worker", "1 worker, Redis", "2 workers"}
+    assert [rows[name]["workers"] for name in ("1 worker", "2 workers")] == [1, 2]
+    for row in rows.values():
+        assert row["mode"] == "throughput" and row["errors"] == 0 and row["throughput_rps"] > 0
+        assert row["picker_cpu_us"] > 0
+    assert set(document["workers_2_over_1"]) == {"throughput", "cpu_per_request"}
+    assert "Throughput: 1 and 2 workers" in (tmp_path / "replicas.md").read_text()
+
+
+def test_a_supervisors_cpu_includes_its_workers(tmp_path: Path) -> None:
+    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 20
+        while len(pids := picker_pids(parent.pid)) < 2:
+            assert time.monotonic() < deadline, "the child did not start"
+            time.sleep(0.01)
+        assert pids[0] == parent.pid and len(pids) == 2
+    finally:
+        for pid in picker_pids(parent.pid)[::-1]:
+            subprocess.run(["kill", str(pid)], check=False)
+        parent.wait(10)
+
+
+def test_two_workers_over_one_is_taken_within_each_round() -> None:
+    rows = [
+        {"policy": "1 worker", "round": 1, "throughput_rps": 1000.0, "picker_cpu_us": 500.0},
+        {"policy": "2 workers", "round": 1, "throughput_rps": 1500.0, "picker_cpu_us": 600.0},
+        {"policy": "1 worker", "round": 2, "throughput_rps": 500.0, "picker_cpu_us": 1000.0},
+        {"policy": "2 workers", "round": 2, "throughput_rps": 1000.0, "picker_cpu_us": 1000.0},
+        {"policy": "2 workers", "round": 3, "throughput_rps": 9000.0, "picker_cpu_us": 1.0},  # no pair: left out
+    ]
+    assert worker_ratios(rows) == {"throughput": 1.75, "cpu_per_request": 1.1}
+    assert worker_ratios(rows[4:]) is None
