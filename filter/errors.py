@@ -8,7 +8,10 @@ message to ``MAX_MESSAGE_CHARS`` whatever it holds.
 
 from __future__ import annotations
 
+from typing import Any
+
 from inferlb.scorer.errors import NoEndpointError, RoutingError, UnknownModelError
+from inferlb.scorer.quotas import QuotaRefusal
 
 # The last bound on an error body, for a message that echoes a value without ``shown``: the longest message the
 # picker composes (a 404 that lists twenty long model names) stays under it.
@@ -58,6 +61,24 @@ class OverloadedError(RequestError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class QuotaExceededError(RequestError):
+    """The request's tenant is over its quota (HTTP 429, ``retry-after``); the body also names the tenant, the
+    limit and its value (``details``)."""
+
+    status = 429
+    type = "quota_exceeded"
+
+    def __init__(self, refusal: QuotaRefusal) -> None:
+        super().__init__(refusal.message)
+        self.retry_after_s = refusal.retry_after_s
+        self.details: dict[str, Any] = {
+            "tenant": refusal.tenant,
+            "limit": refusal.limit,
+            "limit_value": refusal.value,
+            "retry_after_s": refusal.retry_after_s,
+        }
 
 
 class NoEndpointAvailableError(RequestError):

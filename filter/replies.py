@@ -173,7 +173,8 @@ def error_reply(error: RequestError) -> ProcessingResponse:
     reply also sets dynamic metadata ``envoy.lb/inferlb_error`` (the error type), which our Envoy bootstrap
     uses to leave this body alone while it rewrites Envoy's own plain-text errors as JSON.
     """
-    body = json.dumps({"error": {"message": error.message, "type": error.type, "code": error.status}})
+    details = getattr(error, "details", None) or {}
+    body = json.dumps({"error": {"message": error.message, "type": error.type, "code": error.status, **details}})
     headers = _JSON_CONTENT
     retry_after = getattr(error, "retry_after_s", None)
     if retry_after is not None:

@@ -43,6 +43,7 @@ from inferlb.filter.errors import (
     MalformedRequestError,
     OverloadedError,
     PayloadTooLargeError,
+    QuotaExceededError,
     RequestError,
     from_routing_error,
 )
@@ -71,6 +72,7 @@ from inferlb.scorer.errors import RoutingError, shown
 from inferlb.scorer.experiments import Experiments
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
+from inferlb.scorer.quotas import Quotas
 from inferlb.scorer.router import Admit, Router
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # Without leases: the leases of requests whose routing stream is open, by request id (for the served
         # endpoint, which the observing stream reports).
         self._open: dict[str, Lease] = {}
+        # Tenant quotas (config quotas): the tenant is the value of `quotas.config.header`, which must be among the
+        # headers read into the features (experiment_headers; the picker adds it).
+        self.quotas: Quotas | None = None
 
     @property
     def engine(self) -> Engine:
@@ -285,6 +290,12 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         return
                     replies = self.replies.body
                 decided = True
+                quotas = self.quotas
+                if quotas is not None:
+                    over = self._over_quota(quotas, features)
+                    if over is not None:
+                        yield self._refuse(over)
+                        return
                 admit = self.router.admit(features)
                 features = admit.request
                 refusal, saturated = None, False
@@ -325,6 +336,18 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             aclose = getattr(messages, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    def _over_quota(self, quotas: Quotas, features: RequestFeatures) -> QuotaExceededError | None:
+        """Charge the request to its tenant's quota, or the 429 that refuses it."""
+        config = quotas.config
+        tenant = features.headers.get(config.header or "") if features.headers else None
+        output = features.max_tokens if features.max_tokens is not None else config.assumed_output_tokens
+        refusal = quotas.charge(tenant, features.prompt_tokens + output)
+        if refusal is None:
+            return None
+        if self.route_spans is not None:
+            self.route_spans.refused(features, 429, QuotaExceededError.type, time.time_ns())
+        return QuotaExceededError(refusal)
 
     def _served_by_id(self, request_id: str, address: str) -> None:
         """The served endpoint the observing stream of request ``request_id`` reported: its lease (held, or that of

@@ -193,7 +193,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
                 *FORWARD_HEADERS,
                 *(h.lower() for h in options.forward_headers),
                 *filter(None, [config.session_header, config.class_header]),
-                *config.experiment_headers,  # experiments assign by them
+                *config.named_headers,  # experiments assign by them; quotas name the tenant by one
                 *(OBJECTIVE_HEADERS if config.inference_objectives else ()),
             }
         ),

@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from inferlb.scorer.histogram import Histogram
+from inferlb.scorer.quotas import QuotaStats
 from inferlb.scorer.replicas import ReplicaStats
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ class Readings:
     endpoint_states: dict[str, int] = dataclasses.field(default_factory=dict)  # endpoints by state
     discovery: tuple[str, bool] | None = None  # the source's name and whether it is in touch
     replicas: tuple[bool, int, ReplicaStats] | None = None  # Redis in touch, peers counted, the exchange's counts
+    quotas: tuple[bool | None, QuotaStats] | None = None  # in step through Redis (None: alone), the counts
 
     @classmethod
     def take(cls, picker: PickerProcess) -> Readings:
@@ -162,6 +164,7 @@ class Readings:
             replicas=None
             if picker.replicas is None
             else (bool(picker.replicas.up), picker.replicas.peers(), copy.copy(picker.replicas.stats)),
+            quotas=_quotas(picker),
         )
         spans, leases = picker.spans, picker.service.leases
         extra: dict[str, Any] = {}
@@ -359,6 +362,31 @@ def families(readings: Readings) -> Iterator[Metric]:
             [(("published",), stats.published), (("applied",), stats.applied), (("rejected",), stats.rejected)],
         )
         yield _counter("inferlb_replicas_outages_total", "Times Redis went out of reach.", (), [((), stats.outages)])
+    if r.quotas is not None:
+        shared, quota = r.quotas
+        quota_outcomes = [((t, "admitted"), n) for t, n in sorted(quota.admitted.items())]
+        quota_outcomes += [((t, f"over {limit}"), n) for (t, limit), n in sorted(quota.refused.items())]
+        yield _counter(
+            "inferlb_quota_requests_total",
+            "Requests charged to tenant quotas: admitted, or refused (429) over which limit; tenants not listed in "
+            "the config are 'other'.",
+            ("tenant", "outcome"),
+            quota_outcomes,
+        )
+        yield _counter(
+            "inferlb_quota_tokens_total",
+            "Tokens admitted under tenant quotas (prompt plus max_tokens, or the assumed output).",
+            ("tenant",),
+            [((t,), n) for t, n in sorted(quota.tokens.items())],
+        )
+        if shared is not None:
+            yield _gauge(
+                "inferlb_quota_redis_up",
+                "1 while the quotas are in step with the replicas' buckets in Redis (0: this replica enforces its "
+                "share alone).",
+                (),
+                [((), int(shared))],
+            )
     if r.arms:
         labels = ("experiment", "arm")
         arms = sorted(r.arms.items())
@@ -472,3 +500,11 @@ def prometheus_text(picker: PickerProcess) -> str:
     """The picker's metrics in the Prometheus text format, read and formatted here (the caller's thread must be
     allowed to read the picker's counters: its event loop's)."""
     return generate_latest(picker_registry(picker)).decode()
+
+
+def _quotas(picker: PickerProcess) -> tuple[bool | None, QuotaStats] | None:
+    quotas = picker.service.quotas
+    if quotas is None:
+        return None
+    stats = QuotaStats(quotas.stats.admitted.copy(), quotas.stats.refused.copy(), quotas.stats.tokens.copy())
+    return (None if quotas.replicas is None else bool(quotas.up), stats)

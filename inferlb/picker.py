@@ -47,6 +47,7 @@ from inferlb.scorer.kubernetes import KubernetesSource
 from inferlb.scorer.membership import REAP_INTERVAL_S, Membership, Plan
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
+from inferlb.scorer.quotas import Quotas
 from inferlb.scorer.replicas import Replicas
 from inferlb.scorer.router import Router
 from inferlb.scorer.saturation import Saturation
@@ -132,6 +133,9 @@ class PickerProcess:
             self._tasks.append(loop.create_task(self.discovery.run(self.discovered_endpoints), name="discovery"))
         if self.replicas is not None:
             self._tasks.append(loop.create_task(self.replicas.run(), name="replicas"))
+        quotas = self.service.quotas
+        if quotas is not None and quotas.replicas is not None:
+            self._tasks.append(loop.create_task(quotas.run(), name="quotas"))
         self._started = True
 
     async def drain(self, seconds: float) -> None:
@@ -272,6 +276,8 @@ class PickerProcess:
             )
         if config.replicas != old.replicas:
             raise ConfigError("replicas cannot change while the picker runs; restart it")
+        if (config.quotas is None) != (old.quotas is None):
+            raise ConfigError("quotas cannot be turned on or off while the picker runs (their limits can); restart it")
         if config.inflight.end != old.inflight.end:
             raise ConfigError(
                 "inflight.end cannot change while the picker runs: Envoy's bootstrap changes with it "
@@ -332,7 +338,9 @@ class PickerProcess:
         self.service.class_header = config.class_header
         self.service.objectives = config.inference_objectives
         self.service.debug_scores = config.debug_scores
-        self.service.experiment_headers = frozenset(config.experiment_headers)
+        self.service.experiment_headers = frozenset(config.named_headers)
+        if self.service.quotas is not None and config.quotas is not None:
+            self.service.quotas.reconfigure(config.quotas)
         if self.spans is not None:
             self.spans.rebind(
                 pool, signals, keep=same_pool, config=config.otel, mapping=plan.mapping, restarted=plan.restarted
@@ -491,7 +499,7 @@ def create_picker(
         classifier=Classifier(config.classes, config.default_class),
         leases=OpenLeases(max_age_s=config.inflight.max_age_s) if config.inflight.end == "access-log" else None,
         experiments=_experiments(config, engine, rng),
-        experiment_headers=config.experiment_headers,
+        experiment_headers=config.named_headers,
         objectives=config.inference_objectives,
     )
     service.debug_scores = config.debug_scores
@@ -538,6 +546,11 @@ def create_picker(
             # routed it: the exchange passes such ends on, and each replica releases the leases it holds.
             service.on_end_elsewhere = picker.replicas.ended_elsewhere
             picker.replicas.finish = lambda request_id: leases.finish(request_id, count_unknown=False)
+    if config.quotas is not None:
+        replicas = picker.replicas
+        service.quotas = Quotas(
+            config.quotas, config.replicas, shares=(lambda: 1) if replicas is None else (lambda: replicas.peers() + 1)
+        )
     service.destinations = config.destinations
     picker.publish_endpoints()
     return picker
@@ -633,9 +646,9 @@ async def serve(
     gc.collect()
     gc.freeze()
     logger.info(
-        "inferlb picker%s listening on %s (policy %s, %d endpoints, metrics scrape %s, admin API %s)",
-        "" if worker is None else f" worker {worker}",
+        "inferlb picker listening on %s%s (policy %s, %d endpoints, metrics scrape %s, admin API %s)",
         config.listen,
+        "" if worker is None else f" as worker {worker}",
         config.policy,
         len(picker.engine.pool),
         f"every {config.signals.scrape_interval_s:g} s" if config.signals.scrape_metrics else "off",

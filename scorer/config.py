@@ -90,6 +90,7 @@ DEFAULT_ADMIN = "127.0.0.1:9003"
 DEFAULT_POLICY = "default"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_SCORERS = 32
+MAX_TENANT_CHARS = 128
 DEFAULT_DRAIN_S = 5.0
 LATENCY_SOURCES = ("spans", "stream")
 REQUEST_ENDS = ("access-log", "stream")
@@ -578,6 +579,60 @@ class ReplicasConfig(Section):
 
 
 @dataclass(frozen=True, slots=True)
+class TenantLimits(Section):
+    """One tenant's quota: ``requests_per_minute`` and ``tokens_per_minute`` (either may be left out: no limit of
+    that kind), and ``burst_s``: how many seconds of its rate a tenant that was idle may spend at once (its
+    bucket's size). A request's tokens are its prompt's (as the picker counts them) plus its ``max_tokens``, or
+    the quotas' ``assumed_output_tokens`` where it names none."""
+
+    requests_per_minute: Annotated[float | None, optional(number(gt=0, le=1e9))] = None
+    tokens_per_minute: Annotated[float | None, optional(number(gt=0, le=1e12))] = None
+    burst_s: Annotated[float, number(ge=1, le=3600)] = 60.0
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> TenantLimits:
+        if self.requests_per_minute is None and self.tokens_per_minute is None:
+            raise invalid(" needs requests_per_minute or tokens_per_minute (or both)")
+        return self
+
+
+def _tenant_name(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TENANT_CHARS or not value.isprintable():
+        raise invalid(f" must be a tenant name of 1 to {MAX_TENANT_CHARS} printable characters; got {shown(value)}")
+    return value
+
+
+TenantName = Annotated[str, Parsed(_tenant_name)]
+
+
+@dataclass(frozen=True, slots=True)
+class QuotasConfig(Section):
+    """``quotas``: per-tenant limits. The tenant is the value of the request header ``header``, which must be set
+    by something the operator trusts (Envoy's JWT filter, an API gateway in front), never taken from clients as
+    they send it. ``tenants`` names the limits of each tenant; ``default`` those of any other tenant (and of a
+    request without the header, the tenant ``""``); without ``default`` they are not limited. A request over its
+    tenant's quota gets 429 with ``retry-after`` and a JSON reason. With ``replicas`` the limits hold across all
+    the replicas (scorer/quotas.py says how closely)."""
+
+    header: Annotated[str | None, Parsed(_header_name)] = field(
+        default=None, metadata={"description": "the request header that names the tenant, e.g. x-tenant-id"}
+    )
+    tenants: dict[TenantName, TenantLimits] = field(default_factory=dict)
+    default: TenantLimits | None = None
+    assumed_output_tokens: Annotated[int, integer(ge=0, le=1 << 24)] = 256
+    sync_interval_s: Annotated[float, number(ge=0.002, le=5)] = 0.02
+    max_tenants: Annotated[int, integer(ge=1, le=1_000_000)] = 10_000
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QuotasConfig:
+        if self.header is None:
+            raise invalid(" is needed: the request header that names the tenant", "header")
+        if not self.tenants and self.default is None:
+            raise invalid(" limits nothing: give tenants, default, or both")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
 class DiscoveryConfig(Section):
     """``pool.discovery``: where the endpoints come from besides ``pool.endpoints`` (which then may be empty):
     exactly one of ``etcd`` and ``kubernetes``."""
@@ -835,6 +890,7 @@ class ConfigFile(Model):
     destinations: Annotated[int, integer(ge=1, le=8)] = 1
     weights_interval_s: Annotated[float, number(ge=0.05, le=60)] = 1.0
     replicas: ReplicasConfig | None = None
+    quotas: QuotasConfig | None = None
     pool: PoolFile = Field(description="a mapping with a list 'endpoints'")
 
     @model_validator(mode="after")
@@ -941,6 +997,7 @@ class Config:
     destinations: int = 1
     weights_interval_s: float = 1.0
     replicas: ReplicasConfig | None = None  # several pickers share routing state through Redis
+    quotas: QuotasConfig | None = None  # per-tenant limits (across the replicas, with replicas)
 
     def profile_spec(self, name: str | None = None) -> ProfileSpec | str:
         """The spec of the chosen policy (or of the profile ``name``): a profile of this file, else the preset's
@@ -952,6 +1009,13 @@ class Config:
     def experiment_headers(self) -> tuple[str, ...]:
         """The headers the experiments assign by, which Envoy must forward to the picker."""
         return tuple(sorted({e.header for e in self.experiments if e.header}))
+
+    @property
+    def named_headers(self) -> tuple[str, ...]:
+        """The headers read into each request's features by name: the experiments' and the quotas' tenant header
+        (Envoy must forward them all)."""
+        tenant = () if self.quotas is None or self.quotas.header is None else (self.quotas.header,)
+        return tuple(sorted({*self.experiment_headers, *tenant}))
 
 
 def load_config(path: str | Path) -> Config:
@@ -1018,4 +1082,5 @@ def parse_config(data: Any) -> Config:
         destinations=doc.destinations,
         weights_interval_s=doc.weights_interval_s,
         replicas=doc.replicas,
+        quotas=doc.quotas,
     )

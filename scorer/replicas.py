@@ -54,7 +54,7 @@ from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.features import MAX_PREFIX_BLOCKS, RequestFeatures
 from inferlb.scorer.inflight import InFlight
 
-__all__ = ["FULL_EVERY_S", "STREAM_MAXLEN", "ReplicaStats", "Replicas", "hash_seed_problem"]
+__all__ = ["FULL_EVERY_S", "STREAM_MAXLEN", "ReplicaStats", "Replicas", "connect_redis", "hash_seed_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class Replicas:
 
     async def _session(self) -> None:
         await self.close()
-        client = self._client = self._connect()
+        client = self._client = connect_redis(self.config)
         last_id = await self._catch_up(client)
         self._sent, self._full_at = {}, -FULL_EVERY_S  # the first entry after a (re)connection is a full one
         self._sent_arrays = None
@@ -207,22 +207,6 @@ class Replicas:
             await asyncio.gather(*tasks, return_exceptions=True)
         for task in done:
             task.result()  # the error that ended the session
-
-    def _connect(self) -> aioredis.Redis:
-        config = self.config
-        password = config.password.read("replicas.password").reveal().decode() if config.password else None
-        extra: dict[str, Any] = {}
-        if config.ca_file is not None:
-            extra["ssl_ca_certs"] = config.ca_file
-        return aioredis.Redis.from_url(
-            config.url,
-            username=config.username,
-            password=password,
-            socket_timeout=config.timeout_s + BLOCK_S,
-            socket_connect_timeout=config.timeout_s,
-            retry_on_timeout=False,
-            **extra,
-        )
 
     async def _catch_up(self, client: aioredis.Redis) -> str:
         """Replay the stream: every peer's newest counts, aged by Redis's clock. The id to follow from."""
@@ -478,6 +462,23 @@ class Replicas:
     def _where(self) -> str:
         url = self.config.url
         return url.split("://", 1)[-1]
+
+
+def connect_redis(config: ReplicasConfig) -> aioredis.Redis:
+    """A client of the replicas' Redis, with their credentials (read now) and timeouts; it connects on first use."""
+    password = config.password.read("replicas.password").reveal().decode() if config.password else None
+    extra: dict[str, Any] = {}
+    if config.ca_file is not None:
+        extra["ssl_ca_certs"] = config.ca_file
+    return aioredis.Redis.from_url(
+        config.url,
+        username=config.username,
+        password=password,
+        socket_timeout=config.timeout_s + BLOCK_S,
+        socket_connect_timeout=config.timeout_s,
+        retry_on_timeout=False,
+        **extra,
+    )
 
 
 def hash_seed_problem() -> str | None:

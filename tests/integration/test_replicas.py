@@ -128,3 +128,47 @@ def test_the_workers_of_one_picker_share_envoys_streams_and_their_counts(tmp_pat
             _wait(lambda: _inflight(stack) == [0, 0], "all ended everywhere")
             routed = _routed(stack)
             assert sum(routed) == REQUESTS and all(n > 0 for n in routed), routed
+
+
+def test_a_tenant_over_its_quota_gets_429s_across_two_replicas_and_another_tenant_does_not(tmp_path: Path) -> None:
+    """Two replicas behind one Envoy share tenant quotas through Redis: the quota header reaches the picker (the
+    bootstrap forwards it), the tenant over its limit gets 429 with retry-after and a JSON reason whichever
+    replica Envoy asks, and the other tenant is routed as before."""
+    with redis_server(tmp_path / "redis") as redis:
+        secret = tmp_path / "redis-password"
+        secret.write_text(redis.password)
+        limits = {"small": {"requests_per_minute": 120, "burst_s": 2}, "big": {"requests_per_minute": 60000}}
+        options = StackOptions(
+            backends=2,
+            models=("m1",),
+            pickers=2,
+            picker_config={
+                "replicas": {"url": redis.url, "password": {"token_file": str(secret)}},
+                "quotas": {"header": "x-tenant", "tenants": limits},
+            },
+        )
+        with LocalStack(options, tmp_path / "stack") as stack:
+            _wait(
+                lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
+                "ready",
+            )
+            body = {"model": "m1", "prompt": "hello", "max_tokens": 4}
+            with httpx.Client(base_url=stack.gateway_url, timeout=30) as client:
+                small = [client.post("/v1/completions", json=body, headers={"x-tenant": "small"}) for _ in range(12)]
+                big = [client.post("/v1/completions", json=body, headers={"x-tenant": "big"}) for _ in range(12)]
+            statuses = [r.status_code for r in small]
+            # A burst of 4 (2 requests a second for 2 s), a little more while the 12 go: the rest refused.
+            assert 4 <= statuses.count(200) <= 6 and statuses.count(429) == 12 - statuses.count(200), statuses
+            refused = next(r for r in small if r.status_code == 429)
+            assert int(refused.headers["retry-after"]) >= 1
+            error = refused.json()["error"]
+            assert error["type"] == "quota_exceeded" and error["tenant"] == "small"
+            assert error["limit"] == "requests_per_minute" and error["limit_value"] == 120
+            assert [r.status_code for r in big] == [200] * 12
+            # Both replicas took part: each refused or admitted some of them.
+            counted = []
+            for url in stack.picker_admin_urls:
+                text = httpx.get(f"{url}/metrics", timeout=5).text
+                lines = [line for line in text.splitlines() if line.startswith("inferlb_quota_requests_total{")]
+                counted.append(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
+            assert sum(counted) == 24 and all(n > 0 for n in counted), counted

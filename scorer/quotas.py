@@ -1,0 +1,291 @@
+"""Tenant quotas (config ``quotas``): requests and tokens per minute per tenant, with a burst, held across replicas.
+
+Each tenant has a bucket per limit (requests, tokens) that fills at the limit's rate up to ``burst_s`` seconds of
+it; a request takes 1 from the first and its tokens (prompt plus ``max_tokens``, or the assumed output) from the
+second, and is refused with a `QuotaRefusal` (the filter's 429) when either lacks them. The decision is made
+here, at once, with no I/O: a request never waits on Redis.
+
+* **One picker** (no ``replicas``): the buckets are local and exact.
+* **Replicas** (``replicas`` configured, Redis up): the true bucket lives in Redis, one hash per tenant and limit,
+  changed only by one Lua script (`TAKE`), which refills it by Redis's clock and subtracts what a replica spent,
+  atomically. Every ``sync_interval_s`` each replica sends what it spent since its last call and reads the level
+  back (one pipelined round trip for all its active tenants). Between calls a replica may spend its share of
+  the level it last read: the level (refilled at the full rate since) over the number of replicas, less what it
+  spent since; a replica that spent nothing since its last read may also take one request up to the whole
+  level (so a request larger than a share still passes when there is room).
+* **Redis down**: each replica goes on with the same rule on its own, folding its spending into its view as if
+  the others spent alike (its share of the rate), and sends what it spent once Redis answers again.
+
+How closely the limit holds across N replicas, per window: the replicas together admit at most the bucket's
+level at their last reads plus one sync interval of the rate (each spends at most its share of what it read,
+plus one request as above), so over a minute the excess is at most about N requests per sync interval in the
+worst case (all of them at once at the edge) and none in the steady state, where each replica's share refills
+at rate/N. Under-use is bounded the same way: a replica holds at most its share unspent. A replica that starts
+assumes a tenant's bucket full until its first read (one sync interval). The benchmark measures the error
+(``inferlb bench replicas``, quota run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from inferlb.scorer.config import QuotasConfig, ReplicasConfig, TenantLimits
+from inferlb.scorer.errors import ConfigError, shown
+from inferlb.scorer.replicas import connect_redis
+
+__all__ = ["TAKE", "QuotaRefusal", "QuotaStats", "Quotas"]
+
+logger = logging.getLogger(__name__)
+
+Limit = Literal["requests_per_minute", "tokens_per_minute"]
+LIMITS: tuple[Limit, ...] = ("requests_per_minute", "tokens_per_minute")
+REFRESH_S = 0.25  # an active tenant's level is read at least this often, spent or not (to see the others spend)
+ACTIVE_S = 10.0  # a tenant is active this long after its last request here
+_RETRY_S = (0.1, 2.0)
+
+# KEYS[1]: the bucket. ARGV: rate per second, capacity, spent. Returns the level after the spending, as a string
+# (a Lua number would reach the client as an integer).
+TAKE = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) + tonumber(now[2]) / 1000000
+local rate, capacity, spent = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local level, at = capacity, now
+local kept = redis.call('HMGET', KEYS[1], 'level', 'at')
+if kept[1] then
+  level = math.min(capacity, tonumber(kept[1]) + rate * math.max(0, now - tonumber(kept[2])))
+end
+level = level - spent
+redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level), 'at', string.format('%.17g', now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((capacity / rate + 60) * 1000))
+return string.format('%.17g', level)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaRefusal:
+    """Why a request was refused: its tenant, the limit it is over, that limit, and when to retry."""
+
+    tenant: str
+    limit: Limit
+    value: float
+    retry_after_s: int
+    message: str
+
+
+@dataclass(slots=True)
+class QuotaStats:
+    admitted: Counter[str]  # tenant label -> requests admitted
+    refused: Counter[tuple[str, str]]  # (tenant label, limit) -> requests refused
+    tokens: Counter[str]  # tenant label -> tokens admitted
+    syncs: int = 0
+    outages: int = 0
+
+
+@dataclass(slots=True)
+class _Bucket:
+    rate: float  # per second
+    capacity: float
+    base: float  # the level when last read (or folded in, alone)
+    base_at: float  # the local time that level holds for
+    spent: float = 0.0  # spent here and not in `base`
+    unsent: float = 0.0  # spent here and not yet sent to Redis
+    sending: float = 0.0  # in the call under way
+    used_at: float = 0.0
+
+    def level(self, now: float) -> float:
+        return min(self.capacity, self.base + self.rate * max(now - self.base_at, 0.0))
+
+
+class Quotas:
+    """The tenants' buckets. `charge` admits or refuses a request (event-loop owned, no I/O); with ``replicas``
+    `run` keeps them in step through Redis until cancelled. ``shares`` gives the number of replicas now (this
+    one and its peers) while Redis answers."""
+
+    def __init__(
+        self,
+        config: QuotasConfig,
+        replicas: ReplicasConfig | None = None,
+        *,
+        shares: Callable[[], int] = lambda: 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.replicas = replicas
+        self._shares = shares
+        self._clock = clock
+        self._buckets: OrderedDict[str, dict[Limit, _Bucket]] = OrderedDict()  # by tenant, the latest used last
+        self.stats = QuotaStats(Counter(), Counter(), Counter())
+        self.up: bool | None = None if replicas is not None else False
+        self._replicas_seen = 1  # the replica count while Redis last answered: the share while it does not
+
+    # ---- the request path -------------------------------------------------------------------------------
+
+    def reconfigure(self, config: QuotasConfig) -> None:
+        """New limits (a reload): buckets of changed limits start again, full."""
+        old, self.config = self.config, config
+        for tenant in [t for t in self._buckets if self._limits(t) != _limits_of(old, t)]:
+            del self._buckets[tenant]
+
+    def label(self, tenant: str) -> str:
+        """The tenant as a metric label: listed tenants by name, the others together."""
+        return tenant if tenant in self.config.tenants else "other"
+
+    def charge(self, tenant: str | None, tokens: int) -> QuotaRefusal | None:
+        """Take one request of ``tokens`` tokens from ``tenant``'s buckets, or say why not (and take nothing)."""
+        tenant = tenant or ""
+        limits = self._limits(tenant)
+        if limits is None:
+            return None
+        now = self._clock()
+        shares = self._share_count()
+        local = self.up is not True
+        costs = {"requests_per_minute": 1.0, "tokens_per_minute": float(tokens)}
+        taking = []
+        buckets = self._tenant(tenant, limits, now)
+        for limit, bucket in buckets.items():
+            value = getattr(limits, limit)
+            if local:
+                _fold(bucket, now, shares)
+            cost = costs[limit]
+            level = bucket.level(now)
+            if not (level / shares - bucket.spent >= cost or (bucket.spent == 0 and level >= cost)):
+                return self._refuse(tenant, limit, value, bucket, cost, level, shares)
+            taking.append((bucket, cost))
+        for bucket, cost in taking:
+            bucket.spent += cost
+            bucket.used_at = now
+            if self.replicas is not None:
+                bucket.unsent += cost
+            if local:
+                _fold(bucket, now, shares)
+        label = self.label(tenant)
+        self.stats.admitted[label] += 1
+        self.stats.tokens[label] += tokens
+        return None
+
+    def _limits(self, tenant: str) -> TenantLimits | None:
+        return _limits_of(self.config, tenant)
+
+    def _share_count(self) -> int:
+        if self.up:
+            self._replicas_seen = max(1, self._shares())
+        return self._replicas_seen if self.replicas is not None else 1
+
+    def _tenant(self, tenant: str, limits: TenantLimits, now: float) -> dict[Limit, _Bucket]:
+        buckets = self._buckets.get(tenant)
+        if buckets is not None:
+            self._buckets.move_to_end(tenant)
+            return buckets
+        buckets = self._buckets[tenant] = {}
+        for limit in LIMITS:
+            value = getattr(limits, limit)
+            if value is not None:
+                rate = value / 60.0
+                buckets[limit] = _Bucket(rate, rate * limits.burst_s, rate * limits.burst_s, now, used_at=now)
+        while len(self._buckets) > self.config.max_tenants:
+            self._buckets.popitem(last=False)  # the least recently used
+        return buckets
+
+    def _refuse(
+        self, tenant: str, limit: Limit, value: float, bucket: _Bucket, cost: float, level: float, shares: int
+    ) -> QuotaRefusal:
+        self.stats.refused[(self.label(tenant), limit)] += 1
+        noun = "request" if limit == "requests_per_minute" else f"{cost:.0f} tokens"
+        if cost > bucket.capacity:
+            wait_s = bucket.capacity / bucket.rate  # never, as things stand: say when the bucket is full at least
+            why = f"this request's {noun} exceed the tenant's burst of {bucket.capacity:.0f} tokens"
+        else:
+            missing = max(cost - (level / shares - bucket.spent), cost - level, 0.0)
+            wait_s = missing * shares / bucket.rate
+            why = f"it is over its {limit.replace('_', ' ')} quota ({value:g})"
+        retry = max(1, math.ceil(wait_s))
+        message = f"tenant {shown(tenant or '(none)')}: {why}; retry after {retry} s"
+        return QuotaRefusal(tenant, limit, value, retry, message)
+
+    # ---- sharing the buckets through Redis --------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep the buckets in step with the replicas' shared ones in Redis (cancel to stop)."""
+        assert self.replicas is not None, "run() shares buckets through replicas.url"
+        retry = _RETRY_S[0]
+        while True:
+            client = None
+            try:
+                client = connect_redis(self.replicas)
+                # Loaded on every connection: a Redis that restarted has forgotten it (NOSCRIPT: a new session).
+                sha = await client.script_load(TAKE)
+                while True:
+                    await self._sync(client, sha)
+                    if not self.up:
+                        self.up = True
+                        logger.info("quotas: in step with the replicas' buckets in Redis")
+                    retry = _RETRY_S[0]
+                    await asyncio.sleep(self.config.sync_interval_s)
+            except (RedisError, OSError, ConfigError) as exc:
+                if self.up is not False:
+                    self.stats.outages += 1
+                    logger.warning(
+                        "quotas: Redis unreachable (%s: %s); each replica enforces its share of the limits alone",
+                        type(exc).__name__,
+                        exc,
+                    )
+                self.up = False
+            finally:
+                if client is not None:
+                    await client.aclose()
+            await asyncio.sleep(retry)
+            retry = min(retry * 2, _RETRY_S[1])
+
+    async def _sync(self, client: aioredis.Redis, sha: str) -> None:
+        now = self._clock()
+        due = [
+            ((tenant, limit), bucket)
+            for tenant, buckets in self._buckets.items()
+            for limit, bucket in buckets.items()
+            if bucket.unsent > 0 or (now - bucket.used_at < ACTIVE_S and now - bucket.base_at >= REFRESH_S)
+        ]
+        if not due:
+            return
+        assert self.replicas is not None
+        prefix = f"{self.replicas.key}:quota:"
+        pipe = client.pipeline(transaction=False)
+        for (tenant, limit), bucket in due:
+            bucket.sending, bucket.unsent = bucket.unsent, 0.0
+            pipe.evalsha(
+                sha, 1, f"{prefix}{limit}:{tenant}", repr(bucket.rate), repr(bucket.capacity), repr(bucket.sending)
+            )
+        try:
+            levels = await pipe.execute()
+        except BaseException:
+            for _, bucket in due:
+                bucket.unsent += bucket.sending
+                bucket.sending = 0.0
+            raise
+        for (_, bucket), level in zip(due, levels, strict=True):
+            bucket.base = float(level)
+            bucket.base_at = now
+            bucket.spent = bucket.unsent  # what was spent while the call was under way is not in the level yet
+            bucket.sending = 0.0
+        self.stats.syncs += 1
+
+
+def _limits_of(config: QuotasConfig, tenant: str) -> TenantLimits | None:
+    return config.tenants.get(tenant, config.default)
+
+
+def _fold(bucket: _Bucket, now: float, shares: int) -> None:
+    """Alone (no Redis): put what this replica spent into its view of the bucket, as if each of ``shares``
+    replicas spent alike (one picker: the exact bucket)."""
+    bucket.base = bucket.level(now) - shares * bucket.spent
+    bucket.base_at = now
+    bucket.spent = 0.0

@@ -1,0 +1,209 @@
+"""Tenant quotas: exact buckets in one picker, limits held across two replicas through a real Redis (Debian's
+redis-server, with a password), and each replica going on with its share while Redis is away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
+from inferlb.scorer.config import QuotasConfig, ReplicasConfig, parse_config
+from inferlb.scorer.errors import ConfigError
+from inferlb.scorer.quotas import Quotas
+
+from ..conftest import ManualClock, until
+
+needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+
+
+def _configs(quotas: dict, replicas: dict | None = None) -> tuple[QuotasConfig, ReplicasConfig | None]:
+    document: dict = {"pool": {"endpoints": [{"address": "127.0.0.1:9101"}]}, "quotas": quotas}
+    if replicas is not None:
+        document["replicas"] = replicas
+    config = parse_config(document)
+    assert config.quotas is not None
+    return config.quotas, config.replicas
+
+
+def _quotas(clock: ManualClock, **tenants: dict) -> Quotas:
+    config, _ = _configs({"header": "x-tenant", "tenants": tenants})
+    return Quotas(config, clock=clock)
+
+
+def test_one_picker_keeps_an_exact_token_bucket_per_tenant(clock: ManualClock) -> None:
+    quotas = _quotas(clock, a={"tokens_per_minute": 600, "burst_s": 6})  # 10 tokens/s, 60 at once
+    assert [quotas.charge("a", 20) for _ in range(3)] == [None, None, None]
+    refusal = quotas.charge("a", 20)
+    assert refusal is not None and refusal.limit == "tokens_per_minute" and refusal.value == 600
+    assert refusal.retry_after_s == 2  # 20 tokens at 10 a second
+    assert refusal.message == "tenant 'a': it is over its tokens per minute quota (600); retry after 2 s"
+    clock.advance(1.9)
+    assert quotas.charge("a", 20) is not None
+    clock.advance(0.1)
+    assert quotas.charge("a", 20) is None
+    assert quotas.stats.admitted["a"] == 4 and quotas.stats.tokens["a"] == 80
+    assert quotas.stats.refused[("a", "tokens_per_minute")] == 2
+
+
+def test_a_refused_request_takes_nothing_from_any_bucket(clock: ManualClock) -> None:
+    quotas = _quotas(clock, a={"requests_per_minute": 120, "tokens_per_minute": 60, "burst_s": 1})
+    assert quotas.charge("a", 1) is None  # 2 requests and 1 token a second, at most that at once
+    assert quotas.charge("a", 1) is not None  # over tokens: the request is not counted against requests either
+    clock.advance(1.0)
+    assert quotas.charge("a", 0) is None and quotas.charge("a", 0) is None
+    refusal = quotas.charge("a", 0)
+    assert refusal is not None and refusal.limit == "requests_per_minute"
+
+
+def test_a_request_larger_than_the_burst_is_told_so(clock: ManualClock) -> None:
+    quotas = _quotas(clock, a={"tokens_per_minute": 600, "burst_s": 6})
+    refusal = quotas.charge("a", 61)
+    assert refusal is not None and "exceed the tenant's burst of 60 tokens" in refusal.message
+
+
+def test_other_tenants_have_the_default_each_or_no_limit(clock: ManualClock) -> None:
+    config, _ = _configs({"header": "x-t", "tenants": {"a": {"requests_per_minute": 60, "burst_s": 1}}})
+    unlimited = Quotas(config, clock=clock)
+    assert all(unlimited.charge("b", 10**6) is None for _ in range(100))
+    assert unlimited.charge("a", 0) is None and unlimited.charge("a", 0) is not None
+    config, _ = _configs({"header": "x-t", "default": {"requests_per_minute": 60, "burst_s": 1}})
+    limited = Quotas(config, clock=clock)
+    assert limited.charge("b", 0) is None and limited.charge("b", 0) is not None
+    assert limited.charge("c", 0) is None  # a bucket of its own
+    assert limited.charge(None, 0) is None and limited.charge("", 0) is not None  # no header: the tenant ""
+    assert dict(limited.stats.admitted) == {"other": 3} and limited.label("b") == "other"
+
+
+def test_new_limits_on_reload_start_their_buckets_again(clock: ManualClock) -> None:
+    quotas = _quotas(clock, a={"requests_per_minute": 60, "burst_s": 1}, b={"requests_per_minute": 60, "burst_s": 1})
+    assert quotas.charge("a", 0) is None and quotas.charge("b", 0) is None
+    config, _ = _configs(
+        {
+            "header": "x-tenant",
+            "tenants": {
+                "a": {"requests_per_minute": 120, "burst_s": 1},
+                "b": {"requests_per_minute": 60, "burst_s": 1},
+            },
+        }
+    )
+    quotas.reconfigure(config)
+    assert quotas.charge("a", 0) is None  # a fresh bucket of 2
+    assert quotas.charge("b", 0) is not None  # unchanged: still empty
+
+
+def test_at_most_max_tenants_buckets_are_kept(clock: ManualClock) -> None:
+    config, _ = _configs({"header": "x-t", "default": {"requests_per_minute": 60}, "max_tenants": 3})
+    quotas = Quotas(config, clock=clock)
+    for i in range(10):
+        assert quotas.charge(f"t{i}", 0) is None
+    assert len(quotas._buckets) == 3
+
+
+@pytest.mark.parametrize(
+    ("quotas", "says"),
+    [
+        ({"tenants": {"a": {"requests_per_minute": 1}}}, "quotas.header is needed"),
+        ({"header": "x-t"}, "quotas limits nothing"),
+        ({"header": "x-t", "tenants": {"a": {}}}, "quotas.tenants.a needs requests_per_minute or tokens_per_minute"),
+        ({"header": "x-t", "default": {"tokens_per_minute": 0}}, "quotas.default.tokens_per_minute"),
+        ({"header": "x-t", "default": {"tokens_per_minute": 5, "burst_s": 0.5}}, "quotas.default.burst_s"),
+        ({"header": "x-t", "default": {"tokens_per_minute": 5}, "extra": 1}, "quotas: unknown key 'extra'"),
+    ],
+)
+def test_a_bad_quotas_section_is_refused_naming_the_field(quotas: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        _configs(quotas)
+
+
+@pytest.fixture
+def server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    with redis_server(tmp_path / "redis") as running:
+        yield running
+
+
+def _shared(server: RedisServer, tmp_path: Path, tenants: dict) -> tuple[QuotasConfig, ReplicasConfig | None]:
+    secret = tmp_path / "redis-password"
+    secret.write_text(server.password + "\n")
+    return _configs(
+        {"header": "x-tenant", "tenants": tenants, "sync_interval_s": 0.01},
+        {"url": server.url, "password": {"token_file": str(secret)}, "key": "inferlb:quota-test"},
+    )
+
+
+@contextlib.asynccontextmanager
+async def _running(*quotas: Quotas):  # type: ignore[no-untyped-def]
+    tasks = [asyncio.create_task(q.run()) for q in quotas]
+    try:
+        await until(lambda: all(q.up for q in quotas), "in step through Redis")
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _demand(quotas: Quotas, tenant: str, tokens: int, seconds: float, every_s: float = 0.002) -> int:
+    """Ask for ``tokens`` every ``every_s`` for ``seconds`` (a bounded loop); the tokens admitted."""
+    admitted = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if quotas.charge(tenant, tokens) is None:
+            admitted += tokens
+        await asyncio.sleep(every_s)
+    return admitted
+
+
+@needs_redis
+async def test_two_replicas_hold_one_tenants_limit_together(server: RedisServer, tmp_path: Path) -> None:
+    # 6,000 tokens a minute (100 a second), a burst of 1 s; each replica asks for ~5,000 a second.
+    quotas_config, replicas = _shared(server, tmp_path, {"a": {"tokens_per_minute": 6000, "burst_s": 1}})
+    pair = [Quotas(quotas_config, replicas, shares=lambda: 2) for _ in range(2)]
+    async with _running(*pair):
+        started = time.monotonic()
+        admitted = await asyncio.gather(*(_demand(q, "a", 10, 3.0) for q in pair))
+        elapsed = time.monotonic() - started
+    allowed = 100 + 100 * elapsed  # the burst, then the rate
+    assert 0.85 * allowed <= sum(admitted) <= 1.1 * allowed, (admitted, allowed)
+    assert all(n > 0.25 * allowed for n in admitted)  # both replicas had their share
+
+
+@needs_redis
+async def test_a_tenant_on_one_replica_only_gets_the_whole_limit(server: RedisServer, tmp_path: Path) -> None:
+    quotas_config, replicas = _shared(server, tmp_path, {"a": {"tokens_per_minute": 6000, "burst_s": 1}})
+    busy, idle = (Quotas(quotas_config, replicas, shares=lambda: 2) for _ in range(2))
+    async with _running(busy, idle):
+        started = time.monotonic()
+        admitted = await _demand(busy, "a", 10, 3.0)
+        elapsed = time.monotonic() - started
+    allowed = 100 + 100 * elapsed
+    assert 0.8 * allowed <= admitted <= 1.1 * allowed, (admitted, allowed)
+
+
+@needs_redis
+async def test_redis_away_each_replica_keeps_its_share_and_reports_its_spending_after(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    quotas_config, replicas = _shared(server, tmp_path, {"a": {"tokens_per_minute": 6000, "burst_s": 1}})
+    quotas = Quotas(quotas_config, replicas, shares=lambda: 2)
+    async with _running(quotas):
+        assert quotas.charge("a", 10) is None
+        await until(lambda: quotas.stats.syncs > 2, "synced")
+        server.stop()
+        await until(lambda: quotas.up is False, "Redis seen gone")
+        admitted = await _demand(quotas, "a", 10, 2.0)
+        # Its share of two: half the rate (the level it last saw is shared too).
+        assert 0.3 * (100 + 200) <= admitted <= 0.6 * (100 + 200), admitted
+        assert quotas.stats.outages == 1
+        server.start()
+        await until(lambda: quotas.up, "in step again", timeout=30)
+        client = aioredis.Redis.from_url(server.url, password=server.password)
+        level = float(await client.hget("inferlb:quota-test:quota:tokens_per_minute:a", "level"))
+        await client.aclose()
+        # Redis came back empty: the bucket starts full, less what this replica spent while it was away.
+        assert level <= 100 - admitted + 100 * 2.0
+        assert level < 100
