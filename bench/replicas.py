@@ -32,6 +32,7 @@ from inferlb.bench.desrun import DesJob, capacity_rps, load_arrivals, replicated
 from inferlb.bench.liverun import MAX_WALL_RPS, MAX_WALL_TOKENS_PER_S, measure
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.metrics import picker_samples
+from inferlb.bench.quotaload import B_RPS, BURST_S, PHASE_S, quota_rows
 from inferlb.bench.redisserver import RedisServer, redis_server
 from inferlb.bench.report import header, table, write
 from inferlb.bench.workersload import CONCURRENCY, throughput_rows, worker_ratios
@@ -50,7 +51,7 @@ OUTPUT_TOKENS = 64
 MODEL = "bench-model"
 PUBLISH_INTERVAL_MS = 5.0
 RESYNC_TIMEOUT_S = 30.0
-MODES = ("live", "des", "throughput")
+MODES = ("live", "des", "throughput", "quota")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=MODES,
         default=list(MODES),
-        help="live: the runs above; des: the simulator's replica model; throughput: 1 and 2 workers (default: all)",
+        help="live: the runs above; des: the simulator's replica model; throughput: 1 and 2 workers; quota: a tenant "
+        "over its quota beside one under it, across two replicas (default: all)",
     )
     parser.add_argument("--throughput-rounds", type=int, default=3, help="throughput: rounds of the three runs")
     parser.add_argument("--throughput-duration", type=float, default=8.0, help="throughput: seconds per run")
+    parser.add_argument("--quota-phase", type=float, default=PHASE_S, help="quota: seconds per phase")
     parser.add_argument("--des-requests", type=int, default=1500, help="the simulator's requests per run")
     parser.add_argument("--des-servers", type=int, default=8, help="the simulator's fleet")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -139,7 +142,12 @@ def _run_all(args: argparse.Namespace, trace: Path, folder: Path) -> int:
             duration_s=args.throughput_duration,
             policy=args.policy,
         )
-    document = {"meta": meta, "runs": rows}
+    document: dict[str, Any] = {"meta": meta, "runs": rows}
+    if "quota" in args.modes:
+        print("tenant quotas across two replicas ...", flush=True)
+        quota, summary = quota_rows(folder / "quota", phase_s=args.quota_phase)
+        rows += quota
+        document["quota"] = summary
     ratios = worker_ratios([r for r in rows if r["mode"] == "throughput"])
     if ratios is not None:
         document["workers_2_over_1"] = ratios
@@ -350,7 +358,37 @@ def _markdown(document: dict[str, Any]) -> str:
         out += _des_markdown(des)
     if throughput:
         out += _throughput_markdown(throughput, document.get("workers_2_over_1"))
+    quota = [r for r in rows if r["mode"] == "quota"]
+    if quota:
+        out += _quota_markdown(quota, document["quota"])
     return "\n".join(out) + "\n"
+
+
+def _quota_markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
+    out = [
+        "## Tenant quotas across two replicas",
+        "",
+        f"Two picker replicas behind one real Envoy share tenant buckets in a real Redis. Tenant a's quota is "
+        f"{summary['a_tokens_per_minute']:g} tokens a minute (a burst of {BURST_S:g} s; a request counts "
+        f"{summary['request_tokens']:g} tokens as the picker counts them). Tenant b (far under its quota) sends "
+        f"{B_RPS:g} requests a second in three phases: alone, with a sending just under its quota, and with a asking "
+        "for four times its quota (its burst spent just before: what it gets admitted is about its rate, as in the "
+        "phase before); each phase on a fresh gateway. TTFT: the client's, of streamed answers.",
+        "",
+    ]
+    head = ["phase", "tenant", "requests", "admitted", "429", "other errors", "TTFT p50 ms", "TTFT p99 ms"]
+    keys = ("requests", "admitted", "refused_429", "errors", "ttft_p50_ms", "ttft_p99_ms")
+    out += table(head, [[r["phase"], r["tenant"], *(r[k] for k in keys)] for r in rows])
+    out += [
+        "",
+        f"Tenant a: {summary['a_admitted_tokens']:g} tokens admitted of {summary['a_asked_tokens']:g} asked; its "
+        f"bucket allows {summary['a_allowed_tokens']:g} from the burst on: error {summary['limit_error'] * 100:+.1f}%. "
+        f"Tenant b: {summary['b_refused']} refused; with a over its quota, b's TTFT p50 is "
+        f"{summary['b_ttft_p50_ratio']}x and p99 {summary['b_ttft_p99_ratio']}x of b's with a within its quota "
+        f"(the same admitted load), p99 {summary['b_ttft_p99_ratio_to_alone']}x of b's alone.",
+        "",
+    ]
+    return out
 
 
 def _throughput_markdown(rows: list[dict[str, Any]], ratios: dict[str, float] | None) -> list[str]:

@@ -133,3 +133,26 @@ def test_two_workers_over_one_is_taken_within_each_round() -> None:
     ]
     assert worker_ratios(rows) == {"throughput": 1.75, "cpu_per_request": 1.1}
     assert worker_ratios(rows[4:]) is None
+
+
+@pytest.mark.envoy
+@pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+def test_the_quota_run_refuses_the_tenant_over_its_quota_only_and_measures_the_limits_error(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    replicas.add_arguments(parser)
+    args = parser.parse_args(["--modes", "quota", "--quota-phase", "3", "--out", str(tmp_path)])
+    args.command = "inferlb bench replicas (test)"
+    assert replicas.run(args) == 0
+    document = json.loads((tmp_path / "replicas.json").read_text())
+    rows = {(r["phase"], r["tenant"]): r for r in document["runs"]}
+    assert set(rows) == {("b alone", "b"), ("a within its quota", "b"), ("a within its quota", "a"),
+                         ("a over its quota", "b"), ("a over its quota", "a")}  # fmt: skip
+    assert all(r["errors"] == 0 for r in rows.values())
+    assert rows[("a within its quota", "a")]["refused_429"] == 0
+    assert rows[("a over its quota", "a")]["refused_429"] > 0
+    assert all(
+        rows[(phase, "b")]["refused_429"] == 0 for phase in ("b alone", "a within its quota", "a over its quota")
+    )
+    summary = document["quota"]
+    assert summary["b_refused"] == 0 and abs(summary["limit_error"]) < 0.25
+    assert "Tenant quotas across two replicas" in (tmp_path / "replicas.md").read_text()
