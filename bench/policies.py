@@ -26,7 +26,7 @@ from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.experiments import Experiments, ExperimentSpec
 from inferlb.scorer.features import PREFIX_BLOCK_TOKENS, RequestFeatures
-from inferlb.scorer.inflight import InFlight, Lease
+from inferlb.scorer.inflight import InFlight, Lease, Load
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.registry import ProfileSpec
@@ -363,10 +363,9 @@ class Replicated:
         self.replicas = [PresetPolicy(preset, profiles, seed=seed + 7919 * i) for i in range(replicas)]
         self.sync_delay_s = sync_delay_s
         n = len(profiles)
-        zero = np.zeros(n, dtype=np.int64)
-        # Per replica: the times its own counts changed, and the counts (requests, tokens) from then on.
+        # Per replica: the times its own load changed, and the load from then on.
         self._times: list[list[float]] = [[-math.inf] for _ in range(replicas)]
-        self._counts: list[list[tuple[np.ndarray, np.ndarray]]] = [[(zero, zero)] for _ in range(replicas)]
+        self._counts: list[list[Load]] = [[Load.zero(n)] for _ in range(replicas)]
         # Every decision's prompt blocks, in time order: (time, replica, endpoint, hashes); a cursor per replica.
         self._prompts: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._cursor = [0] * replicas
@@ -413,23 +412,18 @@ class Replicated:
         self._changed(owner, now)
 
     def _changed(self, owner: int, now: float) -> None:
-        requests, tokens = self.replicas[owner].inflight.own()
         self._times[owner].append(now)
-        self._counts[owner].append((requests, tokens))
+        self._counts[owner].append(self.replicas[owner].inflight.own())
 
     def _sync(self, owner: int, cutoff: float) -> None:
         """What replica ``owner`` has heard by now: the others' counts and prompts as of ``cutoff``."""
         replica = self.replicas[owner]
-        requests = np.zeros(len(replica.pool), dtype=np.int64)
-        tokens = np.zeros(len(replica.pool), dtype=np.int64)
-        for other in range(len(self.replicas)):
-            if other == owner:
-                continue
-            at = bisect.bisect_right(self._times[other], cutoff) - 1
-            r, t = self._counts[other][at]
-            requests += r
-            tokens += t
-        replica.inflight.set_peers(requests, tokens)
+        heard = [
+            self._counts[other][bisect.bisect_right(self._times[other], cutoff) - 1]
+            for other in range(len(self.replicas))
+            if other != owner
+        ]
+        replica.inflight.set_peers(Load.sum(heard, len(replica.pool)))
         prompts, cursor = self._prompts, self._cursor[owner]
         while cursor < len(prompts) and prompts[cursor][0] <= cutoff:
             _, source, endpoint, hashes = prompts[cursor]

@@ -7,12 +7,15 @@
 * The prefill backlog: prompt tokens sent that the endpoint is estimated not to have prefilled yet. A prompt's
   tokens count only until its endpoint has had time to prefill them, not until its request ends: a server busy
   decoding long answers is not one with a long queue to prefill.
+* Other replicas' `Load` (`set_peers`, from the replicas' exchange): counted with this replica's own, so that
+  every scorer, the saturation rule and the prefill estimate see the pool's load, not one replica's share.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,9 +38,13 @@ class InFlight:
         self._prefill_at = np.zeros(size)
         # Set by `moved`: the counters that replaced these, and where each endpoint went there (-1: gone).
         self.successor: tuple[InFlight, np.ndarray] | None = None
-        # What other picker replicas have in flight (`set_peers`), included in ``requests`` and ``tokens``.
+        # What other picker replicas have in flight (`set_peers`), included in ``requests`` and ``tokens``; what
+        # they sent, included in ``sent``; their prefill backlog (apart: it drains on its own clock).
         self.peer_requests = np.zeros(size, dtype=np.int64)
         self.peer_tokens = np.zeros(size, dtype=np.int64)
+        self.peer_sent = np.zeros(size, dtype=np.int64)
+        self._peer_prefill = np.zeros(size)
+        self._peer_prefill_at = np.zeros(size)
 
     def moved(self, mapping: np.ndarray) -> InFlight:
         """The counters of the next pool after a membership change: endpoint j of the new pool has what endpoint
@@ -45,7 +52,7 @@ class InFlight:
         new = InFlight(len(mapping), clock=self.clock)
         kept = mapping >= 0
         source = mapping[kept]
-        for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at", "peer_requests", "peer_tokens"):
+        for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at", *_PEER_FIELDS):
             getattr(new, name)[kept] = getattr(self, name)[source]
         new.decisions = self.decisions
         return new
@@ -78,23 +85,78 @@ class InFlight:
     def total(self) -> int:
         return int(self.requests.sum())
 
-    def set_peers(self, requests: np.ndarray, tokens: np.ndarray) -> None:
-        """Other replicas have ``requests`` and ``tokens`` in flight per endpoint (aligned with the pool): from now
-        on ``requests`` and ``tokens`` count them with this replica's own, which stay as they are (`own`)."""
-        self.requests += requests - self.peer_requests
-        self.tokens += tokens - self.peer_tokens
-        self.peer_requests = requests.astype(np.int64, copy=True)
-        self.peer_tokens = tokens.astype(np.int64, copy=True)
+    def set_peers(self, load: Load) -> None:
+        """Other replicas have ``load`` per endpoint (aligned with the pool; their sum): from now on ``requests``,
+        ``tokens`` and ``sent`` count theirs with this replica's own, which stay as they are (`own`), and the prefill
+        backlog adds theirs. What they sent since the last call counts as that many decisions (``decisions`` is
+        the counters' version: the saturation rule's cache holds for so many)."""
+        self.requests += load.requests - self.peer_requests
+        self.tokens += load.tokens - self.peer_tokens
+        more = load.sent - self.peer_sent
+        self.sent += more
+        self.decisions += int(np.abs(more).sum())
+        self.peer_requests = load.requests.astype(np.int64, copy=True)
+        self.peer_tokens = load.tokens.astype(np.int64, copy=True)
+        self.peer_sent = load.sent.astype(np.int64, copy=True)
+        self._peer_prefill = load.backlog.astype(float, copy=True)
+        self._peer_prefill_at = load.backlog_at.astype(float, copy=True)
 
-    def own(self) -> tuple[np.ndarray, np.ndarray]:
-        """This replica's own requests and tokens in flight per endpoint (new arrays): what it tells its peers."""
-        return self.requests - self.peer_requests, self.tokens - self.peer_tokens
+    def own(self) -> Load:
+        """This replica's own load per endpoint (new arrays): what it tells its peers."""
+        return Load(
+            self.requests - self.peer_requests,
+            self.tokens - self.peer_tokens,
+            self.sent - self.peer_sent,
+            self._prefill.copy(),
+            self._prefill_at.copy(),
+        )
 
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
         """Per candidate, the prompt tokens sent there that it has not had time to prefill, at ``tokens_per_s``
         (aligned with ``candidates``)."""
-        elapsed = self.clock() - self._prefill_at[candidates]
-        return np.maximum(self._prefill[candidates] - tokens_per_s * elapsed, 0.0)
+        now = self.clock()
+        own = np.maximum(self._prefill[candidates] - tokens_per_s * (now - self._prefill_at[candidates]), 0.0)
+        peers = self._peer_prefill[candidates] - tokens_per_s * (now - self._peer_prefill_at[candidates])
+        return own + np.maximum(peers, 0.0)
+
+
+_PEER_FIELDS = ("peer_requests", "peer_tokens", "peer_sent", "_peer_prefill", "_peer_prefill_at")
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What one replica (or several, `sum`) has on each endpoint of a pool: requests and tokens in flight, requests
+    sent so far (a cumulative count), and the prefill backlog (prompt tokens not yet prefilled as of
+    ``backlog_at``, on the reader's clock)."""
+
+    requests: np.ndarray
+    tokens: np.ndarray
+    sent: np.ndarray
+    backlog: np.ndarray
+    backlog_at: np.ndarray
+
+    @staticmethod
+    def zero(size: int) -> Load:
+        ints, floats = np.zeros(size, dtype=np.int64), np.zeros(size)
+        return Load(ints, ints, ints, floats, floats)
+
+    @staticmethod
+    def sum(loads: Sequence[Load], size: int) -> Load:
+        """The loads together. Backlogs add up; their time is the backlog-weighted mean of theirs (the replicas'
+        backlogs drain together at the endpoint's rate, so one time for the sum is an approximation)."""
+        if not loads:
+            return Load.zero(size)
+        backlog = np.sum([x.backlog for x in loads], axis=0)
+        weighted = np.sum([x.backlog * x.backlog_at for x in loads], axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            at = np.where(backlog > 0, weighted / backlog, 0.0)
+        return Load(
+            np.sum([x.requests for x in loads], axis=0).astype(np.int64),
+            np.sum([x.tokens for x in loads], axis=0).astype(np.int64),
+            np.sum([x.sent for x in loads], axis=0).astype(np.int64),
+            backlog,
+            at,
+        )
 
 
 class Lease:

@@ -4,11 +4,17 @@ Several pickers serve one pool at once (processes on a node, pods behind a Servi
 itself; to route as one picker would, each must also see what the others have in flight. They exchange it
 through one Redis stream per pool (``replicas.key``), off the hot path:
 
-* **Publishing.** Every ``publish_interval_s`` a replica appends one entry with its own in-flight requests and
-  tokens of the endpoints whose counts changed since its last entry, as absolute values; once a second, all of
-  them (a full snapshot, which is also its heartbeat). While nothing changes it waits for its next decision
-  (``IDLE_TICK_S`` at most) instead of ticking. The tick's entries go in one pipelined round trip. A decision
-  never waits on Redis: it changes the local counters only, and the next tick reads them.
+* **Publishing.** Every ``publish_interval_s`` a replica appends one entry with its own load on the endpoints
+  whose load changed since its last entry (`InFlight.own`, as absolute values): requests and tokens in flight,
+  requests sent so far, and the prefill backlog with its age; once a second, all of them (a full snapshot,
+  which is also its heartbeat). While nothing changes it waits for its next decision (``IDLE_TICK_S`` at most)
+  instead of ticking. The tick's entries go in one pipelined round trip. A decision never waits on Redis: it
+  changes the local counters only, and the next tick reads them.
+* **What that gives.** Every scorer reads in-flight counts that include the peers'; the saturation rule (one
+  for admission and the filter) adds to a scraped queue what *every* replica sent since the scrape, so an
+  endpoint one replica filled is saturated for all (global admission); the predicted TTFT counts the peers'
+  prefill backlog. Session affinity needs no exchange: its ring is the same in every process (BLAKE2b), and the
+  loads that bound it are the shared counts.
 * **Prefixes.** Each decision's prompt blocks (its prefix hashes) are published with the next tick, and peers
   record them in their prefix index as if they had made the decision: a prompt's prefix is found on the
   endpoint any replica sent it to. Prefix hashes are Python's ``hash``, salted per process: replicas agree on
@@ -52,7 +58,7 @@ from inferlb.scorer.config import ReplicasConfig
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.features import MAX_PREFIX_BLOCKS, RequestFeatures
-from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.inflight import InFlight, Load
 
 __all__ = ["FULL_EVERY_S", "STREAM_MAXLEN", "ReplicaStats", "Replicas", "connect_redis", "hash_seed_problem"]
 
@@ -61,7 +67,8 @@ logger = logging.getLogger(__name__)
 STREAM_MAXLEN = 20_000  # entries kept in the stream (trimmed approximately): the replay of a replica that starts
 FULL_EVERY_S = 1.0  # a full snapshot (and heartbeat) this often
 MAX_PEERS = 1024  # more writers than this are refused: no real fleet has them, and each costs memory
-MAX_COUNT = 1 << 30  # a count beyond this is not a count
+MAX_COUNT = 1 << 40  # a count beyond this is not a count (sent: cumulative)
+MAX_AGE_MS = 3_600_000  # a prefill backlog older than this has drained anyway
 MAX_PENDING_PREFIXES = 10_000  # decisions waiting to be published (Redis down: the oldest are dropped)
 MAX_PREFIXES_PER_ENTRY = 1_000
 MAX_PENDING_ENDS = 100_000  # request ends waiting to be passed on (Redis down: the oldest are dropped)
@@ -92,7 +99,9 @@ class ReplicaStats:
 @dataclass(slots=True)
 class _Peer:
     seen: float  # monotonic time of its newest entry
-    counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # address -> (requests, tokens)
+    # address -> (requests, tokens, sent since first heard of, prefill backlog, its time on this replica's clock)
+    counts: dict[str, tuple[int, int, int, int, float]] = field(default_factory=dict)
+    sent_base: dict[str, int] = field(default_factory=dict)  # address -> its sent count when first heard of
 
 
 class Replicas:
@@ -119,8 +128,8 @@ class Replicas:
         self._peers: dict[str, _Peer] = {}
         self._applied_to: InFlight | None = None  # the counters the peers' sum was last put into
         self._dirty = False
-        self._sent: dict[str, tuple[int, int]] = {}
-        self._sent_arrays: tuple[Any, np.ndarray, np.ndarray] | None = None  # (pool, requests, tokens) last read
+        self._sent: dict[str, tuple[int, ...]] = {}
+        self._sent_arrays: tuple[Any, np.ndarray, np.ndarray] | None = None  # (pool, requests, sent) last read
         self._full_at = -FULL_EVERY_S
         self._client: aioredis.Redis | None = None
         # Prefix block hashes are Python's hash(), salted per process: replicas agree on them only with the same
@@ -236,31 +245,30 @@ class Replicas:
             await asyncio.sleep(interval)
             self._busy = False
             engine = self._engine()
-            requests, tokens = engine.inflight.own()
+            load = engine.inflight.own()
             now = self._clock()
             full = now - self._full_at >= FULL_EVERY_S
             last = self._sent_arrays
+            # Every change of the load comes with a decision or an end, which moves `sent` or `requests`.
             unchanged = (
                 last is not None
                 and last[0] is engine.pool
-                and np.array_equal(last[1], requests)
-                and np.array_equal(last[2], tokens)
+                and np.array_equal(last[1], load.requests)
+                and np.array_equal(last[2], load.sent)
             )
-            self._sent_arrays = (engine.pool, requests, tokens)
+            self._sent_arrays = (engine.pool, load.requests, load.sent)
             if unchanged and not full and not self._ends and not self._pending:
                 continue  # most ticks: nothing to say
             self._busy = True
-            current = {
-                e.address: (int(r), int(t))
-                for e, r, t in zip(engine.pool.endpoints, requests.tolist(), tokens.tolist(), strict=True)
-            }
+            current = _load_values(engine.pool, load, engine.inflight.clock())
             if full:
                 kind, payload = "full", current
                 self._full_at = now
             else:
                 kind = "changes"
-                payload = {a: v for a, v in current.items() if self._sent.get(a) != v}
-                payload.update({a: (0, 0) for a in self._sent.keys() - current.keys()})  # left the pool
+                # The backlog's age (last) moves on its own: an endpoint whose load is unchanged is left out.
+                payload = {a: v for a, v in current.items() if (old := self._sent.get(a)) is None or old[:4] != v[:4]}
+                payload.update({a: (0, 0, 0, 0, 0) for a in self._sent.keys() - current.keys()})  # left the pool
             entries: list[dict[str, Any]] = []
             if payload:
                 entries.append({"r": self.id, "k": kind, "d": orjson.dumps(payload)})
@@ -338,18 +346,28 @@ class Replicas:
                 return
             peer = self._peers[replica] = _Peer(seen)
         counts = {} if kind == "full" else peer.counts
-        pool = self._engine().pool
+        engine = self._engine()
+        pool, local = engine.pool, engine.inflight.clock()
         refused = False
         for address, value in payload.items():
             if (
                 pool.find(address) is None
                 or not isinstance(value, list)
-                or len(value) != 2
+                or len(value) not in (2, 5)
                 or not all(isinstance(v, int) and 0 <= v <= MAX_COUNT for v in value)
             ):
                 refused = True  # not a member of this pool (or not counts): this replica's pool is its own
                 continue
-            counts[address] = (value[0], value[1])
+            if len(value) == 2:  # in flight only (an older replica)
+                counts[address] = (value[0], value[1], 0, 0, 0.0)
+            else:
+                requests, tokens, sent, backlog, age_ms = value
+                # What it sent before this replica first heard of it is no news: only what it sends from then on
+                # adds to a scraped queue (else a peer that joins would saturate every endpoint until the scrape).
+                base = peer.sent_base.setdefault(address, sent)
+                if sent < base:
+                    base = peer.sent_base[address] = sent
+                counts[address] = (requests, tokens, sent - base, backlog, local - min(age_ms, MAX_AGE_MS) / 1000)
         peer.counts = counts
         peer.seen = max(peer.seen, seen)
         self.stats.applied += 1
@@ -424,15 +442,15 @@ class Replicas:
         """Put the peers' sum into the engine's counters (the pool's order)."""
         engine = self._engine()
         pool = engine.pool
-        requests = np.zeros(len(pool), dtype=np.int64)
-        tokens = np.zeros(len(pool), dtype=np.int64)
+        loads = []
         for peer in self._peers.values():
-            for address, (r, t) in peer.counts.items():
+            values = np.zeros((5, len(pool)))
+            for address, value in peer.counts.items():
                 index = pool.find(address)
                 if index is not None:
-                    requests[index] += r
-                    tokens[index] += t
-        engine.inflight.set_peers(requests, tokens)
+                    values[:, index] = value
+            loads.append(Load(*values[:3].astype(np.int64), values[3], values[4]))
+        engine.inflight.set_peers(Load.sum(loads, len(pool)))
         self._applied_to = engine.inflight
         self._dirty = False
 
@@ -462,6 +480,20 @@ class Replicas:
     def _where(self) -> str:
         url = self.config.url
         return url.split("://", 1)[-1]
+
+
+def _load_values(pool: Any, load: Load, now: float) -> dict[str, tuple[int, ...]]:
+    """Per address: requests, tokens, sent, prefill backlog (tokens), the backlog's age (ms): what an entry says."""
+    ages = np.clip((now - load.backlog_at) * 1000, 0, MAX_AGE_MS)
+    columns = zip(
+        load.requests.tolist(),
+        load.tokens.tolist(),
+        load.sent.tolist(),
+        np.rint(load.backlog).astype(np.int64).tolist(),
+        np.rint(ages).astype(np.int64).tolist(),
+        strict=True,
+    )
+    return {e.address: value for e, value in zip(pool.endpoints, columns, strict=True)}
 
 
 def connect_redis(config: ReplicasConfig) -> aioredis.Redis:

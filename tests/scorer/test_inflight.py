@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inferlb.scorer.inflight import InFlight, Lease
+from inferlb.scorer.inflight import InFlight, Lease, Load
 
 
 def test_starts_at_zero() -> None:
@@ -135,3 +135,31 @@ def test_a_lease_moves_within_the_counters_that_replaced_its_own() -> None:
     assert new.requests.tolist() == [0, 0, 1] and new.tokens.tolist() == [0, 0, 10]
     lease.release()
     assert new.requests.tolist() == [0, 0, 0] and old.requests.tolist() == [0, 1, 0]  # the old ones are not read
+
+
+def test_peers_load_counts_in_requests_sent_and_the_prefill_backlog() -> None:
+    now = [100.0]
+    inflight = InFlight(2, clock=lambda: now[0])
+    inflight.acquire(0, 10, prefill=(1000.0, 100.0))  # 1,000 tokens to prefill at 100 a second
+    decisions = inflight.decisions
+    peers = Load(np.array([2, 0]), np.array([20, 0]), np.array([5, 1]), np.array([500.0, 0.0]), np.array([99.0, 0.0]))
+    inflight.set_peers(peers)
+    assert inflight.requests.tolist() == [3, 0] and inflight.tokens.tolist() == [30, 0]
+    assert inflight.sent.tolist() == [6, 1]  # its own one and the peers' six: the saturation rule sees them all
+    assert inflight.decisions == decisions + 6  # a version that moves with what the peers sent
+    now[0] = 102.0
+    # Its own 1,000 less 200 drained, and the peers' 500 (of a second earlier) less 300.
+    assert inflight.pending_prefill(np.array([0, 1]), np.array([100.0, 100.0])).tolist() == [1000.0, 0.0]
+    own = inflight.own()
+    assert own.requests.tolist() == [1, 0] and own.sent.tolist() == [1, 0] and own.backlog.tolist() == [1000.0, 0.0]
+    inflight.set_peers(Load.zero(2))  # the peers gone
+    assert inflight.requests.tolist() == [1, 0] and inflight.sent.tolist() == [1, 0]
+
+
+def test_loads_add_up_with_their_backlogs_dated_by_weight() -> None:
+    one = Load(np.array([1]), np.array([10]), np.array([3]), np.array([300.0]), np.array([10.0]))
+    two = Load(np.array([2]), np.array([20]), np.array([4]), np.array([100.0]), np.array([14.0]))
+    total = Load.sum([one, two], 1)
+    assert (total.requests.tolist(), total.tokens.tolist(), total.sent.tolist()) == ([3], [30], [7])
+    assert total.backlog.tolist() == [400.0] and total.backlog_at.tolist() == [11.0]
+    assert Load.sum([], 3).requests.tolist() == [0, 0, 0]

@@ -88,7 +88,8 @@ async def test_what_one_replica_has_in_flight_the_other_counts_within_millisecon
     own = b.inflight.acquire(1, 10)
     await until(lambda: b.inflight.requests.tolist() == [2, 1, 1], "b counts a's requests")
     assert b.inflight.tokens.tolist() == [150, 10, 7]
-    assert [x.tolist() for x in b.inflight.own()] == [[0, 1, 0], [0, 10, 0]]  # what b tells: only its own
+    told = b.inflight.own()
+    assert [told.requests.tolist(), told.tokens.tolist()] == [[0, 1, 0], [0, 10, 0]]  # what b tells: its own
     await until(lambda: a.inflight.requests.tolist() == [2, 1, 1], "a counts b's request")
     for lease in leases:
         lease.release()
@@ -252,6 +253,49 @@ async def test_an_end_reported_to_another_replica_releases_the_lease_where_it_is
         assert not held_b.finish(request_id)
         rb.ended_elsewhere(request_id)
     await until(lambda: ra.stats.ends_taken == 1, "a released req-1")
-    assert a.inflight.own()[0].tolist() == [0, 1, 0] and len(held_a) == 1
-    assert held_a.stats.unknown_entries == 0 and rb.stats.ends_passed == 2
+    assert a.inflight.own().requests.tolist() == [0, 1, 0] and len(held_a) == 1
+    assert held_a.stats.unknown_entries == 0
+    # b counts what it passed on once its write returns, which may be after a has read it.
+    await until(lambda: rb.stats.ends_passed == 2, "b counted both ends passed on")
     await until(lambda: b.inflight.requests.tolist() == [0, 1, 0], "b sees a's remaining request")
+
+
+async def test_what_a_peer_sent_since_the_scrape_saturates_here_and_its_prefill_backlog_counts(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """Global admission: the saturation rule adds to the scraped queue what every replica sent since, so an
+    endpoint one replica filled is saturated for the others too; and a peer's prefill backlog counts here."""
+    config = _config(server, tmp_path)
+    a, b = _engine(), _engine()
+    ra, rb = running.start(config, a, "a"), running.start(config, b, "b")
+    await until(lambda: ra.ready() and rb.ready() and rb.peers() == 1, "both caught up, b hears of a")
+    limit = b.saturation.max_waiting
+    snapshot = b.signals.snapshot.with_values(
+        waiting=[limit - 2, 0, 0], kv_usage=[0.1] * 3, scraped_at=[b.signals.clock()] * 3, sent_at_scrape=[0, 0, 0]
+    )
+    b.signals.publish(snapshot)
+    assert not b.saturation.over(b.signals, b.inflight).any()
+    leases = [a.inflight.acquire(0, 10, prefill=(4000.0, 1.0)) for _ in range(3)]  # three more queued at 0
+    await until(lambda: b.inflight.sent.tolist() == [3, 0, 0], "b counts what a sent")
+    assert b.saturation.over(b.signals, b.inflight).tolist() == [True, False, False]
+    backlog = b.inflight.pending_prefill(np.array([0, 1]), np.array([1.0, 1.0]))
+    assert 11_000 < backlog[0] <= 12_000 and backlog[1] == 0  # a's 3 x 4,000 tokens, draining at 1 a second
+    for lease in leases:
+        lease.release()
+
+
+async def test_a_peer_that_joins_brings_no_old_sends_that_would_saturate(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    config = _config(server, tmp_path)
+    a, b = _engine(), _engine()
+    leases = [a.inflight.acquire(0, 10) for _ in range(50)]  # a has sent 50 before b hears of it
+    for lease in leases:
+        lease.release()
+    ra = running.start(config, a, "a")
+    await until(ra.ready, "a caught up")
+    rb = running.start(config, b, "b")
+    await until(lambda: rb.ready() and rb.peers() == 1, "b hears of a")
+    assert b.inflight.sent.tolist() == [0, 0, 0]
+    a.inflight.acquire(0, 10)
+    await until(lambda: b.inflight.sent.tolist() == [1, 0, 0], "b counts what a sends from then on")
