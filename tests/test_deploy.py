@@ -10,8 +10,10 @@ import re
 import shlex
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import kubernetes_validate
@@ -32,7 +34,7 @@ from .conftest import envoy_accepts
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
-VARIANTS = ("base", "inferencepool", "standalone")
+VARIANTS = ("base", "inferencepool", "standalone", "shared")
 
 
 def _kubectl() -> str | None:
@@ -263,9 +265,10 @@ def test_the_pickers_configmap_passes_config_check(manifests: dict[str, list[dic
         [find_tool("inferlb"), "config", "check", str(path)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    for variant in VARIANTS:  # the overlays change nothing in it
+    for variant in VARIANTS:  # the overlays change nothing in it (the shared one adds its replicas)
         (tmp_path / variant).mkdir()
-        assert picker_config(manifests[variant], tmp_path / variant)[1] == config
+        overlay = picker_config(manifests[variant], tmp_path / variant)[1]
+        assert (replace(overlay, replicas=None) if variant == "shared" else overlay) == config
     # What "In Kubernetes" (README.md) asks for: reachable from other pods, the pool from the API server.
     assert parse_address(config.listen)[0] == "0.0.0.0" and config.admin is not None
     assert parse_address(config.admin)[0] == "0.0.0.0"
@@ -555,3 +558,48 @@ def test_the_compose_envoy_renders_a_bootstrap_envoy_accepts(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     assert shlex.split(run)[:4] == ["exec", "envoy", "-c", "/tmp/envoy.yaml"]
     envoy_accepts(tmp_path / "envoy.yaml")
+
+
+@needs_kubectl
+def test_the_shared_replicas_reach_a_redis_only_they_reach_with_secrets_from_secrets(
+    manifests: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    objects = manifests["shared"]
+    path, config = picker_config(objects, tmp_path)
+    assert config.replicas is not None
+    # The replicas' Redis is the Service of redis.yaml, at its port.
+    url = urlsplit(config.replicas.url)
+    name, namespace, *_ = (url.hostname or "").split(".")
+    service = one(objects, "Service", name)
+    assert service["metadata"]["namespace"] == namespace and [p["port"] for p in service["spec"]["ports"]] == [url.port]
+    redis = one(objects, "Deployment", name)["spec"]["template"]
+    assert matches(service["spec"]["selector"], redis["metadata"]["labels"])
+    (server,) = redis["spec"]["containers"]
+    assert server["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    secret_of = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in server["env"]}
+    assert secret_of["REDIS_PASSWORD"] == {"name": "inferlb-redis", "key": "password"}
+    context = {**redis["spec"]["securityContext"], **server["securityContext"]}
+    assert context["runAsNonRoot"] is True and context["readOnlyRootFilesystem"] is True
+    # The pickers read the same password from a file, and share one secret hash seed.
+    assert config.replicas.password is not None
+    password_file = Path(yaml.safe_load(path.read_text())["replicas"]["password"]["token_file"])
+    container = picker_container(objects)
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(password_file.parent))
+    pod = one(objects, "Deployment", "inferlb-picker")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]
+    assert volume["secretName"] == "inferlb-redis" and password_file.name in [i["path"] for i in volume["items"]]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PYTHONHASHSEED"]["valueFrom"]["secretKeyRef"] == {"name": "inferlb-hashseed", "key": "seed"}
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    # Only the pickers reach Redis.
+    policy = one(objects, "NetworkPolicy", "inferlb-redis")["spec"]
+    assert matches(policy["podSelector"]["matchLabels"], redis["metadata"]["labels"])
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    picker_labels = one(objects, "Deployment", "inferlb-picker")["spec"]["template"]["metadata"]["labels"]
+    assert matches(source["podSelector"]["matchLabels"], picker_labels)
+    assert rule["ports"] == [{"port": url.port, "protocol": "TCP"}]
+    # The overlay's picker.yaml is the base's with the replicas section added, nothing else.
+    base = yaml.safe_load((KUBERNETES / "base" / "picker.yaml").read_text())
+    shared = yaml.safe_load((KUBERNETES / "shared" / "picker.yaml").read_text())
+    assert {k: v for k, v in shared.items() if k != "replicas"} == base
