@@ -291,8 +291,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     replies = self.replies.body
                 decided = True
                 quotas = self.quotas
+                charged = None
                 if quotas is not None:
-                    over = self._over_quota(quotas, features)
+                    over, charged = self._over_quota(quotas, features)
                     if over is not None:
                         yield self._refuse(over)
                         return
@@ -304,11 +305,15 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 if refusal is not None:
                     if self.route_spans is not None:
                         self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
+                    if quotas is not None and charged is not None:
+                        quotas.refund(*charged)  # it never reached a server: its tenant keeps its tokens
                     yield self._refuse(refusal)
                     return  # an ImmediateResponse ends the request: nothing more will come
                 reply, lease, forwarded = self._route(
                     features, replies, saturated, envoy_trace, raw_body, streamed=duplex is not None
                 )
+                if lease is None and quotas is not None and charged is not None:
+                    quotas.refund(*charged)
                 yield reply
                 if lease is None:
                     return  # refused by the engine
@@ -337,17 +342,21 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             if aclose is not None:
                 await aclose()
 
-    def _over_quota(self, quotas: Quotas, features: RequestFeatures) -> QuotaExceededError | None:
-        """Charge the request to its tenant's quota, or the 429 that refuses it."""
+    def _over_quota(
+        self, quotas: Quotas, features: RequestFeatures
+    ) -> tuple[QuotaExceededError | None, tuple[str | None, int] | None]:
+        """Charge the request to its tenant's quota: the 429 that refuses it, or what was charged (tenant, tokens:
+        to be given back if the request is refused later, and never reaches a server)."""
         config = quotas.config
         tenant = features.headers.get(config.header or "") if features.headers else None
         output = features.max_tokens if features.max_tokens is not None else config.assumed_output_tokens
-        refusal = quotas.charge(tenant, features.prompt_tokens + output)
+        tokens = features.prompt_tokens + output
+        refusal = quotas.charge(tenant, tokens)
         if refusal is None:
-            return None
+            return None, (tenant, tokens)
         if self.route_spans is not None:
             self.route_spans.refused(features, 429, QuotaExceededError.type, time.time_ns())
-        return QuotaExceededError(refusal)
+        return QuotaExceededError(refusal), None
 
     def _served_by_id(self, request_id: str, address: str) -> None:
         """The served endpoint the observing stream of request ``request_id`` reported: its lease (held, or that of

@@ -366,10 +366,11 @@ def families(readings: Readings) -> Iterator[Metric]:
         shared, quota = r.quotas
         quota_outcomes = [((t, "admitted"), n) for t, n in sorted(quota.admitted.items())]
         quota_outcomes += [((t, f"over {limit}"), n) for (t, limit), n in sorted(quota.refused.items())]
+        quota_outcomes += [((t, "refunded"), n) for t, n in sorted(quota.refunded.items())]
         yield _counter(
             "inferlb_quota_requests_total",
-            "Requests charged to tenant quotas: admitted, or refused (429) over which limit; tenants not listed in "
-            "the config are 'other'.",
+            "Requests charged to tenant quotas: admitted, or refused (429) over which limit, and refunded (admitted, "
+            "then refused by admission or routing: their tokens given back); tenants not listed are 'other'.",
             ("tenant", "outcome"),
             quota_outcomes,
         )
@@ -506,5 +507,6 @@ def _quotas(picker: PickerProcess) -> tuple[bool | None, QuotaStats] | None:
     quotas = picker.service.quotas
     if quotas is None:
         return None
-    stats = QuotaStats(quotas.stats.admitted.copy(), quotas.stats.refused.copy(), quotas.stats.tokens.copy())
+    q = quotas.stats
+    stats = QuotaStats(q.admitted.copy(), q.refused.copy(), q.tokens.copy(), q.refunded.copy())
     return (None if quotas.replicas is None else bool(quotas.up), stats)

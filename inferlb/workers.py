@@ -244,7 +244,7 @@ async def _run_group(group: _Group) -> int:
                     logger.error(
                         "worker %d exited (status %s) before it served; stopping the other workers", worker.index, code
                     )
-                    status = 2 if code in (None, 0) else code
+                    status = 2 if code in (None, 0) else 128 - code if code < 0 else code  # killed: 128 + signal
                     group.stopping = True
                     group.signal_all(signal.SIGTERM)
                     continue

@@ -33,7 +33,7 @@ import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import redis.asyncio as aioredis
@@ -87,6 +87,7 @@ class QuotaStats:
     admitted: Counter[str]  # tenant label -> requests admitted
     refused: Counter[tuple[str, str]]  # (tenant label, limit) -> requests refused
     tokens: Counter[str]  # tenant label -> tokens admitted
+    refunded: Counter[str] = field(default_factory=Counter)  # tenant label -> admitted, then refused after all
     syncs: int = 0
     outages: int = 0
 
@@ -172,6 +173,22 @@ class Quotas:
         self.stats.admitted[label] += 1
         self.stats.tokens[label] += tokens
         return None
+
+    def refund(self, tenant: str | None, tokens: int) -> None:
+        """Give back what `charge` took for a request that was refused after all (it reached no server)."""
+        tenant = tenant or ""
+        buckets = self._buckets.get(tenant)
+        if buckets is None:
+            return
+        for limit, bucket in buckets.items():
+            cost = 1.0 if limit == "requests_per_minute" else float(tokens)
+            if self.up is True or bucket.spent >= cost:
+                bucket.spent -= cost
+            else:  # folded in already (alone): give it back to the level, as each replica's share
+                bucket.base += self._share_count() * cost
+            if self.replicas is not None:
+                bucket.unsent -= cost
+        self.stats.refunded[self.label(tenant)] += 1
 
     def _limits(self, tenant: str) -> TenantLimits | None:
         return _limits_of(self.config, tenant)

@@ -154,6 +154,10 @@ def test_a_tenant_over_its_quota_gets_429s_across_two_replicas_and_another_tenan
             )
             body = {"model": "m1", "prompt": "hello", "max_tokens": 4}
             with httpx.Client(base_url=stack.gateway_url, timeout=30) as client:
+                # Refused after their charge (no endpoint serves the model): the tenant gets its quota back.
+                unknown = {**body, "model": "nope"}
+                lost = [client.post("/v1/completions", json=unknown, headers={"x-tenant": "small"}) for _ in range(4)]
+                assert [r.status_code for r in lost] == [404] * 4
                 small = [client.post("/v1/completions", json=body, headers={"x-tenant": "small"}) for _ in range(12)]
                 big = [client.post("/v1/completions", json=body, headers={"x-tenant": "big"}) for _ in range(12)]
             statuses = [r.status_code for r in small]
@@ -171,4 +175,4 @@ def test_a_tenant_over_its_quota_gets_429s_across_two_replicas_and_another_tenan
                 text = httpx.get(f"{url}/metrics", timeout=5).text
                 lines = [line for line in text.splitlines() if line.startswith("inferlb_quota_requests_total{")]
                 counted.append(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
-            assert sum(counted) == 24 and all(n > 0 for n in counted), counted
+            assert sum(counted) == 32 and all(n > 0 for n in counted), counted  # 4 admitted then refunded

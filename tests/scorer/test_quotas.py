@@ -60,6 +60,16 @@ def test_a_refused_request_takes_nothing_from_any_bucket(clock: ManualClock) -> 
     assert refusal is not None and refusal.limit == "requests_per_minute"
 
 
+def test_a_request_refused_after_its_charge_gets_its_tokens_back(clock: ManualClock) -> None:
+    quotas = _quotas(clock, a={"tokens_per_minute": 600, "requests_per_minute": 60, "burst_s": 6})
+    assert quotas.charge("a", 60) is None  # the whole burst of tokens
+    assert quotas.charge("a", 1) is not None
+    quotas.refund("a", 60)  # admission shed it, or no endpoint served its model: it reached no server
+    assert quotas.charge("a", 60) is None
+    assert quotas.stats.refunded["a"] == 1 and quotas.stats.admitted["a"] == 2
+    quotas.refund("nobody", 5)  # a tenant with no buckets: nothing to give back
+
+
 def test_a_request_larger_than_the_burst_is_told_so(clock: ManualClock) -> None:
     quotas = _quotas(clock, a={"tokens_per_minute": 600, "burst_s": 6})
     refusal = quotas.charge("a", 61)
