@@ -269,30 +269,29 @@ class Replicas:
                 # The backlog's age (last) moves on its own: an endpoint whose load is unchanged is left out.
                 payload = {a: v for a, v in current.items() if (old := self._sent.get(a)) is None or old[:4] != v[:4]}
                 payload.update({a: (0, 0, 0, 0, 0) for a in self._sent.keys() - current.keys()})  # left the pool
-            entries: list[dict[str, Any]] = []
-            if payload:
-                entries.append({"r": self.id, "k": kind, "d": orjson.dumps(payload)})
             self._sent = current
             ends, pending = self._ends, self._pending
             end_ids = [ends.popleft() for _ in range(min(len(ends), MAX_ENDS_PER_ENTRY))]
-            if end_ids:
-                entries.append({"r": self.id, "k": "ends", "d": orjson.dumps(end_ids)})
             prompts = [pending.popleft() for _ in range(min(len(pending), MAX_PREFIXES_PER_ENTRY))]
-            if prompts:
-                entries.append({"r": self.id, "k": "prefix", "h": self.fingerprint, "d": orjson.dumps(prompts)})
-            if not entries:
+            if not (payload or end_ids or prompts):
                 continue
-            # One round trip for the tick's entries (the Redis client's work per command is most of the cost).
-            pipe = client.pipeline(transaction=False)
-            for fields in entries:
-                pipe.xadd(self.config.key, fields, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+            # One entry per tick, whatever it carries: the Redis client's work per command is most of the cost,
+            # on both sides (one XADD here, one entry to parse in each peer).
+            fields: dict[str, Any] = {"r": self.id, "k": kind if payload else "tick"}
+            if payload:
+                fields["d"] = orjson.dumps(payload)
+            if end_ids:
+                fields["e"] = orjson.dumps(end_ids)
+            if prompts:
+                fields["h"] = self.fingerprint
+                fields["p"] = orjson.dumps(prompts)
             try:
-                await pipe.execute()
+                await client.xadd(self.config.key, fields, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
             except BaseException:
                 ends.extendleft(reversed(end_ids))  # kept for the next attempt (within the pending bounds)
                 pending.extendleft(reversed(prompts))
                 raise
-            self.stats.published += len(entries)
+            self.stats.published += 1
             self.stats.ends_passed += len(end_ids)
             self.stats.prefixes_published += len(prompts)
 
@@ -316,8 +315,7 @@ class Replicas:
                 for entry_id, fields in entries:
                     last_id = _text(entry_id)
                     self._apply(fields, now)
-            self._expire()
-            self._put()
+            self._expire()  # and puts the peers' sum into the counters, if anything changed
 
     # ---- applying peers' entries ------------------------------------------------------------------------
 
@@ -326,15 +324,18 @@ class Replicas:
         if replica == self.id:
             return
         kind = _text(fields.get(b"k", b""))
-        try:
-            payload = orjson.loads(fields.get(b"d", b""))
-        except orjson.JSONDecodeError:
-            payload = None
-        if kind == "prefix":
+        payload = _json(fields.get(b"d", b""))
+        if kind == "prefix":  # an entry of its own (replicas of an earlier version)
             self._apply_prefixes(_text(fields.get(b"h", b"")), payload)
             return
         if kind == "ends":
             self._apply_ends(payload, seen)
+            return
+        if b"p" in fields:
+            self._apply_prefixes(_text(fields.get(b"h", b"")), _json(fields[b"p"]))
+        if b"e" in fields:
+            self._apply_ends(_json(fields[b"e"]), seen)
+        if kind == "tick" and replica:  # decisions and ends only: its load was unchanged
             return
         if not replica or kind not in ("full", "changes") or not isinstance(payload, dict):
             self.stats.rejected += 1
@@ -536,6 +537,14 @@ def _raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+def _json(value: Any) -> Any:
+    """A field's JSON, or None where it is none."""
+    try:
+        return orjson.loads(value)
+    except (orjson.JSONDecodeError, TypeError):
+        return None
 
 
 def _text(value: Any) -> str:

@@ -299,3 +299,28 @@ async def test_a_peer_that_joins_brings_no_old_sends_that_would_saturate(
     assert b.inflight.sent.tolist() == [0, 0, 0]
     a.inflight.acquire(0, 10)
     await until(lambda: b.inflight.sent.tolist() == [1, 0, 0], "b counts what a sends from then on")
+
+
+async def test_a_tick_appends_one_entry_with_the_load_the_prompts_and_the_ends(
+    server: RedisServer, tmp_path: Path, running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "4242")
+    config = _config(server, tmp_path, publish_interval_s=0.05)
+    a = _prefix_engine()
+    ra = running.start(config, a, "a")
+    await until(ra.ready, "caught up")
+    await until(lambda: ra.stats.published >= 1, "the first full entry")
+    client = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        before = await client.xlen(config.key)
+        a.inflight.acquire(1, 10)
+        ra.routed(ENDPOINTS[1], text_block_hashes("a system prompt. " * 100, seed=7))
+        ra.ended_elsewhere("req-7")
+        await until(lambda: ra.stats.ends_passed == 1, "published")
+        entries = await client.xrange(config.key, "-", "+")
+    finally:
+        await client.aclose()
+    assert len(entries) == before + 1  # one entry, not one per kind
+    fields = entries[-1][1]
+    assert {b"r", b"k", b"d", b"h", b"p", b"e"} <= set(fields) and fields[b"k"] == b"changes"
+    assert orjson.loads(fields[b"d"])[ENDPOINTS[1]][:3] == [1, 10, 1]
