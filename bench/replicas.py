@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from inferlb.bench.desrun import DesJob, capacity_rps, load_arrivals, replicated_name, run_job
+from inferlb.bench.exchangecost import RATE, exchange_rows
 from inferlb.bench.liverun import MAX_WALL_RPS, MAX_WALL_TOKENS_PER_S, measure
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.metrics import picker_samples
@@ -51,7 +52,7 @@ OUTPUT_TOKENS = 64
 MODEL = "bench-model"
 PUBLISH_INTERVAL_MS = 5.0
 RESYNC_TIMEOUT_S = 30.0
-MODES = ("live", "des", "throughput", "quota")
+MODES = ("live", "des", "throughput", "quota", "exchange")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=MODES,
         default=list(MODES),
         help="live: the runs above; des: the simulator's replica model; throughput: 1 and 2 workers; quota: a tenant "
-        "over its quota beside one under it, across two replicas (default: all)",
+        "over its quota beside one under it, across two replicas; exchange: its CPU per decision (default: all)",
     )
     parser.add_argument("--throughput-rounds", type=int, default=3, help="throughput: rounds of the three runs")
     parser.add_argument("--throughput-duration", type=float, default=8.0, help="throughput: seconds per run")
@@ -148,6 +149,11 @@ def _run_all(args: argparse.Namespace, trace: Path, folder: Path) -> int:
         quota, summary = quota_rows(folder / "quota", phase_s=args.quota_phase)
         rows += quota
         document["quota"] = summary
+    if "exchange" in args.modes:
+        print("the exchange's CPU per decision ...", flush=True)
+        exchange, medians = exchange_rows(folder / "exchange")
+        rows += exchange
+        document["exchange_cpu_us"] = medians
     ratios = worker_ratios([r for r in rows if r["mode"] == "throughput"])
     if ratios is not None:
         document["workers_2_over_1"] = ratios
@@ -361,6 +367,23 @@ def _markdown(document: dict[str, Any]) -> str:
     quota = [r for r in rows if r["mode"] == "quota"]
     if quota:
         out += _quota_markdown(quota, document["quota"])
+    exchange = [r for r in rows if r["mode"] == "exchange"]
+    if exchange:
+        out += [
+            "## The exchange's CPU",
+            "",
+            f"In process: one replica and a real Redis, {RATE:g} decisions a second (each with a 1 KB prompt's "
+            "blocks), against the same feed with no exchange; rounds in turn. µs of CPU per decision that the "
+            "exchange adds.",
+            "",
+            *table(
+                ["round", "publishing interval ms", "feed alone µs/decision", "exchange µs/decision"],
+                [[r["round"], r["sync_delay_ms"], r["feed_cpu_us"], r["exchange_cpu_us"]] for r in exchange],
+            ),
+            "",
+            "Median: " + ", ".join(f"{k}: {v:g} µs" for k, v in document["exchange_cpu_us"].items()) + ".",
+            "",
+        ]
     return "\n".join(out) + "\n"
 
 

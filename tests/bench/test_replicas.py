@@ -15,6 +15,7 @@ import pytest
 
 from inferlb.bench import replicas
 from inferlb.bench.desrun import DesJob, capacity_rps, load_arrivals, replicated_name, run_job
+from inferlb.bench.exchangecost import exchange_rows
 from inferlb.bench.policies import Replicated
 from inferlb.bench.redisserver import REDIS
 from inferlb.bench.workersload import picker_pids, worker_ratios
@@ -156,3 +157,11 @@ def test_the_quota_run_refuses_the_tenant_over_its_quota_only_and_measures_the_l
     summary = document["quota"]
     assert summary["b_refused"] == 0 and abs(summary["limit_error"]) < 0.25
     assert "Tenant quotas across two replicas" in (tmp_path / "replicas.md").read_text()
+
+
+@pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+def test_the_exchange_cost_is_measured_against_the_feed_alone(tmp_path: Path) -> None:
+    rows, medians = exchange_rows(tmp_path, rounds=1, seconds=0.5)
+    assert [r["sync_delay_ms"] for r in rows] == [5.0, 20.0]
+    assert all(r["mode"] == "exchange" and r["feed_cpu_us"] > 0 for r in rows)
+    assert set(medians) == {"5ms", "20ms"}

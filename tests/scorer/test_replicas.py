@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import subprocess
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -324,3 +328,38 @@ async def test_a_tick_appends_one_entry_with_the_load_the_prompts_and_the_ends(
     fields = entries[-1][1]
     assert {b"r", b"k", b"d", b"h", b"p", b"e"} <= set(fields) and fields[b"k"] == b"changes"
     assert orjson.loads(fields[b"d"])[ENDPOINTS[1]][:3] == [1, 10, 1]
+
+
+@pytest.mark.skipif(
+    shutil.which("openssl") is None and not os.environ.get("CI"), reason="needs openssl (.ci/run installs it)"
+)
+async def test_replicas_share_over_tls_and_one_that_cannot_verify_redis_routes_alone(
+    tmp_path: Path, running: Running
+) -> None:
+    with redis_server(tmp_path / "redis-tls", tls=True) as server:
+        secret = tmp_path / "redis-password"
+        secret.write_text(server.password)
+        document = {"url": server.url, "password": {"token_file": str(secret)}, "ca_file": str(server.ca_file)}
+        config = parse_config({"pool": {"endpoints": [{"address": ENDPOINTS[0]}]}, "replicas": document}).replicas
+        assert config is not None and config.url.startswith("rediss://")
+        a, b = _engine(), _engine()
+        ra, rb = running.start(config, a, "a"), running.start(config, b, "b")
+        await until(lambda: ra.ready() and rb.ready() and ra.up and rb.up, "both in touch over TLS")
+        lease = a.inflight.acquire(2, 5)
+        await until(lambda: b.inflight.requests.tolist() == [0, 0, 1], "b counts a's request")
+        lease.release()
+        # A CA that did not sign Redis's certificate: no connection, and the reason says so.
+        other = tmp_path / "other-ca"
+        other.mkdir()
+        stranger = running.start(replace(config, ca_file=str(_other_ca(other))), _engine(), "c")
+        await until(lambda: stranger.up is False, "c refuses the server")
+        assert stranger.problem is not None and "certificate" in stranger.problem.lower()
+
+
+def _other_ca(folder: Path) -> Path:
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+         "-days", "2", "-subj", "/CN=another CA"],
+        cwd=folder, check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return folder / "ca.crt"
