@@ -7,7 +7,7 @@ VLLM_VENV := $(VENV)/vllm
 VLLM_VERSION := 0.32.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-external lint clean
+.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-external bench-replicas lint clean
 
 demo: $(VENV)/.installed-envoy
 	$(BIN)/inferlb demo
@@ -30,6 +30,14 @@ test-vllm: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 bench: $(VENV)/.installed-bench
 	@command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -q wrk >/dev/null; }
 	$(BIN)/inferlb bench hop --out bench/results
+
+# Picker replicas: sharing state through Redis (live, and the simulator's replica model), 1 and 2 workers'
+# throughput, tenant quotas across replicas, the exchange's CPU (bench/results/replicas.md). About 20 minutes.
+bench-replicas: $(VENV)/.installed-bench
+	@command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -q wrk >/dev/null; }
+	@command -v redis-server >/dev/null || { echo "installing redis-server (Debian package)"; \
+		apt-get install -y -q redis-server >/dev/null; }
+	$(BIN)/inferlb bench replicas --rounds 3 --out bench/results
 
 # Routing quality on the four shipped traces (../shared/traces): every contender in the simulator at 16 servers,
 # then through the live gateway at what this machine sustains. Add QUICK=--quick for a run of a few minutes.

@@ -60,7 +60,11 @@ SUITES: Mapping[str, Suite] = MappingProxyType(
             Suite("bodycost", "what the worst request bodies cost the picker's parser"),
             Suite("experiments", "A/B tests between policies: false verdicts, power, grey releases that roll back"),
             Suite("conformance", "an Endpoint Picker against the protocol: over ext_proc, and through real Envoy"),
-            Suite("replicas", "pickers sharing state through Redis beside one picker and unshared ones, live"),
+            Suite(
+                "replicas",
+                "pickers sharing state through Redis: against one picker and unshared ones (live, simulated), "
+                "1 and 2 workers, tenant quotas, the exchange's CPU",
+            ),
         )
     }
 )

@@ -64,7 +64,7 @@ local kept = redis.call('HMGET', KEYS[1], 'level', 'at')
 if kept[1] then
   level = math.min(capacity, tonumber(kept[1]) + rate * math.max(0, now - tonumber(kept[2])))
 end
-level = level - spent
+level = math.min(capacity, level - spent)  -- spent < 0: refunds, which never overfill it
 redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level), 'at', string.format('%.17g', now))
 redis.call('PEXPIRE', KEYS[1], math.ceil((capacity / rate + 60) * 1000))
 return string.format('%.17g', level)
