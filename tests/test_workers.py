@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ from inferlb.scorer.config import parse_config
 from inferlb.scorer.errors import ConfigError
 from inferlb.workers import check_workers, worker_addresses, worker_config
 
-from .conftest import envoy_accepts
+from .conftest import envoy_accepts, poll
 
 needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
 
@@ -120,14 +119,6 @@ def _gauge(url: str, name: str) -> float | None:
     return None
 
 
-def _wait(check, what: str, timeout: float = 20.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.02)
-    return result
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -146,17 +137,17 @@ def test_workers_see_each_other_a_killed_one_comes_back_and_all_stop_with_the_su
         try:
             admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
             # Each worker is a replica of the other: one peer each, through Redis.
-            _wait(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "each sees one peer")
-            workers = _wait(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers")
+            poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "each sees one peer", 30.0)
+            workers = poll(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers", 30.0)
             os.kill(workers[1], signal.SIGKILL)
-            back = _wait(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart")
-            _wait(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "the restarted one sees its peer")
+            back = poll(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart", 30.0)
+            poll(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "the restarted one sees its peer", 30.0)
             assert back[0] == workers[0]  # the other went on serving
             log = (tmp_path / "supervisor.log").read_text()
             assert "worker 1 exited (status -9)" in log and "starting it again in 1 s" in log
             # The supervisor killed outright (no chance to stop them): the workers see it and stop.
             os.kill(supervisor.pid, signal.SIGKILL)
-            _wait(lambda: not any(_alive(pid) for pid in back.values()), "workers gone")
+            poll(lambda: not any(_alive(pid) for pid in back.values()), "workers gone", 30.0)
         finally:
             supervisor.stop()
 

@@ -5,7 +5,6 @@ log reports to the replica that did not route it still releases its count."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,8 @@ import pytest
 
 from inferlb.bench.redisserver import REDIS, redis_server
 from inferlb.stack import LocalStack, StackOptions
+
+from ..conftest import poll
 
 pytestmark = [
     pytest.mark.envoy,
@@ -31,12 +32,22 @@ def _inflight(stack: LocalStack) -> list[int]:
     return views
 
 
-def _wait(check, what: str, timeout: float = 15.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.02)
-    return result
+async def _streamed_while_all_count(stack: LocalStack) -> list[int]:
+    """REQUESTS streamed completions through the gateway; while their answers stream, every picker (replica or
+    worker) counts all of them, its own and the others'. Their statuses."""
+    body = {"model": "m1", "prompt": "hold on " * 20, "max_tokens": 300, "stream": True}
+    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60) as client:
+
+        async def one() -> int:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for _ in response.aiter_bytes():
+                    pass
+                return response.status_code
+
+        tasks = [asyncio.create_task(one()) for _ in range(REQUESTS)]
+        everyone = [REQUESTS] * len(stack.picker_admin_urls)
+        await asyncio.to_thread(poll, lambda: _inflight(stack) == everyone, "every picker sees all", 15.0)
+        return await asyncio.gather(*tasks)
 
 
 def test_two_replicas_behind_one_envoy_see_every_request_in_flight_and_every_end(tmp_path: Path) -> None:
@@ -51,32 +62,14 @@ def test_two_replicas_behind_one_envoy_see_every_request_in_flight_and_every_end
             picker_config={"replicas": {"url": redis.url, "password": {"token_file": str(secret)}}},
         )
         with LocalStack(options, tmp_path / "stack") as stack:
-            _wait(
+            poll(
                 lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
                 "ready",
+                30.0,
             )
-            body = {"model": "m1", "prompt": "hold on " * 20, "max_tokens": 300, "stream": True}
-
-            async def load() -> list[int]:
-                async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60) as client:
-
-                    async def one() -> int:
-                        async with client.stream("POST", "/v1/completions", json=body) as response:
-                            async for _ in response.aiter_bytes():
-                                pass
-                            return response.status_code
-
-                    tasks = [asyncio.create_task(one()) for _ in range(REQUESTS)]
-                    # While the answers stream, each replica counts all of them: its own and its peer's.
-                    seen = await asyncio.to_thread(
-                        _wait, lambda: _inflight(stack) == [REQUESTS, REQUESTS], "both see all"
-                    )
-                    assert seen
-                    return await asyncio.gather(*tasks)
-
-            assert asyncio.run(load()) == [200] * REQUESTS
+            assert asyncio.run(_streamed_while_all_count(stack)) == [200] * REQUESTS
             # Every end released its count, whichever replica Envoy's access log reached.
-            _wait(lambda: _inflight(stack) == [0, 0], "all ended everywhere")
+            poll(lambda: _inflight(stack) == [0, 0], "all ended everywhere", 30.0)
             routed = _routed(stack)
             assert sum(routed) == REQUESTS and all(n > 0 for n in routed), routed
 
@@ -105,27 +98,13 @@ def test_the_workers_of_one_picker_share_envoys_streams_and_their_counts(tmp_pat
         )
         with LocalStack(options, tmp_path / "stack") as stack:
             assert len(stack.picker_admin_urls) == 2
-            _wait(
+            poll(
                 lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
                 "ready",
+                30.0,
             )
-            body = {"model": "m1", "prompt": "hold on " * 20, "max_tokens": 300, "stream": True}
-
-            async def load() -> list[int]:
-                async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60) as client:
-
-                    async def one() -> int:
-                        async with client.stream("POST", "/v1/completions", json=body) as response:
-                            async for _ in response.aiter_bytes():
-                                pass
-                            return response.status_code
-
-                    tasks = [asyncio.create_task(one()) for _ in range(REQUESTS)]
-                    await asyncio.to_thread(_wait, lambda: _inflight(stack) == [REQUESTS, REQUESTS], "both see all")
-                    return await asyncio.gather(*tasks)
-
-            assert asyncio.run(load()) == [200] * REQUESTS
-            _wait(lambda: _inflight(stack) == [0, 0], "all ended everywhere")
+            assert asyncio.run(_streamed_while_all_count(stack)) == [200] * REQUESTS
+            poll(lambda: _inflight(stack) == [0, 0], "all ended everywhere", 30.0)
             routed = _routed(stack)
             assert sum(routed) == REQUESTS and all(n > 0 for n in routed), routed
 
@@ -148,9 +127,10 @@ def test_a_tenant_over_its_quota_gets_429s_across_two_replicas_and_another_tenan
             },
         )
         with LocalStack(options, tmp_path / "stack") as stack:
-            _wait(
+            poll(
                 lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
                 "ready",
+                30.0,
             )
             body = {"model": "m1", "prompt": "hello", "max_tokens": 4}
             with httpx.Client(base_url=stack.gateway_url, timeout=30) as client:
