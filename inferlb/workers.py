@@ -176,11 +176,13 @@ class _Group:
 
         def on_readable() -> None:
             loop.remove_reader(read_fd)
-            with contextlib.suppress(OSError):
+            try:
                 said = os.read(read_fd, 1)
-                if not ready.done():
-                    ready.set_result(said == b"r")
+            except OSError:
+                said = b""
             os.close(read_fd)
+            if not ready.done():
+                ready.set_result(said == b"r")
 
         loop.add_reader(read_fd, on_readable)
         env = {**self.env, READY_FD_ENV: str(write_fd), SUPERVISOR_FD_ENV: str(self.alive_read)}
