@@ -24,6 +24,15 @@ from inferlb.sim.profiles import get_profile
 from inferlb.sim.traces import load_trace
 
 
+def _run(argv: list[str]) -> int:
+    """``inferlb bench replicas`` with ``argv``, as the CLI runs it."""
+    parser = argparse.ArgumentParser()
+    replicas.add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.command = "inferlb bench replicas (test)"
+    return replicas.run(args)
+
+
 def test_the_workload_is_chats_that_share_long_prefixes(tmp_path: Path) -> None:
     path = tmp_path / "chats.jsonl"
     replicas.shared_prefix_trace(path, 200, groups=8, seed=3)
@@ -38,13 +47,21 @@ def test_the_workload_is_chats_that_share_long_prefixes(tmp_path: Path) -> None:
 @pytest.mark.envoy
 @pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
 def test_a_short_run_restarts_redis_under_load_without_a_client_error(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    replicas.add_arguments(parser)
-    args = parser.parse_args(
-        ["--requests", "60", "--runs", "2 pickers, shared, Redis restarted", "--modes", "live", "--out", str(tmp_path)]
+    assert (
+        _run(
+            [
+                "--requests",
+                "60",
+                "--runs",
+                "2 pickers, shared, Redis restarted",
+                "--modes",
+                "live",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
     )
-    args.command = "inferlb bench replicas (test)"
-    assert replicas.run(args) == 0
     [row] = json.loads((tmp_path / "replicas.json").read_text())["runs"]
     for key in ("replicas", "shared", "sync_delay_ms", "prefix_hit_rate", "ttft_p99_ms", "throughput_rps", "errors"):
         assert key in row
@@ -91,13 +108,12 @@ def test_replicas_that_share_nothing_find_fewer_prefixes_in_the_simulator(tmp_pa
 @pytest.mark.envoy
 @pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
 def test_the_throughput_runs_load_one_and_two_workers_and_count_every_workers_cpu(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    replicas.add_arguments(parser)
-    args = parser.parse_args(
-        ["--modes", "throughput", "--throughput-rounds", "1", "--throughput-duration", "1", "--out", str(tmp_path)]
+    assert (
+        _run(
+            ["--modes", "throughput", "--throughput-rounds", "1", "--throughput-duration", "1", "--out", str(tmp_path)]
+        )
+        == 0
     )
-    args.command = "inferlb bench replicas (test)"
-    assert replicas.run(args) == 0
     document = json.loads((tmp_path / "replicas.json").read_text())
     rows = {r["policy"]: r for r in document["runs"]}
     assert set(rows) == {"1 worker", "1 worker, Redis", "2 workers"}
@@ -139,11 +155,7 @@ def test_two_workers_over_one_is_taken_within_each_round() -> None:
 @pytest.mark.envoy
 @pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
 def test_the_quota_run_refuses_the_tenant_over_its_quota_only_and_measures_the_limits_error(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    replicas.add_arguments(parser)
-    args = parser.parse_args(["--modes", "quota", "--quota-phase", "3", "--out", str(tmp_path)])
-    args.command = "inferlb bench replicas (test)"
-    assert replicas.run(args) == 0
+    assert _run(["--modes", "quota", "--quota-phase", "3", "--out", str(tmp_path)]) == 0
     document = json.loads((tmp_path / "replicas.json").read_text())
     rows = {(r["phase"], r["tenant"]): r for r in document["runs"]}
     assert set(rows) == {("b alone", "b"), ("a within its quota", "b"), ("a within its quota", "a"),

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from inferlb.bench.redisserver import REDIS, redis_server
+from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
 from inferlb.stack import LocalStack, StackOptions
 
 from ..conftest import poll
@@ -52,26 +53,34 @@ async def _streamed_while_all_count(stack: LocalStack) -> list[int]:
 
 def test_two_replicas_behind_one_envoy_see_every_request_in_flight_and_every_end(tmp_path: Path) -> None:
     with redis_server(tmp_path / "redis") as redis:
-        secret = tmp_path / "redis-password"
-        secret.write_text(redis.password)
         options = StackOptions(
             backends=2,
             models=("m1",),
             pickers=2,
             picker_env={"PYTHONHASHSEED": "977"},
-            picker_config={"replicas": {"url": redis.url, "password": {"token_file": str(secret)}}},
+            picker_config={"replicas": _shared(redis, tmp_path)},
         )
         with LocalStack(options, tmp_path / "stack") as stack:
-            poll(
-                lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
-                "ready",
-                30.0,
-            )
+            _all_ready(stack)
             assert asyncio.run(_streamed_while_all_count(stack)) == [200] * REQUESTS
             # Every end released its count, whichever replica Envoy's access log reached.
             poll(lambda: _inflight(stack) == [0, 0], "all ended everywhere", 30.0)
             routed = _routed(stack)
             assert sum(routed) == REQUESTS and all(n > 0 for n in routed), routed
+
+
+def _shared(redis: RedisServer, folder: Path) -> dict[str, Any]:
+    """The pickers' replicas section for ``redis``, its password in a file in ``folder``."""
+    secret = folder / "redis-password"
+    secret.write_text(redis.password)
+    return {"url": redis.url, "password": {"token_file": str(secret)}}
+
+
+def _all_ready(stack: LocalStack) -> None:
+    def ready() -> bool:
+        return all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls)
+
+    poll(ready, "every picker ready", 30.0)
 
 
 def _routed(stack: LocalStack) -> list[float]:
@@ -88,21 +97,15 @@ def test_the_workers_of_one_picker_share_envoys_streams_and_their_counts(tmp_pat
     """``inferlb serve --workers 2`` behind Envoy (``picker_workers``): Envoy's picker cluster lists both workers'
     ports, spreads the routing streams over them, and each worker counts the other's requests in flight."""
     with redis_server(tmp_path / "redis") as redis:
-        secret = tmp_path / "redis-password"
-        secret.write_text(redis.password)
         options = StackOptions(
             backends=2,
             models=("m1",),
             picker_workers=2,
-            picker_config={"replicas": {"url": redis.url, "password": {"token_file": str(secret)}}},
+            picker_config={"replicas": _shared(redis, tmp_path)},
         )
         with LocalStack(options, tmp_path / "stack") as stack:
             assert len(stack.picker_admin_urls) == 2
-            poll(
-                lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
-                "ready",
-                30.0,
-            )
+            _all_ready(stack)
             assert asyncio.run(_streamed_while_all_count(stack)) == [200] * REQUESTS
             poll(lambda: _inflight(stack) == [0, 0], "all ended everywhere", 30.0)
             routed = _routed(stack)
@@ -114,24 +117,18 @@ def test_a_tenant_over_its_quota_gets_429s_across_two_replicas_and_another_tenan
     bootstrap forwards it), the tenant over its limit gets 429 with retry-after and a JSON reason whichever
     replica Envoy asks, and the other tenant is routed as before."""
     with redis_server(tmp_path / "redis") as redis:
-        secret = tmp_path / "redis-password"
-        secret.write_text(redis.password)
         limits = {"small": {"requests_per_minute": 120, "burst_s": 2}, "big": {"requests_per_minute": 60000}}
         options = StackOptions(
             backends=2,
             models=("m1",),
             pickers=2,
             picker_config={
-                "replicas": {"url": redis.url, "password": {"token_file": str(secret)}},
+                "replicas": _shared(redis, tmp_path),
                 "quotas": {"header": "x-tenant", "tenants": limits},
             },
         )
         with LocalStack(options, tmp_path / "stack") as stack:
-            poll(
-                lambda: all(httpx.get(f"{u}/readyz", timeout=5).status_code == 200 for u in stack.picker_admin_urls),
-                "ready",
-                30.0,
-            )
+            _all_ready(stack)
             body = {"model": "m1", "prompt": "hello", "max_tokens": 4}
             with httpx.Client(base_url=stack.gateway_url, timeout=30) as client:
                 # Refused after their charge (no endpoint serves the model): the tenant gets its quota back.
