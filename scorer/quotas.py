@@ -288,12 +288,27 @@ class Quotas:
                 bucket.unsent += bucket.sending
                 bucket.sending = 0.0
             raise
-        for (_, bucket), level in zip(due, levels, strict=True):
-            bucket.base = float(level)
+        values = [_level(level) for level in levels]
+        if not all(math.isfinite(v) for v in values):
+            # Not what the script writes: someone else wrote the bucket. Counted as Redis failing (each replica
+            # then enforces its share alone), and what was sent is sent again with the next call.
+            for _, bucket in due:
+                bucket.unsent += bucket.sending
+                bucket.sending = 0.0
+            raise RedisError(f"a quota bucket under {prefix!r} holds no finite level")
+        for (_, bucket), value in zip(due, values, strict=True):
+            bucket.base = value
             bucket.base_at = now
             bucket.spent = bucket.unsent  # what was spent while the call was under way is not in the level yet
             bucket.sending = 0.0
         self.stats.syncs += 1
+
+
+def _level(reply: object) -> float:
+    try:
+        return float(reply)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _limits_of(config: QuotasConfig, tenant: str) -> TenantLimits | None:

@@ -217,3 +217,27 @@ async def test_redis_away_each_replica_keeps_its_share_and_reports_its_spending_
         # Redis came back empty: the bucket starts full, less what this replica spent while it was away.
         assert level <= 100 - admitted + 100 * 2.0
         assert level < 100
+
+
+@needs_redis
+@pytest.mark.parametrize("forged", ["-inf", "not a number"])
+async def test_a_bucket_someone_else_wrote_leaves_each_replica_enforcing_its_share_alone(
+    server: RedisServer, tmp_path: Path, forged: str
+) -> None:
+    quotas_config, replicas = _shared(server, tmp_path, {"a": {"tokens_per_minute": 6000, "burst_s": 1}})
+    quotas = Quotas(quotas_config, replicas, shares=lambda: 2)
+    key = "inferlb:quota-test:quota:tokens_per_minute:a"
+    client = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        async with _running(quotas):
+            assert quotas.charge("a", 10) is None
+            await until(lambda: quotas.stats.syncs > 1, "synced")
+            await client.hset(key, mapping={"level": forged, "at": "0"})
+            await until(lambda: quotas.up is False, "the forged bucket refused")
+            # Alone, it still limits the tenant to its share: nothing the bucket said lets everything through.
+            admitted = sum(10 for _ in range(100) if quotas.charge("a", 10) is None)
+            assert 0 < admitted <= 60, admitted
+            await client.delete(key)
+            await until(lambda: quotas.up, "in step again once the bucket is gone", timeout=30)
+    finally:
+        await client.aclose()

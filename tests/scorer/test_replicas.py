@@ -141,6 +141,28 @@ async def test_only_well_formed_counts_of_its_own_pool_members_are_applied(
     assert b.inflight.requests.tolist() == [0, 0, 3] and b.inflight.tokens.tolist() == [0, 0, 30]
 
 
+async def test_a_peers_load_counts_only_as_far_as_each_value_is_a_count(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """The load's five values (requests, tokens, sent, prefill backlog, its age in ms): a negative or non-integer
+    one, or a list of another length, refuses that endpoint's entry; an age beyond any backlog's life is cut."""
+    config = _config(server, tmp_path)
+    b = _engine()
+    rb = running.start(config, b, "b")
+    await until(rb.ready, "b caught up")
+    forger = aioredis.Redis.from_url(server.url, password=server.password)
+    load = {ENDPOINTS[0]: [1, 1, -5, 0, 0], ENDPOINTS[1]: [1, 1, 1, 1], ENDPOINTS[2]: [2, 20, 7, 900, 10**12]}
+    try:
+        await forger.xadd(config.key, {"r": "v", "k": "full", "d": orjson.dumps(load)})  # type: ignore[arg-type]
+        await until(lambda: b.inflight.requests.tolist() == [0, 0, 2], "the well-formed endpoint applied")
+    finally:
+        await forger.aclose()
+    assert rb.stats.rejected >= 1
+    assert b.inflight.sent.tolist() == [0, 0, 0]  # what it sent before b first heard of it is no news
+    backlog = b.inflight.pending_prefill(np.array([2]), np.array([1.0]))
+    assert backlog.tolist() == [0.0]  # dated an hour back at most: long drained, never a negative time
+
+
 async def test_without_redis_each_replica_routes_alone_says_so_and_resynchronises(
     server: RedisServer, tmp_path: Path, running: Running, caplog: pytest.LogCaptureFixture
 ) -> None:
