@@ -216,8 +216,7 @@ class PickerProcess:
 
     def _overridden(self, config: Config) -> Config:
         # A --listen given on the command line holds for every later config too, and so do a worker's ports.
-        config = replace(config, listen=self.listen_override) if self.listen_override else config
-        return config if self.worker is None else worker_config(config, self.worker)
+        return _addressed(config, self.listen_override, self.worker)
 
     def _wanted(self, listed: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
         """The endpoints that should serve: those the config file lists, then those discovered (a discovered entry
@@ -395,6 +394,12 @@ class PickerProcess:
                 logger.error("config file changed but was refused; the old config stays in force: %s", exc)
 
     # ---- admin API ----------------------------------------------------------------------------------------
+
+
+def _addressed(config: Config, listen_override: str | None, worker: int | None) -> Config:
+    """``config`` with the command line's ``--listen`` and, for a worker of ``--workers N``, that worker's ports."""
+    config = replace(config, listen=listen_override) if listen_override else config
+    return config if worker is None else worker_config(config, worker)
 
 
 def _log_membership(plan: Plan, pool: Pool, inflight: InFlight, reason: str) -> None:
@@ -619,10 +624,7 @@ async def serve(
     answering for ``config.drain_s`` seconds (a second signal cuts that short), then streams still open get
     ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the file is watched and reloaded on change.
     ``worker``: this picker is that worker of ``inferlb serve --workers N`` (its ports follow; inferlb/workers.py)."""
-    if listen_override:
-        config = replace(config, listen=listen_override)
-    if worker is not None:
-        config = worker_config(config, worker)
+    config = _addressed(config, listen_override, worker)
     discovered = None
     if config.discovery is not None and not config.endpoints:
         source = discovery_source(config)
