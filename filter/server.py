@@ -207,15 +207,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 if message.observability_mode:
                     timer = self.response_timer
                     if timer is not None:
-                        experiments = self.router.experiments
-                        outcome = None if experiments is None else experiments.observed
                         await time_response(
                             message,
                             messages,
                             self._endpoints,
                             timer,
                             self.observe_stats,
-                            outcome=outcome,
+                            outcome=self._timed,
                             served=self._served_by_id,
                         )
                     return
@@ -357,6 +355,15 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if self.route_spans is not None:
             self.route_spans.refused(features, 429, QuotaExceededError.type, time.time_ns())
         return QuotaExceededError(refusal), None
+
+    def _timed(self, request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
+        """The filter timed request ``request_id``'s response (or saw it fail): its experiment arm and the servers'
+        speeds are told."""
+        router = self.router  # read now: a reload may have replaced it since the request was routed
+        if router.speeds is not None and not failed:
+            router.speeds.observed(request_id, ttft_s, e2e_s)
+        if router.experiments is not None:
+            router.experiments.observed(request_id, ttft_s, e2e_s, failed)
 
     def _served_by_id(self, request_id: str, address: str) -> None:
         """The served endpoint the observing stream of request ``request_id`` reported: its lease (held, or that of

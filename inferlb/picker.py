@@ -345,6 +345,7 @@ class PickerProcess:
                 pool, signals, keep=same_pool, config=config.otel, mapping=plan.mapping, restarted=plan.restarted
             )
             self.service.trace_join = _trace_join(config, self.spans)
+            router.speeds = self.spans.speeds  # the one that follows the pool (rebind moved it)
         self.engine, self.config = engine, config
         if reason == "config":
             self.reloads += 1
@@ -447,12 +448,14 @@ def _experiments(config: Config, engine: Engine, rng: np.random.Generator | None
 
 
 def _span_outcomes(service: ExtProcService, spans: SpanLoop | None) -> None:
-    """With ``otel.latency_source: spans``, each server span joined to a decision tells the request's experiment arm
-    its TTFT, E2E and output tokens (with ``stream``, the filter's timing of the response tells TTFT or E2E)."""
+    """With ``otel.latency_source: spans``, each server span joined to a decision tells the servers' speeds and the
+    request's experiment arm its TTFT, E2E and output tokens (with ``stream``, the filter's timing of the response
+    tells TTFT or E2E)."""
     if spans is None or spans.receiver is None or not spans.from_spans:
         return
 
     def outcome(request_id: str, record: SpanRecord) -> None:
+        spans.observed(request_id, record.ttft_s, record.e2e_s, record.output_tokens)
         experiments = service.router.experiments  # read at each span: a reload may replace them
         if experiments is not None:
             experiments.observed(request_id, record.ttft_s, record.e2e_s, False, output_tokens=record.output_tokens)
@@ -515,6 +518,7 @@ def create_picker(
         service.trace_join = _trace_join(config, spans)
         if config.otel.latency_source == "stream":
             service.response_timer = spans.observe_response
+        service.router.speeds = spans.speeds
         _span_outcomes(service, spans)
     if config.otel.exporter != "none" and config.otel.export_endpoint is not None:
         protocol = "grpc" if config.otel.exporter == "otlp-grpc" else "http/protobuf"

@@ -32,6 +32,7 @@ from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.networks import LOOPBACK_NETWORKS, Networks, networks_of_hosts
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
+from inferlb.scorer.speeds import ServerSpeeds
 
 __all__ = ["SpanLoop", "receiver_settings"]
 
@@ -79,6 +80,9 @@ class SpanLoop:
         self.join = TraceJoin(max_age_s=config.join_max_age_s)
         self.pool, self.signals = pool, signals
         self.latency = EndpointLatency(len(pool), window_s=config.window_s, half_life_s=config.half_life_s)
+        # The servers' speeds, learned from each routed request's predicted work and its timing (the routing unit
+        # records the work, the spans or the filter's timing of the response the time; see `observed`).
+        self.speeds = ServerSpeeds(len(pool), signals.clock)
         self.histograms = LatencyHistograms(len(pool))
         # The heatmap's window follows the newest end time it is given: it takes none from the future.
         self.heatmap = HeatmapAggregator(
@@ -160,6 +164,7 @@ class SpanLoop:
                 cold = np.array(mapping, copy=True)
                 cold[list(restarted)] = -1
                 self.latency = self.latency.moved(cold)
+                self.speeds = self.speeds.moved(mapping)  # a restarted server runs on the same hardware
                 self.histograms = self.histograms.moved(mapping)
                 self.join.remap(mapping)
             else:
@@ -167,6 +172,7 @@ class SpanLoop:
                 self.latency = EndpointLatency(
                     len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s
                 )
+                self.speeds = ServerSpeeds(len(pool), signals.clock)
                 self.histograms = LatencyHistograms(len(pool))
             if self.receiver is not None:
                 observe = self._observe if self.from_spans else _ignore
@@ -194,6 +200,13 @@ class SpanLoop:
         self._observe(endpoint, ttft_s, e2e_s)
         self.heatmap.add(time.time(), address, ttft_s, e2e_s)
 
+    def observed(
+        self, request_id: str, ttft_s: float | None, e2e_s: float | None, output_tokens: int | None = None
+    ) -> None:
+        """A routed request's latencies, by its request id (a span joined to its decision, or the filter's timing
+        of its response): what the servers' speeds are learned from."""
+        self.speeds.observed(request_id, ttft_s, e2e_s, output_tokens)
+
     def view(self) -> dict[str, Any]:
         """The statistics as arrays (for the admin API)."""
         return {k: np.asarray(v) for k, v in self.latency.arrays().items()}
@@ -202,11 +215,19 @@ class SpanLoop:
         while True:
             await asyncio.sleep(self.config.publish_interval_s)
             self.join.expire()  # decisions whose span never came, even while no new decision is recorded
+            self.speeds.forget_pending()
             arrays = self.latency.arrays()
             signals = self.signals
-            if len(arrays["ttft_ewma"]) != len(signals.snapshot):
+            if len(arrays["ttft_ewma"]) != len(signals.snapshot) or self.speeds.size != len(signals.snapshot):
                 continue  # a reload is switching pools
-            signals.publish(signals.snapshot.with_values(ttft_s=arrays["ttft_ewma"], e2e_s=arrays["e2e_ewma"]))
+            signals.publish(
+                signals.snapshot.with_values(
+                    ttft_s=arrays["ttft_ewma"],
+                    e2e_s=arrays["e2e_ewma"],
+                    prefill_tokens_per_s=self.speeds.prefill_tokens_per_s(),
+                    decode_step_s=self.speeds.decode_step_s(),
+                )
+            )
 
 
 def _untokened(config: OtelConfig, pool: Pool) -> ReceiverSettings:

@@ -182,13 +182,14 @@ class TtftPredictor:
 
     Predicted work = the endpoint's prefill backlog (prompt tokens this picker sent there that it has not had
     time to prefill, `InFlight.pending_prefill`; no scrape lag) + this request's prompt tokens not expected to hit
-    that endpoint's prefix cache, over the endpoint's prefill rate (the snapshot's ``prefill_tokens_per_s`` where
-    a collector provides it, which none does yet; `DEFAULT_PREFILL_TOKENS_PER_S` otherwise). ``prefix_match``
-    (optional) gives, per endpoint of the pool, how many of the request's prefix blocks it likely holds, and
-    ``block_tokens`` how many tokens a block is. The prefix-affinity scorer's imbalance guard applies here too: an
-    endpoint with more than ``guard x (mean in-flight requests over the candidates + 1)`` requests in flight gets
-    no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt is cheap to
-    prefill, but the requests still have to be decoded somewhere).
+    that endpoint's prefix cache, over the endpoint's prefill rate (the snapshot's ``prefill_tokens_per_s``, which
+    `scorer.speeds.ServerSpeeds` learns; `DEFAULT_PREFILL_TOKENS_PER_S` where it is not known), plus the
+    endpoint's decode step time where one is learned (``decode_step_s``: the step that makes the first token).
+    ``prefix_match`` (optional) gives, per endpoint of the pool, how many of the request's prefix blocks it likely
+    holds, and ``block_tokens`` how many tokens a block is. The prefix-affinity scorer's imbalance guard applies
+    here too: an endpoint with more than ``guard x (mean in-flight requests over the candidates + 1)`` requests in
+    flight gets no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt
+    is cheap to prefill, but the requests still have to be decoded somewhere).
 
     ``prefill`` tells the engine the request's uncached tokens on the chosen endpoint, which the request's lease
     adds to that endpoint's backlog. Keeps a per-snapshot cache: one per plugin, one event loop.
@@ -203,6 +204,7 @@ class TtftPredictor:
         self.guard = guard
         self._for: Snapshot | None = None
         self._tokens_per_s = np.zeros(0)
+        self._step_s: np.ndarray | None = None  # decode seconds per step, where learned (None: nowhere)
         # The rates of the last candidates seen, and those candidates (reset with the snapshot).
         self._rates = np.zeros(0)
         self._rates_for: np.ndarray | None = None
@@ -212,10 +214,12 @@ class TtftPredictor:
     def seconds(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         snapshot = state.signals.snapshot
         if snapshot is not self._for:  # the rates change with the snapshot only
-            rate = snapshot.prefill_tokens_per_s
+            rate, step = snapshot.prefill_tokens_per_s, snapshot.decode_step_s
             with np.errstate(invalid="ignore"):
                 known = np.isfinite(rate) & (rate > 0)
+                step_known = np.isfinite(step) & (step > 0)
             self._tokens_per_s = np.where(known, rate, DEFAULT_PREFILL_TOKENS_PER_S)
+            self._step_s = np.where(step_known, step, 0.0) if step_known.any() else None
             self._for = snapshot
             self._rates_for = None
         # At least one token: a request whose prompt is unknown (a headers-only route) still ranks endpoints by
@@ -245,7 +249,10 @@ class TtftPredictor:
             self._rates = self._tokens_per_s[candidates]
             self._rates_for = candidates
         rates = self._rates
-        return (state.inflight.pending_prefill(candidates, rates) + own) / rates
+        seconds = (state.inflight.pending_prefill(candidates, rates) + own) / rates
+        if self._step_s is not None:  # the first token also waits for the step that makes it
+            seconds += self._step_s[candidates]
+        return seconds
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
         """For the decision just made: (``request``'s tokens still to prefill at ``endpoint``, that endpoint's

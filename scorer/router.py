@@ -28,6 +28,7 @@ from inferlb.scorer.errors import NoEndpointError, RoutingError, shown
 from inferlb.scorer.experiments import Arm, Experiments
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
+from inferlb.scorer.speeds import ServerSpeeds
 
 __all__ = ["ADMISSION_POLL_S", "Admit", "Routed", "Router"]
 
@@ -66,8 +67,12 @@ class Router:
         *,
         poll_s: float = ADMISSION_POLL_S,
         experiments: Experiments | None = None,
+        speeds: ServerSpeeds | None = None,
     ) -> None:
         self.engine = engine
+        # Told each request's predicted prefill work, to learn the servers' speeds from its timing (a reload
+        # passes the same one on).
+        self.speeds = speeds
         # Requests an experiment covers route with their arm's engine (which shares this engine's state).
         self.experiments = experiments if experiments else None
         self.pool = engine.pool
@@ -162,7 +167,14 @@ class Router:
             decision = replace(decision, reason="saturated")
         # The prompt is the work a request brings before its first token: what the in-flight token count and the
         # predicted-TTFT scorer weigh.
-        lease = engine.inflight.acquire(decision.endpoint.index, request.prompt_tokens, decision.prefill)
+        index = decision.endpoint.index
+        speeds = self.speeds
+        if speeds is not None and decision.prefill is not None and request.request_id:
+            # The work the prediction counted before this request's first token: the backlog and its own tokens.
+            uncached, rate = decision.prefill
+            backlog = engine.inflight.pending_prefill(np.array([index]), np.array([rate]))
+            speeds.sent(request.request_id, index, float(backlog[0]) + uncached)
+        lease = engine.inflight.acquire(index, request.prompt_tokens, decision.prefill)
         if arm is not None and experiments is not None:
             experiments.routed(request.request_id, arm)
         return Routed(decision, lease, time.perf_counter() - started, arm)

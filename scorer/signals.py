@@ -29,7 +29,8 @@ SIGNAL_FIELDS = (
     "gpu_total_bytes",
     "ttft_s",  # recent time to first token (EWMA), from spans; NaN until the span receiver has data
     "e2e_s",  # recent end-to-end latency (EWMA), from spans
-    "prefill_tokens_per_s",  # learned prefill rate; NaN until known
+    "prefill_tokens_per_s",  # learned prefill rate (`scorer.speeds`); NaN until known
+    "decode_step_s",  # learned decode time per step (`scorer.speeds`); NaN until known
 )
 
 
@@ -56,6 +57,7 @@ class Snapshot:
     ttft_s: np.ndarray
     e2e_s: np.ndarray
     prefill_tokens_per_s: np.ndarray
+    decode_step_s: np.ndarray
     scraped_at: np.ndarray
     up: np.ndarray
     sent_at_scrape: np.ndarray

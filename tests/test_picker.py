@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 from prometheus_client.metrics_core import Metric
@@ -306,6 +307,66 @@ async def test_with_span_latency_the_servers_spans_are_the_experiments_outcomes(
     arms = router.experiments.running["ab"].arms
     assert sum(arm.outcomes.ttft.moments.count for arm in arms) == 40
     assert sum(arm.outcomes.finished for arm in arms) == 40 and router.experiments.unattributed == 0
+
+
+async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by_it(tmp_path: Path):
+    from inferlb.otel.spanwire import SpanRecord
+
+    doc = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+        "otel": {"receiver": f"127.0.0.1:{free_port()}", "publish_interval_s": 0.01},
+        "pool": {"endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}, {"address": "10.0.0.2:8000"}]},
+    }
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    router, replies = picker.service.router, picker.service.replies.headers
+    assert router.speeds is picker.spans.speeds
+    joiner = picker.spans.receiver.joiner
+    for i in range(40):
+        trace = f"{i + 1:032x}"
+        features = RequestFeatures(
+            model="m", request_id=f"r{i}", prompt_tokens=4000, traceparent=f"00-{trace}-{1:016x}-01"
+        )
+        _, lease, _ = picker.service._route(router.admit(features).request, replies)
+        lease.release()
+        endpoint = lease.index
+        # Server 2 (index 1) prefills four times slower than server 1; its decode steps are 30 ms, server 1's 6.
+        ttft = 4000 / (40_000 if endpoint == 0 else 10_000)
+        step = 0.006 if endpoint == 0 else 0.03
+        joiner.add(None, SpanRecord(bytes.fromhex(trace), None, ttft, ttft + 99 * step, 1_700_000_000.0, 100))
+    assert picker.spans.speeds.timings == 40
+    await picker.spans.start()  # the publisher, which puts what was learned into the snapshot
+    try:
+        await until(
+            lambda: np.isfinite(picker.engine.signals.snapshot.prefill_tokens_per_s).all(), "learned speeds published"
+        )
+        snapshot = picker.engine.signals.snapshot
+    finally:
+        await picker.spans.stop()
+    fast, slow = snapshot.prefill_tokens_per_s
+    assert fast > 2 * slow
+    assert snapshot.decode_step_s[1] > 2 * snapshot.decode_step_s[0]
+    # With both idle, a long prompt goes where it prefills fastest.
+    routed = router.route(RequestFeatures(model="m", request_id="next", prompt_tokens=8000))
+    assert routed.decision.endpoint.index == 0
+
+
+async def test_the_filters_timing_of_a_response_teaches_the_speeds_and_a_failure_does_not(tmp_path: Path):
+    doc = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+        "otel": {"latency_source": "stream"},
+        "pool": {"endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}]},
+    }
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    router, replies = picker.service.router, picker.service.replies.headers
+    for name in ("ok", "failed"):
+        features = RequestFeatures(model="m", request_id=name, prompt_tokens=2000)
+        _, lease, _ = picker.service._route(router.admit(features).request, replies)
+        lease.release()
+    picker.service._timed("failed", None, None, True)
+    picker.service._timed("ok", 0.1, None, False)
+    assert picker.spans.speeds.timings == 1
 
 
 @pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")

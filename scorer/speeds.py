@@ -1,0 +1,182 @@
+"""Each server's speed, learned from the requests it served: its prefill rate and its decode step time.
+
+The predicted-TTFT scorer (`scorer.loadscorers.TtftPredictor`) prices a request on an endpoint as the prompt
+tokens queued there for prefill plus its own uncached ones, over the endpoint's prefill rate. One constant rate
+for every server is wrong by 3x between an L4 and an H100, and a server's rate under load (prefill chunks beside a
+decode batch) is not its rate alone. `ServerSpeeds` learns, per endpoint, the rate that makes that prediction
+right:
+
+- **Prefill rate.** When the routing unit sends a request it records the work the prediction counted for it: the
+  endpoint's prefill backlog then plus the request's own uncached tokens (`sent`). When the request's first token
+  is timed (the server's span, or the filter timing the response stream), the endpoint has prefilled that work in
+  the TTFT less one decode step (the step that produced the token). The rate is the ratio of the decayed sums of
+  work and of those times, so long prompts weigh more than short ones, whose TTFT is mostly the fixed step; a
+  request whose prompt hit the cache brings little work and weighs little; queueing the backlog did not count
+  lowers the rate, which is what a busier server is.
+- **Decode step.** From requests that report their output tokens: (E2E - TTFT) / (output tokens - 1), as the
+  ratio of decayed sums.
+
+Both shrink toward the fleet's pooled figure as an endpoint's evidence ages (``prior_requests`` requests' worth
+of the pooled figure is mixed in), so an endpoint that got no traffic for a while is priced as the fleet is, not
+by what it did once; an endpoint is NaN (the caller's default) until the fleet has ``min_requests`` timings.
+
+Sums decay with ``half_life_s`` on the routing core's clock. Pending sends are bounded (``max_pending``, the
+oldest dropped first) and forgotten after ``max_age_s``. `moved` follows a membership change. One event loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["ServerSpeeds"]
+
+_MIN_PREFILL_SHARE = 0.25  # the prefill part of a TTFT is at least this share of it, whatever the step estimate
+
+
+class ServerSpeeds:
+    """Per-endpoint prefill tokens/s and decode seconds per step, learned online (module docstring)."""
+
+    def __init__(
+        self,
+        size: int,
+        clock: Callable[[], float],
+        *,
+        half_life_s: float = 60.0,
+        prior_requests: float = 4.0,
+        min_requests: int = 8,
+        max_pending: int = 1 << 16,
+        max_age_s: float = 600.0,
+    ) -> None:
+        if not (half_life_s > 0 and math.isfinite(half_life_s)):
+            raise ValueError(f"half_life_s must be a positive number of seconds; got {half_life_s!r}")
+        if prior_requests < 0 or min_requests < 1 or max_pending < 1 or not max_age_s > 0:
+            raise ValueError("prior_requests >= 0, min_requests >= 1, max_pending >= 1 and max_age_s > 0")
+        self.size, self.clock = size, clock
+        self.half_life_s, self.prior_requests, self.min_requests = half_life_s, prior_requests, min_requests
+        self.max_pending, self.max_age_s = max_pending, max_age_s
+        # Decayed sums per endpoint, as of _at: prefill work (tokens), its time (s), timings; decode time, steps.
+        self._work = np.zeros(size)
+        self._time = np.zeros(size)
+        self._count = np.zeros(size)
+        self._decode_s = np.zeros(size)
+        self._steps = np.zeros(size)
+        self._at = clock()
+        self.timings = 0  # first-token timings taken, over the whole life (the min_requests bar)
+        self._pending: OrderedDict[str, tuple[int, float, float]] = OrderedDict()  # id -> (endpoint, work, sent at)
+        self._cache: tuple[np.ndarray, np.ndarray] | None = None
+
+    def sent(self, request_id: str, endpoint: int, work_tokens: float) -> None:
+        """The routing unit sent request ``request_id`` to ``endpoint`` counting ``work_tokens`` of prefill ahead
+        of its first token there (the backlog and its own uncached tokens)."""
+        if not request_id or not 0 <= endpoint < self.size or not work_tokens >= 0:
+            return
+        pending = self._pending
+        pending.pop(request_id, None)
+        pending[request_id] = (endpoint, float(work_tokens), self.clock())
+        while len(pending) > self.max_pending:
+            pending.popitem(last=False)
+
+    def observed(
+        self, request_id: str, ttft_s: float | None, e2e_s: float | None, output_tokens: int | None = None
+    ) -> bool:
+        """The request's latencies were measured (either may be None). True when it was one this object was told
+        of (`sent`) and its first token was timed; a request is taken once."""
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return False
+        endpoint, work, sent_at = entry
+        now = self.clock()
+        if now - sent_at > self.max_age_s or ttft_s is None or not (0 < ttft_s < math.inf):
+            return False
+        self._decay(now)
+        step = self.decode_step_s()[endpoint]
+        step = 0.0 if math.isnan(step) else step
+        self._work[endpoint] += work
+        self._time[endpoint] += max(ttft_s - step, _MIN_PREFILL_SHARE * ttft_s)
+        self._count[endpoint] += 1
+        if output_tokens is not None and output_tokens > 1 and e2e_s is not None and e2e_s > ttft_s:
+            self._decode_s[endpoint] += e2e_s - ttft_s
+            self._steps[endpoint] += output_tokens - 1
+        self.timings += 1
+        self._cache = None
+        return True
+
+    def prefill_tokens_per_s(self) -> np.ndarray:
+        """Per endpoint, the learned prefill rate (tokens/s); NaN until the fleet has ``min_requests`` timings."""
+        return self._rates()[0]
+
+    def decode_step_s(self) -> np.ndarray:
+        """Per endpoint, the learned decode time per step (s); NaN until some request reported its tokens."""
+        return self._rates()[1]
+
+    def forget_pending(self) -> None:
+        """Drop sends older than ``max_age_s`` (their timing never came)."""
+        cutoff = self.clock() - self.max_age_s
+        pending = self._pending
+        while pending:
+            first = next(iter(pending.values()))
+            if first[2] >= cutoff:
+                break
+            pending.popitem(last=False)
+
+    def moved(self, mapping: np.ndarray) -> ServerSpeeds:
+        """The same statistics for a new pool: endpoint j of the new pool was endpoint ``mapping[j]`` (-1: it
+        joined, and starts with none). Pending sends to endpoints that left are dropped."""
+        mapping = np.asarray(mapping, dtype=np.int64)
+        new = ServerSpeeds(
+            len(mapping),
+            self.clock,
+            half_life_s=self.half_life_s,
+            prior_requests=self.prior_requests,
+            min_requests=self.min_requests,
+            max_pending=self.max_pending,
+            max_age_s=self.max_age_s,
+        )
+        self._decay(self.clock())
+        new._at, new.timings = self._at, self.timings
+        kept = mapping >= 0
+        for name in ("_work", "_time", "_count", "_decode_s", "_steps"):
+            getattr(new, name)[kept] = getattr(self, name)[mapping[kept]]
+        where = {int(old): j for j, old in enumerate(mapping.tolist()) if old >= 0}
+        for request_id, (endpoint, work, at) in self._pending.items():
+            if endpoint in where:
+                new._pending[request_id] = (where[endpoint], work, at)
+        return new
+
+    def _decay(self, now: float) -> None:
+        elapsed = now - self._at
+        if elapsed <= 0:
+            return
+        factor = 0.5 ** (elapsed / self.half_life_s)
+        for sums in (self._work, self._time, self._count, self._decode_s, self._steps):
+            sums *= factor
+        self._at = now
+        self._cache = None
+
+    def _rates(self) -> tuple[np.ndarray, np.ndarray]:
+        cached = self._cache
+        if cached is not None:
+            return cached
+        prefill = _shrunk(self._work, self._time, self._count, self.prior_requests)
+        if self.timings < self.min_requests:
+            prefill = np.full(self.size, np.nan)
+        decode = _shrunk(self._decode_s, self._steps, self._steps, self.prior_requests * 64)
+        decode.setflags(write=False)
+        prefill.setflags(write=False)
+        self._cache = (prefill, decode)
+        return self._cache
+
+
+def _shrunk(top: np.ndarray, bottom: np.ndarray, weight: np.ndarray, prior: float) -> np.ndarray:
+    """Per endpoint ``top / bottom``, with ``prior`` units of ``weight`` at the pooled ratio mixed in (an endpoint
+    without evidence gets the pooled ratio; NaN where nothing is known at all)."""
+    total_top, total_bottom, total_weight = float(top.sum()), float(bottom.sum()), float(weight.sum())
+    if not (total_bottom > 0 and total_top > 0 and total_weight > 0):
+        return np.full(len(top), np.nan)
+    mix = prior / total_weight  # the prior's share of the fleet's sums, per unit of weight
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (top + mix * total_top) / (bottom + mix * total_bottom)

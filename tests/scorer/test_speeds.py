@@ -1,0 +1,174 @@
+"""Per-server speeds learned online (`scorer.speeds`), and their way into the predicted-TTFT scorer."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.engine import Engine, State
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S, TtftPredictor
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+from inferlb.scorer.router import Router
+from inferlb.scorer.signals import Signals, Snapshot
+from inferlb.scorer.speeds import ServerSpeeds
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed(speeds: ServerSpeeds, clock: Clock, endpoint: int, work: float, ttft: float, key: str, **more: float) -> bool:
+    speeds.sent(key, endpoint, work)
+    clock.now += 0.01
+    return speeds.observed(key, ttft, more.get("e2e"), int(more["tokens"]) if "tokens" in more else None)
+
+
+def test_each_endpoint_learns_its_own_prefill_rate_and_step_from_its_requests() -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(2, clock, prior_requests=0.0, min_requests=1)
+    rates, steps = (40_000.0, 10_000.0), (0.006, 0.03)
+    rng = np.random.default_rng(1)
+    for k in range(400):
+        endpoint = k % 2
+        work = float(rng.integers(100, 8000))
+        ttft = work / rates[endpoint] + steps[endpoint]
+        tokens = int(rng.integers(2, 300))
+        assert timed(
+            speeds, clock, endpoint, work, ttft, f"r{k}", e2e=ttft + steps[endpoint] * (tokens - 1), tokens=tokens
+        )
+    assert speeds.decode_step_s() == pytest.approx(steps, rel=1e-6)
+    # The step that makes the first token is not prefill time: without taking it out, the L4-like endpoint's
+    # rate would read ~20% low (a 30 ms step beside ~0.4 s of prefill on average).
+    assert speeds.prefill_tokens_per_s() == pytest.approx(rates, rel=0.02)
+
+
+def test_nothing_is_claimed_before_the_fleet_has_enough_timings() -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(3, clock, min_requests=3)
+    for k in range(2):
+        timed(speeds, clock, 0, 1000.0, 0.05, f"r{k}")
+    assert np.isnan(speeds.prefill_tokens_per_s()).all() and np.isnan(speeds.decode_step_s()).all()
+    timed(speeds, clock, 0, 1000.0, 0.05, "r2")
+    learned = speeds.prefill_tokens_per_s()
+    # Endpoints without evidence of their own are priced as the fleet is, not left unknown beside a known one.
+    assert learned == pytest.approx([20_000.0] * 3)
+
+
+def test_an_endpoint_whose_evidence_ages_shrinks_toward_the_fleet() -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(2, clock, half_life_s=10.0, prior_requests=4.0, min_requests=1)
+    for k in range(50):
+        timed(speeds, clock, 0, 2000.0, 0.2, f"slow{k}")  # 10k tokens/s
+        timed(speeds, clock, 1, 4000.0, 0.1, f"fast{k}")  # 40k tokens/s
+    before = speeds.prefill_tokens_per_s()
+    assert before[0] == pytest.approx(10_000, rel=0.1) and before[1] == pytest.approx(40_000, rel=0.1)
+    clock.now += 120.0  # 12 half-lives without a timing from endpoint 0; endpoint 1 keeps serving
+    for k in range(50):
+        timed(speeds, clock, 1, 4000.0, 0.1, f"later{k}")
+    after = speeds.prefill_tokens_per_s()
+    assert after[1] == pytest.approx(40_000, rel=0.05)
+    assert after[0] > 30_000  # its one slow spell is forgotten: it is priced as the fleet now is
+
+
+@pytest.mark.parametrize(
+    "ttft", [None, 0.0, -1.0, math.inf, math.nan], ids=["missing", "zero", "negative", "infinite", "nan"]
+)
+def test_a_timing_that_is_not_a_positive_number_teaches_nothing(ttft: float | None) -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(1, clock, min_requests=1)
+    speeds.sent("r", 0, 1000.0)
+    assert speeds.observed("r", ttft, None) is False
+    assert speeds.timings == 0 and np.isnan(speeds.prefill_tokens_per_s()).all()
+
+
+def test_only_requests_it_was_told_of_count_and_each_once() -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(2, clock, min_requests=1)
+    assert speeds.observed("never-sent", 0.1, 0.2) is False
+    speeds.sent("r", 1, 1000.0)
+    assert speeds.observed("r", 0.1, None) is True
+    assert speeds.observed("r", 0.001, None) is False  # a repeated span or a second timing of the same request
+    assert speeds.timings == 1
+    speeds.sent("", 0, 10.0)  # no request id: nothing to join a timing to
+    speeds.sent("bad-index", 7, 10.0)
+    speeds.sent("bad-work", 0, math.nan)
+    assert not any(speeds.observed(k, 0.1, None) for k in ("", "bad-index", "bad-work"))
+
+
+def test_pending_sends_are_bounded_and_old_ones_forgotten() -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(1, clock, max_pending=2, max_age_s=5.0, min_requests=1)
+    for key in ("a", "b", "c"):
+        speeds.sent(key, 0, 100.0)
+    assert speeds.observed("a", 0.1, None) is False  # dropped for room, oldest first
+    clock.now += 6.0
+    assert speeds.observed("b", 0.1, None) is False  # its timing came after max_age_s
+    speeds.sent("d", 0, 100.0)
+    clock.now += 6.0
+    speeds.forget_pending()
+    assert speeds.observed("d", 0.1, None) is False and speeds.observed("c", 0.1, None) is False
+
+
+def test_a_membership_change_keeps_each_staying_endpoints_speed_and_its_pending_sends() -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(3, clock, prior_requests=0.0, min_requests=1)
+    for k in range(10):
+        for endpoint, rate in enumerate((10_000.0, 20_000.0, 40_000.0)):
+            timed(speeds, clock, endpoint, 4000.0, 4000.0 / rate, f"{endpoint}-{k}")
+    speeds.sent("to-2", 2, 4000.0)
+    speeds.sent("to-0", 0, 4000.0)
+    moved = speeds.moved(np.array([2, -1]))  # endpoint 2 is now 0; 0 and 1 left; a new one joined
+    learned = moved.prefill_tokens_per_s()
+    assert learned[0] == pytest.approx(40_000.0) and np.isnan(learned[1])
+    assert moved.observed("to-0", 0.1, None) is False  # sent to an endpoint that left
+    assert moved.observed("to-2", 0.2, None) is True
+    assert moved.prefill_tokens_per_s()[0] < 40_000.0  # counted for the same server, under its new index
+
+
+def _state(rates: list[float] | None = None, steps: list[float] | None = None, n: int = 2) -> State:
+    pool = Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", frozenset({"m"})) for i in range(n)])
+    signals = Signals(n)
+    values: dict[str, list[float]] = {}
+    if rates is not None:
+        values["prefill_tokens_per_s"] = rates
+    if steps is not None:
+        values["decode_step_s"] = steps
+    signals.publish(Snapshot.empty(n).with_values(**values))
+    return State(pool, InFlight(n), signals)
+
+
+def test_the_prediction_prices_work_at_each_endpoints_learned_rate_plus_its_step() -> None:
+    request = RequestFeatures(model="m", prompt_tokens=4000)
+    candidates = np.arange(2)
+    fixed = TtftPredictor().seconds(request, _state(), candidates)
+    assert fixed == pytest.approx([4000 / DEFAULT_PREFILL_TOKENS_PER_S] * 2)
+    learned = TtftPredictor().seconds(request, _state([40_000.0, 8_000.0], [0.006, 0.03]), candidates)
+    assert learned == pytest.approx([4000 / 40_000 + 0.006, 4000 / 8_000 + 0.03])
+
+
+def test_the_routing_unit_tells_the_speeds_the_work_it_counted_ahead_of_each_request() -> None:
+    clock = Clock()
+    n = 1
+    pool = Pool([EndpointConfig("10.0.0.1:8000", frozenset({"m"}))])
+    signals = Signals(n, clock=clock)
+    inflight = InFlight(n, clock=clock)
+    engine = Engine(pool, build_profile("default", np.random.default_rng(0), size=n), inflight, signals)
+    speeds = ServerSpeeds(n, clock, prior_requests=0.0, min_requests=1)
+    router = Router(engine, speeds=speeds)
+    router.route(RequestFeatures(model="m", request_id="first", prompt_tokens=3000))
+    router.route(RequestFeatures(model="m", request_id="second", prompt_tokens=1000))
+    # The second request's first token waits for the first's prompt too (nothing drained: the clock stood still).
+    assert speeds.observed("second", 0.2, None) is True
+    assert speeds.prefill_tokens_per_s()[0] == pytest.approx(4000 / 0.2)
+    router.route(RequestFeatures(model="m", prompt_tokens=1000))  # no request id: nothing to join its timing to
+    assert speeds.timings == 1
