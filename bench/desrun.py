@@ -27,13 +27,15 @@ from inferlb.bench.policies import (
 )
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.sim.des import Arrival, FleetView, Hold, Policy, Refuse, RequestRecord, SimResult, simulate, trace_arrivals
-from inferlb.sim.profiles import ServerProfile, get_profile
+from inferlb.sim.profiles import ServerProfile, get_profile, parse_fleet
 from inferlb.sim.traces import load_trace
 
 __all__ = [
     "DES_CONTENDERS",
     "DesJob",
     "capacity_rps",
+    "fleet_capacity_rps",
+    "fleet_profiles",
     "load_arrivals",
     "make_policy",
     "replicated_name",
@@ -47,6 +49,7 @@ DES_CONTENDERS: tuple[str, ...] = (
     "envoy:RANDOM",
     *(f"inferlb:{name}" for name in PRESET_NAMES),
     "inferlb-weights:default",  # the weights tier: Envoy's LEAST_REQUEST over the default preset's weights
+    "inferlb-fixed-speed:default",  # the default predicting with one constant prefill rate, learning no speeds
     "oracle",
 )
 CAPACITY_SAMPLE = 400  # requests in the burst that measures one server's saturated rate
@@ -59,7 +62,7 @@ class DesJob:
     trace: str  # path
     requests: int
     servers: int
-    profile: str
+    profile: str  # one profile's name, or a fleet: PROFILE:COUNT,... (`fleet_profiles`)
     policy: str
     load: float
     rate_rps: float
@@ -96,6 +99,27 @@ def capacity_rps(arrivals: Sequence[Arrival], profile: ServerProfile, seed: int)
     return len(done) / makespan
 
 
+def fleet_profiles(profile: str, servers: int) -> list[ServerProfile]:
+    """One profile per server: ``servers`` of the profile named, or the fleet ``PROFILE:COUNT,...`` describes
+    (`inferlb.sim.profiles.parse_fleet`), which must count ``servers``. ValueError otherwise."""
+    if ":" not in profile and "," not in profile:
+        return [get_profile(profile)] * servers
+    fleet = list(parse_fleet(profile))
+    if len(fleet) != servers:
+        raise ValueError(f"the fleet {profile!r} has {len(fleet)} servers, not {servers}")
+    return fleet
+
+
+def fleet_capacity_rps(arrivals: Sequence[Arrival], fleet: Sequence[ServerProfile], seed: int) -> float:
+    """A fleet's saturated rate on this request mix: each server's (`capacity_rps`, measured once per profile)
+    summed."""
+    each: dict[str, float] = {}
+    for profile in fleet:
+        if profile.name not in each:
+            each[profile.name] = capacity_rps(arrivals, profile, seed)
+    return sum(each[p.name] for p in fleet)
+
+
 class _Timed:
     """Wraps a policy to count the CPU it spends per decision (the picker-CPU figure)."""
 
@@ -125,6 +149,8 @@ def make_policy(name: str, profiles: Sequence[ServerProfile], seed: int) -> Poli
         return Oracle(profiles)
     if name.startswith("inferlb-weights:") and name.removeprefix("inferlb-weights:") in PRESET_NAMES:
         return WeightsTier(name.removeprefix("inferlb-weights:"), profiles, seed=seed)
+    if name.startswith("inferlb-fixed-speed:") and name.removeprefix("inferlb-fixed-speed:") in PRESET_NAMES:
+        return PresetPolicy(name.removeprefix("inferlb-fixed-speed:"), profiles, seed=seed, learn_speeds=False)
     if name.startswith("inferlb:") and name.removeprefix("inferlb:") in PRESET_NAMES:
         return PresetPolicy(name.removeprefix("inferlb:"), profiles, seed=seed)
     replicated = _replicated(name)
@@ -157,10 +183,9 @@ def _replicated(name: str) -> tuple[str, int, float | None] | None:
 
 def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str, Any]:
     """Simulate one job; its results.json row (plus the raw TTFTs under ``_ttft_s`` for the CDF plot)."""
-    profile = get_profile(job.profile)
-    profiles = [profile] * job.servers
+    profiles = fleet_profiles(job.profile, job.servers)
     if arrivals is None:
-        arrivals = load_arrivals(job.trace, job.requests, profile.block_size)
+        arrivals = load_arrivals(job.trace, job.requests, profiles[0].block_size)
     policy = make_policy(job.policy, profiles, job.seed)
     timed = _Timed(policy)
     finished: Callable[[RequestRecord, float], None] | None = getattr(policy, "finished", None)

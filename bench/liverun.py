@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from inferlb.bench.desrun import capacity_rps, load_arrivals
+from inferlb.bench.desrun import fleet_capacity_rps, load_arrivals
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.metrics import Outcome, summarise
 from inferlb.bench.quality import add_goodput, settings
@@ -59,7 +59,7 @@ LIVE_CONTENDERS: tuple[str, ...] = (*ENVOY_CONTENDERS, *(f"inferlb:{p}" for p in
 
 
 def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    profile, servers, requests, loads, wanted = settings(
+    profile, fleet, requests, loads, wanted = settings(
         args,
         "live",
         servers=4,
@@ -76,7 +76,7 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
         else:
             notes.append(f"{name} not run: {reason}")
     summary: dict[str, Any] = {
-        "fleet": {"servers": servers, "profile": profile.name},
+        "fleet": {"servers": len(fleet), "profile": profile},
         "traces": {},
         "notes": notes,
         "slo_rule": "SLO: as given" if args.slo_ms else "SLO: twice the best TTFT p99 at the lowest load run.",
@@ -85,8 +85,8 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
     bar = progress(len(args.trace) * len(loads) * len(policies))
     workroot = Path(tempfile.mkdtemp(prefix="inferlb-bench-live-"))
     for path in args.trace:
-        arrivals = load_arrivals(path, requests, profile.block_size)
-        capacity = capacity_rps(arrivals, profile, args.seed) * servers
+        arrivals = load_arrivals(path, requests, fleet[0].block_size)
+        capacity = fleet_capacity_rps(arrivals, fleet, args.seed)
         peak = max(loads) * capacity
         mean_output = sum(a.output_tokens for a in arrivals) / len(arrivals)
         scale = min(MAX_WALL_RPS / peak, MAX_WALL_TOKENS_PER_S / (peak * mean_output))
@@ -102,7 +102,7 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
             for policy in policies:
                 workdir = workroot / Path(path).stem / f"{policy.replace(':', '-')}-{load}"
                 rate = load * capacity
-                row = _run_one(path, requests, policy, load, rate, servers, profile.name, scale, args, workdir)
+                row = _run_one(path, requests, policy, load, rate, len(fleet), profile, scale, args, workdir)
                 rows.append(row)
                 bar.step(f"{Path(path).name} {policy} load {load}: TTFT p99 {row['ttft_p99_ms']} ms")
     bar.done()

@@ -33,6 +33,7 @@ from inferlb.scorer.registry import ProfileSpec
 from inferlb.scorer.router import ADMISSION_POLL_S, Admit, Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals, Snapshot
+from inferlb.scorer.speeds import ServerSpeeds
 from inferlb.scorer.weights import endpoint_weights
 from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, RequestRecord
 from inferlb.sim.profiles import ServerProfile
@@ -136,6 +137,7 @@ class PresetPolicy:
         poll_s: float = ADMISSION_POLL_S,
         experiments: Sequence[ExperimentSpec] = (),
         labels: Sequence[Mapping[str, str]] | None = None,
+        learn_speeds: bool = True,
     ) -> None:
         n = len(profiles)
         endpoints = [
@@ -158,7 +160,9 @@ class PresetPolicy:
             if experiments
             else None
         )
-        self.router = Router(self.engine, classifier, poll_s=poll_s, experiments=self.experiments)
+        # The servers' speeds, learned from the requests' timings as the live picker learns them.
+        self.speeds = ServerSpeeds(n, clock) if learn_speeds else None
+        self.router = Router(self.engine, classifier, poll_s=poll_s, experiments=self.experiments, speeds=self.speeds)
         self.latency = EndpointLatency(n, window_s=60.0, half_life_s=half_life_s)
         total = np.array([p.gpu_memory_bytes * p.gpu_count for p in profiles], dtype=float)
         # What never changes: the KV cache's size, and GPU memory (vLLM pre-allocates its share at start-up).
@@ -172,6 +176,7 @@ class PresetPolicy:
         self._sent_at_scrape = np.full(n, np.nan)
         self._latency_dirty = False
         self._leases: dict[str, Lease] = {}
+        self._routed_at: dict[str, float] = {}
         self._held: dict[str, tuple[Admit, Waiter]] = {}
         self._ticked = -1.0  # the last tick of the wait queue
         self.decide_cpu_s = 0.0  # CPU time in the routing unit alone: the picker's per-request work
@@ -214,6 +219,8 @@ class PresetPolicy:
         routed = router.route(request, saturated=saturated)
         self.decisions += 1
         self._leases[arrival.id] = routed.lease
+        if self.speeds is not None:
+            self._routed_at[arrival.id] = self._now
         return routed.decision.endpoint.index
 
     def _features(self, arrival: Arrival) -> RequestFeatures:
@@ -241,9 +248,16 @@ class PresetPolicy:
         lease = self._leases.pop(record.id, None)
         if lease is not None:
             lease.release()
+        routed_at = self._routed_at.pop(record.id, None)
         if record.error is None:
             self.latency.observe(record.server, record.ttft_s, record.e2e_s, now=now)
             self._latency_dirty = True
+            if self.speeds is not None and routed_at is not None and record.ttft_s is not None:
+                # Timed from the decision, as the server's span and the filter time it: a hold is not the server's.
+                waited = routed_at - record.arrival_s
+                self._now = now
+                e2e = None if record.e2e_s is None else record.e2e_s - waited
+                self.speeds.observed(record.id, record.ttft_s - waited, e2e, record.output_tokens)
         if self.experiments is not None:
             self._now = now
             self.report(self.experiments, record)
@@ -279,6 +293,12 @@ class PresetPolicy:
             util[i] = snap.gpu_utilization
             scraped[i] = snap.scraped_at
         arrays = self.latency.arrays(now=view.now)
+        speeds = self.speeds
+        learned = (
+            {}
+            if speeds is None
+            else {"prefill_tokens_per_s": speeds.prefill_tokens_per_s(), "decode_step_s": speeds.decode_step_s()}
+        )
         self.signals.publish(
             self._fixed.with_values(
                 running=running,
@@ -289,6 +309,7 @@ class PresetPolicy:
                 e2e_s=arrays["e2e_ewma"],
                 scraped_at=scraped,
                 sent_at_scrape=self._sent_at_scrape,
+                **learned,
             )
         )
 

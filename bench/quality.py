@@ -24,10 +24,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from inferlb.bench.desrun import DES_CONTENDERS, DesJob, capacity_rps, load_arrivals, run_job
+from inferlb.bench.desrun import DES_CONTENDERS, DesJob, fleet_capacity_rps, load_arrivals, run_job
 from inferlb.bench.metrics import goodput
 from inferlb.bench.report import cpu_model, header, write
-from inferlb.sim.profiles import PROFILES, ServerProfile, get_profile
+from inferlb.sim.profiles import PROFILES, ServerProfile, fleet_name, get_profile, parse_fleet
 
 __all__ = ["add_arguments", "run"]
 
@@ -44,8 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json, tables and plots")
     parser.add_argument("--quick", action="store_true", help="fewer requests and loads: under 5 minutes")
     parser.add_argument("--policies", nargs="+", help="contenders (default: every one available in the mode)")
-    parser.add_argument("--servers", type=int, help="fleet size (default: des 16, live 4)")
-    parser.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES), help="GPU x model")
+    parser.add_argument("--servers", type=int, help="fleet size with --profile (default: des 16, live 4)")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES), help="GPU x model")
+    kind.add_argument(
+        "--fleet",
+        help="a mixed fleet instead: PROFILE:COUNT,... (e.g. h100-llama3.1-8b:8,a100-llama3.1-8b:4,l4-llama3.2-3b:4)",
+    )
     parser.add_argument("--requests", type=int, help="requests replayed from the start of each trace")
     parser.add_argument("--loads", type=float, nargs="+", help="fractions of the fleet's capacity")
     parser.add_argument("--slo-ms", type=float, help="TTFT p99 SLO for goodput (default: 2x the oracle's, light load)")
@@ -84,10 +89,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 class Settings(NamedTuple):
-    """A mode's run settings: the command line's, else the mode's defaults (quick or full). Unpacks in order."""
+    """A mode's run settings: the command line's, else the mode's defaults (quick or full). Unpacks in order.
+    ``fleet`` is one profile per server; ``name`` names it as results.json's ``profile`` does (a profile's name,
+    or ``PROFILE:COUNT,...`` for a mixed fleet)."""
 
-    profile: ServerProfile
-    servers: int
+    name: str
+    fleet: tuple[ServerProfile, ...]
     requests: int
     loads: tuple[float, ...]
     policies: tuple[str, ...]
@@ -102,14 +109,24 @@ def settings(
     loads: tuple[tuple[float, ...], tuple[float, ...]],
     contenders: Sequence[str],
 ) -> Settings:
-    """``requests`` and ``loads`` are (quick, full) defaults. SystemExit names unknown contenders."""
+    """``requests`` and ``loads`` are (quick, full) defaults. SystemExit names unknown contenders and a bad
+    fleet."""
     policies = tuple(args.policies or contenders)
     unknown = [p for p in policies if p not in contenders]
     if unknown:
         raise SystemExit(f"inferlb bench: error: unknown {mode} contender(s) {unknown}; known: {', '.join(contenders)}")
+    if getattr(args, "fleet", None):
+        if args.servers:
+            raise SystemExit("inferlb bench: error: --servers goes with --profile; a --fleet counts its own servers")
+        try:
+            fleet = parse_fleet(args.fleet)
+        except ValueError as e:
+            raise SystemExit(f"inferlb bench: error: --fleet: {e}") from None
+    else:
+        fleet = (get_profile(args.profile),) * (args.servers or servers)
     return Settings(
-        get_profile(args.profile),
-        args.servers or servers,
+        fleet_name(fleet),
+        fleet,
         args.requests or requests[0 if args.quick else 1],
         tuple(args.loads or loads[0 if args.quick else 1]),
         policies,
@@ -117,7 +134,7 @@ def settings(
 
 
 def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    profile, servers, requests, loads, policies = settings(
+    name, fleet, requests, loads, policies = settings(
         args,
         "DES",
         servers=16,
@@ -126,17 +143,18 @@ def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]
         contenders=DES_CONTENDERS,
     )
     summary: dict[str, Any] = {
-        "fleet": {"servers": servers, "profile": profile.name},
+        "fleet": {"servers": len(fleet), "profile": name},
         "traces": {},
         "slo_rule": "SLO: as given" if args.slo_ms else "SLO: twice the oracle's TTFT p99 at load 0.1.",
     }
     jobs: list[DesJob] = []
+    servers = len(fleet)
     for path in args.trace:
-        arrivals = load_arrivals(path, requests, profile.block_size)
-        capacity = capacity_rps(arrivals, profile, args.seed) * servers
+        arrivals = load_arrivals(path, requests, fleet[0].block_size)
+        capacity = fleet_capacity_rps(arrivals, fleet, args.seed)
         slo_ms = args.slo_ms
         if slo_ms is None:
-            light = run_job(DesJob(path, requests, servers, profile.name, "oracle", 0.1, 0.1 * capacity, args.seed))
+            light = run_job(DesJob(path, requests, servers, name, "oracle", 0.1, 0.1 * capacity, args.seed))
             slo_ms = round(SLO_FACTOR * (light["ttft_p99_ms"] or 0.0), 1)
         summary["traces"][Path(path).name] = {
             "requests": len(arrivals),
@@ -144,7 +162,7 @@ def _des(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]
             "slo_ttft_p99_ms": slo_ms,
         }
         jobs += [
-            DesJob(path, requests, servers, profile.name, policy, load, load * capacity, args.seed)
+            DesJob(path, requests, servers, name, policy, load, load * capacity, args.seed)
             for load in loads
             for policy in policies
         ]
@@ -229,7 +247,7 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], summary: dict
         "",
         f"{meta['date']} · `{meta['command']}` · {meta['machine']} ({meta['cpu']})",
         "",
-        f"Fleet: {fleet.get('servers')} x {fleet.get('profile')}. Loads are fractions of the fleet's capacity "
+        f"Fleet: {_fleet_text(fleet)}. Loads are fractions of the fleet's capacity "
         "(one server's saturated rate on the trace's own requests, times the fleet size). Goodput: the highest "
         "rate at which TTFT p99 meets the SLO (interpolated between the loads run; '>=' where it met the SLO at "
         "every load, '<' where at none). " + summary.get("slo_rule", ""),
@@ -302,6 +320,14 @@ def _against_default(
     if not found:
         out.append("- none")
     return out
+
+
+def _fleet_text(fleet: dict[str, Any]) -> str:
+    """ "16 x h100-llama3.1-8b", or a mixed fleet's "16 servers: h100-llama3.1-8b:8,l4-llama3.2-3b:8"."""
+    profile = str(fleet.get("profile"))
+    if ":" in profile:
+        return f"{fleet.get('servers')} servers: {profile}"
+    return f"{fleet.get('servers')} x {profile}"
 
 
 def _goodput_text(value: float | None, lowest: float, highest: float) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 
 from inferlb.otel.tracing import PROTOCOLS
 from inferlb.sim.fleet import build_fleet, parse_fault, run_fleet
-from inferlb.sim.profiles import PROFILES, get_profile
+from inferlb.sim.profiles import PROFILES, get_profile, parse_fleet
 from inferlb.sim.server import ServerOptions
 
 __all__ = ["add_arguments", "run"]
@@ -25,7 +25,12 @@ def add_arguments(sim: argparse.ArgumentParser) -> None:
     where.add_argument("--base-port", type=int, help="serve --replicas servers on consecutive ports from here")
     sim.add_argument("--replicas", type=int, default=1, help="how many servers with --base-port (default 1)")
     sim.add_argument("--host", default="127.0.0.1", help="address to bind with --base-port (default 127.0.0.1)")
-    sim.add_argument("--profile", default="h100-llama3.1-8b", help=f"GPU x model profile: {', '.join(PROFILES)}")
+    sim.add_argument(
+        "--profile",
+        default="h100-llama3.1-8b",
+        help=f"GPU x model profile: {', '.join(PROFILES)}; or a mixed fleet, one profile per server in order: "
+        "PROFILE:COUNT,... counting every server",
+    )
     sim.add_argument("--model", action="append", help="served model name (default: the profile's); repeatable")
     sim.add_argument("--time-scale", type=float, default=1.0, help="engine seconds per wall second (default 1)")
     sim.add_argument("--seed", type=int, default=0, help="seed of server 0; server i gets seed+i")
@@ -65,13 +70,18 @@ def run(args: argparse.Namespace) -> int:
     for text in args.fault:
         index, spec = parse_fault(text, len(addresses))
         faults.setdefault(index, {}).update(spec)
-    profile = get_profile(args.profile)
+    if ":" in args.profile or "," in args.profile:
+        profiles = list(parse_fleet(args.profile))
+        if len(profiles) != len(addresses):
+            raise ValueError(f"--profile {args.profile!r} counts {len(profiles)} servers; {len(addresses)} are served")
+    else:
+        profiles = [get_profile(args.profile)] * len(addresses)
     if args.kv_blocks is not None:
         if args.kv_blocks < 16:
             raise ValueError(f"--kv-blocks must be >= 16; got {args.kv_blocks}")
-        profile = dataclasses.replace(profile, num_gpu_blocks=args.kv_blocks)
+        profiles = [dataclasses.replace(p, num_gpu_blocks=args.kv_blocks) for p in profiles]
     options = ServerOptions(
-        profile=profile,
+        profile=profiles[0],
         models=tuple(args.model or ()),
         time_scale=args.time_scale,
         seed=args.seed,
@@ -82,7 +92,12 @@ def run(args: argparse.Namespace) -> int:
         enable_scale_out=args.enable_scale_out,
     )
     servers = build_fleet(
-        addresses, options, otlp_endpoint=args.otlp_endpoint, otlp_protocol=args.otlp_protocol, faults=faults
+        addresses,
+        options,
+        otlp_endpoint=args.otlp_endpoint,
+        otlp_protocol=args.otlp_protocol,
+        faults=faults,
+        profiles=profiles,
     )
     asyncio.run(run_fleet(servers))
     return 0

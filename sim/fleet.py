@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 from inferlb.otel.tracing import create_tracer_provider
 from inferlb.serving import ASGIApp, serve
+from inferlb.sim.profiles import ServerProfile
 from inferlb.sim.server import FAULT_KEYS, EmulatedServer, ServerOptions
 from inferlb.sim.spans import SERVICE_NAME, RequestSpans
 
@@ -58,8 +59,13 @@ def build_fleet(
     otlp_endpoint: str | None = None,
     otlp_protocol: str = "grpc",
     faults: Mapping[int, Mapping[str, object]] | None = None,
+    profiles: Sequence[ServerProfile] | None = None,
 ) -> list[EmulatedServer]:
-    """One `EmulatedServer` per address; faults are applied before the first request. ValueError on bad input."""
+    """One `EmulatedServer` per address; faults are applied before the first request. ``profiles``: one per
+    address, a mixed fleet (default: every server runs ``options.profile``); where ``options`` serve only the
+    profile's own model (the default), each server serves its own profile's model. ValueError on bad input."""
+    if profiles is not None and len(profiles) != len(addresses):
+        raise ValueError(f"{len(profiles)} profiles for {len(addresses)} servers")
     servers = []
     for i, address in enumerate(addresses):
         spans = None
@@ -68,7 +74,11 @@ def build_fleet(
                 otlp_endpoint, service_name=SERVICE_NAME, protocol=otlp_protocol, server_address=address
             )
             spans = RequestSpans(provider)
-        server = EmulatedServer(address, dataclasses.replace(options, seed=options.seed + i), spans=spans)
+        own = dataclasses.replace(options, seed=options.seed + i)
+        if profiles is not None:
+            own_model = options.models == (options.profile.model,)
+            own = dataclasses.replace(own, profile=profiles[i], models=() if own_model else options.models)
+        server = EmulatedServer(address, own, spans=spans)
         if faults and i in faults:
             server.apply_faults(faults[i])
         servers.append(server)

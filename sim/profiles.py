@@ -37,11 +37,22 @@ constant on datasheet rooflines (see sim/README.md, "Calibration").
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from types import MappingProxyType
 
-__all__ = ["ETA_BW", "MEMORY_PLANS", "MFU", "PROFILES", "MemoryPlan", "ServerProfile", "get_profile"]
+__all__ = [
+    "ETA_BW",
+    "MEMORY_PLANS",
+    "MFU",
+    "PROFILES",
+    "MemoryPlan",
+    "ServerProfile",
+    "fleet_name",
+    "get_profile",
+    "parse_fleet",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,3 +331,39 @@ def get_profile(name: str) -> ServerProfile:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown profile {name!r}; known profiles: {', '.join(sorted(PROFILES))}") from None
+
+
+def parse_fleet(text: str) -> tuple[ServerProfile, ...]:
+    """A fleet given as ``PROFILE:COUNT[,PROFILE:COUNT...]`` (``h100-llama3.1-8b:8,l4-llama3.2-3b:8``; a bare
+    ``PROFILE`` is one server), one profile per server in the order given. ValueError naming the fault: an unknown
+    profile, a count that is not a positive integer, an empty fleet, or profiles whose KV blocks differ in size
+    (the servers of one pool must hash a prompt into the same blocks)."""
+    shape = "expected PROFILE:COUNT[,PROFILE:COUNT...], e.g. h100-llama3.1-8b:8,l4-llama3.2-3b:8"
+    fleet: list[ServerProfile] = []
+    for part in text.split(","):
+        name, sep, count_text = part.strip().partition(":")
+        if not name:
+            raise ValueError(f"bad fleet {text!r}: an empty entry; {shape}")
+        profile = get_profile(name)
+        count = 1
+        if sep:
+            try:
+                count = int(count_text)
+            except ValueError:
+                count = 0
+            if count < 1:
+                raise ValueError(f"bad fleet {text!r}: {count_text!r} is not a positive server count; {shape}")
+        fleet += [profile] * count
+    sizes = {p.block_size for p in fleet}
+    if len(sizes) > 1:
+        raise ValueError(f"bad fleet {text!r}: its profiles use KV blocks of {sorted(sizes)} tokens; one size only")
+    return tuple(fleet)
+
+
+def fleet_name(fleet: Sequence[ServerProfile]) -> str:
+    """The canonical ``PROFILE:COUNT,...`` of a fleet (runs of one profile counted), what `parse_fleet` reads;
+    the plain profile name for a fleet of one profile."""
+    runs = [(name, len(list(group))) for name, group in groupby(p.name for p in fleet)]
+    if len(runs) == 1:
+        return runs[0][0]
+    return ",".join(f"{name}:{count}" for name, count in runs)

@@ -84,3 +84,23 @@ def test_a_class_that_sheds_is_refused_past_saturation_and_reaches_no_server() -
     assert shed and len(shed) == policy.refused and policy.held == 0
     assert {r.server for r in shed} == {-1} and policy.decisions == 80 - len(shed)
     assert policy.inflight.total() == 0
+
+
+def test_on_a_mixed_fleet_the_default_learns_which_servers_are_slow_and_sends_them_less() -> None:
+    l4 = get_profile("l4-llama3.2-3b")
+    profiles = [H100, H100, l4, l4]
+    rng = np.random.default_rng(5)
+    arrivals = [Arrival(str(i), i * 0.04, int(rng.integers(500, 4000)), int(rng.integers(20, 120))) for i in range(600)]
+    shares = {}
+    for learn in (False, True):
+        policy = PresetPolicy("default", profiles, seed=0, learn_speeds=learn)
+        result = simulate(arrivals, policy, profiles, seed=0, on_finish=policy.finished)
+        assert result.policy_errors == 0 and all(r.error is None for r in result.records)
+        shares[learn] = sum(r.server >= 2 for r in result.records) / len(result.records)
+        if learn:
+            assert policy.speeds is not None
+            rates, steps = policy.speeds.prefill_tokens_per_s(), policy.speeds.decode_step_s()
+            # Learned from the timings alone: the H100s prefill faster and step quicker than the L4s.
+            assert min(rates[:2]) > 1.5 * max(rates[2:])
+            assert max(steps[:2]) < min(steps[2:])
+    assert shares[True] < shares[False]

@@ -175,3 +175,33 @@ def test_inferlb_bench_live_through_envoy(tmp_path: Path) -> None:
         assert row["requests"] == 30 and row["errors"] == 0 and row["ttft_p50_ms"] > 0
         assert row["imbalance_cv"] is not None and row["cores_used"] > 0
     assert rows[0]["picker_cpu_us"] is None and rows[1]["picker_cpu_us"] > 0
+
+
+def test_a_mixed_fleet_run_names_its_fleet_and_counts_each_servers_capacity(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "conv.jsonl", requests=60)
+    out = tmp_path / "out"
+    fleet = "h100-llama3.1-8b:2,l4-llama3.2-3b:2"
+    argv = ["bench", "--mode", "des", "--trace", str(trace), "--out", str(out), "--fleet", fleet, "--loads", "0.5"]
+    argv += ["--jobs", "1", "--requests", "60", "--policies", "envoy:ROUND_ROBIN", "inferlb:default", "oracle"]
+    assert main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["profile"], r["servers"]) for r in rows} == {(fleet, 4)}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["fleet"] == {"servers": 4, "profile": fleet}
+    arrivals = load_arrivals(str(trace), 60, H100.block_size)
+    each = 2 * capacity_rps(arrivals, H100, seed=0) + 2 * capacity_rps(arrivals, get_profile("l4-llama3.2-3b"), 0)
+    assert summary["traces"]["conv.jsonl"]["capacity_rps"] == pytest.approx(each, rel=1e-3)
+    assert f"4 servers: {fleet}" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--fleet", "h100-llama3.1-8b:2", "--servers", "4"], "--servers goes with --profile"),
+        (["--fleet", "h100-llama3.1-8b:two"], "--fleet: bad fleet"),
+    ],
+)
+def test_a_bad_fleet_is_a_clear_error(tmp_path: Path, extra: list[str], message: str) -> None:
+    trace = write_trace(tmp_path / "conv.jsonl", requests=10)
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "--mode", "des", "--trace", str(trace), "--out", str(tmp_path / "o"), *extra])

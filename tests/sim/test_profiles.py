@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from inferlb.sim import profiles as profiles_module
 from inferlb.sim.calibration import (
     DECODE_BATCHES,
     DECODE_CONTEXT_TOKENS,
@@ -19,7 +20,15 @@ from inferlb.sim.calibration import (
     markdown_table,
     prefill_seconds,
 )
-from inferlb.sim.profiles import MEMORY_PLANS, PROFILES, MemoryPlan, ServerProfile, get_profile
+from inferlb.sim.profiles import (
+    MEMORY_PLANS,
+    PROFILES,
+    MemoryPlan,
+    ServerProfile,
+    fleet_name,
+    get_profile,
+    parse_fleet,
+)
 
 NAMES = ("h100-llama3.1-8b", "a100-llama3.1-8b", "l4-llama3.2-3b", "h100x4-llama3.1-70b")
 ALL = [pytest.param(PROFILES[name], id=name) for name in NAMES]
@@ -171,3 +180,32 @@ def test_markdown_table_has_one_line_per_row() -> None:
     lines = markdown_table(rows).splitlines()
     assert len(lines) == len(rows) + 2
     assert all(line.startswith("| ") for line in lines)
+
+
+def test_a_fleet_is_one_profile_per_server_in_order_and_its_name_reads_back() -> None:
+    fleet = parse_fleet("h100-llama3.1-8b:2, l4-llama3.2-3b:1,h100-llama3.1-8b")
+    assert [p.name for p in fleet] == ["h100-llama3.1-8b"] * 2 + ["l4-llama3.2-3b", "h100-llama3.1-8b"]
+    assert fleet_name(fleet) == "h100-llama3.1-8b:2,l4-llama3.2-3b:1,h100-llama3.1-8b:1"
+    assert parse_fleet(fleet_name(fleet)) == fleet
+    assert fleet_name(parse_fleet("a100-llama3.1-8b:3")) == "a100-llama3.1-8b"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nope:2", "unknown profile 'nope'"),
+        ("h100-llama3.1-8b:0", "'0' is not a positive server count"),
+        ("h100-llama3.1-8b:x", "'x' is not a positive server count"),
+        ("h100-llama3.1-8b:2,", "an empty entry"),
+    ],
+)
+def test_a_bad_fleet_is_refused_with_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_fleet(text)
+
+
+def test_profiles_whose_blocks_differ_cannot_share_a_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
+    odd = dataclasses.replace(get_profile("l4-llama3.2-3b"), name="odd", block_size=32)
+    monkeypatch.setattr(profiles_module, "PROFILES", {**PROFILES, "odd": odd})
+    with pytest.raises(ValueError, match=r"KV blocks of \[16, 32\] tokens"):
+        parse_fleet("h100-llama3.1-8b:1,odd:1")

@@ -21,7 +21,7 @@ from inferlb.procs import free_port
 from inferlb.scorer.gpustate import parse_gpu_report
 from inferlb.scorer.promtext import read_vllm
 from inferlb.sim.engine import EngineModel, EngineOptions, SimRequest
-from inferlb.sim.fleet import serving
+from inferlb.sim.fleet import build_fleet, serving
 from inferlb.sim.openai import output_text
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import SEEN_DEST_HEADER, EmulatedServer, ServerOptions
@@ -456,3 +456,17 @@ async def test_crash_drops_streams_and_restarts_cold(live):
 def test_options_name_the_bad_field(fields, message):
     with pytest.raises(ValueError, match=message):
         ServerOptions(profile=H100, **fields)
+
+
+def test_a_mixed_fleet_runs_each_servers_own_profile_and_model() -> None:
+    l4 = get_profile("l4-llama3.2-3b")
+    default = ServerOptions(profile=H100)
+    servers = build_fleet(["127.0.0.1:1", "127.0.0.1:2"], default, profiles=[H100, l4])
+    assert [(s.options.profile.name, s.options.models) for s in servers] == [
+        (H100.name, (H100.model,)),
+        (l4.name, (l4.model,)),
+    ]
+    named = build_fleet(["127.0.0.1:1", "127.0.0.1:2"], FAST, profiles=[H100, l4])
+    assert [s.options.models for s in named] == [("m", "m2")] * 2  # names the operator gave stay
+    with pytest.raises(ValueError, match="1 profiles for 2 servers"):
+        build_fleet(["127.0.0.1:1", "127.0.0.1:2"], FAST, profiles=[l4])
