@@ -7,7 +7,7 @@ VLLM_VENV := $(VENV)/vllm
 VLLM_VERSION := 0.32.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-external bench-replicas lint clean
+.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-fleets bench-external bench-replicas lint clean
 
 demo: $(VENV)/.installed-envoy
 	$(BIN)/inferlb demo
@@ -46,6 +46,15 @@ TRACES := $(foreach t,mooncake_conversation_trace.jsonl mooncake_synthetic_trace
 bench-quality: $(VENV)/.installed-bench
 	$(BIN)/inferlb bench quality --mode des $(TRACES) --out bench/results/quality/des $(QUICK)
 	$(BIN)/inferlb bench quality --mode live $(TRACES) --out bench/results/quality/live $(QUICK)
+
+# The simulator on each GPU x model profile and on a mixed fleet, 16 servers, loads 0.6-1.0 (~40 min on 2 cores).
+FLEETS := h100-llama3.1-8b a100-llama3.1-8b l4-llama3.2-3b h100x4-llama3.1-70b
+MIXED := h100-llama3.1-8b:8,a100-llama3.1-8b:4,l4-llama3.2-3b:4
+bench-fleets: $(VENV)/.installed-bench
+	for f in $(FLEETS); do $(BIN)/inferlb bench quality --mode des $(TRACES) --profile $$f --servers 16 \
+		--loads 0.6 0.8 1.0 --out bench/results/quality/fleets/$$f $(QUICK) || exit 1; done
+	$(BIN)/inferlb bench quality --mode des $(TRACES) --fleet $(MIXED) --loads 0.6 0.8 1.0 \
+		--out bench/results/quality/fleets/mixed $(QUICK)
 
 # Our gateway under guidellm (another team's load tool), beside the servers' and Envoy's own figures. guidellm
 # and its torch live in a venv of their own (torch 2.13.0: the CPU build this machine keeps on disk).

@@ -206,6 +206,9 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
                     "gpu_utilization": _num(snap.gpu_util[i]),
                     "gpu_free_bytes": _num(snap.gpu_free_bytes[i]),
                     "ttft_s": _num(snap.ttft_s[i]),
+                    # What the picker learned of this server's speed (null until it has timings: see README).
+                    "prefill_tokens_per_s": _num(snap.prefill_tokens_per_s[i]),
+                    "decode_step_s": _num(snap.decode_step_s[i]),
                     "inflight_requests": int(engine.inflight.requests[i]),
                     "inflight_tokens": int(engine.inflight.tokens[i]),
                 }

@@ -85,6 +85,7 @@ async def test_admin_api_shows_endpoints_decisions_config_and_metrics(picker, se
         assert all(r["up"] and not r["stale"] and r["running"] == 0 and r["kv_cache_usage"] == 0 for r in rows)
         assert all(r["kv_cache_tokens"] == H100.num_gpu_blocks * H100.block_size for r in rows)
         assert all(r["gpu_free_bytes"] > 0 for r in rows)
+        assert all(r["prefill_tokens_per_s"] is None and r["decode_step_s"] is None for r in rows)  # nothing timed
         assert picker.collector.inflight is picker.engine.inflight
         for i in range(5):
             picker.service._route(RequestFeatures(model="m", request_id=f"r{i}", prompt_tokens=10), ((None,) * 3))
