@@ -121,9 +121,21 @@ class ServerOptions:
 
 
 class _Active:
-    """A request between arrival and its response's end."""
+    """A request between arrival and its response's end (and, for one aborted in the middle of an engine step,
+    until that step ends and the request is logged: ``closed`` says its handler is gone)."""
 
-    __slots__ = ("created", "disconnected", "event", "prompt", "request", "sent", "trace", "wall_start_ns")
+    __slots__ = (
+        "closed",
+        "created",
+        "disconnected",
+        "event",
+        "logged",
+        "prompt",
+        "request",
+        "sent",
+        "trace",
+        "wall_start_ns",
+    )
 
     def __init__(self, request: SimRequest, prompt: Prompt, trace: tuple[str | None, str | None]) -> None:
         self.request = request
@@ -132,6 +144,7 @@ class _Active:
         self.event = asyncio.Event()
         self.sent = 0
         self.disconnected = False
+        self.logged = self.closed = False
         self.created = int(time.time())
         self.wall_start_ns = time.time_ns()
 
@@ -216,6 +229,8 @@ class EmulatedServer:
             if active is not None:
                 self._finished(active)
                 active.event.set()
+                if active.closed:  # aborted mid-step after its client left: logged now, nothing waits for it
+                    del self._active[id(request)]
         for active in self._active.values():
             if active.prompt.stream and active.request.output > active.sent:
                 active.event.set()
@@ -223,6 +238,7 @@ class EmulatedServer:
     def _finished(self, active: _Active) -> None:
         request, prompt = active.request, active.prompt
         ok = request.state is RequestState.FINISHED
+        active.logged = True
         entry: dict[str, Any] = {
             "seq": next(self._log_seq),
             "id": request.id,
@@ -524,8 +540,11 @@ class EmulatedServer:
             watcher.cancel()
             if request.state in (RequestState.WAITING, RequestState.RUNNING):
                 self.engine.abort(request)
-                self.sync()  # logs it as aborted
-            self._active.pop(id(request), None)
+                self.sync()  # logs it as aborted, unless it is in the engine step now running
+            if active.logged or request.state is not RequestState.ABORTED:
+                self._active.pop(id(request), None)
+            else:  # it leaves the engine when the running step ends: `sync` logs it then, and lets it go
+                active.closed = True
 
     async def _watch_disconnect(self, receive: Receive, active: _Active) -> None:
         while (await receive())["type"] != "http.disconnect":
