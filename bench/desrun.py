@@ -27,7 +27,7 @@ from inferlb.bench.policies import (
 )
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.sim.des import Arrival, FleetView, Hold, Policy, Refuse, RequestRecord, SimResult, simulate, trace_arrivals
-from inferlb.sim.profiles import ServerProfile, get_profile, parse_fleet
+from inferlb.sim.profiles import ServerProfile, fleet_of
 from inferlb.sim.traces import load_trace
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "DesJob",
     "capacity_rps",
     "fleet_capacity_rps",
-    "fleet_profiles",
     "load_arrivals",
     "make_policy",
     "replicated_name",
@@ -62,7 +61,7 @@ class DesJob:
     trace: str  # path
     requests: int
     servers: int
-    profile: str  # one profile's name, or a fleet: PROFILE:COUNT,... (`fleet_profiles`)
+    profile: str  # one profile's name, or a fleet: PROFILE:COUNT,... (`sim.profiles.fleet_of`)
     policy: str
     load: float
     rate_rps: float
@@ -97,17 +96,6 @@ def capacity_rps(arrivals: Sequence[Arrival], profile: ServerProfile, seed: int)
     if not done or makespan <= 0:
         raise RuntimeError("the capacity burst completed nothing; is the profile able to serve these prompts?")
     return len(done) / makespan
-
-
-def fleet_profiles(profile: str, servers: int) -> list[ServerProfile]:
-    """One profile per server: ``servers`` of the profile named, or the fleet ``PROFILE:COUNT,...`` describes
-    (`inferlb.sim.profiles.parse_fleet`), which must count ``servers``. ValueError otherwise."""
-    if ":" not in profile and "," not in profile:
-        return [get_profile(profile)] * servers
-    fleet = list(parse_fleet(profile))
-    if len(fleet) != servers:
-        raise ValueError(f"the fleet {profile!r} has {len(fleet)} servers, not {servers}")
-    return fleet
 
 
 def fleet_capacity_rps(arrivals: Sequence[Arrival], fleet: Sequence[ServerProfile], seed: int) -> float:
@@ -183,7 +171,7 @@ def _replicated(name: str) -> tuple[str, int, float | None] | None:
 
 def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str, Any]:
     """Simulate one job; its results.json row (plus the raw TTFTs under ``_ttft_s`` for the CDF plot)."""
-    profiles = fleet_profiles(job.profile, job.servers)
+    profiles = fleet_of(job.profile, job.servers)
     if arrivals is None:
         arrivals = load_arrivals(job.trace, job.requests, profiles[0].block_size)
     policy = make_policy(job.policy, profiles, job.seed)

@@ -111,6 +111,13 @@ class InFlight:
             self._prefill_at.copy(),
         )
 
+    def pending_prefill_at(self, index: int, tokens_per_s: float) -> float:
+        """`pending_prefill` of one endpoint, as a number (no arrays: the routing unit asks once per request)."""
+        now = self.clock()
+        own = float(self._prefill[index]) - tokens_per_s * (now - float(self._prefill_at[index]))
+        peers = float(self._peer_prefill[index]) - tokens_per_s * (now - float(self._peer_prefill_at[index]))
+        return max(own, 0.0) + max(peers, 0.0)
+
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
         """Per candidate, the prompt tokens sent there that it has not had time to prefill, at ``tokens_per_s``
         (aligned with ``candidates``)."""

@@ -205,6 +205,7 @@ class TtftPredictor:
         self._for: Snapshot | None = None
         self._tokens_per_s = np.zeros(0)
         self._step_s: np.ndarray | None = None  # decode seconds per step, where learned (None: nowhere)
+        self._steps: np.ndarray | None = None  # those of the last candidates seen
         # The rates of the last candidates seen, and those candidates (reset with the snapshot).
         self._rates = np.zeros(0)
         self._rates_for: np.ndarray | None = None
@@ -247,11 +248,12 @@ class TtftPredictor:
         self._last = (request, state, candidates, own)
         if candidates is not self._rates_for:  # the candidates array is usually the pool's, the same every time
             self._rates = self._tokens_per_s[candidates]
+            self._steps = None if self._step_s is None else self._step_s[candidates]
             self._rates_for = candidates
         rates = self._rates
         seconds = (state.inflight.pending_prefill(candidates, rates) + own) / rates
-        if self._step_s is not None:  # the first token also waits for the step that makes it
-            seconds += self._step_s[candidates]
+        if self._steps is not None:  # the first token also waits for the step that makes it
+            seconds += self._steps
         return seconds
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:

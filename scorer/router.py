@@ -172,8 +172,7 @@ class Router:
         if speeds is not None and decision.prefill is not None and request.request_id:
             # The work the prediction counted before this request's first token: the backlog and its own tokens.
             uncached, rate = decision.prefill
-            backlog = engine.inflight.pending_prefill(np.array([index]), np.array([rate]))
-            speeds.sent(request.request_id, index, float(backlog[0]) + uncached)
+            speeds.sent(request.request_id, index, engine.inflight.pending_prefill_at(index, rate) + uncached)
         lease = engine.inflight.acquire(index, request.prompt_tokens, decision.prefill)
         if arm is not None and experiments is not None:
             experiments.routed(request.request_id, arm)

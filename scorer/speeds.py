@@ -34,6 +34,7 @@ import numpy as np
 
 __all__ = ["ServerSpeeds"]
 
+_PRIOR_STEPS = 64  # decode steps of the fleet's figure mixed in per prior request
 _MIN_PREFILL_SHARE = 0.25  # the prefill part of a TTFT is at least this share of it, whatever the step estimate
 
 
@@ -93,8 +94,7 @@ class ServerSpeeds:
         if now - sent_at > self.max_age_s or ttft_s is None or not (0 < ttft_s < math.inf):
             return False
         self._decay(now)
-        step = self.decode_step_s()[endpoint]
-        step = 0.0 if math.isnan(step) else step
+        step = self._step_of(endpoint)
         self._work[endpoint] += work
         self._time[endpoint] += max(ttft_s - step, _MIN_PREFILL_SHARE * ttft_s)
         self._count[endpoint] += 1
@@ -104,6 +104,15 @@ class ServerSpeeds:
         self.timings += 1
         self._cache = None
         return True
+
+    def _step_of(self, endpoint: int) -> float:
+        """`decode_step_s` of one endpoint (0 while unknown), without building the arrays."""
+        steps, total = float(self._steps.sum()), float(self._decode_s.sum())
+        if not (steps > 0 and total > 0):
+            return 0.0
+        mix = self.prior_requests * _PRIOR_STEPS / steps
+        own_steps = float(self._steps[endpoint]) + mix * steps
+        return (float(self._decode_s[endpoint]) + mix * total) / own_steps if own_steps > 0 else 0.0
 
     def prefill_tokens_per_s(self) -> np.ndarray:
         """Per endpoint, the learned prefill rate (tokens/s); NaN until the fleet has ``min_requests`` timings."""
@@ -164,7 +173,7 @@ class ServerSpeeds:
         prefill = _shrunk(self._work, self._time, self._count, self.prior_requests)
         if self.timings < self.min_requests:
             prefill = np.full(self.size, np.nan)
-        decode = _shrunk(self._decode_s, self._steps, self._steps, self.prior_requests * 64)
+        decode = _shrunk(self._decode_s, self._steps, self._steps, self.prior_requests * _PRIOR_STEPS)
         decode.setflags(write=False)
         prefill.setflags(write=False)
         self._cache = (prefill, decode)

@@ -12,7 +12,7 @@ import dataclasses
 
 from inferlb.otel.tracing import PROTOCOLS
 from inferlb.sim.fleet import build_fleet, parse_fault, run_fleet
-from inferlb.sim.profiles import PROFILES, get_profile, parse_fleet
+from inferlb.sim.profiles import PROFILES, fleet_of
 from inferlb.sim.server import ServerOptions
 
 __all__ = ["add_arguments", "run"]
@@ -70,12 +70,7 @@ def run(args: argparse.Namespace) -> int:
     for text in args.fault:
         index, spec = parse_fault(text, len(addresses))
         faults.setdefault(index, {}).update(spec)
-    if ":" in args.profile or "," in args.profile:
-        profiles = list(parse_fleet(args.profile))
-        if len(profiles) != len(addresses):
-            raise ValueError(f"--profile {args.profile!r} counts {len(profiles)} servers; {len(addresses)} are served")
-    else:
-        profiles = [get_profile(args.profile)] * len(addresses)
+    profiles = fleet_of(args.profile, len(addresses))
     if args.kv_blocks is not None:
         if args.kv_blocks < 16:
             raise ValueError(f"--kv-blocks must be >= 16; got {args.kv_blocks}")

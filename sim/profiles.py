@@ -50,6 +50,7 @@ __all__ = [
     "MemoryPlan",
     "ServerProfile",
     "fleet_name",
+    "fleet_of",
     "get_profile",
     "parse_fleet",
 ]
@@ -367,3 +368,14 @@ def fleet_name(fleet: Sequence[ServerProfile]) -> str:
     if len(runs) == 1:
         return runs[0][0]
     return ",".join(f"{name}:{count}" for name, count in runs)
+
+
+def fleet_of(profile: str, servers: int) -> list[ServerProfile]:
+    """One profile per server: ``servers`` of the profile named, or the fleet ``PROFILE:COUNT,...`` describes
+    (`parse_fleet`), which must count ``servers``. ValueError otherwise."""
+    if ":" not in profile and "," not in profile:
+        return [get_profile(profile)] * servers
+    fleet = list(parse_fleet(profile))
+    if len(fleet) != servers:
+        raise ValueError(f"the fleet {profile!r} counts {len(fleet)} servers, not {servers}")
+    return fleet

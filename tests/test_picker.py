@@ -323,6 +323,13 @@ async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by
     router, replies = picker.service.router, picker.service.replies.headers
     assert router.speeds is picker.spans.speeds
     joiner = picker.spans.receiver.joiner
+    # A span joined to no decision of this picker (a forged or a stranger's trace id, naming a server) teaches
+    # nothing: only a timing of a request the picker routed, by its trace, reaches the speeds.
+    features = RequestFeatures(model="m", request_id="routed", prompt_tokens=4000)
+    _, lease, _ = picker.service._route(router.admit(features).request, replies)
+    lease.release()
+    joiner.add(None, SpanRecord(bytes.fromhex("ab" * 16), "10.0.0.2:8000", 60.0, 61.0, 1_700_000_000.0, 100))
+    assert picker.spans.speeds.timings == 0
     for i in range(40):
         trace = f"{i + 1:032x}"
         features = RequestFeatures(
