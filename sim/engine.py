@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from inferlb.sim.kvcache import BlockTable, KVCache
+from inferlb.sim.kvcache import BlockTable, KVCache, KVListener
 from inferlb.sim.profiles import ServerProfile
 
 __all__ = ["EngineModel", "EngineOptions", "RequestState", "SimRequest"]
@@ -47,8 +47,9 @@ class SimRequest:
     """One request inside the engine. Times are engine seconds; ``None`` until the event happened.
 
     ``prompt_hashes`` are the chained hashes of the prompt's full blocks (see `sim/tokens.py`); ``max_tokens`` is
-    the exact number of output tokens the request will get (>= 1). The engine updates the progress fields; callers
-    read them.
+    the exact number of output tokens the request will get (>= 1). ``token_ids`` are the prompt's token ids when the
+    caller knows them (the live server does; the discrete-event simulator does not): they only go into the KV-cache
+    listener's events, ``block_size`` per cached block. The engine updates the progress fields; callers read them.
     """
 
     __slots__ = (
@@ -68,10 +69,17 @@ class SimRequest:
         "server",
         "state",
         "tag",
+        "token_ids",
     )
 
     def __init__(
-        self, id: str, prompt_tokens: int, max_tokens: int, prompt_hashes: Sequence[int] = (), tag: object = None
+        self,
+        id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        prompt_hashes: Sequence[int] = (),
+        tag: object = None,
+        token_ids: Sequence[int] = (),
     ) -> None:
         if prompt_tokens < 1 or max_tokens < 1:
             raise ValueError(f"request {id}: prompt_tokens and max_tokens must be >= 1")
@@ -79,6 +87,7 @@ class SimRequest:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.prompt_hashes = prompt_hashes
+        self.token_ids = token_ids
         self.tag = tag
         self.server = ""
         self.state = RequestState.WAITING
@@ -168,13 +177,21 @@ class EngineModel:
 
     ``now`` only moves forward through `advance`. Every request that ends, FINISHED or ABORTED, is appended to
     ``finished`` for the caller to drain. ``busy_s`` is the total time spent in steps (for GPU utilisation),
-    ``steps`` the number of steps run.
+    ``steps`` the number of steps run. ``kv_listener`` hears every change to the set of cached blocks (see
+    `KVListener`), from inside `advance`, `add` and `restart`.
     """
 
-    def __init__(self, profile: ServerProfile, options: EngineOptions | None = None, *, now: float = 0.0) -> None:
+    def __init__(
+        self,
+        profile: ServerProfile,
+        options: EngineOptions | None = None,
+        *,
+        now: float = 0.0,
+        kv_listener: KVListener | None = None,
+    ) -> None:
         self.profile = profile
         self.options = options or EngineOptions()
-        self.cache = KVCache(profile.num_gpu_blocks, profile.block_size)
+        self.cache = KVCache(profile.num_gpu_blocks, profile.block_size, kv_listener)
         self.now = now
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -443,7 +460,12 @@ class EngineModel:
                 hashes = request.prompt_hashes
                 first, last = before // bs, min(request.computed // bs, len(hashes))
                 if last > first:
-                    cache.register(request.blocks, hashes[first:last])
+                    if cache.listener is None:
+                        cache.register(request.blocks, hashes[first:last])
+                    else:
+                        ids = request.token_ids
+                        parent = hashes[first - 1] if first else None
+                        cache.register(request.blocks, hashes[first:last], parent, ids[first * bs : last * bs])
                 if request.computed < request.num_tokens:
                     continue
                 request.output += 1

@@ -9,14 +9,38 @@ free; the difference only shows when the cache is nearly full of cached blocks.)
 
 A request's blocks are tracked by its `BlockTable`: the hashes it holds a reference on, plus a count of blocks
 that have no hash (the partial last block, output tokens, or a block whose hash another request cached first).
+
+A `KVListener`, when one is set, hears every change to *which hashes are cached*: blocks newly cached, cached
+blocks evicted, and the whole cache cleared; this is what vLLM publishes as KV-cache events (`sim/kvevents.py`).
+Holding and releasing blocks that stay cached is not a change. Without a listener the cost is one ``is None`` test.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
-__all__ = ["BlockTable", "KVCache"]
+__all__ = ["BlockTable", "KVCache", "KVListener"]
+
+
+class KVListener(Protocol):
+    """Hears the changes to the set of cached block hashes, in the order they happen, on the cache's thread.
+
+    Calls must be cheap and must not raise (they run inside engine steps); the lists passed are not reused by the
+    cache, so a listener may keep them.
+    """
+
+    def stored(self, hashes: list[int], parent: int | None, token_ids: Sequence[int]) -> None:
+        """``hashes`` (consecutive blocks of one prompt, in order) became cached. ``parent`` is the hash of the block
+        before the first of them (None: it is the prompt's first block); ``token_ids`` are those blocks' tokens,
+        ``block_size`` per block, or empty when the caller does not know them."""
+
+    def removed(self, hashes: list[int]) -> None:
+        """Cached blocks with these hashes were evicted (least recently freed first)."""
+
+    def cleared(self) -> None:
+        """Every cached block was dropped (a restart)."""
 
 
 class BlockTable:
@@ -40,9 +64,9 @@ class KVCache:
     the live block tables; every hash in the LRU is cached with no holder.
     """
 
-    __slots__ = ("_lru", "_refs", "block_size", "free", "num_blocks")
+    __slots__ = ("_lru", "_refs", "block_size", "free", "listener", "num_blocks")
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, listener: KVListener | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KVCache needs num_blocks >= 1 and block_size >= 1; got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -50,6 +74,7 @@ class KVCache:
         self.free = num_blocks
         self._refs: dict[int, int] = {}  # cached hash -> number of holders (0: free but still cached)
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached hashes with no holder, oldest first
+        self.listener = listener
 
     @property
     def used(self) -> int:
@@ -63,6 +88,10 @@ class KVCache:
     @property
     def cached_blocks(self) -> int:
         return len(self._refs)
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash cached now, held or free (a copy, in no particular order): the truth a KV-event index mirrors."""
+        return list(self._refs)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -100,15 +129,27 @@ class KVCache:
         uncached = self.free - len(self._lru)
         if n > uncached:
             lru, refs = self._lru, self._refs
-            for _ in range(n - uncached):
-                h, _ = lru.popitem(last=False)
-                del refs[h]
+            if self.listener is None:
+                for _ in range(n - uncached):
+                    h, _ = lru.popitem(last=False)
+                    del refs[h]
+            else:
+                evicted = [lru.popitem(last=False)[0] for _ in range(n - uncached)]
+                for h in evicted:
+                    del refs[h]
+                self.listener.removed(evicted)
         self.free -= n
         table.plain += n
         return True
 
-    def register(self, table: BlockTable, hashes: Sequence[int]) -> None:
-        """``table`` has filled blocks with these hashes: cache them, unless another holder cached one first."""
+    def register(
+        self, table: BlockTable, hashes: Sequence[int], parent: int | None = None, token_ids: Sequence[int] = ()
+    ) -> None:
+        """``table`` has filled blocks with these hashes: cache them, unless another holder cached one first.
+
+        ``parent`` (the hash of the block before ``hashes[0]``, None for a prompt's first block) and ``token_ids``
+        (``block_size`` ids per hash, or empty) only serve the listener, which hears one `KVListener.stored` per run
+        of consecutive blocks newly cached."""
         if table.plain == 0:
             return
         refs = self._refs
@@ -119,6 +160,26 @@ class KVCache:
         refs.update(fresh)
         table.plain -= len(fresh)
         table.hashed.extend(fresh)
+        if self.listener is not None and fresh:
+            self._announce(hashes, fresh, parent, token_ids)
+
+    def _announce(self, hashes: Sequence[int], fresh: dict[int, int], parent: int | None, ids: Sequence[int]) -> None:
+        """Tell the listener about the runs of ``hashes`` that are in ``fresh`` (each hash once, in order)."""
+        listener, bs = self.listener, self.block_size
+        if listener is None:
+            return
+        pending = set(fresh)
+        start = -1
+        for i, h in enumerate([*hashes, None]):
+            if h is not None and h in pending:
+                pending.discard(h)
+                if start < 0:
+                    start = i
+            elif start >= 0:
+                before = hashes[start - 1] if start else parent
+                tokens = ids[start * bs : i * bs] if ids else ()
+                listener.stored(list(hashes[start:i]), before, tokens)
+                start = -1
 
     def release(self, table: BlockTable) -> None:
         """Free every block of ``table``. Hashed blocks stay cached; the last block of a prompt is evicted first."""
@@ -141,3 +202,5 @@ class KVCache:
         self.free = self.num_blocks
         self._refs.clear()
         self._lru.clear()
+        if self.listener is not None:
+            self.listener.cleared()
