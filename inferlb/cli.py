@@ -180,13 +180,22 @@ def _parser() -> argparse.ArgumentParser:
     envoy.set_defaults(run=_envoy_config)
 
     demo = sub.add_parser(
-        "demo", help="Envoy + picker + emulated vLLM servers on loopback, a burst of traffic, a summary"
+        "demo",
+        help="Envoy + picker + emulated vLLM servers on loopback: the same traffic through Envoy's round robin and "
+        "through inferlb while one server turns slow, a side-by-side table, a heatmap",
     )
     demo.add_argument("--backends", type=int, default=3)
-    demo.add_argument("--requests", type=int, default=120)
-    demo.add_argument("--concurrency", type=int, default=8)
     demo.add_argument("--policy", default="default", choices=PRESET_NAMES)
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="logs and rendered configs go here")
+    demo.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals in each run (default 30)")
+    demo.add_argument("--rate", type=float, default=12.0, help="requests per second, Poisson arrivals (default 12)")
+    demo.add_argument("--slow-at", type=float, default=10.0, help="seconds into each run a server turns slow")
+    demo.add_argument("--slowdown", type=float, default=10.0, help="how many times slower it turns (default 10)")
+    demo.add_argument("--seed", type=int, default=18, help="seed of the workload (default 18)")
+    quick = demo.add_argument_group("--quick", "the short run: a burst through the picker alone, no comparison")
+    quick.add_argument("--quick", action="store_true", help="the short run (CI)")
+    quick.add_argument("--requests", type=int, default=120, help="requests in the burst (default 120)")
+    quick.add_argument("--concurrency", type=int, default=8, help="workers sending the burst (default 8)")
     demo.set_defaults(run=_demo)
 
     sim = sub.add_parser(
@@ -321,14 +330,23 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from inferlb.demo import DemoOptions, run_demo
+    from inferlb.demoscenario import ScenarioOptions
 
     # SIGTERM (a supervisor, `timeout`) unwinds like Ctrl-C, so the demo stops what it started. SIGINT is set
     # explicitly: a shell starts background jobs with it ignored, and Python would keep ignoring it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
 
+    scenario = ScenarioOptions(
+        duration_s=args.duration, rate=args.rate, slow_at_s=args.slow_at, slowdown=args.slowdown, seed=args.seed
+    )
     options = DemoOptions(
-        backends=args.backends, requests=args.requests, concurrency=args.concurrency, policy=args.policy
+        backends=args.backends,
+        quick=args.quick,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        policy=args.policy,
+        scenario=scenario,
     )
     return run_demo(options, args.out)
 

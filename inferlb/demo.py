@@ -1,26 +1,32 @@
-"""``inferlb demo``: a gateway on loopback (emulated vLLM servers, the picker, a real Envoy), a bounded burst of
-OpenAI-style requests through it, and a table of where they went.
+"""``inferlb demo``: a gateway on loopback (emulated vLLM servers, the picker, a real Envoy) and traffic through it.
 
-The table is checked against Envoy's own access log: every request must have gone through the ORIGINAL_DST
-cluster to the endpoint the picker named. The exit code says whether that held and every endpoint got work. Each
-row also shows what the server itself reported: its median time to first token (engine time, from its request
-log) and its prefix-cache hit rate (from its vLLM ``/metrics``).
+By default the demo compares: the same open-loop chat workload goes through Envoy's round robin and then through
+the picker, one server turns slow partway through each run, and a side-by-side table and a verdict say what that
+did (`inferlb.democompare`). ``--quick`` keeps the short run: a bounded burst of OpenAI-style requests through the
+picker and a table of where they went.
+
+Both check Envoy's own access log: every request the picker routed must have gone through the ORIGINAL_DST cluster
+to the endpoint the picker named. The exit code says whether that held and every request was answered. In the
+quick run each row also shows what the server itself reported: its median time to first token (engine time, from
+its request log) and its prefix-cache hit rate (from its vLLM ``/metrics``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
 
+from inferlb.democompare import run_comparison
+from inferlb.demogateway import DemoStack, refusals, save_heatmap, wait_for_access_log
+from inferlb.demoscenario import ScenarioOptions
 from inferlb.procs import ProcessError
 from inferlb.scorer.promtext import read_vllm
 from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
@@ -28,16 +34,19 @@ from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
 MODEL = "demo-model"
 REQUEST_TIMEOUT_S = 30.0
 BURST_DEADLINE_S = 120.0
-ACCESS_LOG_WAIT_S = 10.0
-SPANS_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
+    """``quick``: the short burst (``requests`` from ``concurrency`` workers); otherwise the comparison that
+    ``scenario`` describes. ``policy``: the picker's preset in both."""
+
     backends: int = 3
+    quick: bool = False
     requests: int = 120
     concurrency: int = 8
     policy: str = "default"
+    scenario: ScenarioOptions = field(default_factory=ScenarioOptions)
 
 
 @dataclass(slots=True)
@@ -51,25 +60,49 @@ class Outcome:
 
 
 def run_demo(options: DemoOptions, out_dir: Path, stream: TextIO = sys.stdout) -> int:
-    """Run the demo; returns the process exit code (0: every check passed)."""
-    if options.backends < 1 or options.requests < options.backends or options.concurrency < 1:
-        raise ValueError("need backends >= 1, requests >= backends and concurrency >= 1")
+    """Run the demo; returns the process exit code (0: every check passed). ValueError for a bad option."""
+    if options.quick:
+        if options.backends < 1 or options.requests < options.backends or options.concurrency < 1:
+            raise ValueError("need backends >= 1, requests >= backends and concurrency >= 1")
+    else:
+        options.scenario.check()
+        if options.backends < 2:
+            raise ValueError("the comparison needs --backends >= 2: one server is slowed, the others are not")
     out_dir = out_dir.resolve()
-    stack_options = StackOptions(backends=options.backends, models=(MODEL,), policy=options.policy, spans=True)
+    stack_options = StackOptions(
+        backends=options.backends,
+        models=(MODEL,),
+        policy=options.policy,
+        spans=True,
+        heatmap_bucket_s=None if options.quick else options.scenario.heatmap_bucket_s,
+    )
     print(f"inferlb demo: starting {options.backends} emulated vLLM servers, the picker and Envoy ...", file=stream)
     try:
+        if not options.quick:
+            demo_stack = DemoStack(stack_options, out_dir)
+            with demo_stack:
+                print(
+                    f"gateway {demo_stack.gateway_url} -> picker {demo_stack.picker_address} ({options.policy})",
+                    file=stream,
+                )
+                print(
+                    f"round robin {demo_stack.round_robin_url} -> Envoy's ROUND_ROBIN over the same servers",
+                    file=stream,
+                )
+                return run_comparison(demo_stack, options.scenario, options.policy, out_dir, stream)
         with LocalStack(stack_options, out_dir) as stack:
             print(f"gateway {stack.gateway_url} -> picker {stack.picker_address} ({options.policy})", file=stream)
             started = time.monotonic()
             outcomes = asyncio.run(_burst(stack.gateway_url, options))
             elapsed = time.monotonic() - started
-            refusals = asyncio.run(_refusals(stack.gateway_url))
-            log = _wait_for_access_log(stack, len(outcomes) + len(refusals))
-            code = _report(stack, options, outcomes, refusals, log, elapsed, out_dir, stream)
-            heatmap = _heatmap(stack, sum(o.status == 200 for o in outcomes), out_dir / "heatmap.png")
+            refused = asyncio.run(refusals(stack.gateway_url))
+            expected = len(outcomes) + len(refused)
+            log = wait_for_access_log(stack, lambda entries: len(entries) >= expected)
+            code = _report(stack, options, outcomes, refused, log, elapsed, out_dir, stream)
+            heatmap = save_heatmap(stack, sum(o.status == 200 for o in outcomes), out_dir / "heatmap.png")
             print(f"latency heatmap from the servers' spans: {heatmap}", file=stream)
             return code
-    except ProcessError as exc:
+    except (ProcessError, httpx.HTTPError) as exc:
         print(f"inferlb demo: a process failed: {exc}\n(logs in {out_dir})", file=stream)
         return 1
 
@@ -124,22 +157,6 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> O
         )
 
 
-async def _refusals(base_url: str) -> list[tuple[str, int, str]]:
-    """Two requests the picker must refuse, to show its errors: malformed JSON and an unknown model."""
-    cases = [
-        ("malformed JSON", b'{"model": "demo-model", "prompt": '),
-        ("unknown model", json.dumps({"model": "no-such-model", "prompt": "hi"}).encode()),
-    ]
-    out = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as client:
-        for name, content in cases:
-            response = await client.post(
-                "/v1/completions", content=content, headers={"content-type": "application/json"}
-            )
-            out.append((name, response.status_code, response.text))
-    return out
-
-
 def _server_view(address: str) -> tuple[str, str]:
     """(median TTFT, prefix-cache hit rate) as the server at ``address`` reports them; "-" where it cannot say."""
     try:
@@ -152,33 +169,6 @@ def _server_view(address: str) -> tuple[str, str]:
     queries, hits = snapshot.prefix_cache_queries, snapshot.prefix_cache_hits
     rate = f"{hits / queries:.0%}" if queries and hits is not None else "-"
     return ttft, rate
-
-
-def _wait_for_access_log(stack: LocalStack, expected: int) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + ACCESS_LOG_WAIT_S
-    while True:
-        log = stack.access_log()
-        if len(log) >= expected or time.monotonic() > deadline:
-            return log
-        time.sleep(0.05)  # Envoy flushes its access log every 100 ms; the deadline bounds the wait
-
-
-def _heatmap(stack: LocalStack, expected: int, path: Path) -> str:
-    """Wait (bounded) for the servers' spans to reach the picker, then save its heatmap; returns the path or why
-    there is none."""
-    deadline = time.monotonic() + SPANS_WAIT_S
-    try:
-        while True:
-            grid = httpx.get(f"{stack.picker_admin_url}/heatmap.json", timeout=5).json()
-            if sum(sum(row) for row in grid["count"]) >= expected or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)  # the servers export spans in batches every 0.5 s; the deadline bounds the wait
-        response = httpx.get(f"{stack.picker_admin_url}/heatmap.png", timeout=60)
-        response.raise_for_status()
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
-        return f"none ({exc})"
-    path.write_bytes(response.content)
-    return str(path)
 
 
 def _report(

@@ -49,6 +49,7 @@ class StackOptions:
     sim_args: tuple[str, ...] = ()
     spans: bool = False  # the picker runs an OTLP receiver and the emulated servers send it their spans
     latency_source: str = "spans"  # the picker's otel.latency_source; "stream": it times responses itself
+    heatmap_bucket_s: float | None = None  # the picker's otel.heatmap_bucket_s (None: the config's default)
     envoy_concurrency: int = 2
     envoy: EnvoyOptions = field(default_factory=EnvoyOptions)
     picker_log_level: str = "info"
@@ -182,6 +183,8 @@ class LocalStack:
         otel: dict[str, Any] = {"receiver": self.receiver_address} if self.receiver_address else {}
         if self.options.latency_source != "spans":
             otel["latency_source"] = self.options.latency_source
+        if self.options.heatmap_bucket_s is not None:
+            otel["heatmap_bucket_s"] = self.options.heatmap_bucket_s
         return otel
 
     def _endpoint(self, address: str) -> dict[str, Any]:

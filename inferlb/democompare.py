@@ -1,0 +1,200 @@
+"""``inferlb demo``'s comparison: the same workload through Envoy's round robin and through the picker, on one
+Envoy and one fleet of emulated servers, with one server slowed partway through each run; a side-by-side table,
+a verdict computed from it, and the picker's heatmap of the second run.
+
+Both runs go through the same Envoy process (two listeners) to the same servers. Each run's prompts start with
+their own salt, so the second run finds none of the first run's prefixes in the servers' caches: both start cold.
+The picker sees no request of the round-robin run (its span receiver joins spans to its own decisions only), so
+the second run starts from what the picker would know of a fresh fleet. The exit code says whether every request
+was answered and went where the run meant it to go (Envoy's access log), and the picker refused the two bad
+requests; it does not depend on which policy did better.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from inferlb.demogateway import PICKED_CLUSTER, ROUND_ROBIN_CLUSTER, DemoStack, refusals, save_heatmap
+from inferlb.demogateway import wait_for_access_log as _wait_for_access_log
+from inferlb.demoscenario import RunResult, ScenarioOptions, replay, workload
+
+
+def run_comparison(stack: DemoStack, options: ScenarioOptions, policy: str, out_dir: Path, stream: TextIO) -> int:
+    """Both runs on a started ``stack``; prints progress, the table and the verdict; returns the exit code."""
+    p = _printer(stream)
+    arrivals = workload(options)
+    slowed = stack.endpoints[0]
+    p(
+        f"workload: {len(arrivals)} streamed chat requests over {options.duration_s:g} s (open loop, "
+        f"{options.rate:g}/s, {options.prefixes} shared system prompts), the same in both runs; "
+        f"{slowed} turns {options.slowdown:g}x slower {options.slow_at_s:g} s into each run"
+    )
+    p(f"live heatmap while inferlb routes: {stack.picker_admin_url}/heatmap")
+    runs = []
+    for name, url, salt in (
+        ("round robin", stack.round_robin_url, "run 1"),
+        (f"inferlb {policy}", stack.gateway_url, "run 2"),
+    ):
+        p(f"{name}: through {url} ...")
+        result = asyncio.run(
+            replay(
+                url,
+                arrivals,
+                name=name,
+                salt=salt,
+                endpoints=stack.endpoints,
+                slowed=slowed,
+                options=options,
+                report=_progress(stream),
+                every_s=0.5 if stream.isatty() else 5.0,
+            )
+        )
+        if stream.isatty():
+            stream.write("\n")
+        runs.append(result)
+    rr, ours = runs
+    refused = asyncio.run(refusals(stack.gateway_url))
+    ids = {r.request_id for run in runs for r in run.records if r.request_id}
+    log = _wait_for_access_log(stack, lambda entries: ids <= {e.get("request_id") for e in entries})
+    clusters = {e.get("request_id"): e for e in log}
+
+    p("")
+    for line in table(rr, ours):
+        p(line)
+    p("")
+    p(verdict(rr, ours))
+    p("")
+    failures = []
+    for run, cluster in ((rr, ROUND_ROBIN_CLUSTER), (ours, PICKED_CLUSTER)):
+        entries = [clusters.get(r.request_id) for r in run.records]
+        if cluster == PICKED_CLUSTER:
+            routed = sum(
+                1 for e in entries if e and e.get("cluster") == cluster and e.get("upstream") == e.get("picked")
+            )
+            how = "routed by the picker through Envoy's ORIGINAL_DST cluster"
+        else:
+            routed = sum(1 for e in entries if e and e.get("cluster") == cluster)
+            how = "routed by Envoy's ROUND_ROBIN cluster"
+        p(f"{run.name}: {how}: {routed}/{len(run.records)} (access log)")
+        if routed != len(run.records):
+            failures.append(f"{run.name}: only {routed} of {len(run.records)} requests went through {cluster}")
+        if errors := [r for r in run.records if r.error is not None]:
+            failures.append(f"{run.name}: {len(errors)} requests failed, e.g. {errors[0].error!r}")
+    for name, status, text in refused:
+        p(f"refused by the picker, {name}: HTTP {status} {text.strip()}")
+    if [s for _, s, _ in refused] != [400, 404]:
+        failures.append(f"refusals answered {[s for _, s, _ in refused]}, expected [400, 404]")
+    heatmap = save_heatmap(
+        stack, sum(r.status == 200 for r in ours.records), out_dir / "heatmap.png", out_dir / "heatmap.html"
+    )
+    p(f"latency heatmap of the inferlb run, from the servers' spans: {heatmap}")
+    p(f"logs, picker config and Envoy bootstrap: {out_dir}")
+    for failure in failures:
+        p(f"FAILED: {failure}")
+    if not failures:
+        p("OK: every request answered, each run through the route it was meant to take, through one real Envoy.")
+    return 1 if failures else 0
+
+
+def table(rr: RunResult, ours: RunResult) -> list[str]:
+    """The side-by-side table: one row per measure, one column per run."""
+
+    def row(label: str, cell: Callable[[RunResult], str]) -> tuple[str, str, str]:
+        return label, cell(rr), cell(ours)
+
+    rows = [
+        ("", rr.name, ours.name),
+        row("requests answered", lambda r: f"{_ok(r)}/{len(r.records)}"),
+        row("TTFT p50 (client)", lambda r: _seconds(quantile(_ttfts(r), 0.5))),
+        row("TTFT p99 (client)", lambda r: _seconds(quantile(_ttfts(r), 0.99))),
+        row(f"to the slowed server after {rr.slow_at_s:g} s", _slowed_text),
+        row("prefix-cache hit rate (servers)", _hit_rate),
+        row("errors", lambda r: str(sum(x.error is not None for x in r.records))),
+    ]
+    width = max(len(label) for label, _, _ in rows) + 2
+    return [f"{label:<{width}}{a:>18}{b:>22}" for label, a, b in rows]
+
+
+def verdict(rr: RunResult, ours: RunResult) -> str:
+    """One line that compares the runs from the measured numbers, whichever way they went."""
+    parts = []
+    for label, q in (("TTFT p99", 0.99), ("TTFT p50", 0.5)):
+        a, b = quantile(_ttfts(ours), q), quantile(_ttfts(rr), q)
+        if a is None or b is None:
+            parts.append(f"{label}: not measured")
+        else:
+            parts.append(f"{label} {_ratio(a, b)} ({_seconds(a)} vs {_seconds(b)})")
+    share_ours, share_rr = slowed_share(ours), slowed_share(rr)
+    if share_ours is not None and share_rr is not None:
+        parts.append(
+            f"{share_ours:.0%} of the requests after the slowdown to the slowed server (round robin {share_rr:.0%})"
+        )
+    return f"{ours.name} vs round robin: " + "; ".join(parts) + "."
+
+
+def slowed_share(run: RunResult) -> float | None:
+    """The share of the requests sent after the slowdown that the slowed server answered (None: none were sent)."""
+    after = [r for r in run.records if r.sent_s >= run.slow_at_s and r.status == 200]
+    return sum(r.server == run.slowed for r in after) / len(after) if after else None
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+
+
+def _ttfts(run: RunResult) -> list[float]:
+    return [r.ttft_s for r in run.records if r.ttft_s is not None]
+
+
+def _ok(run: RunResult) -> int:
+    return sum(r.status == 200 and r.error is None for r in run.records)
+
+
+def _slowed_text(run: RunResult) -> str:
+    after = [r for r in run.records if r.sent_s >= run.slow_at_s and r.status == 200]
+    share = slowed_share(run)
+    slowed = sum(r.server == run.slowed for r in after)
+    return f"{slowed}/{len(after)} ({share:.0%})" if share is not None else "-"
+
+
+def _hit_rate(run: RunResult) -> str:
+    if not run.prefix_queries or run.prefix_hits is None:
+        return "-"
+    return f"{run.prefix_hits / run.prefix_queries:.0%}"
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    """How ``ours`` compares with ``theirs``, lower being better."""
+    if ours <= 0 or theirs <= 0 or abs(ours - theirs) / max(ours, theirs) < 0.05:
+        return "about the same"
+    return f"{theirs / ours:.1f}x lower" if ours < theirs else f"{ours / theirs:.1f}x higher"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _printer(stream: TextIO) -> Callable[..., None]:
+    return lambda *a: print(*a, file=stream)
+
+
+def _progress(stream: TextIO) -> Callable[[str], None]:
+    """A progress line: rewritten in place on a terminal, one line each time otherwise."""
+
+    def report(line: str) -> None:
+        if stream.isatty():
+            stream.write(f"\r{line:<110}")
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+    return report
