@@ -63,6 +63,7 @@ class Prompt:
     chat: bool
     temperature: float | None
     top_p: float | None
+    source: str | list[int] = ""  # the prompt as text (chat: rendered) or token ids: its tokens when needed
 
 
 def _model(body: Mapping[str, object], models: Sequence[str]) -> str:
@@ -103,6 +104,7 @@ def _finish(
     chat: bool,
     max_model_len: int,
     default_max_tokens: int,
+    source: str | list[int],
 ) -> Prompt:
     keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     asked = next((v for v in (_int_field(body, k) for k in keys) if v is not None), None)
@@ -140,6 +142,7 @@ def _finish(
         chat=chat,
         temperature=_float_field(body, "temperature"),
         top_p=_float_field(body, "top_p"),
+        source=source,
     )
 
 
@@ -182,6 +185,7 @@ def parse_completion(
         chat=False,
         max_model_len=max_model_len,
         default_max_tokens=default_max_tokens,
+        source=prompt,
     )
 
 
@@ -204,6 +208,7 @@ def parse_chat(
         chat=True,
         max_model_len=max_model_len,
         default_max_tokens=default_max_tokens,
+        source=text,
     )
 
 

@@ -11,9 +11,17 @@ Arrivals and faults wake it at once. All state lives in the one event loop; noth
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not), ``POST /tokenize``,
 ``POST /v1/completions/render`` (403 unless ``enable_scale_out``, as in vLLM), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (vLLM's names), ``GET /gpu`` (the emulated GPU view, the GPU agent's schema), ``GET|POST
-/admin/faults``, ``GET /admin/requests`` (the log of finished requests) and ``GET /admin/routes`` (how many
-requests each route answered, by status). Every response names the server in `inferlb.stack.SERVER_HEADER` and
-echoes the ``x-gateway-destination-endpoint`` it was sent in `SEEN_DEST_HEADER`.
+/admin/faults``, ``GET /admin/requests`` (the log of finished requests), ``GET /admin/routes`` (how many
+requests each route answered, by status) and ``GET /admin/kv-blocks`` (the block hashes cached now, the truth a
+KV-event index should equal).
+
+With ``kv_events_port`` set the server publishes its KV-cache events as vLLM does (`sim/kvevents.py`): one batch
+each time the engine is brought up to date and changed the cache. Two faults act on them: ``kv_events_pause``
+(events are lost, as from a server whose publisher died) and ``kv_events_drop`` (the next N batches are numbered
+and kept for replay but not sent live: a subscriber sees a gap that replay fills).
+
+Every response names the server in `inferlb.stack.SERVER_HEADER` and echoes the ``x-gateway-destination-endpoint``
+it was sent in `SEEN_DEST_HEADER`.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import orjson
 from inferlb.scorer.gpustate import GpuInfo, GpuReport
 from inferlb.serving import Message, Receive, Scope, Send
 from inferlb.sim.engine import EngineModel, EngineOptions, RequestState, SimRequest
+from inferlb.sim.kvevents import DEFAULT_TOPIC, ENCODINGS, KVEventPublisher, KVEventsOptions
 from inferlb.sim.metrics import VllmMetrics
 from inferlb.sim.openai import (
     BadRequest,
@@ -49,6 +58,7 @@ from inferlb.sim.openai import (
 )
 from inferlb.sim.profiles import ServerProfile
 from inferlb.sim.spans import RequestSpans
+from inferlb.sim.tokens import token_ids
 from inferlb.stack import SERVER_HEADER
 
 _Parsed = TypeVar("_Parsed")
@@ -58,7 +68,7 @@ __all__ = ["FAULT_KEYS", "SEEN_DEST_HEADER", "EmulatedServer", "ServerOptions"]
 logger = logging.getLogger(__name__)
 
 SEEN_DEST_HEADER = "x-inferlb-seen-destination"
-FAULT_KEYS = ("slowdown", "error_rate", "hang", "crash", "cold_start_s")
+FAULT_KEYS = ("slowdown", "error_rate", "hang", "crash", "cold_start_s", "kv_events_pause", "kv_events_drop")
 
 _DEST_REQUEST_HEADER = b"x-gateway-destination-endpoint"
 _MAX_BODY = 64 << 20
@@ -75,10 +85,11 @@ _ROUTES: Mapping[str, tuple[str, ...]] = {
     "/admin/faults": ("GET", "POST"),
     "/admin/requests": ("GET",),
     "/admin/routes": ("GET",),
+    "/admin/kv-blocks": ("GET",),
 }
 # Paths that answer while the server is starting (cold start): the emulator's own controls and the GPU view,
 # which a separate agent process would keep serving.
-_ALWAYS_UP = frozenset({"/admin/faults", "/admin/requests", "/admin/routes", "/gpu"})
+_ALWAYS_UP = frozenset({"/admin/faults", "/admin/requests", "/admin/routes", "/admin/kv-blocks", "/gpu"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +104,9 @@ class ServerOptions:
     - ``flush_interval_s_wall``: how often streamed tokens are sent during long decode runs.
     - ``enable_scale_out``: serve ``/v1/completions/render``, as ``vllm serve --enable-scale-out`` does; without it
       vLLM 0.32 answers that route 403.
+    - ``kv_events_port``: publish KV-cache events on this TCP port of the server's host (0: off);
+      ``kv_events_replay_port`` serves replays (0: none); ``kv_events_encoding`` is ``"map"`` (vLLM 0.32.0's) or
+      ``"array"`` (older vLLM's); ``kv_events_topic`` is the ZMQ topic (vLLM's default: empty).
     """
 
     profile: ServerProfile
@@ -106,6 +120,10 @@ class ServerOptions:
     flush_interval_s_wall: float = 0.02
     log_size: int = 100_000
     enable_scale_out: bool = False
+    kv_events_port: int = 0
+    kv_events_replay_port: int = 0
+    kv_events_encoding: str = "map"
+    kv_events_topic: str = DEFAULT_TOPIC
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -118,6 +136,14 @@ class ServerOptions:
             raise ValueError(f"default_max_tokens must be >= 1; got {self.default_max_tokens!r}")
         if not self.flush_interval_s_wall > 0:
             raise ValueError(f"flush_interval_s_wall must be > 0; got {self.flush_interval_s_wall!r}")
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in 0..65535 (0: off); got {getattr(self, name)!r}")
+        if self.kv_events_replay_port and not self.kv_events_port:
+            raise ValueError("kv_events_replay_port needs kv_events_port")
+        if self.kv_events_encoding not in ENCODINGS:
+            known = ", ".join(ENCODINGS)
+            raise ValueError(f"kv_events_encoding must be one of {known}; got {self.kv_events_encoding!r}")
 
 
 class _Active:
@@ -167,7 +193,21 @@ class EmulatedServer:
         self._clock = clock
         self._t0 = clock()
         self._cold_start_s = options.cold_start_s if options.cold_start_s is not None else self.profile.cold_start_s
-        self.engine = EngineModel(self.profile, EngineOptions(seed=options.seed, jitter=options.jitter))
+        # The publisher binds its ports here: a port in use fails the server's construction (KVEventsError).
+        self.kv_events: KVEventPublisher | None = None
+        if options.kv_events_port:
+            host = address.rpartition(":")[0].strip("[]")
+            kv = KVEventsOptions(
+                host,
+                options.kv_events_port,
+                options.kv_events_replay_port or None,
+                encoding=options.kv_events_encoding,
+                topic=options.kv_events_topic,
+            )
+            self.kv_events = KVEventPublisher(kv, self.profile.block_size)
+        self.engine = EngineModel(
+            self.profile, EngineOptions(seed=options.seed, jitter=options.jitter), kv_listener=self.kv_events
+        )
         if options.start_cold:
             self.engine.ready_at = self._cold_start_s
         self.metrics = VllmMetrics(
@@ -234,6 +274,8 @@ class EmulatedServer:
         for active in self._active.values():
             if active.prompt.stream and active.request.output > active.sent:
                 active.event.set()
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def _finished(self, active: _Active) -> None:
         request, prompt = active.request, active.prompt
@@ -301,6 +343,8 @@ class EmulatedServer:
             self._driver = None
         if self._spans is not None:
             await asyncio.to_thread(self._spans.shutdown)
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
 
     # ---- faults ---------------------------------------------------------------------------------------------
 
@@ -314,6 +358,8 @@ class EmulatedServer:
             "restarts": engine.restarts,
             "cold_start_s": self._cold_start_s,
             "time_scale": self.options.time_scale,
+            "kv_events_pause": self.kv_events is not None and self.kv_events.paused,
+            "kv_events_drop": 0 if self.kv_events is None else self.kv_events.drop_remaining,
         }
 
     def apply_faults(self, spec: Mapping[str, object]) -> None:
@@ -342,6 +388,16 @@ class EmulatedServer:
             isinstance(cold, bool) or not isinstance(cold, int | float) or not math.isfinite(cold) or cold < 0
         ):
             raise ValueError(f"cold_start_s must be a number >= 0; got {cold!r}")
+        if "kv_events_pause" in spec and not isinstance(spec["kv_events_pause"], bool):
+            raise ValueError(f"kv_events_pause must be true or false; got {spec['kv_events_pause']!r}")
+        drop = spec.get("kv_events_drop")
+        if drop is not None and (
+            isinstance(drop, bool) or not isinstance(drop, int | float) or drop < 0 or drop != int(drop)
+        ):
+            raise ValueError(f"kv_events_drop must be a whole number >= 0; got {drop!r}")
+        publisher = self.kv_events
+        if publisher is None and ("kv_events_pause" in spec or drop is not None):
+            raise ValueError("kv_events_pause and kv_events_drop need KV events on (kv_events_port)")
         self.sync()
         engine = self.engine
         if cold is not None:
@@ -350,6 +406,10 @@ class EmulatedServer:
             engine.set_slowdown(float(slowdown))
         if error_rate is not None:
             engine.error_rate = float(error_rate)
+        if publisher is not None and "kv_events_pause" in spec:
+            publisher.pause(bool(spec["kv_events_pause"]))
+        if publisher is not None and drop is not None:
+            publisher.drop_next(int(drop))
         if "hang" in spec:
             engine.set_hung(bool(spec["hang"]))
         if spec.get("crash"):
@@ -358,6 +418,18 @@ class EmulatedServer:
             logger.info("sim %s: crashed; ready again in %.1f s (engine time)", self.address, self._cold_start_s)
         self.sync()
         self._kick.set()
+
+    def kv_blocks(self) -> dict[str, Any]:
+        """The hashes cached now (held or free), sorted; with KV events on, ``next_seq``: the events of batches
+        ``< next_seq`` (all published by now) describe exactly this set."""
+        self.sync()
+        kv = self.kv_events
+        return {
+            "server": self.address,
+            "block_size": self.profile.block_size,
+            "blocks": sorted(self.engine.cache.cached_hashes()),
+            "next_seq": None if kv is None else kv.next_seq,
+        }
 
     # ---- GPU view -------------------------------------------------------------------------------------------
 
@@ -431,6 +503,8 @@ class EmulatedServer:
             await _send_json(send, 200, body, headers)
         elif path == "/admin/routes":
             await _send_json(send, 200, {"server": self.address, "routes": dict(self.route_counts)}, headers)
+        elif path == "/admin/kv-blocks":
+            await _send_json(send, 200, self.kv_blocks(), headers)
         elif path == "/admin/faults":
             await self._faults_route(method, receive, send, headers)
         elif path == "/tokenize":
@@ -520,7 +594,10 @@ class EmulatedServer:
         prompt = read[1]
         trace = _trace_headers(scope["headers"])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
-        request = SimRequest(rid, prompt.prompt_tokens, prompt.max_tokens, prompt.hashes)
+        ids: Sequence[int] = ()
+        if self.kv_events is not None:  # BlockStored carries the blocks' token ids
+            ids = token_ids(prompt.source) if isinstance(prompt.source, str) else prompt.source
+        request = SimRequest(rid, prompt.prompt_tokens, prompt.max_tokens, prompt.hashes, token_ids=ids)
         self.sync()
         if not self.engine.add(request):
             self.injected_errors += 1
