@@ -12,6 +12,7 @@ import dataclasses
 
 from inferlb.otel.tracing import PROTOCOLS
 from inferlb.sim.fleet import build_fleet, parse_fault, run_fleet
+from inferlb.sim.kvevents import DEFAULT_TOPIC, ENCODINGS
 from inferlb.sim.profiles import PROFILES, fleet_of
 from inferlb.sim.server import ServerOptions
 
@@ -51,8 +52,26 @@ def add_arguments(sim: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="I:key=value",
-        help="start-up fault of server I: slowdown=F, error_rate=P, hang=true, crash=true, cold_start_s=S (repeatable)",
+        help="start-up fault of server I: slowdown=F, error_rate=P, hang=true, crash=true, cold_start_s=S, "
+        "kv_events_pause=true, kv_events_drop=N (repeatable)",
     )
+    sim.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=0,
+        help="publish KV-cache events as vLLM does (ZMQ PUB) on this port of each server's host; server i uses "
+        "PORT+i (default 0: off)",
+    )
+    sim.add_argument(
+        "--kv-events-replay-port", type=int, default=0, help="serve replays (ZMQ ROUTER) here, server i at PORT+i"
+    )
+    sim.add_argument(
+        "--kv-events-encoding",
+        choices=ENCODINGS,
+        default="map",
+        help="events as maps tagged by 'type' (vLLM 0.32.0, the default) or arrays (older vLLM)",
+    )
+    sim.add_argument("--kv-events-topic", default=DEFAULT_TOPIC, help="ZMQ topic (default: empty, as vLLM's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,13 +105,31 @@ def run(args: argparse.Namespace) -> int:
         default_max_tokens=args.max_tokens,
         enable_scale_out=args.enable_scale_out,
     )
-    servers = build_fleet(
-        addresses,
-        options,
-        otlp_endpoint=args.otlp_endpoint,
-        otlp_protocol=args.otlp_protocol,
-        faults=faults,
-        profiles=profiles,
+    kv_ports = (args.kv_events_port, args.kv_events_replay_port)
+    for port in kv_ports:
+        if port and not 1 <= port <= 65535 - len(addresses) + 1:
+            raise ValueError(f"KV-events port {port} for {len(addresses)} servers runs past port 65535")
+    if args.kv_events_replay_port and not args.kv_events_port:
+        raise ValueError("--kv-events-replay-port needs --kv-events-port")
+    options = dataclasses.replace(
+        options, kv_events_encoding=args.kv_events_encoding, kv_events_topic=args.kv_events_topic
     )
+    # One server at a time, so that server i gets its own KV-events ports (PORT+i) and still seed+i.
+    servers = []
+    for i, address in enumerate(addresses):
+        own = dataclasses.replace(
+            options,
+            seed=args.seed + i,
+            kv_events_port=args.kv_events_port + i if args.kv_events_port else 0,
+            kv_events_replay_port=args.kv_events_replay_port + i if args.kv_events_replay_port else 0,
+        )
+        servers += build_fleet(
+            [address],
+            own,
+            otlp_endpoint=args.otlp_endpoint,
+            otlp_protocol=args.otlp_protocol,
+            faults={0: faults[i]} if i in faults else None,
+            profiles=profiles[i : i + 1],
+        )
     asyncio.run(run_fleet(servers))
     return 0
