@@ -41,6 +41,7 @@ from inferlb.scorer.features import (
     text_block_hashes,
     token_block_hashes,
 )
+from inferlb.scorer.tokenizer import CacheKeyer
 
 _BOM = b"\xef\xbb\xbf"
 # From this size the document of a body may be many thousand objects: the collector is paused while it exists.
@@ -139,8 +140,11 @@ def header_text(header: Any) -> str:
     return raw.decode("utf-8", "replace") if raw else header.value
 
 
-def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_bytes: int) -> RequestFeatures:
-    """``features`` with what the JSON body says added.
+def apply_body(
+    features: RequestFeatures, body: bytes, *, complete: bool, max_bytes: int, keyer: CacheKeyer | None = None
+) -> RequestFeatures:
+    """``features`` with what the JSON body says added (and, with a ``keyer`` that has the model's tokenizer, the
+    prompt's cache keys).
 
     ``complete`` is False when Envoy sent a partial buffer because the body outgrew its buffer limit.
     Raises ``PayloadTooLargeError`` or ``MalformedRequestError``. For a body of 64 KiB or more it pauses the
@@ -153,13 +157,13 @@ def apply_body(features: RequestFeatures, body: bytes, *, complete: bool, max_by
         raise MalformedRequestError("request body is empty; expected a JSON object")
     body = _without_bom(body)
     if len(body) < _GC_PAUSE_MIN_BYTES:
-        return features.with_body(*_read(body))
+        return features.with_body(*_read(body, keyer))
     # The document must be gone before the collector runs again: an error's traceback holds the frames that hold
     # the document, so it is dropped here.
     refused = None
     with _collector_paused():
         try:
-            found = _read(body)
+            found = _read(body, keyer)
         except RequestError as exc:
             refused = exc.with_traceback(None)
     if refused is not None:
@@ -203,9 +207,12 @@ def with_model(body: bytes, model: str) -> bytes:
     return orjson.dumps(document)
 
 
-def _read(body: bytes) -> tuple[str, bool, int | None, int, int, tuple[int, ...]]:
+def _read(
+    body: bytes, keyer: CacheKeyer | None = None
+) -> tuple[str, bool, int | None, int, int, tuple[int, ...], tuple[int, ...]]:
     """``apply_body`` on a body within its size limit: the features the body gives, in the order of
-    `RequestFeatures.with_body` (model, stream, max_tokens, prompt_chars, prompt_tokens, prefix_hashes)."""
+    `RequestFeatures.with_body` (model, stream, max_tokens, prompt_chars, prompt_tokens, prefix_hashes,
+    cache_keys)."""
     doc, tokens = parse_body(body)
     if not isinstance(doc, dict):
         raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(doc)}")
@@ -244,7 +251,10 @@ def _read(body: bytes) -> tuple[str, bool, int | None, int, int, tuple[int, ...]
         chars, token_ids = _prompt_size(prompt)
         prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
         hashes = _prompt_hashes(prompt, seed=hash(model))
-    return model, stream, max_tokens, chars, prompt_tokens, hashes
+    keys: tuple[int, ...] = ()
+    if keyer is not None:
+        keys = keyer.keys(model, doc, None if tokens is None else tokens.head)
+    return model, stream, max_tokens, chars, prompt_tokens, hashes, keys
 
 
 def _prompt_size(prompt: Any) -> tuple[int, int | None]:

@@ -74,6 +74,7 @@ from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import Lease
 from inferlb.scorer.quotas import Quotas
 from inferlb.scorer.router import Admit, Router
+from inferlb.scorer.tokenizer import CacheKeyer
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # Tenant quotas (config quotas): the tenant is the value of `quotas.config.header`, which must be among the
         # headers read into the features (experiment_headers; the picker adds it).
         self.quotas: Quotas | None = None
+        # With KV events (config kv_events.tokenizers): the prompt's cache keys, for the exact cache index.
+        self.keyer: CacheKeyer | None = None
 
     @property
     def engine(self) -> Engine:
@@ -234,7 +237,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     raw_body = b"".join(duplex)
                     try:
                         features = apply_body(
-                            features or RequestFeatures(), raw_body, complete=True, max_bytes=self.max_body_bytes
+                            features or RequestFeatures(),
+                            raw_body,
+                            complete=True,
+                            max_bytes=self.max_body_bytes,
+                            keyer=self.keyer,
                         )
                     except RequestError as exc:
                         yield self._refuse(exc)
@@ -281,7 +288,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     raw_body = body.body
                     try:
                         features = apply_body(
-                            features, body.body, complete=body.end_of_stream, max_bytes=self.max_body_bytes
+                            features,
+                            body.body,
+                            complete=body.end_of_stream,
+                            max_bytes=self.max_body_bytes,
+                            keyer=self.keyer,
                         )
                     except RequestError as exc:
                         yield self._refuse(exc)

@@ -44,6 +44,8 @@ from inferlb.scorer.experiments import Experiments, WeightChange
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.kubernetes import KubernetesSource
+from inferlb.scorer.kvindex import KVBlockIndex
+from inferlb.scorer.kvsubscriber import KVEventCollector, KVEventOptions
 from inferlb.scorer.membership import REAP_INTERVAL_S, Membership, Plan
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
@@ -52,6 +54,13 @@ from inferlb.scorer.replicas import Replicas
 from inferlb.scorer.router import Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
+from inferlb.scorer.tokenizer import (
+    CacheKeyer,
+    HuggingFaceTokenizer,
+    PieceTokenizer,
+    PromptTokenizer,
+    TokenizerError,
+)
 from inferlb.scorer.weights import endpoint_weights
 from inferlb.serving import serve as serve_asgi
 from inferlb.workers import say_ready, watch_supervisor, worker_config
@@ -80,6 +89,7 @@ class PickerProcess:
     config_path: Path | None = None
     collector: MetricsCollector | None = None
     gpu_collector: GpuCollector | None = None
+    kv_collector: KVEventCollector | None = None
     reloads: int = 0
     config_refusals: int = 0
     listen_override: str | None = None
@@ -189,6 +199,8 @@ class PickerProcess:
             self._collector_tasks.append(loop.create_task(self.collector.run(), name="metrics"))
         if self.gpu_collector is not None:
             self._collector_tasks.append(loop.create_task(self.gpu_collector.run(), name="gpu"))
+        if self.kv_collector is not None:
+            self._collector_tasks.append(loop.create_task(self.kv_collector.run(), name="kv-events"))
 
     async def _stop_collectors(self) -> None:
         for task in self._collector_tasks:
@@ -201,6 +213,8 @@ class PickerProcess:
             await self.collector.aclose()
         if self.gpu_collector is not None:
             await self.gpu_collector.aclose()
+        if self.kv_collector is not None:
+            await self.kv_collector.aclose()
 
     # ---- reloads --------------------------------------------------------------------------------------------
 
@@ -275,6 +289,8 @@ class PickerProcess:
             )
         if config.replicas != old.replicas:
             raise ConfigError("replicas cannot change while the picker runs; restart it")
+        if config.kv_events != old.kv_events:
+            raise ConfigError("kv_events cannot change while the picker runs; restart it")
         if (config.quotas is None) != (old.quotas is None):
             raise ConfigError("quotas cannot be turned on or off while the picker runs (their limits can); restart it")
         if config.inflight.end != old.inflight.end:
@@ -359,16 +375,18 @@ class PickerProcess:
             if self._started:
                 asyncio.get_running_loop().create_task(self._restart_collectors(*collectors))
             else:
-                self.collector, self.gpu_collector = collectors
+                self.collector, self.gpu_collector, self.kv_collector = collectors
         self.service.destinations = config.destinations
         self.publish_endpoints()
         if reason == "config":
             logger.info("config applied (reload %d): policy %s, %d endpoints", self.reloads, config.policy, len(pool))
         _log_membership(plan, pool, inflight, reason)
 
-    async def _restart_collectors(self, collector: MetricsCollector | None, gpu: GpuCollector | None) -> None:
+    async def _restart_collectors(
+        self, collector: MetricsCollector | None, gpu: GpuCollector | None, kv: KVEventCollector | None
+    ) -> None:
         await self._stop_collectors()
-        self.collector, self.gpu_collector = collector, gpu
+        self.collector, self.gpu_collector, self.kv_collector = collector, gpu, kv
         self._start_collectors()
 
     async def _watch(self, path: Path) -> None:
@@ -427,7 +445,7 @@ def _saturation(config: Config) -> Saturation:
 
 def _collectors(
     config: Config, pool: Pool, signals: Signals, inflight: InFlight
-) -> tuple[MetricsCollector | None, GpuCollector | None]:
+) -> tuple[MetricsCollector | None, GpuCollector | None, KVEventCollector | None]:
     collector = None
     if config.signals.scrape_metrics:
         options = CollectorOptions(
@@ -437,7 +455,39 @@ def _collectors(
         collector = MetricsCollector(pool, signals, options, inflight=inflight)
     sources = [e.gpu for e in config.endpoints]
     gpu = GpuCollector(sources, signals, interval_s=config.signals.gpu_interval_s) if any(sources) else None
-    return collector, gpu
+    kv = None
+    if config.kv_events is not None and signals.kv is not None:
+        options = KVEventOptions(
+            config.kv_events.port,
+            config.kv_events.replay_port,
+            config.kv_events.topic,
+            config.kv_events.replay_timeout_s,
+        )
+        kv = KVEventCollector(pool, signals.kv, options)
+    return collector, gpu, kv
+
+
+def _kv_events(config: Config, signals: Signals, service: ExtProcService) -> None:
+    """With ``kv_events``: the exact cache index on the signals, and the tokenizers on the filter. Raises
+    ConfigError for a tokenizer that cannot be loaded."""
+    settings = config.kv_events
+    if settings is None:
+        return
+    tokenizers: dict[str, PromptTokenizer] = {}
+    for model, source in settings.tokenizers.items():
+        try:
+            tokenizers[model] = PieceTokenizer() if source == "pieces" else HuggingFaceTokenizer(source)
+        except TokenizerError as exc:
+            raise ConfigError(f"kv_events.tokenizers.{model}: {exc}") from None
+    signals.kv = KVBlockIndex(
+        len(signals.snapshot),
+        clock=signals.clock,
+        block_size=settings.block_size,
+        pending_s=settings.pending_s,
+        stale_s=settings.stale_s,
+        resync_s=settings.resync_s,
+    )
+    service.keyer = CacheKeyer(tokenizers, settings.block_size)
 
 
 def _experiments(config: Config, engine: Engine, rng: np.random.Generator | None) -> Experiments | None:
@@ -511,7 +561,8 @@ def create_picker(
         objectives=config.inference_objectives,
     )
     service.debug_scores = config.debug_scores
-    collector, gpu = _collectors(config, pool, signals, engine.inflight)
+    _kv_events(config, signals, service)
+    collector, gpu, kv = _collectors(config, pool, signals, engine.inflight)
     spans = None
     if config.otel.receiver is not None or config.otel.latency_source == "stream":
         spans = SpanLoop(config.otel, pool, signals)
@@ -539,6 +590,7 @@ def create_picker(
         config_path=config_path,
         collector=collector,
         gpu_collector=gpu,
+        kv_collector=kv,
         admin_credential=_admin_credential(config),
         membership=Membership(config.slow_start),
         discovery=discovery,

@@ -633,6 +633,43 @@ class QuotasConfig(Section):
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventsConfig(Section):
+    """``kv_events``: the servers publish their KV-cache events (vLLM's ``--kv-events-config``, publisher zmq), and
+    the prefix scorers match requests against what each server reports it holds instead of guessing from what was
+    sent there. Every endpoint publishes on ``port`` (and answers replays on ``replay_port``) at its own IP.
+    ``tokenizers`` names, per model, the folder of its tokenizer (``tokenizer.json`` and ``tokenizer_config.json``)
+    or ``pieces`` (the emulator's); requests for other models, and endpoints whose events stop, keep the
+    approximate index. ``block_size`` must be the servers' KV block size (vLLM's ``--block-size``, 16 by
+    default)."""
+
+    port: Annotated[int, integer(ge=1, le=65535, noun="a port number")] = field(
+        metadata={
+            "description": "the port each endpoint publishes KV events on (vLLM: the endpoint of --kv-events-config)"
+        }
+    )
+    replay_port: Annotated[int | None, integer(ge=1, le=65535, noun="a port number")] = None
+    topic: Text = ""
+    tokenizers: dict[Text, Text] = field(default_factory=dict)
+    block_size: Annotated[int, integer(ge=1, le=4096)] = 16
+    pending_s: Annotated[float, number(ge=0, le=60)] = 2.0
+    stale_s: Annotated[float, number(ge=0.1, le=3600)] = 5.0
+    resync_s: Annotated[float, number(ge=0, le=3600)] = 30.0
+    replay_timeout_s: Annotated[float, number(ge=0.01, le=60)] = 2.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KVEventsConfig:
+        if not self.tokenizers:
+            raise invalid(
+                " is needed: name each model's tokenizer folder (or 'pieces' for the emulator), or the servers' "
+                "events cannot be matched to requests",
+                "tokenizers",
+            )
+        if self.replay_port == self.port:
+            raise invalid(f" must differ from port ({self.port})", "replay_port")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
 class DiscoveryConfig(Section):
     """``pool.discovery``: where the endpoints come from besides ``pool.endpoints`` (which then may be empty):
     exactly one of ``etcd`` and ``kubernetes``."""
@@ -891,6 +928,7 @@ class ConfigFile(Model):
     weights_interval_s: Annotated[float, number(ge=0.05, le=60)] = 1.0
     replicas: ReplicasConfig | None = None
     quotas: QuotasConfig | None = None
+    kv_events: KVEventsConfig | None = None
     pool: PoolFile = Field(description="a mapping with a list 'endpoints'")
 
     @model_validator(mode="after")
@@ -998,6 +1036,7 @@ class Config:
     weights_interval_s: float = 1.0
     replicas: ReplicasConfig | None = None  # several pickers share routing state through Redis
     quotas: QuotasConfig | None = None  # per-tenant limits (across the replicas, with replicas)
+    kv_events: KVEventsConfig | None = None  # the servers' own account of their prefix caches
 
     def profile_spec(self, name: str | None = None) -> ProfileSpec | str:
         """The spec of the chosen policy (or of the profile ``name``): a profile of this file, else the preset's
@@ -1083,4 +1122,5 @@ def parse_config(data: Any) -> Config:
         weights_interval_s=doc.weights_interval_s,
         replicas=doc.replicas,
         quotas=doc.quotas,
+        kv_events=doc.kv_events,
     )

@@ -104,13 +104,14 @@ def _block_key(block: Sequence[int] | np.ndarray) -> bytes | tuple[int, ...]:
 @dataclass(frozen=True)
 class RequestFeatures:
     """The routing-relevant facts of one request, immutable: the filter builds them from headers (`of`) and body
-    (`with_body`), and the routing unit adds the request's class (`classified`); each is a new object.
+        (`with_body`), and the routing unit adds the request's class (`classified`); each is a new object.
 
-    ``model`` is None for requests whose body was not read (headers-only routes). ``prompt_tokens`` is an
-    estimate unless the prompt was given as token ids. ``prefix_hashes`` are the prompt's chained block hashes
-    (see ``text_block_hashes``; empty without a body or for prompts shorter than one block). ``session_key`` is
-    the value of the configured session header, None when it is absent or empty; ``objective`` the inference
-    objective the gateway names (``x-gateway-inference-objective``), None when it names none.
+        ``model`` is None for requests whose body was not read (headers-only routes). ``prompt_tokens`` is an
+        estimate unless the prompt was given as token ids. ``prefix_hashes`` are the prompt's chained block hashes
+        (see ``text_block_hashes``; empty without a body or for prompts shorter than one block); ``cache_keys`` the
+    same in the servers' token blocks, where a tokenizer is configured. ``session_key`` is
+        the value of the configured session header, None when it is absent or empty; ``objective`` the inference
+        objective the gateway names (``x-gateway-inference-objective``), None when it names none.
     """
 
     path: str = ""
@@ -135,6 +136,9 @@ class RequestFeatures:
     arm: Any = None  # the experiment arm admission assigned the request to (`scorer.experiments.Arm`), if any
     # The gateway's subset hint (Endpoint Picker protocol): the only addresses that may serve it; None: any.
     subset: frozenset[str] | None = None
+    # The prompt's chained keys in the servers' KV block size, from the model's tokenizer, for the exact cache
+    # index (`scorer.kvindex`); empty where no tokenizer is configured for the model.
+    cache_keys: tuple[int, ...] = ()
 
     # Every request is built two or three times (from headers, with its body, with its class). A frozen
     # dataclass's __init__ sets its fields one object.__setattr__ call at a time, a fifth of the whole cost of
@@ -159,6 +163,7 @@ class RequestFeatures:
         prompt_chars: int,
         prompt_tokens: int,
         prefix_hashes: tuple[int, ...],
+        cache_keys: tuple[int, ...] = (),
     ) -> RequestFeatures:
         """These features with what the request's body says."""
         return self._copy(
@@ -169,6 +174,7 @@ class RequestFeatures:
                 "prompt_chars": prompt_chars,
                 "prompt_tokens": prompt_tokens,
                 "prefix_hashes": prefix_hashes,
+                "cache_keys": cache_keys,
             }
         )
 
@@ -179,6 +185,10 @@ class RequestFeatures:
         return self._copy(
             {"request_class": request_class, "priority": priority, "ttft_slo_s": ttft_slo_s, "pool_mask": pool_mask}
         )
+
+    def keyed(self, cache_keys: tuple[int, ...]) -> RequestFeatures:
+        """These features with the prompt's cache keys (`scorer.tokenizer.cache_keys`)."""
+        return self._copy({"cache_keys": cache_keys})
 
     def hinted(self, subset: frozenset[str]) -> RequestFeatures:
         """These features with the gateway's subset hint: only endpoints at these addresses may serve it."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.kvindex import KVBlockIndex
 from inferlb.scorer.signals import Snapshot
 
 __all__ = [
@@ -229,7 +230,10 @@ class TtftPredictor:
         own: float | np.ndarray = prompt  # this request's tokens to prefill, per candidate where they differ
         hashes = request.prefix_hashes
         cached = None
-        if not hashes:
+        kv = state.signals.kv
+        if kv is not None and request.cache_keys and kv.live.any():
+            cached = self._cached_exact(request, candidates, kv)
+        elif not hashes:
             pass
         elif self._match_depth is not None:
             counts, deepest = self._match_depth(hashes)
@@ -255,6 +259,23 @@ class TtftPredictor:
         if self._steps is not None:  # the first token also waits for the step that makes it
             seconds += self._steps
         return seconds
+
+    def _cached_exact(self, request: RequestFeatures, candidates: np.ndarray, kv: KVBlockIndex) -> np.ndarray:
+        """Tokens of the request each candidate holds: what its server reports where it does (`KVBlockIndex.live`),
+        the approximate match elsewhere."""
+        exact, _ = kv.match_depth(request.cache_keys)
+        cached = exact[candidates] * kv.block_size
+        live = kv.live[candidates]
+        hashes = request.prefix_hashes
+        if not live.all():
+            guess = None
+            if hashes and self._match_depth is not None:
+                counts, deepest = self._match_depth(hashes)
+                guess = counts[candidates] * self.block_tokens if deepest else None
+            elif hashes and self._match is not None:
+                guess = self._match(hashes)[candidates] * self.block_tokens
+            cached = np.where(live, cached, 0 if guess is None else guess)
+        return cached
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
         """For the decision just made: (``request``'s tokens still to prefill at ``endpoint``, that endpoint's

@@ -17,15 +17,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from inferlb.scorer.chainmatch import match_depth
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
 from inferlb.scorer.features import PREFIX_BLOCK_TOKENS, RequestFeatures
+from inferlb.scorer.kvindex import KVBlockIndex
 
 __all__ = ["PrefixAffinityScorer", "PrefixIndex"]
 
 logger = logging.getLogger(__name__)
-
-# Up to this many endpoints leaving a match at one depth are written one by one; more at once, with numpy.
-_FEW = 12
 
 
 class PrefixIndex:
@@ -59,7 +58,6 @@ class PrefixIndex:
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
         self._capacity = [capacity_blocks] * size  # per endpoint: capacity_blocks, or less once `fit` knows
         self._fitted_to: np.ndarray | None = None
-        self._mask_bytes = (size + 7) // 8
         # The last match, for the next caller asking about the same request (the prefix-affinity and the
         # predicted-TTFT scorers both do, once per pick); any record invalidates it.
         self._memo: tuple[Sequence[int], tuple[np.ndarray, int]] | None = None
@@ -158,37 +156,7 @@ class PrefixIndex:
         return result
 
     def _match_depth(self, hashes: Sequence[int]) -> tuple[np.ndarray, int]:
-        counts = np.zeros(self.size, dtype=np.int64)
-        if not hashes:
-            return counts, 0
-        holders = self._holders
-        blocks = iter(hashes)
-        live = holders.get(next(blocks), 0)
-        if not live:
-            return counts, 0
-        # Walk the chain while some endpoint still holds every block so far; each endpoint drops out once, at
-        # the depth it matched to, so the work is one dict lookup and one AND per block plus one write per
-        # endpoint that matched.
-        for depth, block in enumerate(blocks, 1):
-            following = live & holders.get(block, 0)
-            if following != live:
-                self._set(counts, live ^ following, depth)
-                if not following:
-                    return counts, depth
-                live = following
-        self._set(counts, live, len(hashes))
-        return counts, len(hashes)
-
-    def _set(self, counts: np.ndarray, endpoints: int, depth: int) -> None:
-        """``counts[e] = depth`` for every endpoint ``e`` in the bitmask ``endpoints``."""
-        if endpoints.bit_count() <= _FEW:
-            while endpoints:
-                lowest = endpoints & -endpoints
-                counts[lowest.bit_length() - 1] = depth
-                endpoints ^= lowest
-            return
-        bits = np.frombuffer(endpoints.to_bytes(self._mask_bytes, "little"), dtype=np.uint8)
-        counts[np.unpackbits(bits, count=self.size, bitorder="little").view(bool)] = depth
+        return match_depth(self._holders, hashes, self.size)
 
     def held(self, endpoint: int) -> int:
         """The number of blocks recorded for ``endpoint`` (at most its `capacity`)."""
@@ -226,6 +194,9 @@ class PrefixAffinityScorer:
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         hashes = request.prefix_hashes
+        kv = state.signals.kv
+        if kv is not None and request.cache_keys and kv.live.any():
+            return self._score_exact(request, state, candidates, kv)
         if not hashes:  # every request of a headers-only route: the same read-only array each time
             if len(self._neutral) != len(candidates):
                 self._neutral = np.full(len(candidates), NEUTRAL_SCORE)
@@ -241,7 +212,29 @@ class PrefixAffinityScorer:
         counts, deepest = index.match_depth(hashes)
         if not deepest:
             return np.zeros(len(candidates))
-        scores = counts[candidates] / len(hashes)
+        return self._guarded(counts[candidates] / len(hashes), state, candidates)
+
+    def _score_exact(
+        self, request: RequestFeatures, state: State, candidates: np.ndarray, kv: KVBlockIndex
+    ) -> np.ndarray:
+        """Where an endpoint's server reports its cache (`KVBlockIndex.live`), the fraction of the request's cache
+        keys it holds; elsewhere the approximate index's fraction."""
+        keys = request.cache_keys
+        exact, _ = kv.match_depth(keys)
+        scores = exact[candidates] / len(keys)
+        hashes = request.prefix_hashes
+        live = kv.live[candidates]
+        if hashes and not live.all():
+            index = self.index
+            if index.size != len(state.pool):
+                raise ValueError(f"the prefix index has {index.size} endpoints, the pool {len(state.pool)}")
+            counts, deepest = index.match_depth(hashes)
+            scores = np.where(live, scores, counts[candidates] / len(hashes) if deepest else 0.0)
+        elif not live.all():
+            scores = np.where(live, scores, NEUTRAL_SCORE)
+        return self._guarded(scores, state, candidates)
+
+    def _guarded(self, scores: np.ndarray, state: State, candidates: np.ndarray) -> np.ndarray:
         load = state.inflight.requests[candidates]
         # sum / len rather than mean(): a third of the cost on small arrays.
         bar = self.guard * (np.add.reduce(load) / len(load) + 1.0)  # what load.sum() calls, without its wrapper

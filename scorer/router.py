@@ -174,6 +174,8 @@ class Router:
             uncached, rate = decision.prefill
             speeds.sent(request.request_id, index, engine.inflight.pending_prefill_at(index, rate) + uncached)
         lease = engine.inflight.acquire(index, request.prompt_tokens, decision.prefill)
+        if request.cache_keys and (kv := engine.signals.kv) is not None:
+            kv.sent(index, request.cache_keys)  # pending there until the server's events confirm them
         if arm is not None and experiments is not None:
             experiments.routed(request.request_id, arm)
         return Routed(decision, lease, time.perf_counter() - started, arm)

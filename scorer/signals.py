@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from inferlb.scorer.kvindex import KVBlockIndex
+
 __all__ = ["SIGNAL_FIELDS", "Signals", "Snapshot"]
 
 # The per-endpoint float arrays of a snapshot, NaN where unknown.
@@ -143,6 +145,8 @@ class Signals:
         self.stale_after_s = stale_after_s
         self.clock = clock
         self.published = 0
+        # The servers' own account of their prefix caches, where they publish KV events (set by the composition).
+        self.kv: KVBlockIndex | None = None
         self._install(Snapshot.empty(size))
 
     def moved(self, mapping: np.ndarray, *, stale_after_s: float | None = None) -> Signals:
@@ -150,6 +154,8 @@ class Signals:
         signals = Signals(len(mapping), stale_after_s=stale_after_s or self.stale_after_s, clock=self.clock)
         signals._install(self.snapshot.moved(mapping))
         signals.published = self.published
+        if self.kv is not None:
+            signals.kv = self.kv.moved(mapping)
         return signals
 
     def publish(self, snapshot: Snapshot) -> None:

@@ -18,9 +18,9 @@ import hashlib
 from array import array
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
 from inferlb.scorer.features import CHARS_PER_TOKEN
+from inferlb.scorer.tokenizer import VOCAB_SIZE, piece_ids
+from inferlb.scorer.tokenizer import chat_text as render_chat
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -34,12 +34,7 @@ __all__ = [
     "token_pieces",
 ]
 
-# Llama 3's vocabulary size: ids look like a real tokenizer's, and fit the u32 that Rust routers parse them into.
-VOCAB_SIZE = 128_256
 _MASK63 = (1 << 63) - 1
-# Odd 64-bit constants (splitmix64's) that mix a piece's four code points into one id.
-_MIX = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93], dtype=np.uint64)
-_FINAL = np.uint64(0xFF51AFD7ED558CCD)
 
 
 def count_tokens(text: str) -> int:
@@ -53,45 +48,15 @@ def token_pieces(text: str) -> list[str]:
 
 
 def token_ids(text: str) -> list[int]:
-    """One id in ``[0, VOCAB_SIZE)`` per piece of `token_pieces`, a hash of the piece's code points alone (the same
-    in every process). Vectorised: a router may ask every server to tokenize every prompt.
-
-    Unlike a real tokenizer's, two different pieces may share an id; no id is special (there is no BOS)."""
-    if not text:
-        return []
-    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4").astype(np.uint64)
-    pad = -len(points) % CHARS_PER_TOKEN
-    if pad:
-        points = np.concatenate([points, np.zeros(pad, dtype=np.uint64)])
-    pieces = points.reshape(-1, CHARS_PER_TOKEN)
-    mixed = pieces @ _MIX  # wraps modulo 2**64, as a hash should
-    mixed ^= mixed >> np.uint64(31)
-    mixed *= _FINAL
-    mixed ^= mixed >> np.uint64(29)
-    return (mixed % np.uint64(VOCAB_SIZE)).tolist()
+    """One id in ``[0, VOCAB_SIZE)`` per piece of `token_pieces`: the picker's `PieceTokenizer` rule
+    (`inferlb.scorer.tokenizer.piece_ids`), so that a picker matching the emulator's KV events tokenizes as it does."""
+    return piece_ids(text)
 
 
 def chat_text(messages: Sequence[Mapping[str, object]]) -> str:
-    """The prompt a chat request becomes: each message as ``<|role|>\\n{content}\\n``, then ``<|assistant|>\\n``.
-
-    Content may be a string or a list of OpenAI content parts, of which the ``{"type": "text"}`` ones count. The
-    same leading messages always render to the same leading text, so a shared system prompt is a shared prefix.
-    """
-    parts: list[str] = []
-    for message in messages:
-        role = message.get("role")
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(
-                p["text"]
-                for p in content
-                if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            )
-        parts.append(
-            f"<|{role if isinstance(role, str) else 'user'}|>\n{content if isinstance(content, str) else ''}\n"
-        )
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
+    """The prompt a chat request becomes (`inferlb.scorer.tokenizer.chat_text`): each message as
+    ``<|role|>\\n{content}\\n``, then ``<|assistant|>\\n``."""
+    return render_chat(messages)
 
 
 def _chain(previous: int, payload: bytes) -> int:

@@ -119,8 +119,9 @@ ERRORS = [
     pytest.param(
         _doc(polcy="round-robin"),
         r"^config: unknown key 'polcy' \(allowed: admin, admin_auth, admission, class_header, classes, debug_scores, "
-        r"default_class, destinations, drain_s, experiments, inference_objectives, inflight, listen, max_body_bytes, "
-        r"otel, policy, pool, profiles, quotas, replicas, session_header, signals, weights_interval_s\)$",
+        r"default_class, destinations, drain_s, experiments, inference_objectives, inflight, kv_events, listen, "
+        r"max_body_bytes, otel, policy, pool, profiles, quotas, replicas, session_header, signals, "
+        r"weights_interval_s\)$",
         id="unknown-top-key",
     ),
     pytest.param({"listen": "127.0.0.1:9002"}, r"^pool is required", id="missing-pool"),
@@ -962,8 +963,8 @@ def _at(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
             (),
             "config",
             "admin, admin_auth, admission, class_header, classes, debug_scores, default_class, destinations, drain_s, "
-            "experiments, inference_objectives, inflight, listen, max_body_bytes, otel, policy, pool, profiles, "
-            "quotas, replicas, session_header, signals, weights_interval_s",
+            "experiments, inference_objectives, inflight, kv_events, listen, max_body_bytes, otel, policy, pool, "
+            "profiles, quotas, replicas, session_header, signals, weights_interval_s",
             id="top",
         ),
         pytest.param(("pool",), "pool", "allowed_networks, discovery, endpoints, slow_start", id="pool"),

@@ -97,4 +97,5 @@ def test_the_builders_know_every_field() -> None:
         "headers",
         "arm",
         "subset",
+        "cache_keys",
     ]

@@ -13,10 +13,13 @@ from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import NEUTRAL_SCORE, Engine, Profile, Scorer, State, WeightedScorer
 from inferlb.scorer.features import RequestFeatures, text_block_hashes
 from inferlb.scorer.inflight import InFlight, Lease
+from inferlb.scorer.kvindex import KVBlockIndex
+from inferlb.scorer.loadscorers import PredictedTTFTScorer
 from inferlb.scorer.plugins import InFlightScorer, MaxScorePicker
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.prefix import PrefixAffinityScorer, PrefixIndex
 from inferlb.scorer.signals import Signals
+from inferlb.scorer.tokenizer import cache_keys
 
 # Stand-ins for chained block hashes: any distinct ints will do for the index.
 A, B, C, D, E, X, Y = 11, 12, 13, 14, 15, 98, 99
@@ -340,3 +343,43 @@ def test_the_scorer_fits_the_index_to_the_servers_caches_from_the_snapshot() -> 
     state.signals.publish(snapshot.with_values(kv_tokens=np.array([448_304.0, np.nan])))
     scorer.score(request, state, np.arange(2))
     assert [index.capacity(e) for e in range(2)] == [7005, 65536]
+
+
+# ---------------------------------------------------------------- the servers' own account (KV events)
+
+
+def _exact_state(size: int = 3) -> tuple[State, KVBlockIndex]:
+    pool = Pool([EndpointConfig(f"10.0.0.{i}:8000") for i in range(size)])
+    signals = Signals(size)
+    kv = KVBlockIndex(size, clock=signals.clock, block_size=4)
+    signals.kv = kv
+    return State(pool, InFlight(size), signals), kv
+
+
+def test_where_servers_report_their_cache_the_score_follows_what_they_hold() -> None:
+    """The approximate index believes endpoint 0 has the prompt (it was sent there); endpoint 0's server evicted
+    it and endpoint 2's holds it: with the events, the score says so."""
+    state, kv = _exact_state()
+    tokens = list(range(40, 56))
+    request = RequestFeatures(prefix_hashes=(A, B), cache_keys=cache_keys(tokens, 4), prompt_tokens=16)
+    scorer = PrefixAffinityScorer(_index([(0, [A, B])], size=3))
+    candidates = np.arange(3)
+    assert scorer.score(request, state, candidates).tolist() == [1.0, 0.0, 0.0]  # nobody subscribed: the guess
+    for e in range(3):
+        kv.subscribed(e, True)
+    kv.store(2, [7, 8], cache_keys(tokens, 4)[:2])
+    assert scorer.score(request, state, candidates).tolist() == [0.0, 0.0, 0.5]
+    kv.subscribed(2, False)  # its stream is down: the guess stands in for it, the others stay exact
+    assert scorer.score(request, state, candidates).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_predicted_ttft_credits_the_reported_cache() -> None:
+    state, kv = _exact_state()
+    for e in range(3):
+        kv.subscribed(e, True)
+    tokens = list(range(4000))
+    keys = cache_keys(tokens, 4)
+    kv.store(1, list(range(500)), keys[:500])  # endpoint 1 holds half the prompt
+    request = RequestFeatures(prompt_tokens=4000, cache_keys=keys)
+    scores = PredictedTTFTScorer().score(request, state, np.arange(3))
+    assert scores[1] == 1.0 and scores[0] == scores[2] < 0.6

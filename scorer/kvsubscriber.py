@@ -1,0 +1,186 @@
+"""The KV-event collector: follows every endpoint's KV-event publisher and keeps `KVBlockIndex` up to date.
+
+One ZMQ SUB socket per endpoint, connected to ``tcp://ENDPOINT_IP:port`` (the endpoint's own address, so only
+pool members inside the allowed networks are ever contacted), read by its own task. A socket monitor says when
+the connection is up; only then is the endpoint's stream `subscribed`.
+
+Sequence numbers rise by one per batch. A gap is asked of the server's replay socket (a DEALER to
+``ENDPOINT_IP:replay_port``, bounded by ``replay_timeout_s``); what replay cannot give makes the endpoint unsure
+for a while (`KVBlockIndex.lost`). A sequence that goes back means the server restarted: its cache is empty and
+the index forgets it. The first batch seen from an endpoint whose sequence is past 0 means events were published
+before the picker listened: the start is asked of replay the same way. A batch that cannot be decoded counts as
+missed. Nothing here runs on the routing path: decisions read the index, which this collector updates between
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from inferlb.scorer.address import parse_address
+from inferlb.scorer.kvevents import (
+    END_SEQUENCE,
+    MAX_PAYLOAD_BYTES,
+    EventBatch,
+    KVEventError,
+    decode_frames,
+    sequence_bytes,
+)
+from inferlb.scorer.kvindex import KVBlockIndex
+from inferlb.scorer.pool import Pool
+
+__all__ = ["KVEventCollector", "KVEventOptions"]
+
+logger = logging.getLogger(__name__)
+
+# How often pending blocks lapse and liveness is recomputed.
+TICK_S = 0.25
+# At most this many batches are taken from one replay (vLLM buffers 10,000 steps by default).
+MAX_REPLAY_BATCHES = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventOptions:
+    """Where each endpoint publishes (``port`` and, optionally, ``replay_port`` on the endpoint's IP), the topic
+    it publishes under, and how long a replay may take."""
+
+    port: int
+    replay_port: int | None = None
+    topic: str = ""
+    replay_timeout_s: float = 2.0
+
+
+class KVEventCollector:
+    """Follows the KV events of every endpoint of ``pool`` into ``index`` (one per pool: a membership change
+    makes a new collector over the moved index). `run` until cancelled; `aclose` releases the sockets."""
+
+    def __init__(self, pool: Pool, index: KVBlockIndex, options: KVEventOptions) -> None:
+        if len(pool) != index.size:
+            raise ValueError(f"the KV index has {index.size} endpoints, the pool {len(pool)}")
+        self.pool = pool
+        self.index = index
+        self.options = options
+        self.errors: Counter[str] = Counter()
+        self.batches = 0
+        self.replayed = 0
+        self._context = zmq.asyncio.Context()
+        self._sequence: dict[int, int] = {}  # endpoint -> last sequence applied
+        self._warned: set[tuple[int, str]] = set()
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self._follow(e.index, e.address)) for e in self.pool]
+        tasks.append(asyncio.create_task(self._tick()))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        self._context.destroy(linger=0)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.index.tick()
+
+    async def _follow(self, endpoint: int, address: str) -> None:
+        host = parse_address(address)[0]
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+        sub.setsockopt(zmq.SUBSCRIBE, self.options.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(f"tcp://{_bracketed(host)}:{self.options.port}")
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while True:
+                for socket, _ in await poller.poll():
+                    if socket is monitor:
+                        event = parse_monitor_message(await monitor.recv_multipart())
+                        self.index.subscribed(endpoint, event["event"] == zmq.EVENT_CONNECTED)
+                    else:
+                        await self._received(endpoint, host, await sub.recv_multipart())
+        finally:
+            self.index.subscribed(endpoint, False)
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _received(self, endpoint: int, host: str, frames: list[bytes]) -> None:
+        try:
+            sequence, batch = decode_frames(frames)
+        except KVEventError as exc:
+            self._error(endpoint, "undecodable", str(exc))
+            self.index.lost(endpoint)
+            return
+        last = self._sequence.get(endpoint)
+        if last is not None and sequence <= last:
+            # The sequence went back: a restarted server, whose cache starts empty.
+            logger.info("KV events of endpoint %d restarted at sequence %d (was %d)", endpoint, sequence, last)
+            self.index.clear(endpoint)
+            last = None
+        expected = 0 if last is None else last + 1
+        if sequence > expected:
+            filled = await self._replay(endpoint, host, expected, sequence)
+            if not filled:
+                self.index.lost(endpoint)
+        self.index.apply(endpoint, batch)
+        self.batches += 1
+        self._sequence[endpoint] = sequence
+
+    async def _replay(self, endpoint: int, host: str, start: int, stop: int) -> bool:
+        """Apply the batches ``start`` .. ``stop - 1`` from the server's replay socket; whether all came."""
+        if self.options.replay_port is None:
+            self._error(endpoint, "gap", f"events {start}..{stop - 1} missed and no replay_port is configured")
+            return False
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+        dealer.connect(f"tcp://{_bracketed(host)}:{self.options.replay_port}")
+        wanted = start
+        try:
+            await dealer.send_multipart([b"", sequence_bytes(start)])
+            async with asyncio.timeout(self.options.replay_timeout_s):
+                for _ in range(MAX_REPLAY_BATCHES):
+                    frames = await dealer.recv_multipart()
+                    if len(frames) == 4 and frames[2] == sequence_bytes(END_SEQUENCE):
+                        break
+                    if len(frames) != 4:
+                        raise KVEventError(f"a replay reply has 4 frames, not {len(frames)}")
+                    sequence, batch = decode_frames(frames[1:])
+                    if sequence < wanted:
+                        continue
+                    if sequence > wanted or sequence >= stop:
+                        break  # the buffer no longer holds what was missed, or it is past the gap
+                    self._apply_replayed(endpoint, batch)
+                    wanted += 1
+        except (TimeoutError, KVEventError, zmq.ZMQError) as exc:
+            self._error(endpoint, "replay", f"replay of events {start}..{stop - 1} failed: {exc}")
+        finally:
+            dealer.close(linger=0)
+        return wanted == stop
+
+    def _apply_replayed(self, endpoint: int, batch: EventBatch) -> None:
+        self.index.apply(endpoint, batch)
+        self.replayed += 1
+
+    def _error(self, endpoint: int, kind: str, message: str) -> None:
+        self.errors[kind] += 1
+        if (endpoint, kind) not in self._warned:  # once per endpoint and kind: a broken publisher would flood
+            self._warned.add((endpoint, kind))
+            logger.warning("KV events of endpoint %d: %s", endpoint, message)
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,213 @@
+"""Prompts as the servers tokenize them, for matching a request against the blocks a server reports it holds.
+
+A server's KV events (`scorer.kvevents`) name its cached blocks by the token ids they hold. To ask how much of a
+new request a server has cached, the picker needs the request's prompt as the same token ids: the model's own
+tokenizer (Hugging Face ``tokenizer.json``, through the ``tokenizers`` library; chats rendered by the model's chat
+template from ``tokenizer_config.json`` first), or the emulator's stand-in (`PieceTokenizer`: four characters make
+one token, the rule the picker's size estimate also uses). `cache_keys` then chains the ids block by block, the
+way `scorer.kvindex.KVBlockIndex` keys what servers report.
+
+Cost: tokenizing runs on the routing loop. The piece tokenizer takes a few microseconds per KB (numpy); a
+Hugging Face tokenizer is Rust but still the largest per-request cost where it is configured (see
+bench/results/kvevents.md). Tokenizers are loaded once, at start-up, from local files only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from inferlb.scorer.features import CHARS_PER_TOKEN, token_block_hashes
+
+__all__ = [
+    "MAX_CACHE_BLOCKS",
+    "VOCAB_SIZE",
+    "HuggingFaceTokenizer",
+    "PieceTokenizer",
+    "PromptTokenizer",
+    "TokenizerError",
+    "cache_keys",
+    "chat_text",
+    "piece_ids",
+]
+
+# Blocks of a prompt that are keyed for the cache match: 8192 blocks of vLLM's 16 tokens is 128k tokens.
+MAX_CACHE_BLOCKS = 8192
+# Llama 3's vocabulary size: the stand-in's ids look like a real tokenizer's and fit the u32 that Rust routers use.
+VOCAB_SIZE = 128_256
+# Odd 64-bit constants (splitmix64's) that mix a piece's four code points into one id.
+_MIX = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93], dtype=np.uint64)
+_FINAL = np.uint64(0xFF51AFD7ED558CCD)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded, or a chat its template refuses; the message says which and why."""
+
+
+class PromptTokenizer(Protocol):
+    """Turns a request's prompt into the token ids its server computes. Synchronous and CPU-only; may raise
+    `TokenizerError` for a chat its template refuses."""
+
+    def text_ids(self, text: str) -> Sequence[int] | np.ndarray:
+        """A completions prompt's ids (with the special tokens the server adds)."""
+        ...
+
+    def chat_ids(self, messages: list[Any]) -> Sequence[int] | np.ndarray:
+        """A chat's ids: the messages rendered as the server renders them, with the generation prompt."""
+        ...
+
+
+def cache_keys(token_ids: Sequence[int] | np.ndarray, block_size: int) -> tuple[int, ...]:
+    """Chained keys of the full ``block_size``-token blocks of a prompt (at most `MAX_CACHE_BLOCKS`): two prompts
+    share their first k keys exactly when they share their first k blocks. Per-process hashes, like the prefix
+    index's; a server's reported blocks are keyed the same way (`scorer.kvindex`)."""
+    return token_block_hashes(token_ids, block_tokens=block_size, max_blocks=MAX_CACHE_BLOCKS, seed=0)
+
+
+def piece_ids(text: str) -> list[int]:
+    """The emulator's token ids of ``text``: one id in ``[0, VOCAB_SIZE)`` per four-character piece, a hash of the
+    piece's code points alone (the same in every process). Unlike a real tokenizer's, two pieces may share an id;
+    no id is special (there is no BOS). Vectorised."""
+    if not text:
+        return []
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4").astype(np.uint64)
+    pad = -len(points) % CHARS_PER_TOKEN
+    if pad:
+        points = np.concatenate([points, np.zeros(pad, dtype=np.uint64)])
+    pieces = points.reshape(-1, CHARS_PER_TOKEN)
+    mixed = pieces @ _MIX  # wraps modulo 2**64, as a hash should
+    mixed ^= mixed >> np.uint64(31)
+    mixed *= _FINAL
+    mixed ^= mixed >> np.uint64(29)
+    return (mixed % np.uint64(VOCAB_SIZE)).tolist()
+
+
+def chat_text(messages: Sequence[Mapping[str, object]]) -> str:
+    """The prompt a chat becomes on the emulator: each message as ``<|role|>\\n{content}\\n``, then
+    ``<|assistant|>\\n``. Content may be a string or a list of OpenAI content parts, of which the ``{"type":
+    "text"}`` ones count. The same leading messages always render to the same leading text."""
+    parts: list[str] = []
+    for message in messages:
+        role = message.get("role") if isinstance(message, Mapping) else None
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            content = "".join(
+                p["text"]
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            )
+        parts.append(
+            f"<|{role if isinstance(role, str) else 'user'}|>\n{content if isinstance(content, str) else ''}\n"
+        )
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+class PieceTokenizer:
+    """The emulator's tokenizer (`sim`): four-character pieces, chats rendered by `chat_text`. Stateless."""
+
+    def text_ids(self, text: str) -> list[int]:
+        return piece_ids(text)
+
+    def chat_ids(self, messages: list[Any]) -> list[int]:
+        return piece_ids(chat_text(messages))
+
+
+class HuggingFaceTokenizer:
+    """A model's tokenizer from its folder (``tokenizer.json``, and ``tokenizer_config.json`` for the chat template
+    and the special tokens it names). Raises `TokenizerError` at construction when the files cannot be used.
+
+    Completions are encoded with the tokenizer's special tokens (the BOS a server adds); chats are rendered by the
+    template in a sandbox (no file or attribute access), with the generation prompt, and encoded without adding
+    any (a template writes its own). A chat the template refuses raises `TokenizerError`."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        try:
+            self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # the library raises its own Exception subclass for every problem
+            raise TokenizerError(f"cannot load {folder / 'tokenizer.json'}: {exc}") from exc
+        self._template = None
+        self._specials: dict[str, str] = {}
+        config_path = folder / "tokenizer_config.json"
+        if config_path.exists():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise TokenizerError(f"cannot read {config_path}: {exc}") from exc
+            for name in ("bos_token", "eos_token"):
+                value = config.get(name)
+                if isinstance(value, dict):  # an AddedToken written out
+                    value = value.get("content")
+                if isinstance(value, str):
+                    self._specials[name] = value
+            source = config.get("chat_template")
+            if isinstance(source, str):
+                self._template = _compile_template(source, config_path)
+
+    def text_ids(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def chat_ids(self, messages: list[Any]) -> list[int]:
+        if self._template is None:
+            raise TokenizerError("the model's tokenizer_config.json has no chat_template")
+        try:
+            rendered = self._template.render(messages=messages, add_generation_prompt=True, **self._specials)
+        except Exception as exc:  # a template's own raise_exception, or one that fails on this chat
+            raise TokenizerError(f"the chat template refused these messages: {exc}") from None
+        return list(self._tokenizer.encode(rendered, add_special_tokens=False).ids)
+
+
+def _compile_template(source: str, where: Path) -> Any:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TokenizerError(message)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    try:
+        return environment.from_string(source)
+    except TemplateError as exc:
+        raise TokenizerError(f"the chat_template in {where} does not compile: {exc}") from exc
+
+
+class CacheKeyer:
+    """The cache keys of a request's prompt, for the models that have a tokenizer (``tokenizers``: model name →
+    tokenizer); keys in blocks of ``block_size`` tokens (`cache_keys`). What it cannot tokenize (a model without a
+    tokenizer, a batch of prompts, a chat the template refuses) gets no keys, and routing falls back to the
+    approximate index; refusals are counted in ``failed``."""
+
+    def __init__(self, tokenizers: Mapping[str, PromptTokenizer], block_size: int) -> None:
+        self.tokenizers = dict(tokenizers)
+        self.block_size = block_size
+        self.failed = 0
+
+    def keys(self, model: str, document: Mapping[str, Any], token_head: Any = None) -> tuple[int, ...]:
+        """Keys of a validated completions or chat ``document`` for ``model``; ``token_head``: the prompt's leading
+        token ids where the filter read them from the raw body instead of the document."""
+        tokenizer = self.tokenizers.get(model)
+        if tokenizer is None:
+            return ()
+        try:
+            if token_head is not None:
+                return cache_keys(token_head, self.block_size)
+            if "messages" in document:
+                return cache_keys(tokenizer.chat_ids(document["messages"]), self.block_size)
+            prompt = document.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                return cache_keys(tokenizer.text_ids(prompt), self.block_size)
+            if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+                return cache_keys(prompt, self.block_size)
+        except (TokenizerError, TypeError, ValueError, OverflowError):
+            self.failed += 1
+        return ()

@@ -1,0 +1,91 @@
+"""Decoding vLLM's KV events: both encodings in the field, and clear refusals of what is not one."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from inferlb.scorer.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventError,
+    decode_batch,
+    decode_frames,
+    sequence_bytes,
+)
+
+STORED_MAP = {
+    "type": "BlockStored",
+    "block_hashes": [11, b"\x01\x02"],
+    "parent_block_hash": None,
+    "token_ids": list(range(32)),
+    "block_size": 16,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+    "extra_keys": None,
+}
+STORED_ARRAY = ["BlockStored", [11, b"\x01\x02"], None, list(range(32)), 16, None, "GPU"]
+EXPECTED = (
+    BlockStored((11, b"\x01\x02"), None, tuple(range(32)), 16, None, "GPU"),
+    BlockRemoved((11,), "GPU"),
+    AllBlocksCleared(),
+)
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        pytest.param(
+            [STORED_MAP, {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"}, {"type": "AllBlocksCleared"}],
+            id="tagged-maps",
+        ),
+        pytest.param([STORED_ARRAY, ["BlockRemoved", [11], "GPU"], ["AllBlocksCleared"]], id="tagged-arrays"),
+    ],
+)
+def test_both_encodings_decode_to_the_same_events(events: list[object]) -> None:
+    batch = decode_batch(msgpack.packb([1.5, events, 0]))
+    assert batch.ts == 1.5
+    assert batch.data_parallel_rank == 0
+    assert batch.events == EXPECTED
+
+
+def test_a_batch_without_its_rank_and_events_with_new_fields_decode() -> None:
+    newer = dict(STORED_MAP, group_idx=0, kv_cache_spec_kind="full", session_id="s")
+    batch = decode_batch(msgpack.packb([2.0, [newer, ["BlockStored", [5], 11, list(range(16)), 16]]]))
+    assert batch.data_parallel_rank is None
+    assert batch.events[0] == EXPECTED[0]
+    assert batch.events[1] == BlockStored((5,), 11, tuple(range(16)), 16)
+
+
+def test_frames_carry_the_sequence_big_endian() -> None:
+    sequence, batch = decode_frames([b"", sequence_bytes(7), msgpack.packb([0.0, []])])
+    assert sequence == 7 and batch.events == ()
+    assert sequence_bytes(-1) == b"\xff" * 8
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        pytest.param(b"\xc1", "not valid msgpack", id="garbage"),
+        pytest.param(msgpack.packb([0.0, {"x": 1}]), "events must be a list", id="no-events"),
+        pytest.param(msgpack.packb("text"), "[ts, events, rank?]", id="a-string"),
+        pytest.param(msgpack.packb([0.0, [{"type": "BlockMoved"}]]), "unknown type 'BlockMoved'", id="unknown-type"),
+        pytest.param(msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": [1]}]]), "lacks", id="missing"),
+        pytest.param(msgpack.packb([0.0, [dict(STORED_MAP, block_hashes=[1.5])]]), "int or bytes", id="float-hash"),
+        pytest.param(msgpack.packb([0.0, [dict(STORED_MAP, block_size=0)]]), "block_size", id="zero-block-size"),
+        pytest.param(msgpack.packb([0.0, [dict(STORED_MAP, token_ids=["a"])]]), "integers", id="text-tokens"),
+        pytest.param(msgpack.packb([0.0, [7]]), "neither a tagged map", id="a-number"),
+    ],
+)
+def test_what_is_not_a_batch_is_refused_saying_why(payload: bytes, message: str) -> None:
+    with pytest.raises(KVEventError, match=message.replace("[", r"\[").replace("?", r"\?")):
+        decode_batch(payload)
+
+
+def test_frames_of_the_wrong_shape_are_refused() -> None:
+    with pytest.raises(KVEventError, match="3 frames"):
+        decode_frames([b"", b"\x00" * 8])
+    with pytest.raises(KVEventError, match="8 bytes"):
+        decode_frames([b"", b"\x00", msgpack.packb([0.0, []])])

@@ -1,0 +1,140 @@
+"""The exact prefix-cache index: what servers report, what the picker sent meanwhile, and when to trust it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from inferlb.scorer.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from inferlb.scorer.kvindex import KVBlockIndex
+from inferlb.scorer.tokenizer import cache_keys
+
+B = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], **extra: object) -> EventBatch:
+    return EventBatch(0.0, (BlockStored(tuple(hashes), parent, tuple(tokens), B, **extra),))  # type: ignore[arg-type]
+
+
+def index(size: int = 3) -> tuple[KVBlockIndex, Clock]:
+    clock = Clock()
+    kv = KVBlockIndex(size, clock=clock, block_size=B, pending_s=2.0, stale_s=5.0, resync_s=30.0)
+    for e in range(size):
+        kv.subscribed(e, True)
+    return kv, clock
+
+
+PROMPT = list(range(100, 116))  # four blocks of four tokens
+
+
+def test_stored_blocks_match_a_prompt_tokenized_the_same_way_across_events() -> None:
+    kv, _ = index()
+    kv.apply(1, stored([901, 902], None, PROMPT[:8]))
+    kv.apply(1, stored([903], 902, PROMPT[8:12]))  # a later event continues the chain through its parent
+    counts, deepest = kv.match_depth(cache_keys(PROMPT, B))
+    assert counts.tolist() == [0, 3, 0] and deepest == 3
+    assert kv.live.tolist() == [True, True, True]
+    # Another prompt sharing only the first block matches one block.
+    assert kv.match_depth(cache_keys([*PROMPT[:4], 1, 2, 3, 4], B))[0].tolist() == [0, 1, 0]
+
+
+def test_removed_blocks_and_a_cleared_cache_stop_matching() -> None:
+    kv, _ = index()
+    kv.apply(0, stored([1, 2, 3, 4], None, PROMPT))
+    kv.apply(0, EventBatch(0.0, (BlockRemoved((3,), "GPU"),)))
+    assert kv.match_depth(cache_keys(PROMPT, B))[0].tolist() == [2, 0, 0]
+    kv.apply(0, EventBatch(0.0, (AllBlocksCleared(),)))
+    assert kv.match_depth(cache_keys(PROMPT, B))[0].tolist() == [0, 0, 0]
+    assert kv.held(0) == 0
+
+
+def test_a_run_whose_parent_is_unknown_is_not_keyed_and_counted() -> None:
+    kv, _ = index()
+    kv.apply(2, stored([7], 6, PROMPT[4:8]))
+    assert kv.held(2) == 0 and kv.skipped["orphan"] == 1
+
+
+def test_events_the_index_cannot_key_change_nothing() -> None:
+    kv, _ = index()
+    kv.apply(0, stored([1], None, PROMPT[:4], lora_id=3))
+    kv.apply(0, stored([1], None, PROMPT[:4], medium="CPU"))
+    kv.apply(0, stored([1], None, PROMPT[:3]))
+    assert kv.held(0) == 0
+    assert dict(kv.skipped) == {"lora": 1, "medium": 1, "token_count": 1}
+
+
+def test_another_block_size_takes_the_endpoint_off_the_exact_view() -> None:
+    kv, _ = index()
+    kv.apply(0, EventBatch(0.0, (BlockStored((1,), None, tuple(range(16)), 16),)))
+    assert not kv.live[0]
+    assert "16 tokens" in kv.states[0].reason
+
+
+def test_sent_blocks_are_pending_until_confirmed_or_lapsed() -> None:
+    kv, clock = index()
+    keys = cache_keys(PROMPT, B)
+    kv.sent(2, keys)
+    assert kv.match_depth(keys)[0].tolist() == [0, 0, 4]
+    assert kv.pending(2) == 4
+    kv.apply(2, stored([1, 2], None, PROMPT[:8]))  # the server stored half of it
+    clock.now += 2.5
+    kv.tick()
+    assert kv.match_depth(keys)[0].tolist() == [0, 0, 2]  # the unconfirmed half lapsed
+    assert kv.pending(2) == 0 and kv.held(2) == 2
+
+
+def test_an_endpoint_whose_events_stop_while_requests_go_there_is_not_live() -> None:
+    kv, clock = index()
+    kv.sent(1, cache_keys(PROMPT, B))
+    clock.now += 4.0
+    kv.tick()
+    assert kv.live[1]
+    clock.now += 1.5
+    kv.tick()
+    assert not kv.live[1] and "no events" in kv.states[1].reason
+    kv.apply(1, stored([1], None, PROMPT[:4]))
+    assert kv.live[1]
+
+
+def test_an_idle_endpoint_stays_live_without_events() -> None:
+    kv, clock = index()
+    clock.now += 3600
+    kv.tick()
+    assert kv.live.all()
+
+
+def test_missed_events_make_an_endpoint_unsure_for_a_while_and_unsubscribed_ones_are_not_live() -> None:
+    kv, clock = index()
+    kv.lost(0)
+    assert not kv.live[0] and "missed" in kv.states[0].reason
+    clock.now += 31
+    kv.tick()
+    assert kv.live[0]
+    kv.subscribed(2, False)
+    assert not kv.live[2]
+
+
+def test_a_membership_change_keeps_what_staying_endpoints_hold() -> None:
+    kv, _ = index()
+    kv.apply(0, stored([1, 2], None, PROMPT[:8]))
+    kv.apply(2, stored([5], None, PROMPT[:4]))
+    moved = kv.moved(np.array([2, -1]))  # endpoint 2 is now 0; a new one joined as 1
+    assert moved.match_depth(cache_keys(PROMPT, B))[0].tolist() == [1, 0]
+    assert moved.live.tolist() == [True, False]
+    moved.apply(0, EventBatch(0.0, (BlockRemoved((5,)),)))
+    assert moved.held(0) == 0
+
+
+def test_the_blocks_held_are_bounded() -> None:
+    clock = Clock()
+    kv = KVBlockIndex(1, clock=clock, block_size=B, max_blocks=2)
+    kv.subscribed(0, True)
+    kv.apply(0, stored([1, 2, 3], None, PROMPT[:12]))
+    assert kv.held(0) == 2 and not kv.live[0]
