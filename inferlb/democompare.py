@@ -13,6 +13,7 @@ requests; it does not depend on which policy did better.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -146,7 +147,8 @@ def quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    rank = math.ceil(q * len(ordered) - 1e-9)  # 1-based; the epsilon keeps 0.99 * 100 at 99
+    return ordered[min(len(ordered), max(1, rank)) - 1]
 
 
 def _ttfts(run: RunResult) -> list[float]:

@@ -1,0 +1,99 @@
+"""The demo's comparison: the table and the verdict from synthetic runs, and the scenario end to end in a short
+form through the real Envoy."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from inferlb.demo import DemoOptions, run_demo
+from inferlb.democompare import quantile, slowed_share, table, verdict
+from inferlb.demoscenario import Record, RunResult, ScenarioOptions
+
+SLOW, FAST = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+def run(name: str, ttfts: list[float], servers: list[str], *, hits: int = 50, errors: int = 0) -> RunResult:
+    records = [
+        Record(float(i), 200, server, f"{name}-{i}", ttft, ttft + 1.0, None)
+        for i, (ttft, server) in enumerate(zip(ttfts, servers, strict=True))
+    ]
+    records += [Record(99.0, 0, "", "", None, None, "ConnectError: refused") for _ in range(errors)]
+    return RunResult(name, tuple(records), SLOW, 4.0, hits, 100, 10.0)
+
+
+def test_quantiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert quantile(values, 0.5) == 50.0
+    assert quantile(values, 0.99) == 99.0
+    assert quantile([3.0], 0.99) == 3.0
+    assert quantile([], 0.5) is None
+
+
+def test_the_table_has_a_row_per_measure_and_a_column_per_run() -> None:
+    rr = run("round robin", [0.05] * 8 + [2.0, 3.0], [SLOW, FAST] * 5, hits=40)
+    ours = run("inferlb default", [0.04] * 10, [FAST] * 10, hits=70, errors=1)
+    lines = table(rr, ours)
+    assert lines[0].split() == ["round", "robin", "inferlb", "default"]
+    labels = [re.split(r"\s{2,}", line.strip())[0] for line in lines[1:]]
+    assert labels == [
+        "requests answered",
+        "TTFT p50 (client)",
+        "TTFT p99 (client)",
+        "to the slowed server after 4 s",
+        "prefix-cache hit rate (servers)",
+        "errors",
+    ]
+    cells = {re.split(r"\s{2,}", line.strip())[0]: re.split(r"\s{2,}", line.strip())[1:] for line in lines[1:]}
+    assert cells["requests answered"] == ["10/10", "10/11"]
+    assert cells["TTFT p99 (client)"] == ["3.00 s", "40 ms"]
+    assert cells["to the slowed server after 4 s"] == ["3/6 (50%)", "0/6 (0%)"]
+    assert cells["prefix-cache hit rate (servers)"] == ["40%", "70%"]
+    assert cells["errors"] == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    ("ours", "expected"),
+    [
+        pytest.param([0.1] * 10, "TTFT p99 10.0x lower (100 ms vs 1.00 s)", id="better"),
+        pytest.param([2.0] * 10, "TTFT p99 2.0x higher (2.00 s vs 1.00 s)", id="worse"),
+        pytest.param([1.01] * 10, "TTFT p99 about the same (1.01 s vs 1.00 s)", id="same"),
+    ],
+)
+def test_the_verdict_is_computed_from_the_measurements_either_way(ours: list[float], expected: str) -> None:
+    rr = run("round robin", [1.0] * 10, [SLOW, FAST] * 5)
+    line = verdict(rr, run("inferlb default", ours, [FAST] * 10))
+    assert line.startswith("inferlb default vs round robin: " + expected)
+    assert "0% of the requests after the slowdown to the slowed server (round robin 50%)" in line
+
+
+def test_the_slowed_share_counts_requests_sent_after_the_slowdown() -> None:
+    result = run("x", [0.1] * 6, [SLOW, SLOW, SLOW, SLOW, SLOW, FAST])  # sent at 0..5 s; slowed at 4 s
+    assert slowed_share(result) == 0.5
+    assert slowed_share(run("x", [0.1] * 2, [SLOW, FAST])) is None  # nothing sent after 4 s
+
+
+@pytest.mark.envoy
+def test_the_scenario_in_short_form_shows_the_slowed_server_losing_its_share_under_inferlb(tmp_path: Path) -> None:
+    out = io.StringIO()
+    scenario = ScenarioOptions(duration_s=10, slow_at_s=3, rate=12, slowdown=10)
+    code = run_demo(DemoOptions(backends=3, scenario=scenario), tmp_path, stream=out)
+    text = out.getvalue()
+    assert code == 0, text
+    rows = {re.split(r"\s{2,}", line.strip())[0]: re.split(r"\s{2,}", line.strip())[1:] for line in text.splitlines()}
+    assert rows["round robin"] == ["inferlb default"], text  # the header: one column per run
+    for label in ("requests answered", "TTFT p50 (client)", "TTFT p99 (client)", "prefix-cache hit rate (servers)"):
+        assert len(rows[label]) == 2, (label, text)
+    assert rows["errors"] == ["0", "0"], text
+    rr_share, our_share = (int(re.search(r"\((\d+)%\)", cell)[1]) for cell in rows["to the slowed server after 3 s"])
+    # Round robin gives it a third whatever happens; the picker moves traffic off a server ten times slower.
+    assert 25 <= rr_share <= 40, text
+    assert our_share < 0.75 * rr_share, text
+    assert re.search(r"^inferlb default vs round robin: TTFT p99 .*(lower|higher|about the same)", text, re.M), text
+    assert "routed by Envoy's ROUND_ROBIN cluster: " in text
+    assert "routed by the picker through Envoy's ORIGINAL_DST cluster: " in text
+    assert "HTTP 400" in text and "HTTP 404" in text
+    assert (tmp_path / "heatmap.png").stat().st_size > 0 and (tmp_path / "heatmap.html").stat().st_size > 0
