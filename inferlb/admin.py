@@ -213,6 +213,18 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
                     "inflight_tokens": int(engine.inflight.tokens[i]),
                 }
             )
+            if signals.kv is not None and i < signals.kv.size:
+                # The server's own account of its prefix cache (config kv_events): whether the scorers use it now.
+                kv_state = signals.kv.states[i]
+                rows[-1]["kv_events"] = {
+                    "live": bool(signals.kv.live[i]),
+                    "state": kv_state.reason,
+                    "blocks": signals.kv.held(i),
+                    "pending_blocks": signals.kv.pending(i),
+                    "last_event_age_s": None
+                    if kv_state.last_event_at is None
+                    else round(signals.clock() - kv_state.last_event_at, 3),
+                }
             if latency is not None and i < len(latency["count"]):
                 # From the servers' spans or from the response stream, as otel.latency_source says.
                 rows[-1]["latency"] = {key: _num(values[i]) for key, values in latency.items()}

@@ -134,6 +134,8 @@ class Readings:
     discovery: tuple[str, bool] | None = None  # the source's name and whether it is in touch
     replicas: tuple[bool, int, ReplicaStats] | None = None  # Redis in touch, peers counted, the exchange's counts
     quotas: tuple[bool | None, QuotaStats] | None = None  # in step through Redis (None: alone), the counts
+    # With kv_events: per endpoint whether its exact view is used, the blocks it reports; the collector's counts.
+    kv: tuple[list[bool], list[int], int, int, dict[str, int], dict[str, int]] | None = None
 
     @classmethod
     def take(cls, picker: PickerProcess) -> Readings:
@@ -165,6 +167,7 @@ class Readings:
             if picker.replicas is None
             else (bool(picker.replicas.up), picker.replicas.peers(), copy.copy(picker.replicas.stats)),
             quotas=_quotas(picker),
+            kv=_kv(picker),
         )
         spans, leases = picker.spans, picker.service.leases
         extra: dict[str, Any] = {}
@@ -388,6 +391,42 @@ def families(readings: Readings) -> Iterator[Metric]:
                 (),
                 [((), int(shared))],
             )
+    if r.kv is not None:
+        live, blocks, batches, replayed, errors, skipped = r.kv
+        yield _gauge(
+            "inferlb_kv_events_live",
+            "1 while the prefix scorers use what an endpoint's server reports of its cache (its KV events); 0 while "
+            "they guess (not subscribed, events missed or stopped).",
+            ("endpoint",),
+            [((a,), int(v)) for a, v in zip(r.addresses, live, strict=False)],
+        )
+        yield _gauge(
+            "inferlb_kv_events_blocks",
+            "Blocks each endpoint's server reports in its prefix cache.",
+            ("endpoint",),
+            [((a,), n) for a, n in zip(r.addresses, blocks, strict=False)],
+        )
+        yield _counter(
+            "inferlb_kv_events_batches_total", "KV event batches applied from the live streams.", (), [((), batches)]
+        )
+        yield _counter(
+            "inferlb_kv_events_replayed_total",
+            "KV event batches applied from replays of missed ones.",
+            (),
+            [((), replayed)],
+        )
+        yield _counter(
+            "inferlb_kv_events_errors_total",
+            "KV event stream problems by kind (undecodable, gap without replay, replay failed).",
+            ("kind",),
+            [((k,), n) for k, n in sorted(({"undecodable": 0, "gap": 0, "replay": 0} | errors).items())],
+        )
+        yield _counter(
+            "inferlb_kv_events_skipped_total",
+            "Stored blocks the index could not use, by reason (orphan, lora, medium, block_size, token_count).",
+            ("reason",),
+            [((k,), n) for k, n in sorted(skipped.items())],
+        )
     if r.arms:
         labels = ("experiment", "arm")
         arms = sorted(r.arms.items())
@@ -501,6 +540,16 @@ def prometheus_text(picker: PickerProcess) -> str:
     """The picker's metrics in the Prometheus text format, read and formatted here (the caller's thread must be
     allowed to read the picker's counters: its event loop's)."""
     return generate_latest(picker_registry(picker)).decode()
+
+
+def _kv(picker: PickerProcess) -> tuple[list[bool], list[int], int, int, dict[str, int], dict[str, int]] | None:
+    kv, collector = picker.engine.signals.kv, picker.kv_collector
+    if kv is None:
+        return None
+    blocks = [kv.held(i) for i in range(kv.size)]
+    if collector is None:
+        return kv.live.tolist(), blocks, 0, 0, {}, dict(kv.skipped)
+    return kv.live.tolist(), blocks, collector.batches, collector.replayed, dict(collector.errors), dict(kv.skipped)
 
 
 def _quotas(picker: PickerProcess) -> tuple[bool | None, QuotaStats] | None:

@@ -462,6 +462,8 @@ def _collectors(
             config.kv_events.replay_port,
             config.kv_events.topic,
             config.kv_events.replay_timeout_s,
+            config.kv_events.ports,
+            config.kv_events.replay_ports,
         )
         kv = KVEventCollector(pool, signals.kv, options)
     return collector, gpu, kv

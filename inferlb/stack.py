@@ -62,6 +62,9 @@ class StackOptions:
     # The (first) picker runs as `inferlb serve --workers N`: worker i on its listen and admin ports plus i.
     picker_workers: int = 1
     picker_env: Mapping[str, str] = field(default_factory=dict)
+    # The emulated servers publish KV events (in this encoding: "map", as vLLM 0.32, or the older "array") and the
+    # picker follows them (config kv_events, the emulator's tokenizer); None: no events.
+    kv_events: str | None = None
     endpoint_labels: tuple[Mapping[str, str], ...] = ()  # the pool's endpoints' labels, in order (default none)
 
 
@@ -121,6 +124,9 @@ class LocalStack:
         ]
         self.replicas: list[ManagedProcess] = []
         self.receiver_address = f"127.0.0.1:{free_port()}" if options.spans else None
+        # Server i publishes KV events on kv_ports[0] + i and answers replays on kv_ports[1] + i.
+        count = len(self.endpoints)
+        self.kv_ports = (free_ports(count), free_ports(count)) if options.kv_events else None
         self.gateway_address = f"127.0.0.1:{free_port()}"
         self.admin_address = f"127.0.0.1:{free_port()}"
         self.access_log_path = workdir / "access.log"
@@ -176,7 +182,19 @@ class LocalStack:
             "drain_s": self.options.picker_drain_s,
             "admin_auth": {"token_file": str(self.admin_token_path)},
             "pool": {"endpoints": [self._endpoint(a) for a in self.endpoints]},
+            **({"kv_events": self._kv_events()} if self.kv_ports is not None else {}),
             **self.options.picker_config,
+        }
+
+    def _kv_events(self) -> dict[str, Any]:
+        assert self.kv_ports is not None
+        port, replay_port = self.kv_ports
+        return {
+            "port": port,
+            "replay_port": replay_port,
+            "ports": {a: port + i for i, a in enumerate(self.endpoints)},
+            "replay_ports": {a: replay_port + i for i, a in enumerate(self.endpoints)},
+            "tokenizers": {model: "pieces" for model in self.options.models},
         }
 
     def _otel(self) -> dict[str, Any]:
@@ -237,6 +255,9 @@ class LocalStack:
         args = ["--profile", options.profile, "--time-scale", str(options.time_scale), *options.sim_args]
         if self.receiver_address is not None:
             args += ["--otlp-endpoint", self.receiver_address]
+        if self.kv_ports is not None:
+            args += ["--kv-events-port", str(self.kv_ports[0]), "--kv-events-replay-port", str(self.kv_ports[1])]
+            args += ["--kv-events-encoding", str(self.options.kv_events)]
         for model in options.models:
             args += ["--model", model]
         self.backends = start_sim(self.endpoints, self.workdir / "backends.log", *args)

@@ -639,8 +639,9 @@ class KVEventsConfig(Section):
     sent there. Every endpoint publishes on ``port`` (and answers replays on ``replay_port``) at its own IP.
     ``tokenizers`` names, per model, the folder of its tokenizer (``tokenizer.json`` and ``tokenizer_config.json``)
     or ``pieces`` (the emulator's); requests for other models, and endpoints whose events stop, keep the
-    approximate index. ``block_size`` must be the servers' KV block size (vLLM's ``--block-size``, 16 by
-    default)."""
+    approximate index. ``ports`` and ``replay_ports`` give, by endpoint address, the ports of servers that publish
+    elsewhere (several servers on one IP); the host is always the endpoint's own. ``block_size`` must be the
+    servers' KV block size (vLLM's ``--block-size``, 16 by default)."""
 
     port: Annotated[int, integer(ge=1, le=65535, noun="a port number")] = field(
         metadata={
@@ -648,6 +649,11 @@ class KVEventsConfig(Section):
         }
     )
     replay_port: Annotated[int | None, integer(ge=1, le=65535, noun="a port number")] = None
+    # Per endpoint address, ports other than the common ones (servers that share an IP, as on one test machine).
+    ports: dict[Address, Annotated[int, integer(ge=1, le=65535, noun="a port number")]] = field(default_factory=dict)
+    replay_ports: dict[Address, Annotated[int, integer(ge=1, le=65535, noun="a port number")]] = field(
+        default_factory=dict
+    )
     topic: Text = ""
     tokenizers: dict[Text, Text] = field(default_factory=dict)
     block_size: Annotated[int, integer(ge=1, le=4096)] = 16

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -55,6 +56,9 @@ class KVEventOptions:
     replay_port: int | None = None
     topic: str = ""
     replay_timeout_s: float = 2.0
+    # By endpoint address: ports other than the common ones (several servers on one IP).
+    ports: Mapping[str, int] = field(default_factory=dict)
+    replay_ports: Mapping[str, int] = field(default_factory=dict)
 
 
 class KVEventCollector:
@@ -99,7 +103,7 @@ class KVEventCollector:
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
         sub.setsockopt(zmq.SUBSCRIBE, self.options.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(f"tcp://{_bracketed(host)}:{self.options.port}")
+        sub.connect(f"tcp://{_bracketed(host)}:{self.options.ports.get(address, self.options.port)}")
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -110,14 +114,14 @@ class KVEventCollector:
                         event = parse_monitor_message(await monitor.recv_multipart())
                         self.index.subscribed(endpoint, event["event"] == zmq.EVENT_CONNECTED)
                     else:
-                        await self._received(endpoint, host, await sub.recv_multipart())
+                        await self._received(endpoint, address, await sub.recv_multipart())
         finally:
             self.index.subscribed(endpoint, False)
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _received(self, endpoint: int, host: str, frames: list[bytes]) -> None:
+    async def _received(self, endpoint: int, address: str, frames: list[bytes]) -> None:
         try:
             sequence, batch = decode_frames(frames)
         except KVEventError as exc:
@@ -132,22 +136,24 @@ class KVEventCollector:
             last = None
         expected = 0 if last is None else last + 1
         if sequence > expected:
-            filled = await self._replay(endpoint, host, expected, sequence)
+            filled = await self._replay(endpoint, address, expected, sequence)
             if not filled:
                 self.index.lost(endpoint)
         self.index.apply(endpoint, batch)
         self.batches += 1
         self._sequence[endpoint] = sequence
 
-    async def _replay(self, endpoint: int, host: str, start: int, stop: int) -> bool:
+    async def _replay(self, endpoint: int, address: str, start: int, stop: int) -> bool:
         """Apply the batches ``start`` .. ``stop - 1`` from the server's replay socket; whether all came."""
-        if self.options.replay_port is None:
+        host = parse_address(address)[0]
+        port = self.options.replay_ports.get(address, self.options.replay_port)
+        if port is None:
             self._error(endpoint, "gap", f"events {start}..{stop - 1} missed and no replay_port is configured")
             return False
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
-        dealer.connect(f"tcp://{_bracketed(host)}:{self.options.replay_port}")
+        dealer.connect(f"tcp://{_bracketed(host)}:{port}")
         wanted = start
         try:
             await dealer.send_multipart([b"", sequence_bytes(start)])
