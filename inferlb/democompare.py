@@ -33,6 +33,10 @@ def run_comparison(stack: DemoStack, options: ScenarioOptions, policy: str, out_
         f"{options.rate:g}/s, {options.prefixes} shared system prompts), the same in both runs; "
         f"{slowed} turns {options.slowdown:g}x slower {options.slow_at_s:g} s into each run"
     )
+    p(
+        "both runs go through this one Envoy to the same servers; each run's prompts start with a salt of their own, "
+        "so each run starts from cold prefix caches"
+    )
     p(f"live heatmap while inferlb routes: {stack.picker_admin_url}/heatmap")
     runs = []
     for name, url, salt in (
@@ -64,6 +68,9 @@ def run_comparison(stack: DemoStack, options: ScenarioOptions, policy: str, out_
 
     p("")
     for line in table(rr, ours):
+        p(line)
+    p("")
+    for line in share_timeline(rr, ours):
         p(line)
     p("")
     p(verdict(rr, ours))
@@ -117,6 +124,25 @@ def table(rr: RunResult, ours: RunResult) -> list[str]:
     ]
     width = max(len(label) for label, _, _ in rows) + 2
     return [f"{label:<{width}}{a:>18}{b:>22}" for label, a, b in rows]
+
+
+def share_timeline(rr: RunResult, ours: RunResult, windows: int = 6) -> list[str]:
+    """The share of each run's requests that went to the slowed server, by when they were sent: about ``windows``
+    windows of whole seconds over the arrivals (traffic leaving the slowed server shows as a falling row)."""
+    end = max((r.sent_s for run in (rr, ours) for r in run.records), default=0.0)
+    width = max(1, math.ceil(end / windows))
+    windows = max(1, math.ceil(end / width))
+    edges = [f"{i * width}-{(i + 1) * width}" for i in range(windows)]
+    label = "sent to the slowed server, by time sent"
+    lines = [f"{label:<42}" + "".join(f"{e:>8}" for e in edges) + " s"]
+    for run in (rr, ours):
+        cells = []
+        for i in range(windows):
+            sent = [r for r in run.records if r.status == 200 and min(int(r.sent_s / width), windows - 1) == i]
+            share = sum(r.server == run.slowed for r in sent) / len(sent) if sent else None
+            cells.append("-" if share is None else f"{share:.0%}")
+        lines.append(f"{run.name:<42}" + "".join(f"{c:>8}" for c in cells))
+    return lines
 
 
 def verdict(rr: RunResult, ours: RunResult) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from inferlb.demo import DemoOptions, run_demo
-from inferlb.democompare import quantile, slowed_share, table, verdict
+from inferlb.democompare import quantile, share_timeline, slowed_share, table, verdict
 from inferlb.demoscenario import Record, RunResult, ScenarioOptions
 
 SLOW, FAST = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -76,6 +76,16 @@ def test_the_slowed_share_counts_requests_sent_after_the_slowdown() -> None:
     assert slowed_share(run("x", [0.1] * 2, [SLOW, FAST])) is None  # nothing sent after 4 s
 
 
+def test_the_timeline_shows_traffic_leaving_the_slowed_server() -> None:
+    rr = run("round robin", [0.05] * 12, [SLOW, FAST, FAST] * 4)  # sent at 0, 1, ..., 11 s
+    ours = run("inferlb default", [0.05] * 12, [SLOW] * 4 + [FAST] * 8)
+    header, *rows = share_timeline(rr, ours)
+    assert header.split()[-7:] == ["0-2", "2-4", "4-6", "6-8", "8-10", "10-12", "s"]
+    assert rows[0].split()[-6:] == ["50%", "50%", "0%", "50%", "50%", "0%"]
+    assert rows[1].split()[-6:] == ["100%", "100%", "0%", "0%", "0%", "0%"]
+    assert [row[:15] for row in rows] == ["round robin    ", "inferlb default"]
+
+
 @pytest.mark.envoy
 def test_the_scenario_in_short_form_shows_the_slowed_server_losing_its_share_under_inferlb(tmp_path: Path) -> None:
     out = io.StringIO()
@@ -83,16 +93,20 @@ def test_the_scenario_in_short_form_shows_the_slowed_server_losing_its_share_und
     code = run_demo(DemoOptions(backends=3, scenario=scenario), tmp_path, stream=out)
     text = out.getvalue()
     assert code == 0, text
-    rows = {re.split(r"\s{2,}", line.strip())[0]: re.split(r"\s{2,}", line.strip())[1:] for line in text.splitlines()}
-    assert rows["round robin"] == ["inferlb default"], text  # the header: one column per run
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if re.fullmatch(r"\s+round robin\s+inferlb default", line))
+    body = lines[header + 1 : lines.index("", header)]
+    rows = {re.split(r"\s{2,}", line.strip())[0]: re.split(r"\s{2,}", line.strip())[1:] for line in body}
     for label in ("requests answered", "TTFT p50 (client)", "TTFT p99 (client)", "prefix-cache hit rate (servers)"):
         assert len(rows[label]) == 2, (label, text)
     assert rows["errors"] == ["0", "0"], text
-    rr_share, our_share = (int(re.search(r"\((\d+)%\)", cell)[1]) for cell in rows["to the slowed server after 3 s"])
+    rr_share, our_share = (int(re.findall(r"\((\d+)%\)", cell)[0]) for cell in rows["to the slowed server after 3 s"])
     # Round robin gives it a third whatever happens; the picker moves traffic off a server ten times slower.
     assert 25 <= rr_share <= 40, text
     assert our_share < 0.75 * rr_share, text
     assert re.search(r"^inferlb default vs round robin: TTFT p99 .*(lower|higher|about the same)", text, re.M), text
+    timeline = next(i for i, line in enumerate(lines) if line.startswith("sent to the slowed server, by time sent"))
+    assert [line.split("  ")[0] for line in lines[timeline + 1 : timeline + 3]] == ["round robin", "inferlb default"]
     assert "routed by Envoy's ROUND_ROBIN cluster: " in text
     assert "routed by the picker through Envoy's ORIGINAL_DST cluster: " in text
     assert "HTTP 400" in text and "HTTP 404" in text
