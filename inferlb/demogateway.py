@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
-from inferlb.otel.render import render_html
+from inferlb.otel.render import render_html, render_png
 from inferlb.procs import free_port
 from inferlb.stack import LocalStack, StackOptions
 
@@ -112,8 +112,9 @@ def wait_for_access_log(
 
 def save_heatmap(stack: LocalStack, expected: int, png: Path, page: Path | None = None) -> str:
     """Wait (bounded) until the picker's heatmap holds ``expected`` requests (the servers export their spans in
-    batches), then save it as PNG (the admin API's ``/heatmap.png``) and, with ``page``, as a self-contained HTML
-    page that does not refresh; returns the paths written, or why there are none."""
+    batches), then save it: as PNG, the admin API's ``/heatmap.png`` without ``page``, else drawn here with the
+    requests per endpoint too, and as a self-contained HTML page that does not refresh; returns the paths
+    written, or why there are none."""
     deadline = time.monotonic() + SPANS_WAIT_S
     try:
         while True:
@@ -121,13 +122,13 @@ def save_heatmap(stack: LocalStack, expected: int, png: Path, page: Path | None 
             if sum(sum(row) for row in grid["count"]) >= expected or time.monotonic() > deadline:
                 break
             time.sleep(0.2)  # the servers export spans in batches every 0.5 s; the deadline bounds the wait
-        response = httpx.get(f"{stack.picker_admin_url}/heatmap.png", timeout=60)
-        response.raise_for_status()
-        html = render_html(grid, refresh_s=None, json_url=None) if page is not None else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        if page is None:
+            response = httpx.get(f"{stack.picker_admin_url}/heatmap.png", timeout=60)
+            response.raise_for_status()
+            png.write_bytes(response.content)
+            return str(png)
+        render_png(grid, png, endpoint_counts=True)
+        page.write_text(render_html(grid, refresh_s=None, json_url=None), encoding="utf-8")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, OSError) as exc:
         return f"none ({exc})"
-    png.write_bytes(response.content)
-    if page is None or html is None:
-        return str(png)
-    page.write_text(html, encoding="utf-8")
     return f"{png} and {page}"

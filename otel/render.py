@@ -59,12 +59,13 @@ def render_json(grid: Mapping[str, Any]) -> bytes:
 # --- PNG ------------------------------------------------------------------------------------------------------
 
 
-def render_png(grid: Mapping[str, Any], path: str | Path) -> None:
+def render_png(grid: Mapping[str, Any], path: str | Path, *, endpoint_counts: bool = False) -> None:
     """Write the two grids as a PNG to ``path`` (raises ``OSError`` if it cannot be written).
 
     Top: P95 TTFT per endpoint (rows) x time (columns), log colour scale, grey where there is no data; endpoints
     whose median P95 is at least twice the fleet's median have their label in red. Bottom: requests per TTFT
-    bucket (log latency axis) x time, log colour scale. Time is UTC. Draws on matplotlib's Agg canvas directly, so
+    bucket (log latency axis) x time, log colour scale. With ``endpoint_counts``, a panel between them shows the
+    requests per endpoint x time (where traffic went). Time is UTC. Draws on matplotlib's Agg canvas directly, so
     it neither needs a display nor touches pyplot's global state.
     """
     _check_grid(grid)
@@ -81,7 +82,8 @@ def render_png(grid: Mapping[str, Any], path: str | Path) -> None:
     requests = sum(sum(row) for row in grid["count"])
 
     top_height = min(14.0, max(2.5, 0.28 * len(endpoints) + 1.2))
-    figure = Figure(figsize=(12, top_height + 4.2), dpi=100, layout="constrained")
+    middle_height = top_height if endpoint_counts else 0.0
+    figure = Figure(figsize=(12, top_height + middle_height + 4.2), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     figure.suptitle(
         f"inferlb latency heatmap: {requests} requests, {len(endpoints)} endpoints, {bucket_s:g} s buckets"
@@ -91,7 +93,10 @@ def render_png(grid: Mapping[str, Any], path: str | Path) -> None:
         figure.text(0.5, 0.5, "no LLM request spans in the window", ha="center", va="center", fontsize=14)
         figure.savefig(path, format="png")
         return
-    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[top_height, 4.0])
+    if endpoint_counts:
+        top, middle, bottom = figure.subplots(3, 1, sharex=True, height_ratios=[top_height, middle_height, 4.0])
+    else:
+        top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[top_height, 4.0])
 
     x = mdates.date2num([datetime.fromtimestamp(t, tz=UTC) for t in [*times, times[-1] + bucket_s]])
     span_s = times[-1] + bucket_s - times[0]
@@ -125,6 +130,16 @@ def render_png(grid: Mapping[str, Any], path: str | Path) -> None:
             label.set_fontweight("bold")
     top.set_title("P95 time to first token per endpoint (grey: no requests)")
     top.set_ylabel("endpoint")
+    if endpoint_counts:
+        per_endpoint = np.array(grid["count"], dtype=float).reshape(len(endpoints), len(times))
+        mesh = middle.pcolormesh(
+            x, np.arange(len(endpoints) + 1), per_endpoint, cmap="Blues", vmin=0, vmax=max(1.0, per_endpoint.max())
+        )
+        figure.colorbar(mesh, ax=middle, label="requests", pad=0.01)
+        middle.set_ylim(len(endpoints), 0)
+        middle.set_yticks([i + 0.5 for i in ticks], [endpoints[i] for i in ticks], fontsize=8)
+        middle.set_title("Requests per endpoint (where the traffic went)")
+        middle.set_ylabel("endpoint")
 
     # Bottom: TTFT bucket x time, request counts.
     counts = np.array(grid["latency_counts"], dtype=float).reshape(len(bounds) + 1, len(times))

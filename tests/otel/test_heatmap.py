@@ -426,6 +426,14 @@ def test_png(tmp_path: Path, empty: bool) -> None:
     assert 5_000 < len(data) < 2_000_000
 
 
+def test_png_with_requests_per_endpoint_is_taller(tmp_path: Path) -> None:
+    plain, counted = tmp_path / "plain.png", tmp_path / "counted.png"
+    render_png(filled().grid(), plain)
+    render_png(filled().grid(), counted, endpoint_counts=True)
+    (width, height), (counted_width, counted_height) = png_size(plain.read_bytes()), png_size(counted.read_bytes())
+    assert counted_width == width == 1200 and counted_height > height
+
+
 def test_html_is_self_contained_and_embeds_the_data() -> None:
     aggregator = filled()
     aggregator.add(T0, "</script><script>alert(1)</script>", 0.1, None)  # endpoints come from spans: untrusted
