@@ -49,6 +49,7 @@ DES_CONTENDERS: tuple[str, ...] = (
     *(f"inferlb:{name}" for name in PRESET_NAMES),
     "inferlb-weights:default",  # the weights tier: Envoy's LEAST_REQUEST over the default preset's weights
     "inferlb-fixed-speed:default",  # the default predicting with one constant prefill rate, learning no speeds
+    "inferlb-kv-events:default",  # the default with the servers' KV events: their exact prefix caches
     "oracle",
 )
 CAPACITY_SAMPLE = 400  # requests in the burst that measures one server's saturated rate
@@ -139,6 +140,8 @@ def make_policy(name: str, profiles: Sequence[ServerProfile], seed: int) -> Poli
         return WeightsTier(name.removeprefix("inferlb-weights:"), profiles, seed=seed)
     if name.startswith("inferlb-fixed-speed:") and name.removeprefix("inferlb-fixed-speed:") in PRESET_NAMES:
         return PresetPolicy(name.removeprefix("inferlb-fixed-speed:"), profiles, seed=seed, learn_speeds=False)
+    if name.startswith("inferlb-kv-events:") and name.removeprefix("inferlb-kv-events:") in PRESET_NAMES:
+        return PresetPolicy(name.removeprefix("inferlb-kv-events:"), profiles, seed=seed, kv_events=True)
     if name.startswith("inferlb:") and name.removeprefix("inferlb:") in PRESET_NAMES:
         return PresetPolicy(name.removeprefix("inferlb:"), profiles, seed=seed)
     replicated = _replicated(name)

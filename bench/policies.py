@@ -27,6 +27,7 @@ from inferlb.scorer.engine import Engine
 from inferlb.scorer.experiments import Experiments, ExperimentSpec
 from inferlb.scorer.features import PREFIX_BLOCK_TOKENS, RequestFeatures
 from inferlb.scorer.inflight import InFlight, Lease, Load
+from inferlb.scorer.kvindex import KVBlockIndex
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.registry import ProfileSpec
@@ -138,6 +139,7 @@ class PresetPolicy:
         experiments: Sequence[ExperimentSpec] = (),
         labels: Sequence[Mapping[str, str]] | None = None,
         learn_speeds: bool = True,
+        kv_events: bool = False,
     ) -> None:
         n = len(profiles)
         endpoints = [
@@ -151,6 +153,16 @@ class PresetPolicy:
             return self._now
 
         self.signals = Signals(n, stale_after_s=stale_after_s, clock=clock)
+        # With KV events, each server's cache tells the exact index what it stores and evicts, as vLLM's events do
+        # live (here with no delay); the simulator's block hashes are keys the requests carry as they are.
+        self._kv_listening = False
+        if kv_events:
+            sizes = {p.block_size for p in profiles}
+            if len(sizes) != 1:
+                raise ValueError(f"KV events need one block size across the fleet, not {sorted(sizes)}")
+            self.signals.kv = KVBlockIndex(n, clock=clock, block_size=sizes.pop())
+            for endpoint in range(n):
+                self.signals.kv.subscribed(endpoint, True)
         self.inflight = InFlight(n, clock=clock)
         profile = build_profile(preset, np.random.default_rng(seed), size=n)
         self.engine = Engine(self.pool, profile, self.inflight, self.signals, saturation)
@@ -236,6 +248,7 @@ class PresetPolicy:
             prompt_tokens=arrival.prompt_tokens,
             # The servers' block hashes are chained, so every step-th one is a chained hash of 64-token blocks.
             prefix_hashes=tuple(arrival.prompt_hashes[step - 1 :: step]),
+            cache_keys=tuple(arrival.prompt_hashes) if self.signals.kv is not None else (),
         )
 
     def _next_tick(self) -> float:
@@ -272,6 +285,13 @@ class PresetPolicy:
     def _sync(self, view: FleetView) -> None:
         """Publish a snapshot when a scrape or a latency changed (the collectors' work)."""
         self._now = view.now
+        kv = self.signals.kv
+        if kv is not None:
+            if not self._kv_listening:
+                self._kv_listening = True
+                for endpoint, engine in enumerate(view.engines):
+                    engine.cache.listener = _CacheEvents(kv, endpoint)
+            kv.tick()
         snaps = view.snapshots
         changed = self._latency_dirty
         for i, snap in enumerate(snaps):
@@ -312,6 +332,22 @@ class PresetPolicy:
                 **learned,
             )
         )
+
+
+class _CacheEvents:
+    """One simulated server's KV events, straight into the exact index (its block hashes serve as the keys)."""
+
+    def __init__(self, index: KVBlockIndex, endpoint: int) -> None:
+        self.index, self.endpoint = index, endpoint
+
+    def stored(self, hashes: list[int], parent: int | None, token_ids: Sequence[int]) -> None:
+        self.index.store(self.endpoint, hashes, hashes)
+
+    def removed(self, hashes: list[int]) -> None:
+        self.index.remove(self.endpoint, hashes)
+
+    def cleared(self) -> None:
+        self.index.clear(self.endpoint)
 
 
 class WeightsTier(PresetPolicy):

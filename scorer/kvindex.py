@@ -99,8 +99,7 @@ class KVBlockIndex:
     def apply(self, endpoint: int, batch: EventBatch) -> None:
         """Apply one batch of ``endpoint``'s events, in order."""
         state = self.states[endpoint]
-        state.last_event_at = self.clock()
-        state.waiting_since = None
+        self._heard(endpoint)
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(endpoint, event)
@@ -111,10 +110,11 @@ class KVBlockIndex:
                 self.remove(endpoint, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(endpoint)
-        self._refresh(endpoint, state.last_event_at)
+        self._refresh(endpoint, self.clock())
 
     def store(self, endpoint: int, hashes: Sequence[BlockHash], keys: Sequence[int]) -> None:
         """The server of ``endpoint`` cached blocks named ``hashes`` by it and ``keys`` here (aligned)."""
+        self._heard(endpoint)
         self._memo = None
         by_hash, held, pending = self._by_hash[endpoint], self._held[endpoint], self._pending[endpoint]
         holders = self._holders
@@ -139,6 +139,7 @@ class KVBlockIndex:
 
     def remove(self, endpoint: int, hashes: Iterable[BlockHash]) -> None:
         """The server of ``endpoint`` evicted these blocks (unknown ones are ignored)."""
+        self._heard(endpoint)
         self._memo = None
         by_hash, held, pending = self._by_hash[endpoint], self._held[endpoint], self._pending[endpoint]
         for server_hash in hashes:
@@ -155,6 +156,7 @@ class KVBlockIndex:
 
     def clear(self, endpoint: int) -> None:
         """Forget everything ``endpoint`` held (its cache was reset, or its server is another one now)."""
+        self._heard(endpoint)
         self._memo = None
         for key in set(self._held[endpoint]) | set(self._pending[endpoint]):
             self._drop(endpoint, key)
@@ -295,6 +297,14 @@ class KVBlockIndex:
             event.token_ids, block_tokens=event.block_size, max_blocks=len(event.block_hashes), seed=seed
         )
         self.store(endpoint, event.block_hashes, keys)
+
+    def _heard(self, endpoint: int) -> None:
+        """The endpoint's server spoke: its stream is not stale."""
+        state = self.states[endpoint]
+        state.last_event_at = self.clock()
+        if state.waiting_since is not None:
+            state.waiting_since = None
+            self._refresh(endpoint, state.last_event_at)
 
     def _drop(self, endpoint: int, key: int) -> None:
         rest = self._holders.get(key, 0) & ~(1 << endpoint)

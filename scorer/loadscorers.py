@@ -203,6 +203,7 @@ class TtftPredictor:
         self._match_depth = getattr(prefix_match, "match_depth", None)
         self.block_tokens = block_tokens
         self.guard = guard
+        self.home = 0.0
         self._for: Snapshot | None = None
         self._tokens_per_s = np.zeros(0)
         self._step_s: np.ndarray | None = None  # decode seconds per step, where learned (None: nowhere)
@@ -262,19 +263,21 @@ class TtftPredictor:
 
     def _cached_exact(self, request: RequestFeatures, candidates: np.ndarray, kv: KVBlockIndex) -> np.ndarray:
         """Tokens of the request each candidate holds: what its server reports where it does (`KVBlockIndex.live`),
-        the approximate match elsewhere."""
+        or ``home`` times the approximate match if that is more; the approximate match elsewhere."""
         exact, _ = kv.match_depth(request.cache_keys)
         cached = exact[candidates] * kv.block_size
         live = kv.live[candidates]
         hashes = request.prefix_hashes
-        if not live.all():
-            guess = None
-            if hashes and self._match_depth is not None:
-                counts, deepest = self._match_depth(hashes)
-                guess = counts[candidates] * self.block_tokens if deepest else None
-            elif hashes and self._match is not None:
-                guess = self._match(hashes)[candidates] * self.block_tokens
-            cached = np.where(live, cached, 0 if guess is None else guess)
+        guess = None
+        if hashes and self._match_depth is not None:
+            counts, deepest = self._match_depth(hashes)
+            guess = counts[candidates] * self.block_tokens if deepest else None
+        elif hashes and self._match is not None:
+            guess = self._match(hashes)[candidates] * self.block_tokens
+        if guess is not None:
+            cached = np.where(live, np.maximum(cached, self.home * guess), guess)
+        elif not live.all():
+            cached = np.where(live, cached, 0)
         return cached
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:

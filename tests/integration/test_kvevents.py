@@ -14,7 +14,8 @@ import pytest
 
 from inferlb.sim.replay import Shot, replay
 from inferlb.stack import LocalStack, StackOptions
-from tests.conftest import poll
+
+from ..conftest import poll
 
 pytestmark = pytest.mark.envoy
 
