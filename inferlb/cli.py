@@ -184,12 +184,16 @@ def _parser() -> argparse.ArgumentParser:
         help="Envoy + picker + emulated vLLM servers on loopback: the same traffic through Envoy's round robin and "
         "through inferlb while one server turns slow, a side-by-side table, a heatmap",
     )
-    demo.add_argument("--backends", type=int, default=3)
-    demo.add_argument("--policy", default="default", choices=PRESET_NAMES)
+    demo.add_argument("--backends", type=int, default=3, help="emulated vLLM servers (default 3)")
+    demo.add_argument(
+        "--policy", default="default", choices=PRESET_NAMES, help="the picker's preset (default: default)"
+    )
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="logs and rendered configs go here")
     demo.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals in each run (default 30)")
     demo.add_argument("--rate", type=float, default=12.0, help="requests per second, Poisson arrivals (default 12)")
-    demo.add_argument("--slow-at", type=float, default=10.0, help="seconds into each run a server turns slow")
+    demo.add_argument(
+        "--slow-at", type=float, default=10.0, help="seconds into each run a server turns slow (default 10)"
+    )
     demo.add_argument("--slowdown", type=float, default=10.0, help="how many times slower it turns (default 10)")
     demo.add_argument("--seed", type=int, default=18, help="seed of the workload (default 18)")
     quick = demo.add_argument_group("--quick", "the short run: a burst through the picker alone, no comparison")

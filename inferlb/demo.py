@@ -34,6 +34,7 @@ from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
 MODEL = "demo-model"
 REQUEST_TIMEOUT_S = 30.0
 BURST_DEADLINE_S = 120.0
+QUICK_HEATMAP_BUCKET_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,8 @@ def run_demo(options: DemoOptions, out_dir: Path, stream: TextIO = sys.stdout) -
         models=(MODEL,),
         policy=options.policy,
         spans=True,
-        heatmap_bucket_s=None if options.quick else options.scenario.heatmap_bucket_s,
+        # Buckets that fit the run: the burst lasts a second or two, the comparison's runs half a minute each.
+        heatmap_bucket_s=QUICK_HEATMAP_BUCKET_S if options.quick else options.scenario.heatmap_bucket_s,
     )
     print(f"inferlb demo: starting {options.backends} emulated vLLM servers, the picker and Envoy ...", file=stream)
     try:
