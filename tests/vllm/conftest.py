@@ -23,6 +23,7 @@ import pytest
 
 from inferlb.bench import offline_tokenizer
 from inferlb.procs import ManagedProcess, free_port, http_ok, stop_all
+from inferlb.scorer.promtext import read_vllm
 from inferlb.stack import LocalStack, StackOptions
 
 MODEL = "tiny"
@@ -46,6 +47,10 @@ class VllmServer:
 
     address: str
     process: ManagedProcess
+    # Where it publishes its KV-cache events (ZMQ PUB) and answers replays (ROUTER), on all interfaces: vLLM binds
+    # only a wildcard address (an address without one is connected to instead).
+    kv_port: int = 0
+    kv_replay_port: int = 0
 
     @property
     def url(self) -> str:
@@ -136,6 +141,13 @@ def vllm_servers(
     servers = []
     for i in range(2):
         address = f"127.0.0.1:{free_port()}"
+        kv_port, kv_replay_port = free_port(), free_port()
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{kv_port}",
+            "replay_endpoint": f"tcp://*:{kv_replay_port}",
+        }
         argv = [
             str(vllm_python),
             "-m",
@@ -158,6 +170,8 @@ def vllm_servers(
             "4",
             "--kv-cache-memory-bytes",
             str(KV_CACHE_BYTES),
+            "--kv-events-config",
+            json.dumps(kv_events),
         ]
         env = {
             "VLLM_HOST_IP": "127.0.0.1",
@@ -171,7 +185,7 @@ def vllm_servers(
             "DO_NOT_TRACK": "1",
         }
         process = ManagedProcess(f"vllm server {i}", argv, workdir / f"vllm{i}.log", env=env)
-        servers.append(VllmServer(address, process))
+        servers.append(VllmServer(address, process, kv_port, kv_replay_port))
     try:
         for server in servers:
             server.process.start()
@@ -185,8 +199,24 @@ def vllm_servers(
 
 
 @pytest.fixture(scope="session")
-def stack(vllm_servers: list[VllmServer], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    """Envoy and the picker in front of the two vLLM servers; the picker scrapes their real ``/metrics``."""
-    options = StackOptions(servers=tuple(s.address for s in vllm_servers), models=(MODEL,), policy="kv-aware")
+def stack(
+    vllm_servers: list[VllmServer], tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalStack]:
+    """Envoy and the picker in front of the two vLLM servers; the picker scrapes their real ``/metrics`` and follows
+    their KV events, tokenizing prompts with the model's tokenizer."""
+    block_size = read_vllm(vllm_servers[0].metrics()).block_size
+    kv_events = {
+        "port": vllm_servers[0].kv_port,
+        "ports": {s.address: s.kv_port for s in vllm_servers},
+        "replay_ports": {s.address: s.kv_replay_port for s in vllm_servers},
+        "tokenizers": {MODEL: str(tiny_model)},
+        "block_size": block_size,
+    }
+    options = StackOptions(
+        servers=tuple(s.address for s in vllm_servers),
+        models=(MODEL,),
+        policy="kv-aware",
+        picker_config={"kv_events": kv_events},
+    )
     with LocalStack(options, tmp_path_factory.mktemp("gateway")) as running:
         yield running

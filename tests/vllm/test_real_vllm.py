@@ -12,6 +12,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,13 +20,18 @@ import numpy as np
 import pytest
 
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
+from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.kvindex import KVBlockIndex
+from inferlb.scorer.kvsubscriber import KVEventCollector, KVEventOptions
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.promtext import read_families, read_vllm, read_vllm_signals
 from inferlb.scorer.signals import Signals
+from inferlb.scorer.tokenizer import HuggingFaceTokenizer, cache_keys
 from inferlb.stack import LocalStack
 
+from ..conftest import poll, until
 from ..integration.conftest import log_entry
-from .conftest import KV_CACHE_BYTES, MODEL, VllmServer
+from .conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MODEL, VllmServer
 
 # Starting two vLLM servers is part of the first test's time.
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(400)]
@@ -175,3 +181,107 @@ def test_bad_requests_are_refused_and_lose_nothing(
         assert log_entry(stack, response.headers["x-request-id"])["upstream"] not in stack.endpoints
         ok = _send(client, *_request(1))
         assert ok[0] == 200 and ok[2], ok
+
+
+# ---------------------------------------------------------------- KV events
+
+
+def _raw_events(server: VllmServer, timeout_s: float = 10.0) -> list[Any]:
+    """Every event batch ``server`` still buffers, asked of its replay socket from sequence 0, as plain msgpack."""
+    import msgpack
+    import zmq
+
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{server.kv_replay_port}")
+    batches: list[Any] = []
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            frames = dealer.recv_multipart()
+            if frames[2] == (-1).to_bytes(8, "big", signed=True):
+                return batches
+            batches.append(msgpack.unpackb(frames[3], raw=False, strict_map_key=False))
+    finally:
+        dealer.close()
+        context.term()
+
+
+def test_the_index_built_from_real_vllm_events_matches_the_prompts_the_picker_tokenizes(
+    vllm_servers: list[VllmServer], tiny_model: Path, stack: LocalStack
+) -> None:
+    """A prompt sent to one server is found there, block for block, by the keys the picker computes from the
+    model's own tokenizer; the picker's own index (behind Envoy) holds what each server's events say it holds."""
+    block_size = read_vllm(vllm_servers[0].metrics()).block_size
+    assert block_size
+    prompt = "The picker routes each request to the server that holds its prefix. " * 24
+    ids = HuggingFaceTokenizer(tiny_model).text_ids(prompt)
+    full_blocks = min(len(ids), MAX_MODEL_LEN - 8) // block_size
+    assert full_blocks >= 2
+    target = vllm_servers[1]
+    response = httpx.post(
+        f"{target.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}, timeout=60
+    )
+    response.raise_for_status()
+    assert response.json()["usage"]["prompt_tokens"] == len(ids)  # the picker tokenizes as the server does
+
+    # The encoding this vLLM publishes: events as maps tagged by "type".
+    raw = poll(lambda: [b for b in _raw_events(target) if b[1]] or None, "the server's KV events", timeout=30)
+    assert {type(e) for batch in raw for e in batch[1]} == {dict}
+    assert any(e["type"] == "BlockStored" for batch in raw for e in batch[1])
+
+    async def follow() -> list[int]:
+        clock = time.monotonic
+        index = KVBlockIndex(2, clock=clock, block_size=block_size)
+        pool = Pool([EndpointConfig(s.address, frozenset({MODEL})) for s in vllm_servers])
+        options = KVEventOptions(
+            vllm_servers[0].kv_port,
+            ports={s.address: s.kv_port for s in vllm_servers},
+            replay_ports={s.address: s.kv_replay_port for s in vllm_servers},
+        )
+        collector = KVEventCollector(pool, index, options)
+        task = asyncio.create_task(collector.run())
+        try:
+            await until(lambda: index.live.all() or None, "both servers' event streams", timeout=30)
+            # A new event (another prompt) makes the collector replay what came before it from sequence 0.
+            async with httpx.AsyncClient(timeout=60) as client:
+                other = {"model": MODEL, "prompt": "Another prompt entirely, long enough for a block. " * 8}
+                for server in vllm_servers:
+                    (
+                        await client.post(f"{server.url}/v1/completions", json={**other, "max_tokens": 2})
+                    ).raise_for_status()
+            keys = cache_keys(ids, block_size)
+            return await until(
+                lambda: (c := index.match_depth(keys)[0]).any() and c.tolist(), "the prompt's blocks", timeout=30
+            )
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await collector.aclose()
+
+    assert asyncio.run(follow()) == [0, full_blocks]
+
+    def picker_agrees() -> list[dict[str, Any]] | None:
+        rows = httpx.get(f"{stack.picker_admin_url}/endpoints", timeout=5, headers=stack.admin_headers).json()
+        rows = rows["endpoints"]
+        return rows if all(r["kv_events"]["live"] and r["kv_events"]["blocks"] > 0 for r in rows) else None
+
+    rows = poll(picker_agrees, "the picker to follow both servers' events", timeout=30)
+    by_address = {r["address"]: r["kv_events"]["blocks"] for r in rows}
+    for server in vllm_servers:
+        stored: set[Any] = set()
+        for _, events, *_ in _raw_events(server):
+            for event in events:
+                if event["type"] == "BlockStored":
+                    stored.update(map(_hashable, event["block_hashes"]))
+                elif event["type"] == "BlockRemoved":
+                    stored.difference_update(map(_hashable, event["block_hashes"]))
+                else:
+                    stored.clear()
+        assert by_address[server.address] == len(stored)
+
+
+def _hashable(value: Any) -> Any:
+    return bytes(value) if isinstance(value, bytearray | list) else value
