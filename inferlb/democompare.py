@@ -16,10 +16,16 @@ import asyncio
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
-from inferlb.demogateway import PICKED_CLUSTER, ROUND_ROBIN_CLUSTER, DemoStack, refusals, save_heatmap
-from inferlb.demogateway import wait_for_access_log as _wait_for_access_log
+from inferlb.demogateway import (
+    PICKED_CLUSTER,
+    ROUND_ROBIN_CLUSTER,
+    DemoStack,
+    refusals,
+    save_heatmap,
+    wait_for_access_log,
+)
 from inferlb.demoscenario import RunResult, ScenarioOptions, replay, workload
 
 
@@ -37,7 +43,8 @@ def run_comparison(stack: DemoStack, options: ScenarioOptions, policy: str, out_
         "both runs go through this one Envoy to the same servers; each run's prompts start with a salt of their own, "
         "so each run starts from cold prefix caches"
     )
-    p(f"live heatmap while inferlb routes: {stack.picker_admin_url}/heatmap")
+    png, page = out_dir / "heatmap.png", out_dir / "heatmap.html"
+    p(f"live heatmap while inferlb routes: {stack.picker_admin_url}/heatmap (saved at the end to {png} and {page})")
     runs = []
     for name, url, salt in (
         ("round robin", stack.round_robin_url, "run 1"),
@@ -63,8 +70,7 @@ def run_comparison(stack: DemoStack, options: ScenarioOptions, policy: str, out_
     rr, ours = runs
     refused = asyncio.run(refusals(stack.gateway_url))
     ids = {r.request_id for run in runs for r in run.records if r.request_id}
-    log = _wait_for_access_log(stack, lambda entries: ids <= {e.get("request_id") for e in entries})
-    clusters = {e.get("request_id"): e for e in log}
+    log = wait_for_access_log(stack, lambda entries: ids <= {e.get("request_id") for e in entries})
 
     p("")
     for line in table(rr, ours):
@@ -75,9 +81,27 @@ def run_comparison(stack: DemoStack, options: ScenarioOptions, policy: str, out_
     p("")
     p(verdict(rr, ours))
     p("")
+    failures = route_failures(rr, ours, log, p)
+    for name, status, text in refused:
+        p(f"refused by the picker, {name}: HTTP {status} {text.strip()}")
+    if [s for _, s, _ in refused] != [400, 404]:
+        failures.append(f"refusals answered {[s for _, s, _ in refused]}, expected [400, 404]")
+    heatmap = save_heatmap(stack, sum(r.status == 200 for r in ours.records), png, page)
+    p(f"latency heatmap of the inferlb run, from the servers' spans: {heatmap}")
+    p(f"logs, picker config and Envoy bootstrap: {out_dir}")
+    for failure in failures:
+        p(f"FAILED: {failure}")
+    if not failures:
+        p("OK: every request answered, each run through the route it was meant to take, through one real Envoy.")
+    return 1 if failures else 0
+
+
+def route_failures(rr: RunResult, ours: RunResult, log: list[dict[str, Any]], p: Callable[..., None]) -> list[str]:
+    """Print where each run's requests went by Envoy's access log; what was not as meant, and the failed requests."""
+    by_id = {e.get("request_id"): e for e in log}
     failures = []
     for run, cluster in ((rr, ROUND_ROBIN_CLUSTER), (ours, PICKED_CLUSTER)):
-        entries = [clusters.get(r.request_id) for r in run.records]
+        entries = [by_id.get(r.request_id) for r in run.records]
         if cluster == PICKED_CLUSTER:
             routed = sum(
                 1 for e in entries if e and e.get("cluster") == cluster and e.get("upstream") == e.get("picked")
@@ -91,20 +115,7 @@ def run_comparison(stack: DemoStack, options: ScenarioOptions, policy: str, out_
             failures.append(f"{run.name}: only {routed} of {len(run.records)} requests went through {cluster}")
         if errors := [r for r in run.records if r.error is not None]:
             failures.append(f"{run.name}: {len(errors)} requests failed, e.g. {errors[0].error!r}")
-    for name, status, text in refused:
-        p(f"refused by the picker, {name}: HTTP {status} {text.strip()}")
-    if [s for _, s, _ in refused] != [400, 404]:
-        failures.append(f"refusals answered {[s for _, s, _ in refused]}, expected [400, 404]")
-    heatmap = save_heatmap(
-        stack, sum(r.status == 200 for r in ours.records), out_dir / "heatmap.png", out_dir / "heatmap.html"
-    )
-    p(f"latency heatmap of the inferlb run, from the servers' spans: {heatmap}")
-    p(f"logs, picker config and Envoy bootstrap: {out_dir}")
-    for failure in failures:
-        p(f"FAILED: {failure}")
-    if not failures:
-        p("OK: every request answered, each run through the route it was meant to take, through one real Envoy.")
-    return 1 if failures else 0
+    return failures
 
 
 def table(rr: RunResult, ours: RunResult) -> list[str]:

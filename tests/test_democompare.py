@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from inferlb.demo import DemoOptions, run_demo
-from inferlb.democompare import quantile, share_timeline, slowed_share, table, verdict
+from inferlb.democompare import quantile, route_failures, share_timeline, slowed_share, table, verdict
 from inferlb.demoscenario import Record, RunResult, ScenarioOptions
 
 SLOW, FAST = "10.0.0.1:8000", "10.0.0.2:8000"
@@ -84,6 +84,25 @@ def test_the_timeline_shows_traffic_leaving_the_slowed_server() -> None:
     assert rows[0].split()[-6:] == ["50%", "50%", "0%", "50%", "50%", "0%"]
     assert rows[1].split()[-6:] == ["100%", "100%", "0%", "0%", "0%", "0%"]
     assert [row[:15] for row in rows] == ["round robin    ", "inferlb default"]
+
+
+def test_a_request_that_went_another_way_than_its_run_meant_is_a_failure() -> None:
+    rr = run("round robin", [0.1] * 2, [SLOW, FAST])
+    ours = run("inferlb default", [0.1] * 2, [FAST, FAST])
+    log = [
+        {"request_id": "round robin-0", "cluster": "demo_round_robin", "upstream": SLOW, "picked": "-"},
+        {"request_id": "round robin-1", "cluster": "demo_round_robin", "upstream": FAST, "picked": "-"},
+        {"request_id": "inferlb default-0", "cluster": "inferlb_picked", "upstream": FAST, "picked": FAST},
+        {"request_id": "inferlb default-1", "cluster": "inferlb_fallback", "upstream": FAST, "picked": "-"},
+    ]
+    printed: list[str] = []
+    failures = route_failures(rr, ours, log, printed.append)
+    assert printed == [
+        "round robin: routed by Envoy's ROUND_ROBIN cluster: 2/2 (access log)",
+        "inferlb default: routed by the picker through Envoy's ORIGINAL_DST cluster: 1/2 (access log)",
+    ]
+    assert failures == ["inferlb default: only 1 of 2 requests went through inferlb_picked"]
+    assert route_failures(rr, ours, log[:1], printed.append)[0].startswith("round robin: only 1 of 2")
 
 
 @pytest.mark.envoy
