@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from inferlb.bench.metrics import Outcome, summarise
+from inferlb.bench.peermodels import PEER_MODELS, peer_model
 from inferlb.bench.policies import (
     LeastRequest,
     Oracle,
@@ -51,6 +52,7 @@ DES_CONTENDERS: tuple[str, ...] = (
     "inferlb-fixed-speed:default",  # the default predicting with one constant prefill rate, learning no speeds
     "inferlb-kv-events:default",  # the default with the servers' KV events: their exact prefix caches
     "oracle",
+    *(f"peer-model:{name}" for name in PEER_MODELS),  # the peer routers' policies, modelled (bench/peermodels.py)
 )
 CAPACITY_SAMPLE = 400  # requests in the burst that measures one server's saturated rate
 
@@ -136,6 +138,8 @@ def make_policy(name: str, profiles: Sequence[ServerProfile], seed: int) -> Poli
         return RandomPolicy(seed)
     if name == "oracle":
         return Oracle(profiles)
+    if name.startswith("peer-model:") and name.removeprefix("peer-model:") in PEER_MODELS:
+        return peer_model(name.removeprefix("peer-model:"), profiles, seed)
     if name.startswith("inferlb-weights:") and name.removeprefix("inferlb-weights:") in PRESET_NAMES:
         return WeightsTier(name.removeprefix("inferlb-weights:"), profiles, seed=seed)
     if name.startswith("inferlb-fixed-speed:") and name.removeprefix("inferlb-fixed-speed:") in PRESET_NAMES:
@@ -146,8 +150,8 @@ def make_policy(name: str, profiles: Sequence[ServerProfile], seed: int) -> Poli
         return PresetPolicy(name.removeprefix("inferlb:"), profiles, seed=seed)
     replicated = _replicated(name)
     if replicated is not None:
-        preset, count, delay = replicated
-        return Replicated(preset, profiles, seed=seed, replicas=count, sync_delay_s=delay)
+        preset, count, delay, kv_events = replicated
+        return Replicated(preset, profiles, seed=seed, replicas=count, sync_delay_s=delay, kv_events=kv_events)
     raise ValueError(f"unknown DES contender {name!r}; known: {', '.join(DES_CONTENDERS)}")
 
 
@@ -157,19 +161,22 @@ def replicated_name(preset: str, replicas: int, sync_delay_ms: float | None) -> 
     return f"inferlb:{preset}@{replicas}/{'unsynced' if sync_delay_ms is None else f'{sync_delay_ms:g}ms'}"
 
 
-def _replicated(name: str) -> tuple[str, int, float | None] | None:
+def _replicated(name: str) -> tuple[str, int, float | None, bool] | None:
+    """(preset, replicas, sync delay in seconds or None, whether they follow KV events) of a replicated name:
+    ``inferlb:PRESET@N/SYNC`` or ``inferlb-kv-events:PRESET@N/SYNC``."""
     head, _, tail = name.partition("@")
-    preset = head.removeprefix("inferlb:")
+    kv_events = head.startswith("inferlb-kv-events:")
+    preset = head.removeprefix("inferlb-kv-events:" if kv_events else "inferlb:")
     count, _, sync = tail.partition("/")
-    if not head.startswith("inferlb:") or preset not in PRESET_NAMES or not count.isdigit() or int(count) < 1:
+    if head == preset or preset not in PRESET_NAMES or not count.isdigit() or int(count) < 1:
         return None
     if sync == "unsynced":
-        return preset, int(count), None
+        return preset, int(count), None, kv_events
     try:
         delay_ms = float(sync.removesuffix("ms")) if sync.endswith("ms") else -1.0
     except ValueError:
         return None
-    return (preset, int(count), delay_ms / 1000) if 0 <= delay_ms < 60_000 else None
+    return (preset, int(count), delay_ms / 1000, kv_events) if 0 <= delay_ms < 60_000 else None
 
 
 def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The live half of the routing-quality benchmark: client -> router -> emulated servers over loopback.
 
 Contenders: ``envoy:ROUND_ROBIN``, ``envoy:LEAST_REQUEST``, ``envoy:RANDOM`` (Envoy alone), ``inferlb:<preset>``
-(Envoy + the picker) and the peer routers of `inferlb.bench.peers` (the router alone in front of the servers, as
+(Envoy + the picker), ``inferlb-kv-events:default`` (the same, the servers publishing KV events and the picker
+following them) and the peer routers of `inferlb.bench.peers` (the router alone in front of the servers, as
 they are deployed). Every run starts fresh emulated servers, so no contender inherits another's warm caches; the
 load generator (`inferlb.bench.loadgen`) is its own process. The servers run ``time_scale`` times real time (per
 trace: as fast as the machine carries, below 1 for the high-rate traces) and the generator sends at that pace, so
@@ -55,7 +56,13 @@ def _peer_names() -> tuple[str, ...]:
     return tuple(peer.name for peer in PEERS)
 
 
-LIVE_CONTENDERS: tuple[str, ...] = (*ENVOY_CONTENDERS, *(f"inferlb:{p}" for p in PRESET_NAMES), *_peer_names())
+LIVE_CONTENDERS: tuple[str, ...] = (
+    *ENVOY_CONTENDERS,
+    *(f"inferlb:{p}" for p in PRESET_NAMES),
+    "inferlb-kv-events:default",  # the servers publish KV events and the picker follows them
+    *_peer_names(),
+)
+_OURS = ("envoy:", "inferlb:", "inferlb-kv-events:")
 
 
 def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -121,7 +128,7 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
 
 
 def _unavailable(name: str) -> str | None:
-    if name.startswith(("envoy:", "inferlb:")):
+    if name.startswith(_OURS):
         return None
     from inferlb.bench.peers import PEERS, available
 
@@ -146,7 +153,7 @@ def _run_one(
     processes: list[ManagedProcess] = []
     stack: LocalStack | None = None
     try:
-        if policy.startswith(("envoy:", "inferlb:")):
+        if policy.startswith(_OURS):
             kind, name = policy.split(":", 1)
             envoy = (
                 EnvoyOptions(access_log_path=None, picker=False, fallback_lb_policy=name)
@@ -156,7 +163,7 @@ def _run_one(
             options = StackOptions(
                 backends=servers,
                 models=(MODEL,),
-                policy=name if kind == "inferlb" else "least-request",
+                policy=name if kind != "envoy" else "least-request",
                 profile=profile,
                 time_scale=scale,
                 sim_args=("--seed", str(args.seed)),
@@ -166,6 +173,7 @@ def _run_one(
                 # The picker times the responses itself (the servers send no spans here): its latency scorer and
                 # the servers' learned speeds have data, as in a deployment without a span pipeline.
                 latency_source="stream",
+                kv_events="map" if kind == "inferlb-kv-events" else None,
             )
             stack = LocalStack(options, workdir).start()
             endpoints, url = stack.endpoints, stack.gateway_url

@@ -290,7 +290,11 @@ class PresetPolicy:
             if not self._kv_listening:
                 self._kv_listening = True
                 for endpoint, engine in enumerate(view.engines):
-                    engine.cache.listener = _CacheEvents(kv, endpoint)
+                    listener = engine.cache.listener
+                    if isinstance(listener, _CacheEvents):  # another replica follows this server too
+                        listener.indices.append(kv)
+                    else:
+                        engine.cache.listener = _CacheEvents([kv], endpoint)
             kv.tick()
         snaps = view.snapshots
         changed = self._latency_dirty
@@ -335,19 +339,23 @@ class PresetPolicy:
 
 
 class _CacheEvents:
-    """One simulated server's KV events, straight into the exact index (its block hashes serve as the keys)."""
+    """One simulated server's KV events, straight into the exact index of every picker that follows it (its block
+    hashes serve as the keys)."""
 
-    def __init__(self, index: KVBlockIndex, endpoint: int) -> None:
-        self.index, self.endpoint = index, endpoint
+    def __init__(self, indices: list[KVBlockIndex], endpoint: int) -> None:
+        self.indices, self.endpoint = indices, endpoint
 
     def stored(self, hashes: list[int], parent: int | None, token_ids: Sequence[int]) -> None:
-        self.index.store(self.endpoint, hashes, hashes)
+        for index in self.indices:
+            index.store(self.endpoint, hashes, hashes)
 
     def removed(self, hashes: list[int]) -> None:
-        self.index.remove(self.endpoint, hashes)
+        for index in self.indices:
+            index.remove(self.endpoint, hashes)
 
     def cleared(self) -> None:
-        self.index.clear(self.endpoint)
+        for index in self.indices:
+            index.clear(self.endpoint)
 
 
 class WeightsTier(PresetPolicy):
@@ -414,10 +422,13 @@ class Replicated:
         seed: int,
         replicas: int,
         sync_delay_s: float | None,
+        kv_events: bool = False,
     ) -> None:
         if replicas < 1 or (sync_delay_s is not None and sync_delay_s < 0):
             raise ValueError(f"replicas must be >= 1 and sync_delay_s >= 0 or None; got {replicas}, {sync_delay_s}")
-        self.replicas = [PresetPolicy(preset, profiles, seed=seed + 7919 * i) for i in range(replicas)]
+        self.replicas = [
+            PresetPolicy(preset, profiles, seed=seed + 7919 * i, kv_events=kv_events) for i in range(replicas)
+        ]
         self.sync_delay_s = sync_delay_s
         n = len(profiles)
         # Per replica: the times its own load changed, and the load from then on.
