@@ -98,7 +98,6 @@ class KVBlockIndex:
 
     def apply(self, endpoint: int, batch: EventBatch) -> None:
         """Apply one batch of ``endpoint``'s events, in order."""
-        state = self.states[endpoint]
         self._heard(endpoint)
         for event in batch.events:
             if isinstance(event, BlockStored):

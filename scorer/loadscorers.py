@@ -203,7 +203,6 @@ class TtftPredictor:
         self._match_depth = getattr(prefix_match, "match_depth", None)
         self.block_tokens = block_tokens
         self.guard = guard
-        self.home = 0.0
         self._for: Snapshot | None = None
         self._tokens_per_s = np.zeros(0)
         self._step_s: np.ndarray | None = None  # decode seconds per step, where learned (None: nowhere)
@@ -263,22 +262,20 @@ class TtftPredictor:
 
     def _cached_exact(self, request: RequestFeatures, candidates: np.ndarray, kv: KVBlockIndex) -> np.ndarray:
         """Tokens of the request each candidate holds: what its server reports where it does (`KVBlockIndex.live`),
-        or ``home`` times the approximate match if that is more; the approximate match elsewhere."""
+        the approximate match elsewhere."""
         exact, _ = kv.match_depth(request.cache_keys)
         cached = exact[candidates] * kv.block_size
         live = kv.live[candidates]
+        if live.all():
+            return cached
         hashes = request.prefix_hashes
-        guess = None
+        guess: int | np.ndarray = 0
         if hashes and self._match_depth is not None:
             counts, deepest = self._match_depth(hashes)
-            guess = counts[candidates] * self.block_tokens if deepest else None
+            guess = counts[candidates] * self.block_tokens if deepest else 0
         elif hashes and self._match is not None:
             guess = self._match(hashes)[candidates] * self.block_tokens
-        if guess is not None:
-            cached = np.where(live, np.maximum(cached, self.home * guess), guess)
-        elif not live.all():
-            cached = np.where(live, cached, 0)
-        return cached
+        return np.where(live, cached, guess)
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
         """For the decision just made: (``request``'s tokens still to prefill at ``endpoint``, that endpoint's

@@ -185,10 +185,9 @@ class PrefixAffinityScorer:
     name = "prefix-affinity"
     bounded = True
 
-    def __init__(self, index: PrefixIndex, *, guard: float = 2.0, home: float = 0.5) -> None:
+    def __init__(self, index: PrefixIndex, *, guard: float = 2.0) -> None:
         self.index = index
         self.guard = guard
-        self.home = home
         self.record_errors = 0
         self._fitted_for: object | None = None
         self._neutral = np.zeros(0)
@@ -219,27 +218,23 @@ class PrefixAffinityScorer:
         self, request: RequestFeatures, state: State, candidates: np.ndarray, kv: KVBlockIndex
     ) -> np.ndarray:
         """Where an endpoint's server reports its cache (`KVBlockIndex.live`), the fraction of the request's cache
-        keys it holds, or ``home`` times the approximate index's fraction if that is more: a prefix nobody holds
-        any longer still has a home where its family was sent, and going there keeps the family together.
-        Elsewhere the approximate index's fraction."""
+        keys it holds (blocks sent there whose events have not come yet included); elsewhere the approximate
+        index's fraction."""
         keys = request.cache_keys
         exact, _ = kv.match_depth(keys)
         scores = exact[candidates] / len(keys)
-        hashes = request.prefix_hashes
         live = kv.live[candidates]
+        if live.all():
+            return self._guarded(scores, state, candidates)
+        hashes = request.prefix_hashes
+        guess: float | np.ndarray = NEUTRAL_SCORE
         if hashes:
             index = self.index
             if index.size != len(state.pool):
                 raise ValueError(f"the prefix index has {index.size} endpoints, the pool {len(state.pool)}")
             counts, deepest = index.match_depth(hashes)
-            if deepest:
-                guess = counts[candidates] / len(hashes)
-                scores = np.where(live, np.maximum(scores, self.home * guess), guess)
-            elif not live.all():
-                scores = np.where(live, scores, 0.0)
-        elif not live.all():
-            scores = np.where(live, scores, NEUTRAL_SCORE)
-        return self._guarded(scores, state, candidates)
+            guess = counts[candidates] / len(hashes) if deepest else 0.0
+        return self._guarded(np.where(live, scores, guess), state, candidates)
 
     def _guarded(self, scores: np.ndarray, state: State, candidates: np.ndarray) -> np.ndarray:
         load = state.inflight.requests[candidates]
