@@ -60,6 +60,7 @@ SUITES: Mapping[str, Suite] = MappingProxyType(
             Suite("bodycost", "what the worst request bodies cost the picker's parser"),
             Suite("experiments", "A/B tests between policies: false verdicts, power, grey releases that roll back"),
             Suite("conformance", "an Endpoint Picker against the protocol: over ext_proc, and through real Envoy"),
+            Suite("peercheck", "the peer routers' simulator models against the live peers, on one trace window"),
             Suite(
                 "replicas",
                 "pickers sharing state through Redis: against one picker and unshared ones (live, simulated), "
