@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["Method", "cv", "mean", "median", "percentile", "percentiles", "rounded", "slope"]
+__all__ = ["Method", "cv", "mean", "mean_ci95", "median", "percentile", "percentiles", "rounded", "slope"]
 
 Method = Literal["linear", "inverted_cdf", "higher", "closest_observation"]
 
@@ -63,6 +63,29 @@ def mean(values: Iterable[float]) -> float | None:
     """The arithmetic mean; None for no values."""
     array = _array(values)
     return float(array.mean()) if array.size else None
+
+
+# Student's t at 0.975 (two-sided 95%) by degrees of freedom; beyond the table, the next lower entry (wider).
+_T975 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+    11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+    25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980,
+}  # fmt: skip
+
+
+def mean_ci95(values: Iterable[float]) -> tuple[float, float | None] | None:
+    """The mean of ``values`` and the half-width of its two-sided 95% Student t-interval (sample standard
+    deviation, n - 1 degrees of freedom): the interval is mean -/+ half-width. The half-width is None for a single
+    value (no spread to measure); the whole answer None for no values."""
+    array = _array(values)
+    if not array.size:
+        return None
+    average = float(array.mean())
+    if array.size < 2:
+        return average, None
+    df = int(array.size - 1)
+    t = _T975[max(k for k in _T975 if k <= df)]
+    return average, t * float(array.std(ddof=1)) / math.sqrt(array.size)
 
 
 def cv(values: Iterable[float]) -> float | None:

@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 import pytest
 
-from inferlb.bench.stats import Method, cv, mean, median, percentile, percentiles, rounded, slope
+from inferlb.bench.stats import Method, cv, mean, mean_ci95, median, percentile, percentiles, rounded, slope
 
 METHODS: tuple[Method, ...] = ("linear", "inverted_cdf", "higher", "closest_observation")
 
@@ -94,3 +94,22 @@ def test_rounded_scales_and_keeps_a_missing_figure_missing() -> None:
     assert rounded(0.0123456, 1, 1000) == 12.3
     assert rounded(2.34567, 2) == 2.35
     assert rounded(None, 1, 1000) is None
+
+
+def test_the_95_percent_interval_is_students_t() -> None:
+    values = [10.0, 12.0, 14.0]  # mean 12, sample sd 2, t(0.975, 2 df) = 4.303
+    found = mean_ci95(values)
+    assert found is not None
+    assert found[0] == 12.0 and found[1] == pytest.approx(4.303 * 2 / 3**0.5)
+    assert mean_ci95([5.0, 5.0]) == (5.0, 0.0)
+
+
+def test_one_value_has_no_interval_and_none_has_no_mean() -> None:
+    assert mean_ci95([3.0]) == (3.0, None)
+    assert mean_ci95([]) is None
+
+
+def test_beyond_the_table_the_interval_takes_the_wider_entry() -> None:
+    values = [float(k % 7) for k in range(36)]  # 35 df: the table's 30 (2.042)
+    found = mean_ci95(values)
+    assert found is not None and found[1] == pytest.approx(2.042 * float(np.std(values, ddof=1)) / 6)
