@@ -72,10 +72,11 @@ class DesJob:
     scrape_interval_s: float = 0.1
 
 
-def load_arrivals(path: str, requests: int, block_size: int) -> list[Arrival]:
-    """The first ``requests`` requests of the trace (its ticks spread evenly), as arrivals."""
-    trace = load_trace(path, limit=requests, spread_ticks=True)
-    return trace_arrivals(trace, block_size)
+def load_arrivals(path: str, requests: int, block_size: int, start: int = 0) -> list[Arrival]:
+    """Requests ``start`` .. ``start + requests`` of the trace (its ticks spread evenly), as arrivals; times keep
+    the trace's clock (`scaled` rebases them)."""
+    trace = load_trace(path, limit=start + requests, spread_ticks=True)
+    return trace_arrivals(trace, block_size)[start:]
 
 
 def scaled(arrivals: Sequence[Arrival], rate_rps: float) -> list[Arrival]:

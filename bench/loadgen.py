@@ -1,11 +1,11 @@
 """The live benchmark's load generator, run as its own process so that its CPU is not the gateway's:
 
-    python -m inferlb.bench.loadgen --trace FILE --requests N --rate R --time-scale S --url URL --out FILE
+    python -m inferlb.bench.loadgen --trace FILE [--start K] --requests N --rate R --time-scale S --url URL --out FILE
 
-Replays the first ``N`` requests of the trace open loop, rescaled to a mean of ``R`` requests per second of model
-time (``S`` times faster on the wall clock, matching the emulated servers' ``--time-scale``), with the trace's
-synthetic prompts (equal Mooncake block ids give equal prompt prefixes). Every request streams; one JSON line
-per request goes to ``--out``, times converted back to model seconds.
+Replays requests ``K`` .. ``K + N`` of the trace (default: the first ``N``) open loop, rescaled to a mean of ``R``
+requests per second of model time (``S`` times faster on the wall clock, matching the emulated servers'
+``--time-scale``), with the trace's synthetic prompts (equal Mooncake block ids give equal prompt prefixes). Every
+request streams; one JSON line per request goes to ``--out``, times converted back to model seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", required=True)
     parser.add_argument("--requests", type=int, required=True)
+    parser.add_argument("--start", type=int, default=0, help="requests of the trace to skip first")
     parser.add_argument("--rate", type=float, required=True, help="mean requests per second, model time")
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--url", required=True, help="the gateway's base URL")
@@ -37,11 +38,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per request, wall clock")
     args = parser.parse_args(argv)
-    trace = load_trace(args.trace, limit=args.requests, spread_ticks=True)
-    arrivals = [Arrival(str(r.index), r.arrival_s, r.prompt_tokens, r.output_tokens) for r in trace.requests]
+    trace = load_trace(args.trace, limit=args.start + args.requests, spread_ticks=True)
+    window = trace.requests[args.start :]
+    arrivals = [Arrival(str(r.index), r.arrival_s, r.prompt_tokens, r.output_tokens) for r in window]
     shots = [
         Shot(f"r{r.index}", a.at, args.url, args.model, prompt_text(r, trace.name), r.output_tokens)
-        for r, a in zip(trace.requests, scaled(arrivals, args.rate), strict=True)
+        for r, a in zip(window, scaled(arrivals, args.rate), strict=True)
     ]
     records = asyncio.run(replay(shots, time_scale=args.time_scale, timeout_s=args.timeout_s))
     scale = args.time_scale
