@@ -8,6 +8,11 @@ load generator (`inferlb.bench.loadgen`) is its own process. The servers run ``t
 trace: as fast as the machine carries, below 1 for the high-rate traces) and the generator sends at that pace, so
 times are reported in model seconds, comparable with the simulator's. Each run also records how many of the
 machine's cores the processes used, the check that the machine itself was not the bottleneck.
+
+A trace's window (``--start``, `inferlb.bench.window`) is chosen once per trace; with ``--repeats K`` every
+(trace, contender, load) runs K times with seeds ``seed`` .. ``seed + K - 1``, in the order `plan_runs` gives:
+round-robin over the contenders within each repetition, so that the machine's noise falls on every contender
+alike.
 """
 
 from __future__ import annotations
@@ -21,21 +26,22 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
 from inferlb.bench.desrun import fleet_capacity_rps, load_arrivals
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.metrics import Outcome, summarise
-from inferlb.bench.quality import add_goodput, settings
+from inferlb.bench.quality import add_goodput, aggregate, settings
+from inferlb.bench.window import choose_window
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, free_port, stop_all
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.promtext import read_vllm
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
-__all__ = ["LIVE_CONTENDERS", "measure", "run_live"]
+__all__ = ["LIVE_CONTENDERS", "LiveRun", "measure", "plan_runs", "run_live"]
 
 MODEL = "bench-model"
 ENVOY_CONTENDERS = ("envoy:ROUND_ROBIN", "envoy:LEAST_REQUEST", "envoy:RANDOM")
@@ -65,6 +71,33 @@ LIVE_CONTENDERS: tuple[str, ...] = (
 _OURS = ("envoy:", "inferlb:", "inferlb-kv-events:")
 
 
+class LiveRun(NamedTuple):
+    """One live run: a trace's path, a load, a contender, which repetition (from 0) and the seed it runs with."""
+
+    trace: str
+    load: float
+    policy: str
+    repeat: int
+    seed: int
+
+
+def plan_runs(
+    traces: Sequence[str], loads: Sequence[float], policies: Sequence[str], repeats: int, seed: int
+) -> list[LiveRun]:
+    """Every run, in the order to run them: trace by trace; within a trace, repetition by repetition (repetition
+    ``k`` with seed ``seed + k``); within a repetition, load by load, every contender once per load. ValueError for
+    ``repeats`` below 1."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1; got {repeats}")
+    return [
+        LiveRun(trace, load, policy, repeat, seed + repeat)
+        for trace in traces
+        for repeat in range(repeats)
+        for load in loads
+        for policy in policies
+    ]
+
+
 def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     profile, fleet, requests, loads, wanted = settings(
         args,
@@ -89,10 +122,18 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
         "slo_rule": "SLO: as given" if args.slo_ms else "SLO: twice the best TTFT p99 at the lowest load run.",
     }
     rows: list[dict[str, Any]] = []
-    bar = progress(len(args.trace) * len(loads) * len(policies))
+    # Read with defaults: other suites build this namespace by hand (`inferlb.bench.peercheck`).
+    start, repeats = getattr(args, "start", 0), getattr(args, "repeats", 1)
+    runs = plan_runs(args.trace, loads, policies, repeats, args.seed)
+    bar = progress(len(runs))
     workroot = Path(tempfile.mkdtemp(prefix="inferlb-bench-live-"))
+    scales: dict[str, float] = {}
+    starts: dict[str, int] = {}
+    capacities: dict[str, float] = {}
     for path in args.trace:
-        arrivals = load_arrivals(path, requests, fleet[0].block_size)
+        window = choose_window(path, requests, start)
+        starts[path] = window.start
+        arrivals = load_arrivals(path, requests, fleet[0].block_size, window.start)
         capacity = fleet_capacity_rps(arrivals, fleet, args.seed)
         peak = max(loads) * capacity
         mean_output = sum(a.output_tokens for a in arrivals) / len(arrivals)
@@ -104,14 +145,25 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
             "capacity_rps": round(capacity, 3),
             "slo_ttft_p99_ms": args.slo_ms,
             "time_scale": round(scale, 4),
+            "start": window.start,
+            "window": "auto: the most prefix reuse" if window.auto else "given",
+            "reuse_share": None if window.reuse is None else round(window.reuse, 4),
+            "repeats": repeats,
         }
-        for load in loads:
-            for policy in policies:
-                workdir = workroot / Path(path).stem / f"{policy.replace(':', '-')}-{load}"
-                rate = load * capacity
-                row = _run_one(path, requests, policy, load, rate, len(fleet), profile, scale, args, workdir)
-                rows.append(row)
-                bar.step(f"{Path(path).name} {policy} load {load}: TTFT p99 {row['ttft_p99_ms']} ms")
+        if window.reuse is None:
+            notes.append(f"{Path(path).name} names no prompt blocks: no reuse to find, its window starts at the start.")
+        scales[path], capacities[path] = scale, capacity
+    for run in runs:
+        path, load, policy = run.trace, run.load, run.policy
+        name = f"{policy.replace(':', '-').replace(' ', '-')}-{load}-r{run.repeat}"
+        workdir = workroot / Path(path).stem / name
+        rate = load * capacities[path]
+        row = _run_one(
+            path, requests, policy, load, rate, len(fleet), profile, scales[path], run.seed, starts[path], workdir
+        )
+        row |= {"repeat": run.repeat, "seed": run.seed, "start": starts[path]}
+        rows.append(row)
+        bar.step(f"{Path(path).name} {policy} load {load} #{run.repeat}: TTFT p99 {row['ttft_p99_ms']} ms")
     bar.done()
     slo_missing = [t for t, info in summary["traces"].items() if info["slo_ttft_p99_ms"] is None]
     for trace in slo_missing:  # default SLO: twice the best TTFT p99 at the lowest load run
@@ -121,8 +173,9 @@ def run_live(args: argparse.Namespace, progress: Callable[[int], Any]) -> tuple[
             default=None,
         )
         summary["traces"][trace]["slo_ttft_p99_ms"] = None if best is None else round(2 * best, 1)
+    summary["aggregate"] = aggregate(rows)
     if all(info["slo_ttft_p99_ms"] is not None for info in summary["traces"].values()):
-        add_goodput(rows, summary)
+        add_goodput(summary["aggregate"], summary)  # on the means over the repetitions
     summary["workdir"] = str(workroot)
     return rows, summary
 
@@ -145,11 +198,12 @@ def _run_one(
     servers: int,
     profile: str,
     scale: float,
-    args: argparse.Namespace,
+    seed: int,
+    start: int,
     workdir: Path,
 ) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
-    sim_args = ("--profile", profile, "--time-scale", str(scale), "--seed", str(args.seed))
+    sim_args = ("--profile", profile, "--time-scale", str(scale), "--seed", str(seed))
     processes: list[ManagedProcess] = []
     stack: LocalStack | None = None
     try:
@@ -166,7 +220,7 @@ def _run_one(
                 policy=name if kind != "envoy" else "least-request",
                 profile=profile,
                 time_scale=scale,
-                sim_args=("--seed", str(args.seed)),
+                sim_args=("--seed", str(seed)),
                 envoy=envoy,
                 envoy_concurrency=1,
                 picker_log_level="warning",
@@ -193,7 +247,7 @@ def _run_one(
             processes.append(router)
             url = f"http://{listen}"
             watched = [router, backends]
-        return measure(trace, requests, policy, load, rate, url, endpoints, router, watched, scale, workdir)
+        return measure(trace, requests, policy, load, rate, url, endpoints, router, watched, scale, workdir, start)
     finally:
         if stack is not None:
             stack.stop()
@@ -212,11 +266,14 @@ def measure(
     watched: Sequence[ManagedProcess],
     scale: float,
     workdir: Path,
+    start: int = 0,
 ) -> dict[str, Any]:
+    """Replay requests ``start`` .. ``start + requests`` of ``trace`` through ``url`` at ``rate`` (model time) and
+    return the run's results.json row; the servers at ``endpoints`` must be fresh (their counters are read)."""
     out = workdir / "records.jsonl"
     argv = [
         sys.executable, "-m", "inferlb.bench.loadgen",
-        "--trace", trace, "--requests", str(requests), "--rate", str(rate),
+        "--trace", trace, "--start", str(start), "--requests", str(requests), "--rate", str(rate),
         "--time-scale", str(scale), "--url", url, "--model", MODEL, "--out", str(out),
     ]  # fmt: skip
     cpu_before = {p.pid: cpu_seconds(p.pid) for p in watched if p.pid}

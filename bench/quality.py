@@ -5,9 +5,15 @@ at each load of a sweep (a load is a fraction of the fleet's measured capacity).
 records TTFT p50/p90/p99, E2E p99, throughput, prefix-cache hit rate, load imbalance, errors, shed requests and
 the picker's CPU per request; per contender, the goodput: the highest rate whose TTFT p99 meets the SLO.
 
-Output in ``--out``: ``results.json`` (one object per trace x contender x load), ``summary.json`` (fleet,
-capacity, SLO and goodput per trace and contender), ``results.md`` (tables) and, per trace, two plots:
-``<trace>-ttft-cdf.png`` (TTFT CDF per contender at the headline load) and ``<trace>-p99-vs-load.png``.
+Output in ``--out``: ``results.json`` (one object per trace x contender x load x repetition), ``summary.json``
+(fleet, capacity, SLO and goodput per trace and contender; live: each trace's window, and under ``aggregate`` the
+mean and 95% interval over the repetitions per trace x contender x load), ``results.md`` (tables) and, per trace,
+two plots: ``<trace>-ttft-cdf.png`` (TTFT CDF per contender at the headline load, the repetitions pooled) and
+``<trace>-p99-vs-load.png``.
+
+Live only: ``--start N|auto`` replays requests N .. N + ``--requests`` of each trace, ``auto`` the window where
+prefixes repeat most (`inferlb.bench.window`); ``--repeats K`` runs everything K times, interleaved
+(`inferlb.bench.liverun.plan_runs`).
 """
 
 from __future__ import annotations
@@ -27,15 +33,26 @@ import numpy as np
 from inferlb.bench.desrun import DES_CONTENDERS, DesJob, fleet_capacity_rps, load_arrivals, run_job
 from inferlb.bench.metrics import goodput
 from inferlb.bench.report import cpu_model, header, write
+from inferlb.bench.stats import mean_ci95
+from inferlb.bench.window import parse_start
 from inferlb.sim.profiles import PROFILES, ServerProfile, fleet_name, get_profile, parse_fleet
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["AGGREGATED", "add_arguments", "aggregate", "run"]
 
 DES_LOADS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2)
 DES_LOADS_QUICK = (0.3, 0.6, 0.9)
 HEADLINE_LOAD = 0.6  # the load of the per-trace table and the CDF plot (the nearest one run)
 SLO_FACTOR = 2.0
 DEFAULT = "inferlb:default"  # default SLO: TTFT p99 within twice the oracle's at a light load
+# The figures `aggregate` averages over repetitions, each with its 95% interval (``<key>_ci95``).
+AGGREGATED = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms", "prefix_hit_rate", "errors", "shed")
+
+
+def _start(text: str) -> int | str:
+    try:
+        return parse_start(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fleet",
         help="a mixed fleet instead: PROFILE:COUNT,... (e.g. h100-llama3.1-8b:8,a100-llama3.1-8b:4,l4-llama3.2-3b:4)",
     )
-    parser.add_argument("--requests", type=int, help="requests replayed from the start of each trace")
+    parser.add_argument("--requests", type=int, help="requests replayed from each trace's window")
+    parser.add_argument(
+        "--start",
+        type=_start,
+        default=0,
+        help="live: requests of each trace to skip first, or 'auto': the window of --requests requests where "
+        "prefixes repeat most (Mooncake traces; the Azure traces name no blocks and start at 0)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="live: runs per trace x contender x load, interleaved, seeds seed.."
+    )
     parser.add_argument("--loads", type=float, nargs="+", help="fractions of the fleet's capacity")
     parser.add_argument("--slo-ms", type=float, help="TTFT p99 SLO for goodput (default: 2x the oracle's, light load)")
     parser.add_argument("--seed", type=int, default=0)
@@ -69,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
         if not Path(path).is_file():
             print(f"inferlb bench: error: trace file not found: {path}", file=sys.stderr)
             return 2
+    if args.repeats < 1:
+        print(f"inferlb bench: error: --repeats must be >= 1; got {args.repeats}", file=sys.stderr)
+        return 2
+    if args.mode == "des" and (args.start != 0 or args.repeats != 1):
+        print("inferlb bench: error: --start and --repeats are live-mode options", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "des":
         rows, summary = _des(args)
@@ -76,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
         from inferlb.bench.liverun import run_live  # imports Envoy plumbing only when needed
 
         rows, summary = run_live(args, _Progress)
-    ttfts = {k: row.pop("_ttft_s") for k, row in _keyed(rows) if "_ttft_s" in row}
+    ttfts: dict[tuple[str, str, float], list[float]] = {}
+    for k, row in _keyed(rows):  # the repetitions of one trace x contender x load pooled
+        ttfts.setdefault(k, []).extend(row.pop("_ttft_s", ()))
     meta = {**header(args.command), "cpu": cpu_model(), "mode": args.mode}
     write(args.out, "results", rows, markdown(meta, rows, summary))
     write(args.out, "summary", {"meta": meta, **summary})
@@ -193,6 +228,25 @@ def _run_parallel(jobs: Sequence[DesJob], workers: int) -> list[dict[str, Any]]:
     return rows
 
 
+def aggregate(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per trace x contender x load, in first-seen order: ``runs`` (how many rows it sums up), the first
+    row's ``rate_rps``, and per figure of `AGGREGATED` its mean over the runs under the same key and the half-width
+    of its 95% t-interval under ``<key>_ci95`` (None for one run; both None where no run has the figure)."""
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for group_key, row in _keyed(rows):
+        groups.setdefault(group_key, []).append(row)
+    out = []
+    for (trace, policy, load), group in groups.items():
+        agg = {"trace": trace, "policy": policy, "load": load, "rate_rps": group[0]["rate_rps"], "runs": len(group)}
+        for key in AGGREGATED:
+            found = mean_ci95([r[key] for r in group if r.get(key) is not None])
+            mean, half = found if found is not None else (None, None)
+            agg[key] = None if mean is None else round(mean, 4)
+            agg[f"{key}_ci95"] = None if half is None else round(half, 4)
+        out.append(agg)
+    return out
+
+
 def add_goodput(rows: Iterable[dict[str, Any]], summary: dict[str, Any]) -> None:
     per: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
     for row in rows:
@@ -267,8 +321,10 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], summary: dict
             f"{info['requests']} requests · capacity {info['capacity_rps']} req/s · "
             f"SLO TTFT p99 <= {info['slo_ttft_p99_ms']} ms"
             + (f" · servers at {info['time_scale']}x real time" if "time_scale" in info else ""),
+            *_window_text(info),
+            *_interval_tables(trace, summary.get("aggregate", ())),
             "",
-            f"At load {headline}:",
+            f"At load {headline}" + (", each run (#repetition):" if info.get("repeats", 1) > 1 else ":"),
             "",
             "| contender | goodput req/s | TTFT p50 ms | p90 | p99 | E2E p99 ms | req/s | out tok/s | prefix hit "
             "| imbalance CV | errors | shed | picker µs/req |",
@@ -277,21 +333,24 @@ def markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]], summary: dict
         rates = [r["rate_rps"] for r in trace_rows]
         for r in (r for r in trace_rows if r["load"] == headline):
             good = _goodput_text(info.get("goodput_rps", {}).get(r["policy"]), min(rates), max(rates))
+            label = f"{r['policy']} #{r['repeat']}" if info.get("repeats", 1) > 1 else r["policy"]
             out.append(
-                f"| {r['policy']} | {good} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p90_ms'])} | "
+                f"| {label} | {good} | {_fmt(r['ttft_p50_ms'])} | {_fmt(r['ttft_p90_ms'])} | "
                 f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['e2e_p99_ms'])} | {_fmt(r['throughput_rps'])} | "
                 f"{_fmt(r['output_tokens_per_s'])} | {_fmt(r['prefix_hit_rate'])} | {_fmt(r['imbalance_cv'])} | "
                 f"{r['errors']} | {r['shed']} | {_fmt(r.get('picker_cpu_us'))} |"
             )
-        out += ["", "TTFT p99 ms by load:", ""]
+        # With repetitions, the by-load table and the comparison take the means over them.
+        means = [r for r in summary.get("aggregate", ()) if r["trace"] == trace] or trace_rows
+        out += ["", "TTFT p99 ms by load" + (" (mean over the repetitions):" if means is not trace_rows else ":"), ""]
         out += ["| contender | " + " | ".join(str(load) for load in loads) + " |"]
         out += ["|---|" + "---:|" * len(loads)]
         policies = list(dict.fromkeys(r["policy"] for r in trace_rows))
-        by = {(r["policy"], r["load"]): r for r in trace_rows}
+        by = {(r["policy"], r["load"]): r for r in means}
         for policy in policies:
             cells = [_fmt(by[(policy, load)]["ttft_p99_ms"]) if (policy, load) in by else "—" for load in loads]
             out.append(f"| {policy} | " + " | ".join(cells) + " |")
-        out += _against_default(trace_rows, loads, by)
+        out += _against_default(means, loads, by)
         out += ["", f"![TTFT CDF]({_stem(trace)}-ttft-cdf.png) ![TTFT p99 by load]({_stem(trace)}-p99-vs-load.png)"]
     return "\n".join(out) + "\n"
 
@@ -320,6 +379,72 @@ def _against_default(
     if not found:
         out.append("- none")
     return out
+
+
+def _window_text(info: dict[str, Any]) -> list[str]:
+    """The line that says which requests of the trace ran, where the run chose a window."""
+    if "start" not in info:
+        return []
+    start, reuse = info["start"], info.get("reuse_share")
+    share = "no block ids, no reuse to measure" if reuse is None else f"reuse share {reuse:.3f}"
+    runs = info.get("repeats", 1)
+    return [
+        "",
+        f"Window: requests {start} .. {start + info['requests']} of the trace ({info.get('window', 'given')}; "
+        f"{share}: of the window's prompt blocks, those an earlier request in it also had) · "
+        f"{runs} repetition{'s' if runs != 1 else ''}",
+    ]
+
+
+def _interval_tables(trace: str, aggregated: Iterable[dict[str, Any]]) -> list[str]:
+    """Where a trace ran more than once per contender and load: means -/+ the 95% interval, and which differences
+    from `DEFAULT` lie outside both intervals (the intervals do not overlap)."""
+    rows = [r for r in aggregated if r["trace"] == trace]
+    if not rows or max(r["runs"] for r in rows) < 2:
+        return []
+    out = [
+        "",
+        "Mean ± half-width of the 95% t-interval over the repetitions:",
+        "",
+        "| contender | load | runs | TTFT p50 ms | TTFT p99 ms | E2E p99 ms | prefix hit | errors | shed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = " | ".join(_pm(r, key) for key in AGGREGATED)
+        out.append(f"| {r['policy']} | {r['load']} | {r['runs']} | {cells} |")
+    out += ["", f"Differences from `{DEFAULT}` outside both intervals (theirs / the default's):", ""]
+    found = False
+    ours = {r["load"]: r for r in rows if r["policy"] == DEFAULT}
+    for r in rows:
+        mine = ours.get(r["load"])
+        if mine is None or r["policy"] == DEFAULT:
+            continue
+        apart = [
+            f"{label} {r[key] / mine[key]:.2f}x"
+            for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("prefix_hit_rate", "hit"))
+            if _disjoint(r, mine, key) and mine[key]
+        ]
+        if apart:
+            found = True
+            out.append(f"- load {r['load']}, {r['policy']}: {', '.join(apart)}")
+    if not found:
+        out.append("- none" if ours else f"- `{DEFAULT}` did not run")
+    return out
+
+
+def _pm(row: dict[str, Any], key: str) -> str:
+    half = row.get(f"{key}_ci95")
+    return _fmt(row.get(key)) + ("" if half is None else f" ± {_fmt(half)}")
+
+
+def _disjoint(a: dict[str, Any], b: dict[str, Any], key: str) -> bool:
+    """Whether the 95% intervals of ``key`` in two aggregated rows do not overlap (False where either is missing)."""
+    values = [a.get(key), b.get(key), a.get(f"{key}_ci95"), b.get(f"{key}_ci95")]
+    known = [float(v) for v in values if v is not None]
+    if len(known) < len(values):
+        return False
+    mean_a, mean_b, half_a, half_b = known
+    return abs(mean_a - mean_b) > half_a + half_b
 
 
 def _fleet_text(fleet: dict[str, Any]) -> str:
@@ -378,8 +503,9 @@ def _plots(
         _save(fig, ax, out / f"{_stem(trace)}-ttft-cdf.png", title, "TTFT (ms, log scale)", "fraction of requests")
 
         fig, ax = plt.subplots(figsize=(8, 5))
+        means = [r for r in summary.get("aggregate", ()) if r["trace"] == trace] or trace_rows
         for policy in policies:
-            points = sorted((r["rate_rps"], r["ttft_p99_ms"]) for r in trace_rows if r["policy"] == policy)
+            points = sorted((r["rate_rps"], r["ttft_p99_ms"]) for r in means if r["policy"] == policy)
             xs = [x for x, y in points if y is not None]
             ys = [y for _, y in points if y is not None]
             ax.plot(xs, ys, marker="o", label=policy, linewidth=1.2, markersize=3)

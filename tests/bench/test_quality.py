@@ -12,6 +12,7 @@ import pytest
 
 from inferlb.bench.desrun import DES_CONTENDERS, DesJob, capacity_rps, load_arrivals, make_policy, run_job, scaled
 from inferlb.bench.metrics import Outcome, goodput, summarise
+from inferlb.bench.quality import AGGREGATED, aggregate, markdown
 from inferlb.cli import main
 from inferlb.sim.des import Arrival
 from inferlb.sim.profiles import get_profile
@@ -205,3 +206,38 @@ def test_a_bad_fleet_is_a_clear_error(tmp_path: Path, extra: list[str], message:
     trace = write_trace(tmp_path / "conv.jsonl", requests=10)
     with pytest.raises(SystemExit, match=message):
         main(["bench", "--mode", "des", "--trace", str(trace), "--out", str(tmp_path / "o"), *extra])
+
+
+# ---- repetitions -------------------------------------------------------------------------------------------
+
+
+def _run_row(policy: str, repeat: int, p50: float, p99: float, hit: float) -> dict[str, object]:
+    figures = {"ttft_p50_ms": p50, "ttft_p90_ms": p99, "ttft_p99_ms": p99, "e2e_p99_ms": 2 * p99}
+    figures |= {"throughput_rps": 4.0, "output_tokens_per_s": 100.0, "prefix_hit_rate": hit, "imbalance_cv": 0.1}
+    figures |= {"errors": 0, "shed": 0, "picker_cpu_us": None}
+    return {"trace": "t.jsonl", "policy": policy, "load": 0.8, "rate_rps": 4.4, **figures, "repeat": repeat}
+
+
+def test_repetitions_aggregate_to_means_with_intervals_and_the_table_names_what_lies_apart() -> None:
+    rows = [
+        _run_row("inferlb:default", 0, 100.0, 1000.0, 0.5),
+        _run_row("other", 0, 200.0, 1050.0, 0.5),
+        _run_row("inferlb:default", 1, 110.0, 1200.0, 0.5),
+        _run_row("other", 1, 210.0, 1100.0, 0.5),
+        _run_row("inferlb:default", 2, 120.0, 1100.0, 0.5),
+        _run_row("other", 2, 220.0, 1150.0, 0.5),
+    ]
+    aggregated = aggregate(rows)
+    assert [(r["policy"], r["runs"]) for r in aggregated] == [("inferlb:default", 3), ("other", 3)]
+    ours = aggregated[0]
+    assert ours["ttft_p50_ms"] == 110.0 and ours["ttft_p50_ms_ci95"] == pytest.approx(4.303 * 10 / 3**0.5, abs=1e-3)
+    assert ours["prefix_hit_rate_ci95"] == 0.0 and set(AGGREGATED) <= set(ours)
+    info = {"requests": 1000, "capacity_rps": 5.5, "slo_ttft_p99_ms": 3000.0, "start": 9500, "repeats": 3}
+    info |= {"window": "auto", "reuse_share": 0.24}
+    summary = {"fleet": {"servers": 4, "profile": "h100"}, "traces": {"t.jsonl": info}, "aggregate": aggregated}
+    meta = {"mode": "live", "date": "today", "command": "inferlb bench quality", "machine": "m", "cpu": "c"}
+    text = markdown(meta, rows, summary)
+    assert "Window: requests 9500 .. 10500" in text and "reuse share 0.240" in text
+    assert "| inferlb:default | 0.8 | 3 | 110 ± 24.8 |" in text
+    assert "- load 0.8, other: TTFT p50 1.91x" in text  # p50 apart; p99 within the intervals
+    assert "other #2" in text
