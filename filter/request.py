@@ -209,10 +209,10 @@ def with_model(body: bytes, model: str) -> bytes:
 
 def _read(
     body: bytes, keyer: CacheKeyer | None = None
-) -> tuple[str, bool, int | None, int, int, tuple[int, ...], tuple[int, ...]]:
+) -> tuple[str, bool, int | None, int, int, tuple[int, ...], tuple[int, ...], Any]:
     """``apply_body`` on a body within its size limit: the features the body gives, in the order of
     `RequestFeatures.with_body` (model, stream, max_tokens, prompt_chars, prompt_tokens, prefix_hashes,
-    cache_keys)."""
+    cache_keys, keying)."""
     doc, tokens = parse_body(body)
     if not isinstance(doc, dict):
         raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(doc)}")
@@ -252,9 +252,10 @@ def _read(
         prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
         hashes = _prompt_hashes(prompt, seed=hash(model))
     keys: tuple[int, ...] = ()
+    keying = None
     if keyer is not None:
-        keys = keyer.keys(model, doc, None if tokens is None else tokens.head)
-    return model, stream, max_tokens, chars, prompt_tokens, hashes, keys
+        keys, keying = keyer.plan(model, doc, None if tokens is None else tokens.head)
+    return model, stream, max_tokens, chars, prompt_tokens, hashes, keys, keying
 
 
 def _prompt_size(prompt: Any) -> tuple[int, int | None]:

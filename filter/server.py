@@ -25,11 +25,13 @@ error, and Envoy's failure mode decides (fail-open sends the request to the fall
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -84,6 +86,8 @@ HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE, ACCESS_LOG_SER
 # Envoy forwards (Envoy's own limit on request headers is 60 KiB by default).
 GRPC_ENVELOPE_BYTES = 256 * 1024
 _BUFFERED = frozenset({ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL})
+# Prompts tokenized at once by a slow tokenizer (the `tokenizers` library's batch call runs without the GIL).
+TOKENIZER_THREADS = 2
 
 
 @dataclass(slots=True)
@@ -162,8 +166,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # Tenant quotas (config quotas): the tenant is the value of `quotas.config.header`, which must be among the
         # headers read into the features (experiment_headers; the picker adds it).
         self.quotas: Quotas | None = None
-        # With KV events (config kv_events.tokenizers): the prompt's cache keys, for the exact cache index.
+        # With KV events (config kv_events.tokenizers): the prompt's cache keys, for the exact cache index; a slow
+        # tokenizer's run in these threads (made at the first need).
         self.keyer: CacheKeyer | None = None
+        self._tokenizing: ThreadPoolExecutor | None = None
 
     @property
     def engine(self) -> Engine:
@@ -176,6 +182,20 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if experiments is None or self.response_timer is not None:
             return None
         return experiments.failed
+
+    async def _keyed(self, features: RequestFeatures) -> RequestFeatures:
+        """``features`` with their cache keys, computed by a slow tokenizer in a worker thread (the routing loop goes
+        on meanwhile); at most `TOKENIZER_THREADS` prompts are tokenized at once."""
+        if self._tokenizing is None:
+            self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="inferlb-tokenize")
+        loop = asyncio.get_running_loop()
+        return features.keyed(await loop.run_in_executor(self._tokenizing, features.keying))
+
+    def close(self) -> None:
+        """Stop the tokenizing threads, if any ran (their jobs finish first)."""
+        if self._tokenizing is not None:
+            self._tokenizing.shutdown(wait=False, cancel_futures=True)
+            self._tokenizing = None
 
     def swap_router(self, router: Router) -> None:
         """Route with ``router`` from now on (a config reload). Streams that already hold a lease release it into
@@ -246,6 +266,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     except RequestError as exc:
                         yield self._refuse(exc)
                         return
+                    if features.keying is not None:
+                        features = await self._keyed(features)
                     replies = self.replies.headers  # the headers' reply, held back until the body was in
                 elif decided or kind not in ("request_headers", "request_body"):
                     if kind == "response_headers" and lease is not None and message.HasField("metadata_context"):
@@ -297,6 +319,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     except RequestError as exc:
                         yield self._refuse(exc)
                         return
+                    if features.keying is not None:
+                        features = await self._keyed(features)
                     replies = self.replies.body
                 decided = True
                 quotas = self.quotas

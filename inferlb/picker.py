@@ -164,6 +164,7 @@ class PickerProcess:
             if self.service.route_spans is not None:
                 await asyncio.to_thread(self.service.route_spans.shutdown)
             await self._stop_collectors()
+            self.service.close()
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)

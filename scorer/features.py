@@ -139,6 +139,9 @@ class RequestFeatures:
     # The prompt's chained keys in the servers' KV block size, from the model's tokenizer, for the exact cache
     # index (`scorer.kvindex`); empty where no tokenizer is configured for the model.
     cache_keys: tuple[int, ...] = ()
+    # Where the model's tokenizer is too slow for the routing loop: the job that computes cache_keys, which the filter
+    # runs in a worker thread before the request is routed (None: nothing left to compute).
+    keying: Any = None
 
     # Every request is built two or three times (from headers, with its body, with its class). A frozen
     # dataclass's __init__ sets its fields one object.__setattr__ call at a time, a fifth of the whole cost of
@@ -164,6 +167,7 @@ class RequestFeatures:
         prompt_tokens: int,
         prefix_hashes: tuple[int, ...],
         cache_keys: tuple[int, ...] = (),
+        keying: Any = None,
     ) -> RequestFeatures:
         """These features with what the request's body says."""
         return self._copy(
@@ -175,6 +179,7 @@ class RequestFeatures:
                 "prompt_tokens": prompt_tokens,
                 "prefix_hashes": prefix_hashes,
                 "cache_keys": cache_keys,
+                "keying": keying,
             }
         )
 
@@ -188,7 +193,7 @@ class RequestFeatures:
 
     def keyed(self, cache_keys: tuple[int, ...]) -> RequestFeatures:
         """These features with the prompt's cache keys (`scorer.tokenizer.cache_keys`)."""
-        return self._copy({"cache_keys": cache_keys})
+        return self._copy({"cache_keys": cache_keys, "keying": None})
 
     def hinted(self, subset: frozenset[str]) -> RequestFeatures:
         """These features with the gateway's subset hint: only endpoints at these addresses may serve it."""

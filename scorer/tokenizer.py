@@ -15,7 +15,8 @@ bench/results/kvevents.md). Tokenizers are loaded once, at start-up, from local 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,7 +51,10 @@ class TokenizerError(ValueError):
 
 class PromptTokenizer(Protocol):
     """Turns a request's prompt into the token ids its server computes. Synchronous and CPU-only; may raise
-    `TokenizerError` for a chat its template refuses."""
+    `TokenizerError` for a chat its template refuses. ``inline``: cheap enough to run on the routing loop (else the
+    filter runs it in a worker thread, and it must be thread-safe)."""
+
+    inline: bool
 
     def text_ids(self, text: str) -> Sequence[int] | np.ndarray:
         """A completions prompt's ids (with the special tokens the server adds)."""
@@ -108,7 +112,10 @@ def chat_text(messages: Sequence[Mapping[str, object]]) -> str:
 
 
 class PieceTokenizer:
-    """The emulator's tokenizer (`sim`): four-character pieces, chats rendered by `chat_text`. Stateless."""
+    """The emulator's tokenizer (`sim`): four-character pieces, chats rendered by `chat_text`. Stateless, and cheap
+    enough for the routing loop."""
+
+    inline = True
 
     def text_ids(self, text: str) -> list[int]:
         return piece_ids(text)
@@ -123,7 +130,11 @@ class HuggingFaceTokenizer:
 
     Completions are encoded with the tokenizer's special tokens (the BOS a server adds); chats are rendered by the
     template in a sandbox (no file or attribute access), with the generation prompt, and encoded without adding
-    any (a template writes its own). A chat the template refuses raises `TokenizerError`."""
+    any (a template writes its own). A chat the template refuses raises `TokenizerError`. Too slow for the routing
+    loop (a millisecond or more for a few KB, bench/results/kvevents.md): the filter runs it in worker threads, and
+    it encodes through the library's batch call, which lets other threads run meanwhile."""
+
+    inline = False
 
     def __init__(self, folder: str | Path) -> None:
         from tokenizers import Tokenizer
@@ -152,7 +163,7 @@ class HuggingFaceTokenizer:
                 self._template = _compile_template(source, config_path)
 
     def text_ids(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+        return list(self._tokenizer.encode_batch([text], add_special_tokens=True)[0].ids)
 
     def chat_ids(self, messages: list[Any]) -> list[int]:
         if self._template is None:
@@ -161,7 +172,7 @@ class HuggingFaceTokenizer:
             rendered = self._template.render(messages=messages, add_generation_prompt=True, **self._specials)
         except Exception as exc:  # a template's own raise_exception, or one that fails on this chat
             raise TokenizerError(f"the chat template refused these messages: {exc}") from None
-        return list(self._tokenizer.encode(rendered, add_special_tokens=False).ids)
+        return list(self._tokenizer.encode_batch([rendered], add_special_tokens=False)[0].ids)
 
 
 def _compile_template(source: str, where: Path) -> Any:
@@ -193,21 +204,42 @@ class CacheKeyer:
     def keys(self, model: str, document: Mapping[str, Any], token_head: Any = None) -> tuple[int, ...]:
         """Keys of a validated completions or chat ``document`` for ``model``; ``token_head``: the prompt's leading
         token ids where the filter read them from the raw body instead of the document."""
+        keys, later = self.plan(model, document, token_head)
+        return keys if later is None else later()
+
+    def plan(
+        self, model: str, document: Mapping[str, Any], token_head: Any = None
+    ) -> tuple[tuple[int, ...], Callable[[], tuple[int, ...]] | None]:
+        """(the keys, or () and a job that computes them): the job where the model's tokenizer is not `inline`
+        and there is text to tokenize. Cheap; the job holds only the prompt (or the messages)."""
         tokenizer = self.tokenizers.get(model)
         if tokenizer is None:
-            return ()
-        try:
-            if token_head is not None:
-                return cache_keys(token_head, self.block_size)
-            if "messages" in document:
-                return cache_keys(tokenizer.chat_ids(document["messages"]), self.block_size)
+            return (), None
+        if token_head is not None:
+            return self._ids(token_head), None
+        if "messages" in document:
+            job = partial(self._tokenized, tokenizer.chat_ids, document["messages"])
+        else:
             prompt = document.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
-            if isinstance(prompt, str):
-                return cache_keys(tokenizer.text_ids(prompt), self.block_size)
             if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
-                return cache_keys(prompt, self.block_size)
-        except (TokenizerError, TypeError, ValueError, OverflowError):
+                return self._ids(prompt), None
+            if not isinstance(prompt, str):
+                return (), None  # a batch of prompts: no one prefix to follow
+            job = partial(self._tokenized, tokenizer.text_ids, prompt)
+        return ((), job) if not tokenizer.inline else (job(), None)
+
+    def _ids(self, ids: Any) -> tuple[int, ...]:
+        try:
+            return cache_keys(ids, self.block_size)
+        except (TypeError, ValueError, OverflowError):
             self.failed += 1
-        return ()
+            return ()
+
+    def _tokenized(self, tokenize: Callable[[Any], Sequence[int] | np.ndarray], prompt: Any) -> tuple[int, ...]:
+        try:
+            return cache_keys(tokenize(prompt), self.block_size)
+        except (TokenizerError, TypeError, ValueError, OverflowError):
+            self.failed += 1  # an int += from a worker thread: the count may miss one under a race, never more
+            return ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,10 +31,12 @@ from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine, Profile
 from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.kvindex import KVBlockIndex
 from inferlb.scorer.plugins import MaxScorePicker, ModelFilter
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.prefix import PrefixAffinityScorer
 from inferlb.scorer.presets import build_profile
+from inferlb.scorer.tokenizer import CacheKeyer, cache_keys, chat_text, piece_ids
 
 from ..conftest import until
 
@@ -456,3 +459,44 @@ async def test_a_full_duplex_body_over_the_limit_is_a_413(picker: PickerServer) 
     assert code == 413 and "4096" in payload["error"]["message"]
     assert picker.service.engine.inflight.total() == 0
     await envoy.channel.close()
+
+
+class _SlowTokenizer:
+    """A tokenizer too slow for the routing loop (`inline` False): it records the thread it ran on."""
+
+    inline = False
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def text_ids(self, text: str) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return piece_ids(text)
+
+    def chat_ids(self, messages: list[Any]) -> list[int]:
+        return self.text_ids(chat_text(messages))
+
+
+async def test_a_slow_tokenizer_keys_the_prompt_in_a_worker_thread_before_the_decision() -> None:
+    """The exact cache index's keys of a prompt come from the model's tokenizer; a slow one runs off the routing
+    loop, and the request is decided with its keys: the server that reports the prompt's blocks gets it."""
+    engine = make_engine(build_profile("prefix-aware", np.random.default_rng(7), size=len(ENDPOINTS)))
+    kv = KVBlockIndex(len(ENDPOINTS), clock=engine.signals.clock, block_size=16)
+    engine.signals.kv = kv
+    service = ExtProcService(engine, max_body_bytes=1 << 16)
+    tokenizer = _SlowTokenizer()
+    service.keyer = CacheKeyer({MODEL: tokenizer}, 16)
+    prompt = "a prompt that one server holds " * 40
+    keys = cache_keys(piece_ids(prompt), 16)
+    for endpoint in range(len(ENDPOINTS)):
+        kv.subscribed(endpoint, True)
+    kv.store(2, list(range(len(keys))), keys)
+    picker = PickerServer(service, "127.0.0.1:0")
+    await picker.start()
+    try:
+        reply = await route_buffered(picker, {"model": MODEL, "prompt": prompt}, {})
+        assert destination(reply) == ENDPOINTS[2]
+        assert tokenizer.threads and all(name.startswith("inferlb-tokenize") for name in tokenizer.threads)
+    finally:
+        await picker.stop(0)
+        service.close()

@@ -98,4 +98,5 @@ def test_the_builders_know_every_field() -> None:
         "arm",
         "subset",
         "cache_keys",
+        "keying",
     ]

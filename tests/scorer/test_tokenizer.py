@@ -103,3 +103,15 @@ def test_a_chat_the_template_refuses_gets_no_keys_and_is_counted(tmp_path: Path,
     keyer = CacheKeyer({"m": HuggingFaceTokenizer(tmp_path)}, 4)
     assert keyer.keys("m", {"messages": [{"role": "user", "content": "x" * 99}]}) == ()
     assert keyer.failed == 1
+
+
+def test_a_slow_tokenizer_is_planned_for_a_worker_and_a_fast_one_runs_at_once(model_folder: Path) -> None:
+    document = {"prompt": "the cache holds the prefix " * 10}
+    keys, later = CacheKeyer({"m": PieceTokenizer()}, 4).plan("m", document)
+    assert keys and later is None
+    keyer = CacheKeyer({"m": HuggingFaceTokenizer(model_folder)}, 4)
+    keys, later = keyer.plan("m", document)
+    assert keys == () and later is not None
+    assert later() == keyer.keys("m", document) != ()
+    # Token ids need no tokenizer, however slow it is: keyed at once.
+    assert keyer.plan("m", {"prompt": list(range(16))})[1] is None
