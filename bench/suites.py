@@ -60,6 +60,10 @@ SUITES: Mapping[str, Suite] = MappingProxyType(
             Suite("bodycost", "what the worst request bodies cost the picker's parser"),
             Suite("experiments", "A/B tests between policies: false verdicts, power, grey releases that roll back"),
             Suite("conformance", "an Endpoint Picker against the protocol: over ext_proc, and through real Envoy"),
+            Suite(
+                "kvevents",
+                "the servers' KV events against the picker's guess: hit rate and TTFT, one picker and replicas",
+            ),
             Suite("peercheck", "the peer routers' simulator models against the live peers, on one trace window"),
             Suite(
                 "replicas",
