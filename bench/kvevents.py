@@ -16,6 +16,7 @@ counters); TTFT is the client's. Results: ``kvevents.json`` and ``kvevents.md``.
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import statistics
 import tempfile
@@ -74,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live-requests", type=int, default=400)
     parser.add_argument("--live-load", type=float, default=0.8)
     parser.add_argument("--rounds", type=int, default=2, help="live: every setup once per round")
+    parser.add_argument(
+        "--update", action="store_true", help="keep what OUT/kvevents.json holds of the modes not run this time"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +86,16 @@ def run(args: argparse.Namespace) -> int:
         print("inferlb bench kv-events: no trace: give --trace FILE (the shipped ones are in ../shared/traces)")
         return 2
     document: dict[str, Any] = {"meta": header(args.command), "des": [], "live": [], "windows": {}, "cost": []}
+    previous = args.out / "kvevents.json"
+    if args.update and previous.is_file():
+        kept = json.loads(previous.read_text(encoding="utf-8"))
+        for mode, keys in (("des", ("des",)), ("live", ("live", "windows")), ("cost", ("cost",))):
+            if mode not in args.modes:
+                document.update({key: kept.get(key, document[key]) for key in keys})
+        document["meta"]["earlier"] = [
+            *kept["meta"].get("earlier", []),
+            {k: kept["meta"][k] for k in ("date", "command")},
+        ]
     with tempfile.TemporaryDirectory(prefix="inferlb-bench-kvevents-") as folder:
         if "cost" in args.modes:
             document["cost"] = cost_rows(Path(folder))
@@ -255,6 +269,7 @@ def _markdown(document: dict[str, Any]) -> str:
         "# KV events: the servers' own account of their caches against the picker's guess",
         "",
         f"{meta['date']} · `{meta['command']}` · {meta['machine']}",
+        *(f"(the other parts: {e['date']} · `{e['command']}`)" for e in meta.get("earlier", [])),
         "",
         "Hit rate: the servers' prefix-cache hits over queries (their own counters); TTFT: the client's. Means over",
         "seeds (simulator) or rounds (live), with the lowest and highest in brackets.",
