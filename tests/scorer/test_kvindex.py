@@ -8,23 +8,17 @@ from inferlb.scorer.kvevents import AllBlocksCleared, BlockRemoved, BlockStored,
 from inferlb.scorer.kvindex import KVBlockIndex
 from inferlb.scorer.tokenizer import cache_keys
 
+from ..conftest import ManualClock
+
 B = 4
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int], **extra: object) -> EventBatch:
     return EventBatch(0.0, (BlockStored(tuple(hashes), parent, tuple(tokens), B, **extra),))  # type: ignore[arg-type]
 
 
-def index(size: int = 3) -> tuple[KVBlockIndex, Clock]:
-    clock = Clock()
+def index(size: int = 3) -> tuple[KVBlockIndex, ManualClock]:
+    clock = ManualClock()
     kv = KVBlockIndex(size, clock=clock, block_size=B, pending_s=2.0, stale_s=5.0, resync_s=30.0)
     for e in range(size):
         kv.subscribed(e, True)
@@ -133,7 +127,7 @@ def test_a_membership_change_keeps_what_staying_endpoints_hold() -> None:
 
 
 def test_the_blocks_held_are_bounded() -> None:
-    clock = Clock()
+    clock = ManualClock()
     kv = KVBlockIndex(1, clock=clock, block_size=B, max_blocks=2)
     kv.subscribed(0, True)
     kv.apply(0, stored([1, 2, 3], None, PROMPT[:12]))

@@ -35,15 +35,9 @@ from inferlb.scorer.router import Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals
 
+from ..conftest import ManualClock
+
 DECISIONS = 3000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _pool(size: int) -> Pool:
@@ -55,7 +49,7 @@ def _pool(size: int) -> Pool:
     return Pool(endpoints)
 
 
-def _publish(signals: Signals, sent: np.ndarray, clock: Clock, rng: np.random.Generator, all_stale: bool) -> None:
+def _publish(signals: Signals, sent: np.ndarray, clock: ManualClock, rng: np.random.Generator, all_stale: bool) -> None:
     n = len(sent)
 
     def some_nan(values: np.ndarray, share: float) -> np.ndarray:
@@ -139,7 +133,7 @@ def _float(h: hashlib._Hash, value: float) -> None:
 def run_workload(size: int, seed: int, preset: str = "default") -> tuple[str, str]:
     """(digest of the choices, digest of the numbers) of ``DECISIONS`` routed requests."""
     rng = np.random.default_rng(seed)
-    clock = Clock()
+    clock = ManualClock()
     pool = _pool(size)
     signals = Signals(size, stale_after_s=1.0, clock=clock)
     profile = build_profile(preset, np.random.default_rng(seed + 1), size=size)
