@@ -46,7 +46,10 @@ The sources were read to learn the algorithms; no code was copied. Versions and 
 
 The DES requests carry the servers' chained block hashes (16 tokens a block here) and token counts, not text: the
 text-based trees take one block as one symbol (a match is counted in blocks, converted to characters at the
-emulator's 4 characters per token), which loses matches that end inside a block. For the Inference Extension one
+emulator's 4 characters per token). Prompts diverge only at block boundaries, but a character tree goes on a
+character or two into a child that happens to start with the same character, and takes that child's tenant: the
+model draws each symbol's first character from its key to do the same (checked against the live peers:
+bench/results/quality/peer-models/README.md). For the Inference Extension one
 DES block of 16 tokens is one of its 64-character blocks, as the emulator writes 4 characters per token.
 """
 
@@ -58,7 +61,7 @@ import heapq
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from inferlb.sim.des import Arrival, FleetView, Policy, RequestRecord
@@ -80,6 +83,7 @@ __all__ = [
 ]
 
 CHARS_PER_TOKEN = 4  # what the emulator's synthetic prompts hold (`inferlb.sim.traces.prompt_text`)
+ALPHABET = 64  # the characters the emulator's synthetic prompt text is drawn from, uniformly
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,32 +124,50 @@ class ApproxTree:
     so a path is a run of keys and the tree is a map from key to node). Tenants are worker indexes; ``order`` is the
     tie-break order of tenants (the routers' map iteration order). Single-threaded; no I/O."""
 
-    def __init__(self, workers: int, order: Sequence[int]) -> None:
+    def __init__(self, workers: int, order: Sequence[int], alphabet: int = ALPHABET) -> None:
+        if alphabet < 1:
+            raise ValueError(f"alphabet must be >= 1; got {alphabet!r}")
         self._nodes: dict[int, _Node] = {}
         self._roots: set[int] = set()
         self._rank = {w: k for k, w in enumerate(order)}
+        self._alphabet = alphabet
         self.chars = [0] * workers  # characters per tenant, as the routers' tenant_char_count
 
     def match(self, keys: Sequence[int], now: float) -> tuple[int, int | None]:
         """(symbols matched from the start, the first tenant of the deepest matched node or None); refreshes that
-        tenant's access time along the path, as the routers' prefix_match does."""
+        tenant's access time along the path, as the routers' prefix_match does.
+
+        Where the walk stops short of the prompt's end, the character-level tree goes on into a child whose text
+        starts with the prompt's next character, if there is one: the routers then take that child's first tenant.
+        Each symbol's first character is drawn from its key (``alphabet`` characters, uniform), and a child stands
+        for the tenants of all the symbols under the node that start with that character, as the character tree
+        has them in one node."""
         depth, last = 0, None
         for key in keys:
             if key not in self._nodes:
                 break
             depth, last = depth + 1, key
-        if last is None:
-            return 0, None
-        node = self._nodes[last]
-        if not node.tenants:
+        node = None if last is None else self._nodes[last]
+        tenants: Iterable[int] = () if node is None else node.tenants
+        if depth < len(keys):
+            first = self._first_char(keys[depth])
+            siblings = self._roots if node is None else node.children
+            below = {t for c in siblings if self._first_char(c) == first for t in self._nodes[c].tenants}
+            if below:
+                tenants = below
+        if not tenants:
             return depth, None
-        tenant = min(node.tenants, key=self._rank.__getitem__)
+        tenant = min(tenants, key=self._rank.__getitem__)
         cursor: int | None = last
         while cursor is not None:
             walk = self._nodes[cursor]
-            walk.tenants[tenant] = now
+            if tenant in walk.tenants:
+                walk.tenants[tenant] = now
             cursor = walk.parent
         return depth, tenant
+
+    def _first_char(self, key: int) -> int:
+        return (((key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> 40) % self._alphabet
 
     def insert(self, keys: Sequence[int], chars: Sequence[int], tenant: int, now: float) -> None:
         """Record that ``tenant`` was sent the text whose symbols are ``keys`` (``chars[i]`` characters each)."""

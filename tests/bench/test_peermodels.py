@@ -55,6 +55,21 @@ def test_the_tree_matches_the_longest_prefix_and_names_its_first_tenant_in_order
     assert tree.smallest() == 1
 
 
+@pytest.mark.parametrize(
+    ("alphabet", "expected"),
+    [
+        pytest.param(1, 1, id="next-character-matches-a-child-whose-tenant-wins"),
+        pytest.param(1 << 40, 0, id="no-child-starts-alike-the-node-s-first-tenant-wins"),
+    ],
+)
+def test_a_match_goes_on_into_a_child_that_starts_with_the_same_character(alphabet: int, expected: int) -> None:
+    tree = ApproxTree(3, order=[0, 1, 2], alphabet=alphabet)
+    tree.insert([1], [64], tenant=0, now=0.0)
+    tree.insert([1, 5], [64, 64], tenant=2, now=0.0)
+    tree.insert([1, 6], [64, 64], tenant=1, now=0.0)
+    assert tree.match([1, 7], now=1.0) == (1, expected)
+
+
 def test_eviction_drops_least_recently_used_leaves_of_a_tenant_over_budget() -> None:
     tree = ApproxTree(1, order=[0])
     tree.insert([1, 2], [10, 10], tenant=0, now=0.0)
