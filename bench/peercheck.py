@@ -59,7 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", nargs="+", choices=sorted(PAIRS), default=list(PAIRS), help="live peers to check")
     parser.add_argument("--seeds", type=int, default=3, help="simulator runs per model (seeds 0..N-1)")
     parser.add_argument("--seed", type=int, default=0, help="the live run's seed")
-    parser.add_argument("--no-live", action="store_true", help="the simulator's half only (no peers started)")
+    live = parser.add_mutually_exclusive_group()
+    live.add_argument("--no-live", action="store_true", help="the simulator's half only (no peers started)")
+    live.add_argument(
+        "--reuse-live", type=Path, help="take the live half from this earlier check.json (same window and loads)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +204,9 @@ def run(args: argparse.Namespace) -> int:
     capacity = fleet_capacity_rps(arrivals, fleet, args.seed)
     live: dict[tuple[str, float], Figures] = {}
     notes: list[str] = []
-    if not args.no_live:
+    if args.reuse_live is not None:
+        live, notes = _reused(args.reuse_live)
+    elif not args.no_live:
         live, notes = _live(args, path)
     rows: list[dict[str, Any]] = []
     for peer in args.peers:
@@ -248,6 +254,25 @@ def _live(args: argparse.Namespace, path: Path) -> tuple[dict[tuple[str, float],
         for row in rows
     }
     return out, [*summary.get("notes", []), f"live time scale {summary['traces'][path.name]['time_scale']}"]
+
+
+def _reused(path: Path) -> tuple[dict[tuple[str, float], Figures], list[str]]:
+    """The live figures of an earlier check.json, and a note of where they come from."""
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    live = {
+        (row["peer"], row["load"]): Figures(
+            tuple(row["live"]["shares"]),
+            row["live"]["prefix_hit_rate"],
+            row["live"]["ttft_p50_ms"],
+            row["live"]["ttft_p99_ms"],
+            row["live"]["errors"],
+        )
+        for row in earlier["rows"]
+        if "live" in row
+    }
+    meta = earlier["meta"]
+    note = f"live half from {path.name}: measured {meta['date']} by `{meta['command']}`"
+    return live, [note, *meta.get("notes", [])]
 
 
 class _Progress:
