@@ -32,7 +32,7 @@ from inferlb.bench.stats import mean as _maybe_mean
 from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, simulate
 from inferlb.sim.profiles import PROFILES, ServerProfile, get_profile
 
-__all__ = ["PAIRS", "Figures", "add_arguments", "compare", "run", "window"]
+__all__ = ["PAIRS", "Figures", "add_arguments", "compare", "live_figures", "live_records", "run", "simulated", "window"]
 
 # live peer (bench/peers.py) -> its model's DES contender
 PAIRS: dict[str, str] = {
@@ -247,13 +247,18 @@ def _live(args: argparse.Namespace, path: Path) -> tuple[dict[tuple[str, float],
     )
     rows, summary = run_live(live_args, _Progress)
     root = Path(summary["workdir"]) / path.stem
-    out = {
-        (row["policy"], row["load"]): live_figures(
-            row, root / f"{row['policy'].replace(':', '-')}-{row['load']}" / "records.jsonl", args.servers
-        )
-        for row in rows
-    }
+    out = {(row["policy"], row["load"]): live_figures(row, live_records(root, row), args.servers) for row in rows}
     return out, [*summary.get("notes", []), f"live time scale {summary['traces'][path.name]['time_scale']}"]
+
+
+def live_records(root: Path, row: dict[str, Any]) -> Path:
+    """The load generator's records of one live run: its folder is named after the contender, the load and (since
+    the harness repeats runs) the repetition."""
+    for slug in {row["policy"].replace(":", "-").replace(" ", "-"), row["policy"].replace(":", "-")}:
+        for name in (f"{slug}-{row['load']}-r{row.get('repeat', 0)}", f"{slug}-{row['load']}"):
+            if (root / name / "records.jsonl").is_file():
+                return root / name / "records.jsonl"
+    raise FileNotFoundError(f"no records of the live run {row['policy']} at load {row['load']} under {root}")
 
 
 def _reused(path: Path) -> tuple[dict[tuple[str, float], Figures], list[str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from inferlb.bench.desrun import load_arrivals
-from inferlb.bench.peercheck import PAIRS, Figures, compare, simulated, window
+from inferlb.bench.peercheck import PAIRS, Figures, compare, live_figures, live_records, simulated, window
 from inferlb.sim.profiles import get_profile
 
 
@@ -67,3 +67,20 @@ def test_the_verdict_follows_the_tolerances(model: Figures, agrees: bool, says: 
     verdict, reasons = compare(LIVE, [model])
     assert verdict is agrees
     assert all(says in r for r in reasons[:1]) and bool(reasons) is not agrees
+
+
+@pytest.mark.parametrize(
+    "folder",
+    [
+        pytest.param("vllm-router-cache_aware-0.8-r0", id="repeated-runs"),
+        pytest.param("vllm-router cache_aware-0.8", id="one-run-per-load"),
+    ],
+)
+def test_a_live_runs_records_give_its_shares(tmp_path: Path, folder: str) -> None:
+    records = tmp_path / folder / "records.jsonl"
+    records.parent.mkdir()
+    records.write_text("".join(json.dumps({"server": s}) + "\n" for s in "aaab"), encoding="utf-8")
+    row = {"policy": "vllm-router cache_aware", "load": 0.8, "repeat": 0}
+    row |= {"prefix_hit_rate": 0.1, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "errors": 0}
+    figures = live_figures(row, live_records(tmp_path, row), servers=4)
+    assert figures.shares == (0.75, 0.25, 0.0, 0.0)
