@@ -319,3 +319,11 @@ def _cell(entry: dict[str, Any], metric: str, digits: int) -> str | None:
     if digits == 0:
         return f"{value:,.0f} [{span[0]:,.0f}-{span[1]:,.0f}]"
     return f"{value:.{digits}f} [{span[0]:.{digits}f}-{span[1]:.{digits}f}]"
+
+
+if __name__ == "__main__":
+    import sys
+
+    from inferlb.bench.suites import script
+
+    raise SystemExit(script(sys.modules[__name__]))
