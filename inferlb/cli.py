@@ -361,31 +361,9 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _gpu_agent(args: argparse.Namespace) -> int:
-    import math
-    import socket
+    from inferlb.gpuagent import run_agent
 
-    from inferlb.gpuagent import NvmlReader, NvmlUnavailable, create_agent_app, serve_agent
-    from inferlb.scorer.address import parse_address
-
-    try:
-        parse_address(args.listen)
-    except ValueError as exc:
-        raise ValueError(f"--listen: {exc}") from None
-    if not (math.isfinite(args.interval_s) and args.interval_s > 0):
-        raise ValueError(f"--interval-s must be a number of seconds > 0; got {args.interval_s}")
-    try:
-        reader = NvmlReader(args.host or socket.gethostname())
-    except NvmlUnavailable as exc:
-        print(
-            f"inferlb: error: NVML is not available ({exc}); the GPU agent needs an NVIDIA driver and GPU on this node",
-            file=sys.stderr,
-        )
-        return 3
-    try:
-        asyncio.run(serve_agent(create_agent_app(reader, interval_s=args.interval_s), args.listen))
-    finally:
-        reader.close()
-    return 0
+    return run_agent(args.listen, args.interval_s, args.host)
 
 
 def _experiment_report(args: argparse.Namespace) -> int:

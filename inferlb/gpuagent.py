@@ -15,6 +15,8 @@ import contextlib
 import importlib
 import logging
 import math
+import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +39,7 @@ __all__ = [
     "NvmlUnavailable",
     "create_agent_app",
     "read_nvml",
+    "run_agent",
     "serve_agent",
 ]
 
@@ -344,3 +347,28 @@ async def serve_agent(app: FastAPI, listen: str, *, ready: asyncio.Event | None 
         raise ValueError(f"bad listen address {listen!r}: {exc}") from None
     # lifespan "on": the app's sampler starts and stops with the server.
     await serve([(listen, app)], ready=ready, lifespan="on", what="GPU agent")
+
+
+def run_agent(listen: str, interval_s: float = DEFAULT_INTERVAL_S, host: str | None = None) -> int:
+    """The agent process (``inferlb gpu-agent``): read this node's GPUs and serve them on ``listen`` until
+    SIGTERM/SIGINT; the exit status: 0, or 3 when NVML is not available (said on stderr). Raises ValueError for a
+    bad ``listen`` or ``interval_s``. Imports only what the agent needs (a GPU node runs nothing else of inferlb)."""
+    try:
+        parse_address(listen)
+    except ValueError as exc:
+        raise ValueError(f"--listen: {exc}") from None
+    if not (math.isfinite(interval_s) and interval_s > 0):
+        raise ValueError(f"--interval-s must be a number of seconds > 0; got {interval_s}")
+    try:
+        reader = NvmlReader(host or socket.gethostname())
+    except NvmlUnavailable as exc:
+        print(
+            f"inferlb: error: NVML is not available ({exc}); the GPU agent needs an NVIDIA driver and GPU on this node",
+            file=sys.stderr,
+        )
+        return 3
+    try:
+        asyncio.run(serve_agent(create_agent_app(reader, interval_s=interval_s), listen))
+    finally:
+        reader.close()
+    return 0
