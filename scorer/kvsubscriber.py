@@ -144,7 +144,8 @@ class KVEventCollector:
         self._sequence[endpoint] = sequence
 
     async def _replay(self, endpoint: int, address: str, start: int, stop: int) -> bool:
-        """Apply the batches ``start`` .. ``stop - 1`` from the server's replay socket; whether all came."""
+        """Apply, in order, what the server's replay socket still holds of the batches ``start`` .. ``stop - 1``;
+        whether every one of them came (a buffer that begins later still gives the rest)."""
         host = parse_address(address)[0]
         port = self.options.replay_ports.get(address, self.options.replay_port)
         if port is None:
@@ -154,7 +155,7 @@ class KVEventCollector:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
         dealer.connect(f"tcp://{_bracketed(host)}:{port}")
-        wanted = start
+        wanted, complete = start, True
         try:
             await dealer.send_multipart([b"", sequence_bytes(start)])
             async with asyncio.timeout(self.options.replay_timeout_s):
@@ -167,15 +168,18 @@ class KVEventCollector:
                     sequence, batch = decode_frames(frames[1:])
                     if sequence < wanted:
                         continue
-                    if sequence > wanted or sequence >= stop:
-                        break  # the buffer no longer holds what was missed, or it is past the gap
+                    if sequence >= stop:
+                        break
+                    complete = complete and sequence == wanted  # a later start: the buffer lost the first ones
                     self._apply_replayed(endpoint, batch)
-                    wanted += 1
+                    wanted = sequence + 1
         except (TimeoutError, KVEventError, zmq.ZMQError) as exc:
             self._error(endpoint, "replay", f"replay of events {start}..{stop - 1} failed: {exc}")
         finally:
             dealer.close(linger=0)
-        return wanted == stop
+        if complete and wanted != stop:
+            self._error(endpoint, "replay", f"replay gave events {start}..{wanted - 1} of {start}..{stop - 1}")
+        return complete and wanted == stop
 
     def _apply_replayed(self, endpoint: int, batch: EventBatch) -> None:
         self.index.apply(endpoint, batch)

@@ -1,0 +1,151 @@
+"""The KV-event collector against a publisher made here with real ZMQ sockets (PUB and a replay ROUTER, framed as
+vLLM frames them): gaps are replayed, a buffer that lost the start still gives the rest, a restarted server's
+cache is forgotten, and garbage counts as missed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from inferlb.procs import free_port
+from inferlb.scorer.config import EndpointConfig
+from inferlb.scorer.kvindex import KVBlockIndex
+from inferlb.scorer.kvsubscriber import KVEventCollector, KVEventOptions
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.tokenizer import cache_keys
+
+from ..conftest import until
+
+B = 4
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> bytes:
+    event = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": B,
+        "lora_id": None,
+        "medium": "GPU",
+    }
+    return msgpack.packb([0.0, [event], 0])
+
+
+@dataclass
+class Publisher:
+    """A server's publisher: ``send`` numbers a payload and keeps it for replay (``live=False``: kept, not sent)."""
+
+    pub: zmq.asyncio.Socket
+    router: zmq.asyncio.Socket
+    buffer: list[tuple[int, bytes]] = field(default_factory=list)
+    next: int = 0
+
+    async def send(self, payload: bytes, *, live: bool = True) -> None:
+        sequence, self.next = self.next, self.next + 1
+        self.buffer.append((sequence, payload))
+        if live:
+            await self.pub.send_multipart([b"", sequence.to_bytes(8, "big"), payload])
+
+    async def serve_replays(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            for sequence, payload in self.buffer:
+                if sequence >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart([client, b"", b"", sequence.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([client, b"", b"", END, b""])
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[tuple[Publisher, KVEventOptions]]:
+    context = zmq.asyncio.Context()
+    pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    port, replay_port = free_port(), free_port()
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    server = Publisher(pub, router)
+    task = asyncio.create_task(server.serve_replays())
+    yield server, KVEventOptions(port, replay_port, replay_timeout_s=5.0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    context.destroy(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def following(options: KVEventOptions) -> AsyncIterator[tuple[KVBlockIndex, KVEventCollector]]:
+    index = KVBlockIndex(1, clock=asyncio.get_running_loop().time, block_size=B)
+    collector = KVEventCollector(Pool([EndpointConfig("127.0.0.1:8000")]), index, options)
+    task = asyncio.create_task(collector.run())
+    try:
+        await until(lambda: bool(index.live[0]), "the collector to connect")
+        yield index, collector
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await collector.aclose()
+
+
+PROMPT = list(range(100, 124))  # six blocks of four tokens
+
+
+def depth(index: KVBlockIndex, tokens: list[int] = PROMPT) -> int:
+    return int(index.match_depth(cache_keys(tokens, B))[0][0])
+
+
+async def test_a_gap_in_the_stream_is_replayed(publisher: tuple[Publisher, KVEventOptions]) -> None:
+    server, options = publisher
+    async with following(options) as (index, collector):
+        await server.send(stored([1, 2], None, PROMPT[:8]))
+        await server.send(stored([3, 4], 2, PROMPT[8:16]), live=False)  # lost on the way
+        await server.send(stored([5, 6], 4, PROMPT[16:24]))
+        await until(lambda: depth(index) == 6, "the whole prompt, the gap replayed")
+        assert index.live[0] and collector.errors.total() == 0
+
+
+async def test_a_buffer_that_lost_the_start_gives_the_rest_and_the_endpoint_is_unsure(
+    publisher: tuple[Publisher, KVEventOptions],
+) -> None:
+    server, options = publisher
+    for _ in range(3):
+        await server.send(stored([90], None, [9] * B), live=False)
+    del server.buffer[:2]  # the server's buffer keeps only the last of them
+    async with following(options) as (index, _):
+        await server.send(stored([1, 2], None, PROMPT[:8]))
+        await until(lambda: depth(index) == 2, "the batch after the gap")
+        assert depth(index, [9] * B) == 1  # what the buffer still had was applied
+        assert not index.live[0] and "missed" in index.states[0].reason
+
+
+async def test_a_sequence_that_goes_back_is_a_restarted_server_whose_cache_is_empty(
+    publisher: tuple[Publisher, KVEventOptions],
+) -> None:
+    server, options = publisher
+    async with following(options) as (index, _):
+        await server.send(stored([1, 2], None, PROMPT[:8]))
+        await until(lambda: depth(index) == 2, "the first prompt")
+        server.next, server.buffer = 0, []
+        await server.send(stored([7], None, [5] * B))
+        await until(lambda: depth(index, [5] * B) == 1, "the restarted server's first block")
+        assert depth(index) == 0 and index.held(0) == 1
+
+
+async def test_a_message_that_is_not_a_batch_counts_as_missed(publisher: tuple[Publisher, KVEventOptions]) -> None:
+    server, options = publisher
+    async with following(options) as (index, collector):
+        await server.send(stored([1], None, PROMPT[:4]))
+        await until(lambda: depth(index) == 1, "the first block")
+        await server.pub.send_multipart([b"", (1).to_bytes(8, "big"), b"\xc1 not msgpack"])
+        await until(lambda: collector.errors["undecodable"] == 1, "the garbage to be counted")
+        assert not index.live[0]
+        assert np.array_equal(index.match_depth(cache_keys(PROMPT[:4], B))[0], [1])
