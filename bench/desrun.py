@@ -41,6 +41,7 @@ __all__ = [
     "replicated_name",
     "run_job",
     "scaled",
+    "sim_figures",
 ]
 
 DES_CONTENDERS: tuple[str, ...] = (
@@ -211,7 +212,9 @@ def run_job(job: DesJob, arrivals: Sequence[Arrival] | None = None) -> dict[str,
     return row
 
 
-def _row(job: DesJob, result: SimResult) -> dict[str, Any]:
+def sim_figures(result: SimResult) -> dict[str, Any]:
+    """A simulated run's figures, as the live runs report theirs (`inferlb.bench.load.summarise`): latencies,
+    throughput, the servers' prefix-cache hit rate, imbalance, errors and shed requests."""
     outcomes = [
         Outcome(
             server=str(r.server),
@@ -225,12 +228,16 @@ def _row(job: DesJob, result: SimResult) -> dict[str, Any]:
         for r in result.records
     ]
     stats = result.servers
-    figures = summarise(
+    return summarise(
         outcomes,
         [s.busy_s for s in stats],
         sum(s.prefix_cache_hits for s in stats),
         sum(s.prefix_cache_queries for s in stats),
     )
+
+
+def _row(job: DesJob, result: SimResult) -> dict[str, Any]:
+    figures = sim_figures(result)
     return {
         "trace": Path(job.trace).name,
         "mode": "des",

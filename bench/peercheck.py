@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inferlb.bench.desrun import fleet_capacity_rps, load_arrivals, make_policy, scaled
-from inferlb.bench.metrics import Outcome, summarise
+from inferlb.bench.desrun import fleet_capacity_rps, load_arrivals, make_policy, scaled, sim_figures
 from inferlb.bench.report import header, table, write
 from inferlb.bench.stats import mean as _maybe_mean
 from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, simulate
@@ -130,16 +129,7 @@ def simulated(
     policy = make_policy(name, fleet, seed)
     counting = _Counting(policy)
     result = simulate(scaled(arrivals, rate), counting, fleet, seed=seed, on_finish=getattr(policy, "finished", None))
-    outcomes = [
-        Outcome(str(r.server), r.arrival_s, r.ttft_s, r.e2e_s, r.output_tokens, r.error) for r in result.records
-    ]
-    stats = result.servers
-    figures = summarise(
-        outcomes,
-        [s.busy_s for s in stats],
-        sum(s.prefix_cache_hits for s in stats),
-        sum(s.prefix_cache_queries for s in stats),
-    )
+    figures = sim_figures(result)
     return Figures(
         _shares([counting.sent[i] for i in range(len(fleet))], len(fleet)),
         _float(figures["prefix_hit_rate"]),
