@@ -49,11 +49,12 @@ BlockHash: TypeAlias = int | bytes
 # A replay ends with this sequence number (vLLM's END_SEQ).
 END_SEQUENCE = -1
 # Bounds on what one message may hold. vLLM publishes one batch per engine step: a step stores at most the blocks
-# of the tokens it scheduled (a few thousand blocks at most), so these only stop garbage.
+# of the tokens it scheduled (16k tokens are about 1,000 blocks and 50 KB of msgpack), so these only stop garbage;
+# the payload bound also keeps one message from holding the routing loop for long (the collector shares it).
 MAX_BATCH_EVENTS = 65_536
 MAX_EVENT_BLOCKS = 65_536
 MAX_BLOCK_SIZE = 4096
-MAX_PAYLOAD_BYTES = 64 << 20
+MAX_PAYLOAD_BYTES = 4 << 20
 
 
 class KVEventError(ValueError):

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 
 from inferlb.scorer.kvevents import (
+    MAX_PAYLOAD_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -89,3 +90,9 @@ def test_frames_of_the_wrong_shape_are_refused() -> None:
         decode_frames([b"", b"\x00" * 8])
     with pytest.raises(KVEventError, match="8 bytes"):
         decode_frames([b"", b"\x00", msgpack.packb([0.0, []])])
+
+
+def test_a_payload_over_the_bound_is_refused_before_it_is_read() -> None:
+    huge = msgpack.packb([0.0, [], 0]) + b"\x00" * MAX_PAYLOAD_BYTES
+    with pytest.raises(KVEventError, match="over the limit"):
+        decode_batch(huge)
