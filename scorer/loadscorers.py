@@ -233,14 +233,8 @@ class TtftPredictor:
         kv = state.signals.kv
         if kv is not None and request.cache_keys and kv.live.any():
             cached = self._cached_exact(request, candidates, kv)
-        elif not hashes:
-            pass
-        elif self._match_depth is not None:
-            counts, deepest = self._match_depth(hashes)
-            if deepest:
-                cached = counts[candidates] * self.block_tokens
-        elif self._match is not None:
-            cached = self._match(hashes)[candidates] * self.block_tokens
+        elif hashes:
+            cached = self._guessed(hashes, candidates)
         if cached is not None and cached.any():
             load = state.inflight.requests[candidates]
             bar = self.guard * (np.add.reduce(load) / len(load) + 1.0)  # load.sum() without its wrapper
@@ -260,6 +254,16 @@ class TtftPredictor:
             seconds += self._steps
         return seconds
 
+    def _guessed(self, hashes: tuple[int, ...], candidates: np.ndarray) -> np.ndarray | None:
+        """Tokens of the prompt each candidate likely holds by ``prefix_match`` (a new array), None without a
+        match."""
+        if self._match_depth is not None:
+            counts, deepest = self._match_depth(hashes)
+            return counts[candidates] * self.block_tokens if deepest else None
+        if self._match is not None:
+            return self._match(hashes)[candidates] * self.block_tokens
+        return None
+
     def _cached_exact(self, request: RequestFeatures, candidates: np.ndarray, kv: KVBlockIndex) -> np.ndarray:
         """Tokens of the request each candidate holds: what its server reports where it does (`KVBlockIndex.live`),
         the approximate match elsewhere."""
@@ -269,13 +273,8 @@ class TtftPredictor:
         if live.all():
             return cached
         hashes = request.prefix_hashes
-        guess: int | np.ndarray = 0
-        if hashes and self._match_depth is not None:
-            counts, deepest = self._match_depth(hashes)
-            guess = counts[candidates] * self.block_tokens if deepest else 0
-        elif hashes and self._match is not None:
-            guess = self._match(hashes)[candidates] * self.block_tokens
-        return np.where(live, cached, guess)
+        guess = self._guessed(hashes, candidates) if hashes else None
+        return np.where(live, cached, 0 if guess is None else guess)
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
         """For the decision just made: (``request``'s tokens still to prefill at ``endpoint``, that endpoint's

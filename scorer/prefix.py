@@ -202,6 +202,14 @@ class PrefixAffinityScorer:
                 self._neutral = np.full(len(candidates), NEUTRAL_SCORE)
                 self._neutral.setflags(write=False)
             return self._neutral
+        guess = self._guess(hashes, state, candidates)
+        if guess is None:
+            return np.zeros(len(candidates))
+        return self._guarded(guess, state, candidates)
+
+    def _guess(self, hashes: tuple[int, ...], state: State, candidates: np.ndarray) -> np.ndarray | None:
+        """The approximate index's fraction of ``hashes`` each candidate holds (a new array), None when no
+        endpoint holds even the first block. Fits the index to the servers' caches once per snapshot."""
         index = self.index
         if index.size != len(state.pool):
             raise ValueError(f"the prefix index has {index.size} endpoints, the pool {len(state.pool)}")
@@ -210,9 +218,7 @@ class PrefixAffinityScorer:
             index.fit(snapshot.kv_tokens)  # once per snapshot; work only when a server's cache size changed
             self._fitted_for = snapshot
         counts, deepest = index.match_depth(hashes)
-        if not deepest:
-            return np.zeros(len(candidates))
-        return self._guarded(counts[candidates] / len(hashes), state, candidates)
+        return counts[candidates] / len(hashes) if deepest else None
 
     def _score_exact(
         self, request: RequestFeatures, state: State, candidates: np.ndarray, kv: KVBlockIndex
@@ -227,14 +233,8 @@ class PrefixAffinityScorer:
         if live.all():
             return self._guarded(scores, state, candidates)
         hashes = request.prefix_hashes
-        guess: float | np.ndarray = NEUTRAL_SCORE
-        if hashes:
-            index = self.index
-            if index.size != len(state.pool):
-                raise ValueError(f"the prefix index has {index.size} endpoints, the pool {len(state.pool)}")
-            counts, deepest = index.match_depth(hashes)
-            guess = counts[candidates] / len(hashes) if deepest else 0.0
-        return self._guarded(np.where(live, scores, guess), state, candidates)
+        guess = self._guess(hashes, state, candidates) if hashes else NEUTRAL_SCORE
+        return self._guarded(np.where(live, scores, 0.0 if guess is None else guess), state, candidates)
 
     def _guarded(self, scores: np.ndarray, state: State, candidates: np.ndarray) -> np.ndarray:
         load = state.inflight.requests[candidates]
