@@ -321,7 +321,11 @@ class PresetPolicy:
         learned = (
             {}
             if speeds is None
-            else {"prefill_tokens_per_s": speeds.prefill_tokens_per_s(), "decode_step_s": speeds.decode_step_s()}
+            else {
+                "prefill_tokens_per_s": speeds.prefill_tokens_per_s(),
+                "decode_step_s": speeds.decode_step_s(),
+                "peak_tokens_per_s": speeds.peak_tokens_per_s(),
+            }
         )
         self.signals.publish(
             self._fixed.with_values(

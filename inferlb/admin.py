@@ -209,6 +209,7 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
                     # What the picker learned of this server's speed (null until it has timings: see README).
                     "prefill_tokens_per_s": _num(snap.prefill_tokens_per_s[i]),
                     "decode_step_s": _num(snap.decode_step_s[i]),
+                    "peak_tokens_per_s": _num(snap.peak_tokens_per_s[i]),
                     "inflight_requests": int(engine.inflight.requests[i]),
                     "inflight_tokens": int(engine.inflight.tokens[i]),
                 }

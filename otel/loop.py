@@ -226,6 +226,7 @@ class SpanLoop:
                     e2e_s=arrays["e2e_ewma"],
                     prefill_tokens_per_s=self.speeds.prefill_tokens_per_s(),
                     decode_step_s=self.speeds.decode_step_s(),
+                    peak_tokens_per_s=self.speeds.peak_tokens_per_s(),
                 )
             )
 

@@ -12,7 +12,7 @@ from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.loadscorers import TtftPredictor
 
-__all__ = ["MemoryFitFilter", "SaturationFilter", "StalenessFilter", "TtftSloFilter"]
+__all__ = ["MemoryFitFilter", "SaturationFilter", "StalenessFilter", "TtftGapFilter", "TtftSloFilter"]
 
 
 def _keep(candidates: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -74,14 +74,73 @@ class TtftSloFilter:
 
     name = "ttft-slo"
 
-    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
-        self.predictor = TtftPredictor(prefix_match, block_tokens, guard)
+    def __init__(
+        self,
+        prefix_match: object | None = None,
+        block_tokens: int = 64,
+        guard: float = 2.0,
+        *,
+        predictor: TtftPredictor | None = None,
+    ) -> None:
+        self.predictor = predictor or TtftPredictor(prefix_match, block_tokens, guard)
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         slo = request.ttft_slo_s
         if slo is None:
             return candidates
-        return _keep(candidates, self.predictor.seconds(request, state, candidates) <= slo)
+        return _keep(candidates, self.predictor.seconds(request, state, candidates, reuse=True) <= slo)
+
+    def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
+        return self.predictor.prefill(request, endpoint)
+
+
+class TtftGapFilter:
+    """Drops endpoints predicted to keep the request waiting for its first token far longer than the best candidate
+    would: more than ``factor`` times as long and at least ``seconds`` longer (`TtftPredictor`), on a slower server:
+    one whose prefill rate when idle (`ServerSpeeds.peak_tokens_per_s`) is under ``slower`` times the best
+    candidate's. Applies to every request.
+
+    The load scorers count requests, tokens and queued requests alike on every server. On a fleet of unequal
+    servers (an L4 beside an H100) they can favour the slow server that holds fewer requests by more than the
+    ``predicted-ttft`` scorer's weight, even where the prediction is several times worse there (in the simulator,
+    seconds in an L4's queue where an H100 would have started at once); this filter keeps that pick from being
+    made. Both bounds must be passed, so it leaves alone the sub-second differences that ordinary load makes."""
+
+    name = "ttft-gap"
+
+    def __init__(
+        self,
+        prefix_match: object | None = None,
+        block_tokens: int = 64,
+        guard: float = 2.0,
+        factor: float = 2.0,
+        seconds: float = 1.0,
+        slower: float = 0.5,
+        *,
+        predictor: TtftPredictor | None = None,
+    ) -> None:
+        self.predictor = predictor or TtftPredictor(prefix_match, block_tokens, guard)
+        self.factor = factor
+        self.seconds = seconds
+        self.slower = slower
+
+    def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        if len(candidates) < 2:
+            return candidates
+        predictor = self.predictor
+        cost = predictor.seconds(request, state, candidates, reuse=True)
+        best = cost.argmin()  # argmin/argmax: cheaper than min()/max() on a small pool
+        least = float(cost[best])
+        bound = max(self.factor * least, least + self.seconds)
+        if cost[cost.argmax()] <= bound:
+            return candidates
+        # Only a slower server is dropped, by the rate it prefills at when idle (the learned rate of a busy server
+        # says as much about its queue as about its hardware): among equal servers a gap is the backlog estimate's,
+        # which the other scorers weigh better (in the simulator, dropping those made homogeneous fleets worse at
+        # full load). Unknown peaks (NaN) compare false: nothing is dropped until they are learned.
+        peak = state.signals.snapshot.peak_tokens_per_s[candidates]
+        drop = (cost > bound) & (peak < self.slower * peak[best])
+        return candidates[~drop] if drop.any() else candidates  # never empty: the best stays
 
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
         return self.predictor.prefill(request, endpoint)

@@ -34,6 +34,9 @@ __all__ = [
 # less beside a decode batch; in the simulator the backlog estimate routed better at 20k than at 40k (the
 # Azure conversation TTFT p99 at full load: 196 ms against 495) or 10k.
 DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
+# How long after a prediction another plugin of the same decision may take it instead of predicting again: the
+# filters and the scorer of one decision run within microseconds, a later decision finds the counters changed.
+REUSE_S = 0.001
 
 
 def min_max_low(values: np.ndarray) -> np.ndarray:
@@ -193,7 +196,12 @@ class TtftPredictor:
     is cheap to prefill, but the requests still have to be decoded somewhere).
 
     ``prefill`` tells the engine the request's uncached tokens on the chosen endpoint, which the request's lease
-    adds to that endpoint's backlog. Keeps a per-snapshot cache: one per plugin, one event loop.
+    adds to that endpoint's backlog. Keeps a per-snapshot cache: one event loop.
+
+    One predictor may serve several plugins of a profile (the ``ttft-gap`` filter and the ``predicted-ttft``
+    scorer, `BuildContext.ttft_predictor`): a call with ``reuse`` then takes the prediction the
+    previous call made for the same request and candidates in the same decision (same snapshot, no request counted
+    since, within `REUSE_S`) instead of computing it again.
     """
 
     def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
@@ -212,9 +220,19 @@ class TtftPredictor:
         self._rates_for: np.ndarray | None = None
         # The last prediction, for prefill: the request, its state, candidates and uncached tokens per candidate.
         self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray] | None = None
+        # The last prediction, for reuse: its request, snapshot, counters' version, time, candidates and seconds.
+        self._recent: tuple[RequestFeatures, Snapshot, int, float, np.ndarray, np.ndarray] | None = None
 
-    def seconds(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+    def seconds(
+        self, request: RequestFeatures, state: State, candidates: np.ndarray, *, reuse: bool = False
+    ) -> np.ndarray:
+        """Per candidate, the predicted seconds to the request's first token (a new array, or with ``reuse`` one the
+        caller must not change)."""
         snapshot = state.signals.snapshot
+        if reuse and (recent := self._recent) is not None and recent[0] is request and recent[1] is snapshot:
+            reused = self._reused(recent, state, candidates)
+            if reused is not None:
+                return reused
         if snapshot is not self._for:  # the rates change with the snapshot only
             rate, step = snapshot.prefill_tokens_per_s, snapshot.decode_step_s
             with np.errstate(invalid="ignore"):
@@ -252,6 +270,28 @@ class TtftPredictor:
         seconds = (state.inflight.pending_prefill(candidates, rates) + own) / rates
         if self._steps is not None:  # the first token also waits for the step that makes it
             seconds += self._steps
+        self._recent = (request, snapshot, state.inflight.decisions, state.inflight.clock(), candidates, seconds)
+        return seconds
+
+    def _reused(
+        self,
+        recent: tuple[RequestFeatures, Snapshot, int, float, np.ndarray, np.ndarray],
+        state: State,
+        candidates: np.ndarray,
+    ) -> np.ndarray | None:
+        """The recent prediction, or None when it is not of this decision or was made for other candidates (the
+        imbalance guard weighs the candidates' mean load, so a subset is predicted anew)."""
+        request, _, decisions, at, before, seconds = recent
+        last = self._last
+        if (
+            candidates is not before
+            or decisions != state.inflight.decisions
+            or not 0.0 <= state.inflight.clock() - at <= REUSE_S
+            or last is None
+            or last[0] is not request
+        ):
+            return None
+        self._last = (request, state, candidates, last[3])
         return seconds
 
     def _guessed(self, hashes: tuple[int, ...], candidates: np.ndarray) -> np.ndarray | None:
@@ -303,12 +343,19 @@ class PredictedTTFTScorer:
     name = "predicted-ttft"
     bounded = True
 
-    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
-        self.predictor = TtftPredictor(prefix_match, block_tokens, guard)
+    def __init__(
+        self,
+        prefix_match: object | None = None,
+        block_tokens: int = 64,
+        guard: float = 2.0,
+        *,
+        predictor: TtftPredictor | None = None,
+    ) -> None:
+        self.predictor = predictor or TtftPredictor(prefix_match, block_tokens, guard)
         self.block_tokens = block_tokens
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        cost = self.predictor.seconds(request, state, candidates)
+        cost = self.predictor.seconds(request, state, candidates, reuse=True)
         least = cost[cost.argmin()]  # argmin: cheaper than min()
         # The floor keeps a zero cost from dividing by zero; above it, it changes nothing and is skipped.
         return least / (cost if least >= 1e-12 else np.maximum(cost, 1e-12))

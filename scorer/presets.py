@@ -8,7 +8,7 @@
 | prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
 | seed-formula | model, staleness | seed-formula | max-score |
 | default | model, staleness, saturation, | in-flight 1, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
-|  | ttft-slo | predicted-ttft 2, in-flight-tokens 1, latency 0.5, |  |
+|  | ttft-slo, ttft-gap | predicted-ttft 2, in-flight-tokens 1, latency 0.5, |  |
 |  |  | lora-affinity 1 |  |
 """
 
@@ -53,7 +53,10 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
         "seed-formula": _spec("seed-formula", ("model", "staleness"), (("seed-formula", 1.0),), "max-score"),
         "default": _spec(
             "default",
-            (*_GUARDED, "ttft-slo"),  # a no-op for requests whose class has no TTFT objective
+            # ttft-slo: a no-op for requests whose class has no TTFT objective. ttft-gap: no endpoint predicted to
+            # take over 2x and 1 s longer than the best to the first token (on a mixed fleet, the slow servers
+            # that the load scorers favour for holding fewer requests; bench/results/quality/fleets).
+            (*_GUARDED, "ttft-slo", "ttft-gap"),
             (
                 ("in-flight", 1.0),
                 ("queue", 1.0),

@@ -32,7 +32,7 @@ from typing_extensions import TypedDict
 
 from inferlb.scorer.engine import Filter, Picker, Profile, Scorer, WeightedScorer
 from inferlb.scorer.errors import ConfigError, shown
-from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftSloFilter
+from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftGapFilter, TtftSloFilter
 from inferlb.scorer.loadscorers import (
     GpuFreeMemoryScorer,
     GpuUtilScorer,
@@ -44,6 +44,7 @@ from inferlb.scorer.loadscorers import (
     QueueScorer,
     RunningScorer,
     SeedFormulaScorer,
+    TtftPredictor,
 )
 from inferlb.scorer.pickers import PowerOfTwoPicker, WeightedRandomPicker
 from inferlb.scorer.plugins import InFlightScorer, MaxScorePicker, ModelFilter, RoundRobinPicker
@@ -110,6 +111,17 @@ class BuildContext:
             )
         return index
 
+    def ttft_predictor(self, params: Mapping[str, Any]) -> TtftPredictor:
+        """The profile's TTFT predictor for these parameters (``block_tokens``, ``guard``; others are ignored),
+        shared by the ``ttft-gap`` filter and the ``predicted-ttft`` scorer: one prediction per decision serves
+        both."""
+        block_tokens, guard = params.get("block_tokens", 64), params.get("guard", 2.0)
+        key = f"ttft_predictor/{block_tokens}/{guard}"
+        predictor = self.shared.get(key)
+        if predictor is None:
+            predictor = self.shared[key] = TtftPredictor(self.prefix_index(), block_tokens, guard)
+        return predictor
+
 
 Factory = Callable[[Mapping[str, Any], BuildContext], Any]
 
@@ -130,6 +142,12 @@ _GUARD = number(gt=0, inf=True)  # the imbalance guard; .inf turns it off
 class _Predictor(TypedDict, total=False):  # predicted-ttft, ttft-slo
     block_tokens: Annotated[int, integer(ge=1)]
     guard: Annotated[float, _GUARD]
+
+
+class _TtftGap(_Predictor, total=False):
+    factor: Annotated[float, number(ge=1)]
+    seconds: Annotated[float, number(ge=0)]
+    slower: Annotated[float, number(gt=0, le=1)]
 
 
 class _MemoryFit(TypedDict, total=False):
@@ -211,11 +229,17 @@ def _prefix_affinity(params: Mapping[str, Any], ctx: BuildContext) -> PrefixAffi
 
 
 def _predicted_ttft(params: Mapping[str, Any], ctx: BuildContext) -> PredictedTTFTScorer:
-    return PredictedTTFTScorer(ctx.prefix_index(), **params)
+    return PredictedTTFTScorer(ctx.prefix_index(), **params, predictor=ctx.ttft_predictor(params))
 
 
 def _ttft_slo(params: Mapping[str, Any], ctx: BuildContext) -> TtftSloFilter:
+    # Its own predictor: it predicts for requests with an objective only, before the filters after it narrow the
+    # candidates, and the decision's prefill estimate comes from its prediction for those.
     return TtftSloFilter(ctx.prefix_index(), **params)
+
+
+def _ttft_gap(params: Mapping[str, Any], ctx: BuildContext) -> TtftGapFilter:
+    return TtftGapFilter(ctx.prefix_index(), **params, predictor=ctx.ttft_predictor(params))
 
 
 def _session_affinity(params: Mapping[str, Any], ctx: BuildContext) -> SessionAffinityScorer:
@@ -297,6 +321,7 @@ def default_registry() -> Registry:
         "model": Plugin(_plain(ModelFilter)),
         "staleness": Plugin(_plain(StalenessFilter)),
         "ttft-slo": Plugin(_ttft_slo, _Predictor),
+        "ttft-gap": Plugin(_ttft_gap, _TtftGap),
         "saturation": Plugin(
             _plain(SaturationFilter),
             note="one rule decides when an endpoint is saturated, for this filter and admission control alike: "

@@ -34,6 +34,8 @@ __all__ = ["ADMISSION_POLL_S", "Admit", "Routed", "Router"]
 
 # How often a request waiting for capacity looks again (the snapshot changes once per scrape, ~100 ms).
 ADMISSION_POLL_S = 0.02
+# A request finds its server idle when the prefill backlog ahead of it is at most this share of its own tokens.
+IDLE_BACKLOG_SHARE = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +174,11 @@ class Router:
         if speeds is not None and decision.prefill is not None and request.request_id:
             # The work the prediction counted before this request's first token: the backlog and its own tokens.
             uncached, rate = decision.prefill
-            speeds.sent(request.request_id, index, engine.inflight.pending_prefill_at(index, rate) + uncached)
+            backlog = engine.inflight.pending_prefill_at(index, rate)
+            # Whether it found the server with nothing ahead of it (no prefill backlog, an empty scraped queue): its
+            # timing then shows how fast the server prefills, not how long its queue was (`ServerSpeeds.peak...`).
+            idle = backlog <= IDLE_BACKLOG_SHARE * uncached and not engine.signals.snapshot.waiting[index] > 0
+            speeds.sent(request.request_id, index, backlog + uncached, idle=idle)
         lease = engine.inflight.acquire(index, request.prompt_tokens, decision.prefill)
         if request.cache_keys and (kv := engine.signals.kv) is not None:
             kv.sent(index, request.cache_keys)  # pending there until the server's events confirm them

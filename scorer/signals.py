@@ -33,6 +33,7 @@ SIGNAL_FIELDS = (
     "e2e_s",  # recent end-to-end latency (EWMA), from spans
     "prefill_tokens_per_s",  # learned prefill rate (`scorer.speeds`); NaN until known
     "decode_step_s",  # learned decode time per step (`scorer.speeds`); NaN until known
+    "peak_tokens_per_s",  # prefill rate of requests that found the server idle (`scorer.speeds`); NaN until known
 )
 
 
@@ -60,6 +61,7 @@ class Snapshot:
     e2e_s: np.ndarray
     prefill_tokens_per_s: np.ndarray
     decode_step_s: np.ndarray
+    peak_tokens_per_s: np.ndarray
     scraped_at: np.ndarray
     up: np.ndarray
     sent_at_scrape: np.ndarray

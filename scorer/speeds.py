@@ -27,6 +27,7 @@ oldest dropped first) and forgotten after ``max_age_s``. `moved` follows a membe
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -36,6 +37,10 @@ __all__ = ["ServerSpeeds"]
 
 _PRIOR_STEPS = 64  # decode steps of the fleet's figure mixed in per prior request
 _MIN_PREFILL_SHARE = 0.25  # the prefill part of a TTFT is at least this share of it, whatever the step estimate
+PEAK_SAMPLES = 64  # per-request rates kept per endpoint for the peak rate
+PEAK_MIN_SAMPLES = 8  # the peak rate is NaN until an endpoint has this many
+PEAK_MIN_WORK = 512.0  # tokens: a request with less is mostly the decode step, and says little of prefill
+PEAK_QUANTILE = 0.5
 
 
 class ServerSpeeds:
@@ -67,17 +72,24 @@ class ServerSpeeds:
         self._steps = np.zeros(size)
         self._at = clock()
         self.timings = 0  # first-token timings taken, over the whole life (the min_requests bar)
-        self._pending: OrderedDict[str, tuple[int, float, float]] = OrderedDict()  # id -> (endpoint, work, sent at)
+        # id -> (endpoint, work, sent at, found it idle)
+        self._pending: OrderedDict[str, tuple[int, float, float, bool]] = OrderedDict()
         self._cache: tuple[np.ndarray, np.ndarray] | None = None
+        # The prefill rates of each endpoint's last PEAK_SAMPLES requests that brought PEAK_MIN_WORK tokens of work
+        # or more (a ring per endpoint, NaN where not yet filled), for `peak_tokens_per_s`.
+        self._samples = np.full((size, PEAK_SAMPLES), np.nan)
+        self._sampled = np.zeros(size, dtype=np.int64)
+        self._peak: np.ndarray | None = None
 
-    def sent(self, request_id: str, endpoint: int, work_tokens: float) -> None:
+    def sent(self, request_id: str, endpoint: int, work_tokens: float, *, idle: bool = False) -> None:
         """The routing unit sent request ``request_id`` to ``endpoint`` counting ``work_tokens`` of prefill ahead
-        of its first token there (the backlog and its own uncached tokens)."""
+        of its first token there (the backlog and its own uncached tokens); ``idle``: it found nothing queued there
+        (its timing counts toward `peak_tokens_per_s`)."""
         if not request_id or not 0 <= endpoint < self.size or not work_tokens >= 0:
             return
         pending = self._pending
         pending.pop(request_id, None)
-        pending[request_id] = (endpoint, float(work_tokens), self.clock())
+        pending[request_id] = (endpoint, float(work_tokens), self.clock(), idle)
         while len(pending) > self.max_pending:
             pending.popitem(last=False)
 
@@ -89,14 +101,19 @@ class ServerSpeeds:
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return False
-        endpoint, work, sent_at = entry
+        endpoint, work, sent_at, idle = entry
         now = self.clock()
         if now - sent_at > self.max_age_s or ttft_s is None or not (0 < ttft_s < math.inf):
             return False
         self._decay(now)
         step = self._step_of(endpoint)
+        prefill_s = max(ttft_s - step, _MIN_PREFILL_SHARE * ttft_s)
         self._work[endpoint] += work
-        self._time[endpoint] += max(ttft_s - step, _MIN_PREFILL_SHARE * ttft_s)
+        self._time[endpoint] += prefill_s
+        if idle and work >= PEAK_MIN_WORK:
+            self._samples[endpoint, self._sampled[endpoint] % PEAK_SAMPLES] = work / prefill_s
+            self._sampled[endpoint] += 1
+            self._peak = None
         self._count[endpoint] += 1
         if output_tokens is not None and output_tokens > 1 and e2e_s is not None and e2e_s > ttft_s:
             self._decode_s[endpoint] += e2e_s - ttft_s
@@ -117,6 +134,24 @@ class ServerSpeeds:
     def prefill_tokens_per_s(self) -> np.ndarray:
         """Per endpoint, the learned prefill rate (tokens/s); NaN until the fleet has ``min_requests`` timings."""
         return self._rates()[0]
+
+    def peak_tokens_per_s(self) -> np.ndarray:
+        """Per endpoint, how fast it prefills when little waits ahead: the `PEAK_QUANTILE` of the rates of its last
+        `PEAK_SAMPLES` requests with `PEAK_MIN_WORK` tokens of work or more (NaN until `PEAK_MIN_SAMPLES` came).
+
+        `prefill_tokens_per_s` is a busy server's rate, the one that prices its queue: where requests wait for a
+        free slot rather than for prefill, it falls far below what the hardware does, and identical servers differ
+        by several times. The requests that found no queue keep this figure near the hardware's, so it tells a
+        slower server from a busier one (the ``ttft-gap`` filter)."""
+        peak = self._peak
+        if peak is None:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # an endpoint with no samples yet: NaN
+                peak = np.nanquantile(self._samples, PEAK_QUANTILE, axis=1)
+            peak[self._sampled < PEAK_MIN_SAMPLES] = np.nan
+            peak.setflags(write=False)
+            self._peak = peak
+        return peak
 
     def decode_step_s(self) -> np.ndarray:
         """Per endpoint, the learned decode time per step (s); NaN until some request reported its tokens."""
@@ -148,12 +183,12 @@ class ServerSpeeds:
         self._decay(self.clock())
         new._at, new.timings = self._at, self.timings
         kept = mapping >= 0
-        for name in ("_work", "_time", "_count", "_decode_s", "_steps"):
+        for name in ("_work", "_time", "_count", "_decode_s", "_steps", "_samples", "_sampled"):
             getattr(new, name)[kept] = getattr(self, name)[mapping[kept]]
         where = {int(old): j for j, old in enumerate(mapping.tolist()) if old >= 0}
-        for request_id, (endpoint, work, at) in self._pending.items():
+        for request_id, (endpoint, work, at, idle) in self._pending.items():
             if endpoint in where:
-                new._pending[request_id] = (where[endpoint], work, at)
+                new._pending[request_id] = (where[endpoint], work, at, idle)
         return new
 
     def _decay(self, now: float) -> None:

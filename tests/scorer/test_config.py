@@ -530,6 +530,11 @@ MUST_BE = [
     ("scorers", "predicted-ttft", "guard", "a number > 0 or .inf", {"0": "0", "-.inf": "-inf", "'2'": "'2'"}),
     ("filters", "ttft-slo", "guard", "a number > 0 or .inf", {"-1": "-1", ".nan": "nan"}),
     ("filters", "ttft-slo", "block_tokens", "an integer >= 1", {"-1": "-1", "2.5": "2.5", "no": "False"}),
+    ("filters", "ttft-gap", "guard", "a number > 0 or .inf", {"0": "0"}),
+    ("filters", "ttft-gap", "block_tokens", "an integer >= 1", {"0": "0"}),
+    ("filters", "ttft-gap", "factor", "a number >= 1", {"0.5": "0.5", "'2'": "'2'", ".nan": "nan"}),
+    ("filters", "ttft-gap", "seconds", "a number >= 0", {"-1": "-1", "'1'": "'1'"}),
+    ("filters", "ttft-gap", "slower", "a number in (0, 1]", {"0": "0", "1.5": "1.5"}),
     ("scorers", "seed-formula", "alpha", "a number >= 0", {"-1": "-1", ".inf": "inf"}),
     ("scorers", "seed-formula", "beta", "a number >= 0", {"true": "True", "-0.5": "-0.5"}),
     ("scorers", "seed-formula", "gamma", "a number >= 0", {".nan": "nan", "'1'": "'1'"}),
@@ -566,6 +571,7 @@ UNKNOWN = [
     ("scorers", "queue", "foo", "none"),
     ("scorers", "predicted-ttft", "prefix_match", "block_tokens, guard"),
     ("filters", "ttft-slo", "slo", "block_tokens, guard"),
+    ("filters", "ttft-gap", "margin", "block_tokens, factor, guard, seconds, slower"),
     ("scorers", "prefix-affinity", "index", "capacity_blocks, guard"),
     ("scorers", "session-affinity", "ring", "c, vnodes"),
     ("scorers", "seed-formula", "delta", "alpha, beta, floor, gamma, max_queue"),
@@ -628,6 +634,13 @@ def test_seed_formula_weights_must_not_all_be_zero() -> None:
             "scorers", "{type: predicted-ttft, block_tokens: 1}", ("block_tokens",), (1,), id="predicted-ttft"
         ),
         pytest.param("filters", "{type: ttft-slo, block_tokens: 1}", ("predictor.block_tokens",), (1,), id="ttft-slo"),
+        pytest.param(
+            "filters",
+            "{type: ttft-gap, factor: 3, seconds: 0.5, slower: 0.5}",
+            ("factor", "seconds", "slower"),
+            (3, 0.5, 0.5),
+            id="ttft-gap",
+        ),
         pytest.param(
             "scorers",
             "{type: seed-formula, alpha: 0, beta: 0, gamma: 2, max_queue: 0.5, floor: 0}",

@@ -15,7 +15,7 @@ import pytest
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftSloFilter
+from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftGapFilter, TtftSloFilter
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
@@ -276,3 +276,63 @@ def test_ttft_slo_filter(
     kept = flt.filter(request, st, candidates)
     check_subset(kept, candidates)
     assert kept.tolist() == expected
+
+
+# ---------------------------------------------------------------- ttft-gap
+
+# Two fast servers (40,000 prompt tokens/s) and two four times slower; a 1,000-token prompt takes 25 ms alone on a
+# fast one, 100 ms on a slow one. The backlog is prompt tokens sent and not yet prefilled.
+GAP_RATES = [40_000.0, 40_000.0, 10_000.0, 10_000.0]
+
+
+@pytest.mark.parametrize(
+    ("backlog", "expected"),
+    [
+        pytest.param([0, 0, 0, 0], [0, 1, 2, 3], id="all-close"),
+        pytest.param([0, 0, 0, 40_000], [0, 1, 2], id="a-slow-server-seconds-behind-is-dropped"),
+        pytest.param([0, 80_000, 0, 0], [0, 1, 2, 3], id="a-fast-server-seconds-behind-stays"),
+        pytest.param([0, 0, 0, 5_000], [0, 1, 2, 3], id="under-a-second-behind-stays"),
+        # Best 2.0 s; 3.2 s is over a second behind but not twice as long.
+        pytest.param([79_000, 79_000, 19_000, 31_000], [0, 1, 2, 3], id="not-twice-as-long-stays"),
+        pytest.param([79_000, 79_000, 19_000, 90_000], [0, 1, 2], id="twice-as-long-and-a-second-behind-is-dropped"),
+        pytest.param([0, 0, 40_000, 40_000], [0, 1], id="both-slow-ones-dropped"),
+    ],
+)
+def test_ttft_gap_filter(backlog: list[int], expected: list[int]) -> None:
+    st = state(prefill_tokens_per_s=GAP_RATES, peak_tokens_per_s=GAP_RATES)
+    st.inflight.clock = lambda: 0.0
+    for i, tokens in enumerate(backlog):
+        st.inflight.acquire(i, 0, (tokens, GAP_RATES[i])).release()
+    candidates = np.arange(4)
+    kept = TtftGapFilter().filter(REQUEST, st, candidates)
+    check_subset(kept, candidates)
+    assert kept.tolist() == expected
+
+
+def test_ttft_gap_filter_follows_its_bounds() -> None:
+    st = state(prefill_tokens_per_s=GAP_RATES, peak_tokens_per_s=GAP_RATES)
+    st.inflight.clock = lambda: 0.0
+    st.inflight.acquire(3, 0, (5_000, GAP_RATES[3])).release()  # 0.6 s against the best's 25 ms
+    candidates = np.arange(4)
+    assert TtftGapFilter(seconds=0.5).filter(REQUEST, st, candidates).tolist() == [0, 1, 2]
+    assert TtftGapFilter(seconds=0.5, factor=30.0).filter(REQUEST, st, candidates).tolist() == [0, 1, 2, 3]
+    # Four times slower counts as slower only under slower=0.25 and above.
+    assert TtftGapFilter(seconds=0.5, slower=0.2).filter(REQUEST, st, candidates).tolist() == [0, 1, 2, 3]
+    assert TtftGapFilter(seconds=0.5, slower=0.3).filter(REQUEST, st, candidates).tolist() == [0, 1, 2]
+    assert TtftGapFilter().filter(REQUEST, st, np.array([3])).tolist() == [3]
+
+
+@pytest.mark.parametrize(
+    "peaks",
+    [
+        pytest.param([NAN, NAN, NAN, NAN], id="peaks-not-yet-learned"),
+        pytest.param([40_000.0, 40_000.0, 40_000.0, 40_000.0], id="equal-hardware-a-busy-server-learned-slow"),
+    ],
+)
+def test_ttft_gap_filter_drops_no_server_it_does_not_know_to_be_slower(peaks: list[float]) -> None:
+    # The learned rates say the last two are four times slower, but the rates they prefill at when idle are
+    # equal (or unknown): their gap is queueing, which the load scorers weigh, so nothing is dropped.
+    st = state(prefill_tokens_per_s=GAP_RATES, peak_tokens_per_s=peaks)
+    st.inflight.clock = lambda: 0.0
+    st.inflight.acquire(3, 0, (40_000, GAP_RATES[3])).release()
+    assert TtftGapFilter().filter(REQUEST, st, np.arange(4)).tolist() == [0, 1, 2, 3]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from inferlb.scorer.config import EndpointConfig
-from inferlb.scorer.engine import NEUTRAL_SCORE, State
+from inferlb.scorer.engine import NEUTRAL_SCORE, Engine, State
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.loadscorers import (
@@ -27,10 +27,12 @@ from inferlb.scorer.loadscorers import (
     QueueScorer,
     RunningScorer,
     SeedFormulaScorer,
+    TtftPredictor,
     fewer_is_better,
     min_max_low,
 )
 from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
 from inferlb.scorer.promtext import LoraInfo
 from inferlb.scorer.signals import Signals
 
@@ -429,3 +431,70 @@ def test_lora_affinity_is_computed_once_per_scrape_and_model() -> None:
     assert scorer.score(sql, s, candidates) is first
     s.signals.publish(s.signals.snapshot.with_values(lora=[None, HAS_SQL, FULL, None]))
     assert scorer.score(sql, s, candidates) == pytest.approx([N, 1, 0, N])
+
+
+# ---------------------------------------------------------------- one prediction per decision
+
+
+def _clocked_state(now: list[float]) -> State:
+    pool = Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", None) for i in range(4)])
+    signals = Signals(4, clock=lambda: now[0])
+    signals.publish(signals.snapshot.with_values(prefill_tokens_per_s=[40_000.0, 40_000.0, 10_000.0, 10_000.0]))
+    inflight = InFlight(4, clock=lambda: now[0])
+    for i, tokens in enumerate((0, 4_000, 0, 2_000)):
+        inflight.acquire(i, 0, (tokens, 40_000.0)).release()
+    return State(pool, inflight, signals)
+
+
+def test_a_prediction_is_reused_only_for_the_same_candidates() -> None:
+    now = [0.0]
+    st = _clocked_state(now)
+    request = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=(1, 2))
+    shared = TtftPredictor()
+    candidates = np.arange(4)
+    first = shared.seconds(request, st, candidates)
+    assert shared.seconds(request, st, candidates, reuse=True) is first
+    left = np.array([0, 2, 3])  # a filter dropped one: predicted anew (the imbalance guard weighs the candidates)
+    alone = TtftPredictor()
+    np.testing.assert_array_equal(shared.seconds(request, st, left, reuse=True), alone.seconds(request, st, left))
+    # What the engine asks after the pick is of the candidates the last plugin saw: all of the prompt, at
+    # endpoint 2's rate.
+    assert shared.prefill(request, 2) == alone.prefill(request, 2) == (1000.0, 10_000.0)
+
+
+def test_a_prediction_is_not_reused_by_another_decision() -> None:
+    now = [0.0]
+    st = _clocked_state(now)
+    request = RequestFeatures(model="m", prompt_tokens=1000)
+    predictor = TtftPredictor()
+    before = predictor.seconds(request, st, np.arange(4)).copy()
+    st.inflight.acquire(0, 1000, (1000.0, 40_000.0))  # a decision was made since: endpoint 0 has more to prefill
+    after = predictor.seconds(request, st, np.arange(4), reuse=True)
+    assert after[0] > before[0]
+    np.testing.assert_array_equal(after, TtftPredictor().seconds(request, st, np.arange(4)))
+    now[0] = 0.5  # and later, with no decision in between: the backlog drained meanwhile
+    later = predictor.seconds(request, st, np.arange(4), reuse=True)
+    assert later[0] < after[0]
+    other = RequestFeatures(model="m", prompt_tokens=5000)  # another request at the same instant
+    assert predictor.seconds(other, st, np.arange(4), reuse=True)[0] > later[0]
+
+
+def test_the_default_profile_predicts_once_per_decision_for_its_gap_filter_and_scorer() -> None:
+    profile = build_profile("default", size=4)
+    plugins = (*profile.filters, *(w.scorer for w in profile.scorers))
+    predictors = {id(p.predictor) for p in plugins if hasattr(p, "predictor")}
+    assert len(predictors) == 2  # ttft-gap and predicted-ttft share one; ttft-slo, for objectives only, has its own
+    now = [0.0]
+    st = _clocked_state(now)
+    engine = Engine(st.pool, profile, st.inflight, st.signals)
+    predictor = next(w.scorer for w in profile.scorers if w.scorer.name == "predicted-ttft").predictor
+    calls = []
+    original = st.inflight.pending_prefill
+    st.inflight.pending_prefill = lambda c, r: calls.append(1) or original(c, r)  # type: ignore[method-assign]
+    request = RequestFeatures(model="m", prompt_tokens=1000, request_id="r1")
+    candidates, per_scorer, _ = engine.rank(request)
+    assert len(calls) == 1
+    scores = dict(per_scorer)["predicted-ttft"]
+    cost = TtftPredictor().seconds(request, st, candidates)
+    np.testing.assert_allclose(scores, cost.min() / cost)
+    assert predictor is not None

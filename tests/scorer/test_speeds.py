@@ -16,7 +16,7 @@ from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Router
 from inferlb.scorer.signals import Signals, Snapshot
-from inferlb.scorer.speeds import ServerSpeeds
+from inferlb.scorer.speeds import PEAK_MIN_SAMPLES, PEAK_MIN_WORK, ServerSpeeds
 
 
 class Clock:
@@ -172,3 +172,53 @@ def test_the_routing_unit_tells_the_speeds_the_work_it_counted_ahead_of_each_req
     assert speeds.prefill_tokens_per_s()[0] == pytest.approx(4000 / 0.2)
     router.route(RequestFeatures(model="m", prompt_tokens=1000))  # no request id: nothing to join its timing to
     assert speeds.timings == 1
+
+
+def test_the_peak_rate_counts_only_requests_that_found_the_server_idle() -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(2, clock, prior_requests=0.0, min_requests=1)
+    for k in range(PEAK_MIN_SAMPLES + 4):
+        for endpoint, rate in ((0, 40_000.0), (1, 10_000.0)):
+            # An idle request prefills at the hardware's rate; one that queued behind 20 s of waiting for a slot
+            # brings the same work but a TTFT that is mostly the wait.
+            speeds.sent(f"i{endpoint}-{k}", endpoint, 4000.0, idle=True)
+            speeds.sent(f"q{endpoint}-{k}", endpoint, 4000.0, idle=False)
+            clock.now += 0.01
+            assert speeds.observed(f"i{endpoint}-{k}", 4000.0 / rate, None)
+            assert speeds.observed(f"q{endpoint}-{k}", 20.0 + 4000.0 / rate, None)
+    assert speeds.peak_tokens_per_s() == pytest.approx([40_000.0, 10_000.0])
+    # The learned rate prices the queue as well: it is far below the hardware's on both.
+    assert (speeds.prefill_tokens_per_s() < [4_000.0, 2_000.0]).all()
+
+
+def test_the_peak_rate_needs_enough_idle_requests_of_real_work_and_follows_the_pool() -> None:
+    clock = Clock()
+    speeds = ServerSpeeds(3, clock, min_requests=1)
+    for k in range(PEAK_MIN_SAMPLES):
+        speeds.sent(f"a{k}", 0, 4000.0, idle=True)
+        speeds.sent(f"b{k}", 1, PEAK_MIN_WORK / 2, idle=True)  # a short prompt: its TTFT is mostly the step
+        if k:
+            speeds.sent(f"c{k}", 2, 4000.0, idle=True)  # one sample short
+        clock.now += 0.01
+        for key in (f"a{k}", f"b{k}", f"c{k}"):
+            speeds.observed(key, 0.1, None)
+    peak = speeds.peak_tokens_per_s()
+    assert peak[0] == pytest.approx(4000.0 / 0.1) and np.isnan(peak[1:]).all()
+    moved = speeds.moved(np.array([-1, 0, 2]))  # endpoint 0 stays (now 1), 1 leaves, one joins (now 0)
+    assert np.isnan(moved.peak_tokens_per_s()[[0, 2]]).all()
+    assert moved.peak_tokens_per_s()[1] == pytest.approx(peak[0])
+
+
+def test_the_routing_unit_marks_a_request_that_found_its_server_idle() -> None:
+    clock = Clock()
+    pool = Pool([EndpointConfig("10.0.0.1:8000", frozenset({"m"}))])
+    signals = Signals(1, clock=clock)
+    engine = Engine(pool, build_profile("default", np.random.default_rng(0), size=1), InFlight(1, clock=clock), signals)
+    speeds = ServerSpeeds(1, clock, min_requests=1)
+    router = Router(engine, speeds=speeds)
+    router.route(RequestFeatures(model="m", request_id="first", prompt_tokens=3000))  # nothing ahead of it
+    router.route(RequestFeatures(model="m", request_id="second", prompt_tokens=1000))  # 3,000 tokens ahead
+    clock.now = 10.0  # both prefilled long ago
+    signals.publish(signals.snapshot.with_values(waiting=[2.0]))
+    router.route(RequestFeatures(model="m", request_id="third", prompt_tokens=1000))  # the server says 2 queue
+    assert [entry[3] for entry in speeds._pending.values()] == [True, False, False]
