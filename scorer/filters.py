@@ -11,6 +11,7 @@ import numpy as np
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.loadscorers import TtftPredictor
+from inferlb.scorer.signals import Snapshot
 
 __all__ = ["MemoryFitFilter", "SaturationFilter", "StalenessFilter", "TtftGapFilter", "TtftSloFilter"]
 
@@ -123,9 +124,16 @@ class TtftGapFilter:
         self.factor = factor
         self.seconds = seconds
         self.slower = slower
+        self._for: Snapshot | None = None
+        self._unequal = False  # whether that snapshot's pool has a server slower than another (by the idle rates)
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        if len(candidates) < 2:
+        snapshot = state.signals.snapshot
+        if snapshot is not self._for:  # once per snapshot: a pool of equal servers is never filtered
+            self._for = snapshot
+            known = snapshot.peak_tokens_per_s[np.isfinite(snapshot.peak_tokens_per_s)]
+            self._unequal = known.size > 1 and known.min() < self.slower * known.max()
+        if not self._unequal or len(candidates) < 2:
             return candidates
         predictor = self.predictor
         cost = predictor.seconds(request, state, candidates, reuse=True)
@@ -138,7 +146,7 @@ class TtftGapFilter:
         # says as much about its queue as about its hardware): among equal servers a gap is the backlog estimate's,
         # which the other scorers weigh better (in the simulator, dropping those made homogeneous fleets worse at
         # full load). Unknown peaks (NaN) compare false: nothing is dropped until they are learned.
-        peak = state.signals.snapshot.peak_tokens_per_s[candidates]
+        peak = snapshot.peak_tokens_per_s[candidates]
         drop = (cost > bound) & (peak < self.slower * peak[best])
         return candidates[~drop] if drop.any() else candidates  # never empty: the best stays
 

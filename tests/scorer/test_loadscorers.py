@@ -439,7 +439,8 @@ def test_lora_affinity_is_computed_once_per_scrape_and_model() -> None:
 def _clocked_state(now: list[float]) -> State:
     pool = Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", None) for i in range(4)])
     signals = Signals(4, clock=lambda: now[0])
-    signals.publish(signals.snapshot.with_values(prefill_tokens_per_s=[40_000.0, 40_000.0, 10_000.0, 10_000.0]))
+    rates = [40_000.0, 40_000.0, 10_000.0, 10_000.0]  # unequal servers: the ttft-gap filter predicts
+    signals.publish(signals.snapshot.with_values(prefill_tokens_per_s=rates, peak_tokens_per_s=rates))
     inflight = InFlight(4, clock=lambda: now[0])
     for i, tokens in enumerate((0, 4_000, 0, 2_000)):
         inflight.acquire(i, 0, (tokens, 40_000.0)).release()
