@@ -10,7 +10,7 @@ import numpy as np
 
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.loadscorers import TtftPredictor
+from inferlb.scorer.loadscorers import Predicting, TtftPredictor
 from inferlb.scorer.signals import Snapshot
 
 __all__ = ["MemoryFitFilter", "SaturationFilter", "StalenessFilter", "TtftGapFilter", "TtftSloFilter"]
@@ -68,22 +68,12 @@ class MemoryFitFilter:
         return _keep(candidates, fits) if not math.isnan(need) else candidates
 
 
-class TtftSloFilter:
+class TtftSloFilter(Predicting):
     """Drops endpoints predicted to miss the request's time-to-first-token objective (its class's
     ``ttft_slo_s``; see `TtftPredictor` for the prediction). Requests without an objective pass untouched. If
     every candidate would miss it, keeps them all: the scorers then choose the least bad."""
 
     name = "ttft-slo"
-
-    def __init__(
-        self,
-        prefix_match: object | None = None,
-        block_tokens: int = 64,
-        guard: float = 2.0,
-        *,
-        predictor: TtftPredictor | None = None,
-    ) -> None:
-        self.predictor = predictor or TtftPredictor(prefix_match, block_tokens, guard)
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         slo = request.ttft_slo_s
@@ -91,11 +81,8 @@ class TtftSloFilter:
             return candidates
         return _keep(candidates, self.predictor.seconds(request, state, candidates, reuse=True) <= slo)
 
-    def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
-        return self.predictor.prefill(request, endpoint)
 
-
-class TtftGapFilter:
+class TtftGapFilter(Predicting):
     """Drops endpoints predicted to keep the request waiting for its first token far longer than the best candidate
     would: more than ``factor`` times as long and at least ``seconds`` longer (`TtftPredictor`), on a slower server:
     one whose prefill rate when idle (`ServerSpeeds.peak_tokens_per_s`) is under ``slower`` times the best
@@ -120,7 +107,7 @@ class TtftGapFilter:
         *,
         predictor: TtftPredictor | None = None,
     ) -> None:
-        self.predictor = predictor or TtftPredictor(prefix_match, block_tokens, guard)
+        super().__init__(prefix_match, block_tokens, guard, predictor=predictor)
         self.factor = factor
         self.seconds = seconds
         self.slower = slower
@@ -149,6 +136,3 @@ class TtftGapFilter:
         peak = snapshot.peak_tokens_per_s[candidates]
         drop = (cost > bound) & (peak < self.slower * peak[best])
         return candidates[~drop] if drop.any() else candidates  # never empty: the best stays
-
-    def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
-        return self.predictor.prefill(request, endpoint)

@@ -23,6 +23,7 @@ __all__ = [
     "LatencyScorer",
     "LoraAffinityScorer",
     "PredictedTTFTScorer",
+    "Predicting",
     "QueueScorer",
     "RunningScorer",
     "SeedFormulaScorer",
@@ -337,11 +338,10 @@ class TtftPredictor:
         return own, float(self._tokens_per_s[endpoint])
 
 
-class PredictedTTFTScorer:
-    """The time this request would wait for its first token on each candidate (`TtftPredictor`), best / own."""
-
-    name = "predicted-ttft"
-    bounded = True
+class Predicting:
+    """A plugin that predicts with a `TtftPredictor`: its own (from ``prefix_match``, ``block_tokens`` and ``guard``),
+    or ``predictor``, the one its profile shares; and that passes the prediction's prefill estimate on (a
+    `PrefillEstimator`)."""
 
     def __init__(
         self,
@@ -352,16 +352,26 @@ class PredictedTTFTScorer:
         predictor: TtftPredictor | None = None,
     ) -> None:
         self.predictor = predictor or TtftPredictor(prefix_match, block_tokens, guard)
-        self.block_tokens = block_tokens
+
+    @property
+    def block_tokens(self) -> int:
+        return self.predictor.block_tokens
+
+    def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
+        return self.predictor.prefill(request, endpoint)
+
+
+class PredictedTTFTScorer(Predicting):
+    """The time this request would wait for its first token on each candidate (`TtftPredictor`), best / own."""
+
+    name = "predicted-ttft"
+    bounded = True
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         cost = self.predictor.seconds(request, state, candidates, reuse=True)
         least = cost[cost.argmin()]  # argmin: cheaper than min()
         # The floor keeps a zero cost from dividing by zero; above it, it changes nothing and is skipped.
         return least / (cost if least >= 1e-12 else np.maximum(cost, 1e-12))
-
-    def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
-        return self.predictor.prefill(request, endpoint)
 
 
 class LoraAffinityScorer:
