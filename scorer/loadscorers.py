@@ -221,8 +221,9 @@ class TtftPredictor:
         self._rates_for: np.ndarray | None = None
         # The last prediction, for prefill: the request, its state, candidates and uncached tokens per candidate.
         self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray] | None = None
-        # The last prediction, for reuse: its request, snapshot, counters' version, time, candidates and seconds.
-        self._recent: tuple[RequestFeatures, Snapshot, int, float, np.ndarray, np.ndarray] | None = None
+        # The last prediction, for reuse (its request and candidates are in _last): snapshot, counters' version,
+        # time and seconds.
+        self._recent: tuple[Snapshot, int, float, np.ndarray] | None = None
 
     def seconds(
         self, request: RequestFeatures, state: State, candidates: np.ndarray, *, reuse: bool = False
@@ -230,10 +231,8 @@ class TtftPredictor:
         """Per candidate, the predicted seconds to the request's first token (a new array, or with ``reuse`` one the
         caller must not change)."""
         snapshot = state.signals.snapshot
-        if reuse and (recent := self._recent) is not None and recent[0] is request and recent[1] is snapshot:
-            reused = self._reused(recent, state, candidates)
-            if reused is not None:
-                return reused
+        if reuse and (reused := self._reused(request, state, candidates)) is not None:
+            return reused
         if snapshot is not self._for:  # the rates change with the snapshot only
             rate, step = snapshot.prefill_tokens_per_s, snapshot.decode_step_s
             with np.errstate(invalid="ignore"):
@@ -271,29 +270,24 @@ class TtftPredictor:
         seconds = (state.inflight.pending_prefill(candidates, rates) + own) / rates
         if self._steps is not None:  # the first token also waits for the step that makes it
             seconds += self._steps
-        self._recent = (request, snapshot, state.inflight.decisions, state.inflight.clock(), candidates, seconds)
+        self._recent = (snapshot, state.inflight.decisions, state.inflight.clock(), seconds)
         return seconds
 
-    def _reused(
-        self,
-        recent: tuple[RequestFeatures, Snapshot, int, float, np.ndarray, np.ndarray],
-        state: State,
-        candidates: np.ndarray,
-    ) -> np.ndarray | None:
-        """The recent prediction, or None when it is not of this decision or was made for other candidates (the
-        imbalance guard weighs the candidates' mean load, so a subset is predicted anew)."""
-        request, _, decisions, at, before, seconds = recent
-        last = self._last
+    def _reused(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray | None:
+        """The last prediction if it is of this request and candidates in this decision, its prefill estimate not yet
+        taken; else None (a subset of the candidates is predicted anew: the imbalance guard weighs their mean load)."""
+        last, recent = self._last, self._recent
         if (
-            candidates is not before
-            or decisions != state.inflight.decisions
-            or not 0.0 <= state.inflight.clock() - at <= REUSE_S
-            or last is None
-            or last[0] is not request
+            last is not None
+            and recent is not None
+            and last[0] is request
+            and last[2] is candidates
+            and recent[0] is state.signals.snapshot
+            and recent[1] == state.inflight.decisions
+            and 0.0 <= state.inflight.clock() - recent[2] <= REUSE_S
         ):
-            return None
-        self._last = (request, state, candidates, last[3])
-        return seconds
+            return recent[3]
+        return None
 
     def _guessed(self, hashes: tuple[int, ...], candidates: np.ndarray) -> np.ndarray | None:
         """Tokens of the prompt each candidate likely holds by ``prefix_match`` (a new array), None without a
