@@ -100,3 +100,17 @@ def test_the_service_and_the_simulator_route_through_the_routing_unit() -> None:
     policy = PresetPolicy("default", [get_profile("h100-llama3.1-8b")], seed=0)
     assert isinstance(service.router, Router) and isinstance(policy.router, Router)
     assert policy.signals.clock() == 0.0 and math.isfinite(policy.router.queue.poll_s)
+
+
+def test_the_default_spreads_requests_whose_prompt_it_does_not_read(clock) -> None:
+    # A headers-only route: no prompt, so the token scorers and the TTFT prediction tie once the one-token backlog
+    # drains; the in-flight count (weight 0.25 in the default) is what keeps the requests level.
+    r = router(clock, waiting=[0, 0, 0])
+    headers_only = RequestFeatures(model="m", request_id="h")
+    leases = []
+    for _ in range(30):
+        leases.append(r.route(r.admit(headers_only).request).lease)
+        clock.advance(0.01)
+        loads = r.engine.inflight.requests
+        assert loads.max() - loads.min() <= 1, loads
+    assert r.engine.inflight.requests.tolist() == [10, 10, 10]
