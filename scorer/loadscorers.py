@@ -12,6 +12,7 @@ import numpy as np
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.kvindex import KVBlockIndex
+from inferlb.scorer.prefix import overloaded
 from inferlb.scorer.signals import Snapshot
 
 __all__ = [
@@ -192,8 +193,8 @@ class TtftPredictor:
     endpoint's decode step time where one is learned (``decode_step_s``: the step that makes the first token).
     ``prefix_match`` (optional) gives, per endpoint of the pool, how many of the request's prefix blocks it likely
     holds, and ``block_tokens`` how many tokens a block is. The prefix-affinity scorer's imbalance guard applies
-    here too: an endpoint with more than ``guard x (mean in-flight requests over the candidates + 1)`` requests in
-    flight gets no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt
+    here too: an endpoint with more than ``guard x (mean in-flight requests over the other candidates + 1)`` requests
+    in flight (`scorer.prefix.overloaded`) gets no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt
     is cheap to prefill, but the requests still have to be decoded somewhere).
 
     ``prefill`` tells the engine the request's uncached tokens on the chosen endpoint, which the request's lease
@@ -254,10 +255,9 @@ class TtftPredictor:
         elif hashes:
             cached = self._guessed(hashes, candidates)
         if cached is not None and cached.any():
-            load = state.inflight.requests[candidates]
-            bar = self.guard * (np.add.reduce(load) / len(load) + 1.0)  # load.sum() without its wrapper
-            if load[load.argmax()] > bar:  # only then is there a candidate to deny its cache (argmax: cheap)
-                cached[load > bar] = 0
+            over = overloaded(state.inflight.requests[candidates], self.guard)
+            if over is not None:
+                cached[over] = 0
             # At least one token stays to prefill: the cached part is at most prompt_tokens - 1, and the prompt at
             # least prompt_tokens, so the difference is at least 1 (no floor needed).
             own = prompt - np.minimum(cached, request.prompt_tokens - 1)

@@ -167,13 +167,32 @@ class PrefixIndex:
         return len(self._holders)
 
 
+def overloaded(load: np.ndarray, guard: float) -> np.ndarray | None:
+    """The imbalance guard of prefix affinity: which candidates hold more than ``guard x (the mean in-flight
+    requests of the other candidates + 1)``, as a mask; None when none does (the common case, found cheaply).
+
+    The others' mean, not all candidates': on a small pool a server that piles up requests lifts a mean that counts
+    itself (3 servers, two holding 3 requests each: it would need 19 to be over 2x, against 9 here), and a prefix
+    it caches holds traffic on it long after it has turned slow.
+    """
+    n = len(load)
+    if n < 2:
+        return None
+    total = np.add.reduce(load)  # what load.sum() calls, without its wrapper
+    # load_i > guard * ((total - load_i) / (n - 1) + 1) grows with load_i: only the busiest can be the first over.
+    top = load[load.argmax()]
+    if top <= guard * ((total - top) / (n - 1) + 1.0):
+        return None
+    return load > guard * ((total - load) / (n - 1) + 1.0)
+
+
 class PrefixAffinityScorer:
     """Scores each candidate by the fraction of the request's prefix blocks it holds, leading blocks only.
 
     Scores are in [0, 1]: matched blocks / ``len(request.prefix_hashes)``. A request without prefix hashes
     (no body, or a prompt shorter than one block) scores ``NEUTRAL_SCORE`` everywhere. The imbalance guard:
-    a candidate with more than ``guard x (mean in-flight requests over the candidates + 1)`` requests in
-    flight scores 0, so that a popular prefix cannot pile every request onto one endpoint; the load scorers
+    a candidate with more than ``guard x (mean in-flight requests over the other candidates + 1)`` requests in
+    flight scores 0 (`overloaded`), so that a popular prefix cannot pile every request onto one endpoint; the load scorers
     then choose among the rest, and the prefix follows it there.
 
     The index must have one entry per pool endpoint (a mismatch raises in ``score``, which the engine counts
@@ -237,11 +256,9 @@ class PrefixAffinityScorer:
         return self._guarded(np.where(live, scores, 0.0 if guess is None else guess), state, candidates)
 
     def _guarded(self, scores: np.ndarray, state: State, candidates: np.ndarray) -> np.ndarray:
-        load = state.inflight.requests[candidates]
-        # sum / len rather than mean(): a third of the cost on small arrays.
-        bar = self.guard * (np.add.reduce(load) / len(load) + 1.0)  # what load.sum() calls, without its wrapper
-        if load[load.argmax()] > bar:  # only then is there a candidate to zero (argmax: cheaper than max())
-            scores[load > bar] = 0.0
+        over = overloaded(state.inflight.requests[candidates], self.guard)
+        if over is not None:
+            scores[over] = 0.0
         return scores
 
     def on_pick(self, request: RequestFeatures, endpoint: int) -> None:

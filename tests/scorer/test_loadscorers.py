@@ -263,16 +263,16 @@ def test_a_picked_prompt_counts_until_it_is_prefilled_not_until_its_request_ends
     ("requests", "guard", "costs"),
     [
         pytest.param([0, 0, 0, 0], 2.0, [1000, 360, 360, 1000], id="even-load-credits-both"),
-        pytest.param([0, 5, 0, 0], 2.0, [1000, 1000, 360, 1000], id="a-hot-endpoint-gets-no-credit"),
-        pytest.param([0, 4, 0, 0], 2.0, [1000, 360, 360, 1000], id="at-the-guard-still-credited"),
+        pytest.param([0, 3, 0, 0], 2.0, [1000, 1000, 360, 1000], id="a-hot-endpoint-gets-no-credit"),
+        pytest.param([0, 2, 0, 0], 2.0, [1000, 360, 360, 1000], id="at-the-guard-still-credited"),
         pytest.param([0, 50, 0, 0], INF, [1000, 360, 360, 1000], id="guard-off"),
     ],
 )
 def test_the_imbalance_guard_stops_cache_credit_on_a_hot_endpoint(
     requests: list[int], guard: float, costs: list[float]
 ) -> None:
-    # The guard: more than guard x (mean in-flight requests + 1); with 5 of 4 endpoints' 5 requests on one,
-    # 5 > 2 x (1.25 + 1), with 4, 4 <= 2 x (1 + 1).
+    # The guard: more than guard x (the other candidates' mean in-flight requests + 1): 3 > 2 x (0 + 1), 2 is not.
+    # (Over all four candidates' mean, 3 would still be credited: 3 <= 2 x (0.75 + 1).)
     s = state()
     s.inflight.requests[:] = requests
     scorer = PredictedTTFTScorer(Match([0, 10, 10, 0]), block_tokens=64, guard=guard)

@@ -17,7 +17,7 @@ from inferlb.scorer.kvindex import KVBlockIndex
 from inferlb.scorer.loadscorers import PredictedTTFTScorer
 from inferlb.scorer.plugins import InFlightScorer, MaxScorePicker
 from inferlb.scorer.pool import Pool
-from inferlb.scorer.prefix import PrefixAffinityScorer, PrefixIndex
+from inferlb.scorer.prefix import PrefixAffinityScorer, PrefixIndex, overloaded
 from inferlb.scorer.signals import Signals
 from inferlb.scorer.tokenizer import cache_keys
 
@@ -191,7 +191,7 @@ def _req(hashes: Sequence[int] = ()) -> RequestFeatures:
             [0.5, 0.0],
             id="aligned-with-candidates",
         ),
-        # mean in-flight 3, bound 2 x (3 + 1) = 8: endpoint 0 with 9 is hot.
+        # the others' mean in-flight 1, bound 2 x (1 + 1) = 4: endpoint 0 with 9 is hot.
         pytest.param(
             [(0, [A, B]), (1, [A, B]), (2, [A])],
             [A, B],
@@ -204,14 +204,14 @@ def _req(hashes: Sequence[int] = ()) -> RequestFeatures:
         pytest.param(
             [(0, [A, B]), (1, [A, B])],
             [A, B],
-            [8, 1, 1, 2],
+            [6, 2, 2, 2],
             [0, 1, 2, 3],
             2.0,
             [1.0, 1.0, 0.0, 0.0],
             id="at-the-bound-is-not-hot",
         ),
-        # Over the candidates the mean is 5 (bound 12, not hot); over the whole pool it would be 2.5 (bound 7).
-        pytest.param([(0, [A, B])], [A, B], [9, 1, 0, 0], [0, 1], 2.0, [1.0, 0.0], id="guard-uses-the-candidates-mean"),
+        # Over the candidates the other's mean is 1 (bound 4: 5 is hot); over the whole pool it would be 6.3 (bound 14.7).
+        pytest.param([(0, [A, B])], [A, B], [5, 1, 9, 9], [0, 1], 2.0, [0.0, 0.0], id="guard-uses-the-candidates-mean"),
         pytest.param([(0, [A, B])], [A, B], [9, 1, 1, 1], [0, 1, 2, 3], float("inf"), [1.0, 0, 0, 0], id="guard-off"),
         pytest.param([(0, [A, B])], [A, B], [3, 1, 1, 1], [0, 1, 2, 3], 1.0, [0.0, 0, 0, 0], id="tighter-guard"),
     ],
@@ -228,6 +228,34 @@ def test_prefix_affinity_scores(
     scores = scorer.score(_req(hashes), _state(requests), np.array(candidates, dtype=np.intp))
     assert scores.dtype == np.float64
     assert scores.tolist() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("load", "over"),
+    [
+        # Three servers, two holding 3 requests: the third is over at 9 (> 2 x (3 + 1)). Against a mean that
+        # counted it, it would need 19, and a slowed server that caches the popular prefixes fills up first.
+        pytest.param([9, 3, 3], [True, False, False], id="small-pool-pile-up"),
+        pytest.param([8, 3, 3], None, id="small-pool-at-the-bound"),
+        pytest.param([0, 0, 0, 0], None, id="idle"),
+        pytest.param([7, 7, 0, 0], [True, True, False, False], id="two-over"),
+        pytest.param([50], None, id="one-candidate-has-no-others"),
+    ],
+)
+def test_overloaded_compares_each_candidate_with_the_others(load: list[int], over: list[bool] | None) -> None:
+    got = overloaded(np.array(load, dtype=np.float64), 2.0)
+    assert (None if got is None else got.tolist()) == over
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_overloaded_finds_every_candidate_over_the_bound(seed: int) -> None:
+    # The early exit checks the busiest candidate only; it must find what checking each one finds.
+    rng = np.random.default_rng(seed)
+    load = rng.integers(0, 12, size=int(rng.integers(2, 9))).astype(np.float64)
+    n = len(load)
+    reference = [load[i] > 2.0 * ((load.sum() - load[i]) / (n - 1) + 1.0) for i in range(n)]
+    got = overloaded(load, 2.0)
+    assert (got.tolist() if got is not None else [False] * n) == reference
 
 
 def test_prefix_affinity_index_must_fit_the_pool() -> None:

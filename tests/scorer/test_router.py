@@ -114,3 +114,24 @@ def test_the_default_spreads_requests_whose_prompt_it_does_not_read(clock) -> No
         loads = r.engine.inflight.requests
         assert loads.max() - loads.min() <= 1, loads
     assert r.engine.inflight.requests.tolist() == [10, 10, 10]
+
+
+def test_a_server_that_holds_the_shared_prefix_but_stops_finishing_loses_the_traffic(clock) -> None:
+    # Every request shares one prompt; the server the first went to caches it and then stops finishing requests
+    # (slowed), while the others finish each at once. Its cache credit must end once it holds more than 2x (the
+    # other servers' mean in-flight requests + 1), that is at 3 here: against a mean that counted it, it took 7
+    # with three servers, and in the demo a slowed server kept a quarter of the traffic that way.
+    r = router(clock, waiting=[0, 0, 0])
+    shared = tuple(range(100, 130))
+    slow, held = None, []
+    for i in range(40):
+        request = RequestFeatures(model="m", prompt_tokens=2000, prefix_hashes=shared, request_id=f"q{i}")
+        routed = r.route(r.admit(request).request)
+        endpoint = routed.decision.endpoint.index
+        slow = endpoint if slow is None else slow
+        if endpoint == slow:
+            held.append(routed.lease)
+        else:
+            routed.lease.release()
+        clock.advance(0.05)
+    assert len(held) == 3
