@@ -82,11 +82,25 @@ class TtftSloFilter(Predicting):
         return _keep(candidates, self.predictor.seconds(request, state, candidates, reuse=True) <= slo)
 
 
+def _peaks(snapshot: Snapshot) -> np.ndarray:
+    """Per endpoint, its idle prefill rate (`ServerSpeeds.peak_tokens_per_s`); where that is not learned but another
+    endpoint's is, its learned rate under load, which is at most its idle rate; NaN where nothing is known.
+
+    A slow server on a mixed fleet is seldom found idle, so its idle rate may never be learned (in the simulator, 4
+    L4s beside 12 faster servers got 50 of 2,000 Mooncake requests, and two of them had no idle rate by the run's end):
+    judged unknown, it was never dropped. While no endpoint's idle rate is known (a picker just started), nothing is judged slower."""
+    peak = snapshot.peak_tokens_per_s
+    known = np.isfinite(peak)
+    if known.all() or not known.any():
+        return peak
+    return np.where(known, peak, snapshot.prefill_tokens_per_s)
+
+
 class TtftGapFilter(Predicting):
     """Drops endpoints predicted to keep the request waiting for its first token far longer than the best candidate
     would: more than ``factor`` times as long and at least ``seconds`` longer (`TtftPredictor`), on a slower server:
-    one whose prefill rate when idle (`ServerSpeeds.peak_tokens_per_s`) is under ``slower`` times the best
-    candidate's. Applies to every request.
+    one whose prefill rate when idle (`ServerSpeeds.peak_tokens_per_s`, or its learned rate where that is not known:
+    `_peaks`) is under ``slower`` times the best candidate's. Applies to every request.
 
     The load scorers count requests, tokens and queued requests alike on every server. On a fleet of unequal
     servers (an L4 beside an H100) they can favour the slow server that holds fewer requests by more than the
@@ -112,13 +126,15 @@ class TtftGapFilter(Predicting):
         self.seconds = seconds
         self.slower = slower
         self._for: Snapshot | None = None
+        self._peak = np.zeros(0)
         self._unequal = False  # whether that snapshot's pool has a server slower than another (by the idle rates)
 
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         snapshot = state.signals.snapshot
         if snapshot is not self._for:  # once per snapshot: a pool of equal servers is never filtered
             self._for = snapshot
-            known = snapshot.peak_tokens_per_s[np.isfinite(snapshot.peak_tokens_per_s)]
+            self._peak = _peaks(snapshot)
+            known = self._peak[np.isfinite(self._peak)]
             self._unequal = known.size > 1 and known.min() < self.slower * known.max()
         if not self._unequal or len(candidates) < 2:
             return candidates
@@ -132,7 +148,7 @@ class TtftGapFilter(Predicting):
         # Only a slower server is dropped, by the rate it prefills at when idle (the learned rate of a busy server
         # says as much about its queue as about its hardware): among equal servers a gap is the backlog estimate's,
         # which the other scorers weigh better (in the simulator, dropping those made homogeneous fleets worse at
-        # full load). Unknown peaks (NaN) compare false: nothing is dropped until they are learned.
-        peak = snapshot.peak_tokens_per_s[candidates]
+        # full load). Unknown peaks (NaN) compare false: nothing is dropped until some are learned.
+        peak = self._peak[candidates]
         drop = (cost > bound) & (peak < self.slower * peak[best])
         return candidates[~drop] if drop.any() else candidates  # never empty: the best stays

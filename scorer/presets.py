@@ -7,8 +7,8 @@
 | kv-aware | model, staleness, saturation | kv-cache 1, queue 1, in-flight 1 | max-score |
 | prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
 | seed-formula | model, staleness | seed-formula | max-score |
-| default | model, staleness, saturation, | in-flight 0.25, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
-|  | ttft-slo, ttft-gap | predicted-ttft 2, in-flight-tokens 1, latency 0.5, |  |
+| default | model, staleness, ttft-gap, | in-flight 0.25, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
+|  | saturation, ttft-slo | predicted-ttft 2, in-flight-tokens 1, latency 0.5, |  |
 |  |  | lora-affinity 1 |  |
 """
 
@@ -53,10 +53,12 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
         "seed-formula": _spec("seed-formula", ("model", "staleness"), (("seed-formula", 1.0),), "max-score"),
         "default": _spec(
             "default",
-            # ttft-slo: a no-op for requests whose class has no TTFT objective. ttft-gap: no endpoint predicted to
-            # take over 2x and 1 s longer than the best to the first token (on a mixed fleet, the slow servers
-            # that the load scorers favour for holding fewer requests; bench/results/quality/fleets).
-            (*_GUARDED, "ttft-slo", "ttft-gap"),
+            # ttft-gap: no endpoint predicted to take over 2x and 1 s longer than the best to the first token (on
+            # a mixed fleet, the slow servers that the load scorers favour for holding fewer requests;
+            # bench/results/quality/fleets). Before saturation: when the fast servers are saturated, the saturation
+            # filter alone would leave a slow one under its threshold as the only candidate, and herd every request
+            # onto it until the next scrape. ttft-slo: a no-op for requests whose class has no TTFT objective.
+            ("model", "staleness", "ttft-gap", "saturation", "ttft-slo"),
             (
                 # 0.25, not 1: a count weighs a 100-token request like an 8,000-token one, and at 1 it outvoted the
                 # token-aware scorers below (TTFT p99 up to 1.35x the oracle's on the Azure traces, where prompts

@@ -336,3 +336,13 @@ def test_ttft_gap_filter_drops_no_server_it_does_not_know_to_be_slower(peaks: li
     st.inflight.clock = lambda: 0.0
     st.inflight.acquire(3, 0, (40_000, GAP_RATES[3])).release()
     assert TtftGapFilter().filter(REQUEST, st, np.arange(4)).tolist() == [0, 1, 2, 3]
+
+
+def test_ttft_gap_filter_judges_a_server_whose_idle_rate_is_unknown_by_its_learned_rate() -> None:
+    # The fast servers' idle rates are known, the slow ones' not (seldom found idle, as on a mixed fleet): their
+    # learned rates, at most what they do idle, stand in. Four times slower and seconds behind: dropped.
+    peaks = [40_000.0, 40_000.0, NAN, NAN]
+    st = state(prefill_tokens_per_s=GAP_RATES, peak_tokens_per_s=peaks)
+    st.inflight.clock = lambda: 0.0
+    st.inflight.acquire(3, 0, (40_000, GAP_RATES[3])).release()
+    assert TtftGapFilter().filter(REQUEST, st, np.arange(4)).tolist() == [0, 1, 2]

@@ -135,3 +135,19 @@ def test_a_server_that_holds_the_shared_prefix_but_stops_finishing_loses_the_tra
             routed.lease.release()
         clock.advance(0.05)
     assert len(held) == 3
+
+
+def test_the_default_does_not_leave_a_slow_server_as_the_only_candidate_when_the_fast_ones_are_saturated(clock) -> None:
+    # Two fast servers with queues over the saturation threshold (16), one four times slower under it but seconds
+    # of prefill behind. Filtering saturation first left the slow one as the only candidate, and every request
+    # until the next scrape went there; the ttft-gap filter comes first now and drops it.
+    r = router(clock, waiting=[20, 20, 0])
+    rates = [40_000.0, 40_000.0, 10_000.0]
+    snapshot = r.engine.signals.snapshot.with_values(prefill_tokens_per_s=rates, peak_tokens_per_s=rates)
+    r.engine.signals.publish(snapshot)
+    r.engine.inflight.acquire(2, 0, (40_000, rates[2]))  # 4 s of prefill queued on the slow server
+    admit = r.admit(PROMPT)
+    assert admit.verdict == "go"  # one server is not saturated: admission lets the request go
+    routed = r.route(admit.request)
+    assert routed.decision.endpoint.index in (0, 1)
+    assert routed.decision.reason == "best-score"
