@@ -64,8 +64,9 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
                 # token-aware scorers below (TTFT p99 up to 1.35x the oracle's on the Azure traces, where prompts
                 # vary most; bench/results/quality/fleets). It stays as the tie-breaker that spreads requests whose
                 # prompt the picker does not read (a headers-only route), which the token scorers cannot tell apart.
-                # The cost: where prefix affinity holds traffic on a server that turns slow, it moves off more slowly
-                # than at 1 (README, the demo); 0.5 is the candidate to weigh the two.
+                # Where prefix affinity holds traffic on a server that turns slow (the demo), the count at 1 pushed
+                # the traffic off sooner; at 0.25 the imbalance guard does (`scorer.prefix.overloaded`: more than
+                # twice the other candidates' mean in-flight requests ends the cache credit).
                 ("in-flight", 0.25),
                 ("queue", 1.0),
                 ("kv-cache", 0.5),
