@@ -87,8 +87,9 @@ def _peaks(snapshot: Snapshot) -> np.ndarray:
     endpoint's is, its learned rate under load, which is at most its idle rate; NaN where nothing is known.
 
     A slow server on a mixed fleet is seldom found idle, so its idle rate may never be learned (in the simulator, 4
-    L4s beside 12 faster servers got 50 of 2,000 Mooncake requests, and two of them had no idle rate by the run's end):
-    judged unknown, it was never dropped. While no endpoint's idle rate is known (a picker just started), nothing is judged slower."""
+    L4s beside 12 faster servers got 50 of 2,000 Mooncake requests, and two of them had no idle rate by the run's
+    end): judged unknown, it was never dropped. While no endpoint's idle rate is known (a picker just started),
+    nothing is judged slower."""
     peak = snapshot.peak_tokens_per_s
     known = np.isfinite(peak)
     if known.all() or not known.any():

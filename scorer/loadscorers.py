@@ -194,8 +194,8 @@ class TtftPredictor:
     ``prefix_match`` (optional) gives, per endpoint of the pool, how many of the request's prefix blocks it likely
     holds, and ``block_tokens`` how many tokens a block is. The prefix-affinity scorer's imbalance guard applies
     here too: an endpoint with more than ``guard x (mean in-flight requests over the other candidates + 1)`` requests
-    in flight (`scorer.prefix.overloaded`) gets no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt
-    is cheap to prefill, but the requests still have to be decoded somewhere).
+    in flight (`scorer.prefix.overloaded`) gets no credit for its cache, or one popular prefix would pile every
+    request onto it (a cached prompt is cheap to prefill, but the requests still have to be decoded somewhere).
 
     ``prefill`` tells the engine the request's uncached tokens on the chosen endpoint, which the request's lease
     adds to that endpoint's backlog. Keeps a per-snapshot cache: one event loop.

@@ -192,8 +192,8 @@ class PrefixAffinityScorer:
     Scores are in [0, 1]: matched blocks / ``len(request.prefix_hashes)``. A request without prefix hashes
     (no body, or a prompt shorter than one block) scores ``NEUTRAL_SCORE`` everywhere. The imbalance guard:
     a candidate with more than ``guard x (mean in-flight requests over the other candidates + 1)`` requests in
-    flight scores 0 (`overloaded`), so that a popular prefix cannot pile every request onto one endpoint; the load scorers
-    then choose among the rest, and the prefix follows it there.
+    flight scores 0 (`overloaded`), so that a popular prefix cannot pile every request onto one endpoint; the load
+    scorers then choose among the rest, and the prefix follows it there.
 
     The index must have one entry per pool endpoint (a mismatch raises in ``score``, which the engine counts
     and scores neutral); it is fitted to the servers' KV-cache sizes as the snapshot reports them. ``on_pick``

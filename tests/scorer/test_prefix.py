@@ -210,7 +210,7 @@ def _req(hashes: Sequence[int] = ()) -> RequestFeatures:
             [1.0, 1.0, 0.0, 0.0],
             id="at-the-bound-is-not-hot",
         ),
-        # Over the candidates the other's mean is 1 (bound 4: 5 is hot); over the whole pool it would be 6.3 (bound 14.7).
+        # Over the candidates the other's mean is 1 (bound 4: 5 is hot); over the pool it would be 6.3 (bound 14.7).
         pytest.param([(0, [A, B])], [A, B], [5, 1, 9, 9], [0, 1], 2.0, [0.0, 0.0], id="guard-uses-the-candidates-mean"),
         pytest.param([(0, [A, B])], [A, B], [9, 1, 1, 1], [0, 1, 2, 3], float("inf"), [1.0, 0, 0, 0], id="guard-off"),
         pytest.param([(0, [A, B])], [A, B], [3, 1, 1, 1], [0, 1, 2, 3], 1.0, [0.0, 0, 0, 0], id="tighter-guard"),
