@@ -12,6 +12,7 @@ work onto one hot endpoint.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -176,14 +177,15 @@ def overloaded(load: np.ndarray, guard: float) -> np.ndarray | None:
     it caches holds traffic on it long after it has turned slow.
     """
     n = len(load)
-    if n < 2:
+    if n < 2 or guard == math.inf:
         return None
-    total = np.add.reduce(load)  # what load.sum() calls, without its wrapper
-    # load_i > guard * ((total - load_i) / (n - 1) + 1) grows with load_i: only the busiest can be the first over.
-    top = load[load.argmax()]
-    if top <= guard * ((total - top) / (n - 1) + 1.0):
+    # load_i > guard * ((total - load_i) / (n - 1) + 1), solved for load_i: one bound for every candidate. For whole
+    # request counts it decides as the exact rational would: a quotient that is not a whole number is too far from
+    # one (at least 1 / (n - 1 + guard)) for rounding to carry it across.
+    bar = guard * (np.add.reduce(load) + n - 1) / (n - 1 + guard)  # add.reduce: load.sum() without its wrapper
+    if load[load.argmax()] <= bar:  # only the busiest can be the first over (argmax: cheaper than max())
         return None
-    return load > guard * ((total - load) / (n - 1) + 1.0)
+    return load > bar
 
 
 class PrefixAffinityScorer:
