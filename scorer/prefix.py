@@ -180,8 +180,8 @@ def overloaded(load: np.ndarray, guard: float) -> np.ndarray | None:
     if n < 2 or guard == math.inf:
         return None
     # load_i > guard * ((total - load_i) / (n - 1) + 1), solved for load_i: one bound for every candidate. For whole
-    # request counts it decides as the exact rational would: a quotient that is not a whole number is too far from
-    # one (at least 1 / (n - 1 + guard)) for rounding to carry it across.
+    # request counts and a whole guard it decides as the exact rational would: a quotient that is not a whole number
+    # is too far from one (at least 1 / (n - 1 + guard)) for rounding to carry it across.
     bar = guard * (np.add.reduce(load) + n - 1) / (n - 1 + guard)  # add.reduce: load.sum() without its wrapper
     if load[load.argmax()] <= bar:  # only the busiest can be the first over (argmax: cheaper than max())
         return None
