@@ -45,6 +45,7 @@ class InFlight:
         self.peer_sent = np.zeros(size, dtype=np.int64)
         self._peer_prefill = np.zeros(size)
         self._peer_prefill_at = np.zeros(size)
+        self._peer_backlog = False  # whether any peer backlog is set (without one, `pending_prefill` skips it)
 
     def moved(self, mapping: np.ndarray) -> InFlight:
         """The counters of the next pool after a membership change: endpoint j of the new pool has what endpoint
@@ -55,6 +56,7 @@ class InFlight:
         for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at", *_PEER_FIELDS):
             getattr(new, name)[kept] = getattr(self, name)[source]
         new.decisions = self.decisions
+        new._peer_backlog = bool(new._peer_prefill.any())
         return new
 
     def hand_over(self, new: InFlight, mapping: np.ndarray) -> None:
@@ -100,6 +102,7 @@ class InFlight:
         self.peer_sent = load.sent.astype(np.int64, copy=True)
         self._peer_prefill = load.backlog.astype(float, copy=True)
         self._peer_prefill_at = load.backlog_at.astype(float, copy=True)
+        self._peer_backlog = bool(self._peer_prefill.any())
 
     def own(self) -> Load:
         """This replica's own load per endpoint (new arrays): what it tells its peers."""
@@ -123,6 +126,8 @@ class InFlight:
         (aligned with ``candidates``)."""
         now = self.clock()
         own = np.maximum(self._prefill[candidates] - tokens_per_s * (now - self._prefill_at[candidates]), 0.0)
+        if not self._peer_backlog:  # no replicas, or none with a backlog: half the work, on every prediction
+            return own
         peers = self._peer_prefill[candidates] - tokens_per_s * (now - self._peer_prefill_at[candidates])
         return own + np.maximum(peers, 0.0)
 

@@ -254,7 +254,7 @@ class TtftPredictor:
             cached = self._cached_exact(request, candidates, kv)
         elif hashes:
             cached = self._guessed(hashes, candidates)
-        if cached is not None and cached.any():
+        if cached is not None and np.count_nonzero(cached):  # count_nonzero: any() without its wrapper
             over = overloaded(state.inflight.requests[candidates], self.guard)
             if over is not None:
                 cached[over] = 0

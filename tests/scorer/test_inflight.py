@@ -156,6 +156,23 @@ def test_peers_load_counts_in_requests_sent_and_the_prefill_backlog() -> None:
     assert inflight.requests.tolist() == [1, 0] and inflight.sent.tolist() == [1, 0]
 
 
+def test_a_peer_backlog_counts_until_cleared_and_moves_with_the_pool() -> None:
+    # pending_prefill skips the peers' part while none has a backlog: it must come back with one, go with it, and
+    # follow the counters that replace these after a membership change.
+    now = [100.0]
+    inflight = InFlight(2, clock=lambda: now[0])
+    rates = np.array([100.0, 100.0])
+    assert inflight.pending_prefill(np.arange(2), rates).tolist() == [0.0, 0.0]
+    inflight.set_peers(
+        Load(np.array([0, 1]), np.array([0, 5]), np.array([0, 1]), np.array([0.0, 400.0]), np.array([0.0, 100.0]))
+    )
+    assert inflight.pending_prefill(np.arange(2), rates).tolist() == [0.0, 400.0]
+    moved = inflight.moved(np.array([1, 0, -1]))  # old 1 is now 0; a new endpoint joined as 2
+    assert moved.pending_prefill(np.arange(3), np.array([100.0, 100.0, 100.0])).tolist() == [400.0, 0.0, 0.0]
+    inflight.set_peers(Load.zero(2))
+    assert inflight.pending_prefill(np.arange(2), rates).tolist() == [0.0, 0.0]
+
+
 def test_loads_add_up_with_their_backlogs_dated_by_weight() -> None:
     one = Load(np.array([1]), np.array([10]), np.array([3]), np.array([300.0]), np.array([10.0]))
     two = Load(np.array([2]), np.array([20]), np.array([4]), np.array([100.0]), np.array([14.0]))

@@ -247,11 +247,14 @@ def test_overloaded_compares_each_candidate_with_the_others(load: list[int], ove
     assert (None if got is None else got.tolist()) == over
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(40))
 def test_overloaded_finds_every_candidate_over_the_bound(seed: int) -> None:
-    # The early exit checks the busiest candidate only; it must find what checking each one finds.
+    # The early exit checks the busiest candidate only; it must find what checking each one finds, on small pools
+    # (read as a list) and large ones (numpy), with the in-flight counters' integers and with floats.
     rng = np.random.default_rng(seed)
-    load = rng.integers(0, 12, size=int(rng.integers(2, 9))).astype(np.float64)
+    size = int(rng.integers(2, 9)) if seed % 2 else int(rng.integers(9, 80))
+    load = rng.integers(0, 12, size=size).astype(np.int64 if seed % 4 < 2 else np.float64)
+    load[rng.integers(size)] += rng.integers(0, 4) * 10  # now and then one far over
     n = len(load)
     reference = [load[i] > 2.0 * ((load.sum() - load[i]) / (n - 1) + 1.0) for i in range(n)]
     got = overloaded(load, 2.0)
