@@ -39,6 +39,7 @@ from inferlb.bench.report import cpu_model, header, table, write
 from inferlb.bench.stats import median
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, find_tool, free_port, http_ok
+from inferlb.sim.metrics import CONTENT_TYPE, VllmMetrics
 from inferlb.stack import LocalStack, StackOptions
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "VARIANTS",
     "Backends",
     "add_arguments",
+    "backend_metrics",
     "cpu_ratio_to_floor",
     "run",
     "start_backends",
@@ -272,15 +274,35 @@ class Backends:
     addresses: list[str]
 
 
+def backend_metrics() -> str:
+    """What the backends answer ``GET /metrics`` with: a vLLM exposition (the emulator's rendering) of a server with
+    two requests running, none waiting and 10% of its KV cache in use, that has served a few. Fixed: what it gives the
+    picker is fresh signals to score with on every scrape, and the scrape's cost, as a real fleet does."""
+    metrics = VllmMetrics(MODEL, block_size=16, num_gpu_blocks=8192, max_num_seqs=256, max_num_batched_tokens=8192)
+    for _ in range(20):
+        metrics.record_finished(
+            queue_s=0.001,
+            ttft_s=0.02,
+            e2e_s=0.3,
+            prefill_s=0.02,
+            decode_s=0.28,
+            prompt_tokens=300,
+            generation_tokens=64,
+        )
+    metrics.set_state(2, 0, 0.1)
+    return metrics.render().decode()
+
+
 def start_backends(count: int, workdir: Path) -> Backends:
-    """``count`` backends that cost next to nothing: one Envoy answering every request with COMPLETION."""
+    """``count`` backends that cost next to nothing: one Envoy answering ``GET /metrics`` with `backend_metrics` and
+    every other request with COMPLETION."""
     ports = [free_port() for _ in range(count)]
     admin = free_port()
     template = files("inferlb.bench").joinpath("backends.yaml.j2").read_text(encoding="utf-8")
     text = (
         jinja2.Environment(undefined=jinja2.StrictUndefined)
         .from_string(template)
-        .render(ports=ports, admin_port=admin, body=COMPLETION)
+        .render(ports=ports, admin_port=admin, body=COMPLETION, metrics=backend_metrics(), metrics_type=CONTENT_TYPE)
     )
     path = workdir / "backends.yaml"
     path.write_text(text, encoding="utf-8")

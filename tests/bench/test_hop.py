@@ -23,6 +23,7 @@ from inferlb.bench.hop import (
     weights_to_envoy,
 )
 from inferlb.envoyconf import EnvoyOptions
+from inferlb.scorer.promtext import SignalReader
 from inferlb.stack import LocalStack, StackOptions
 
 RESULTS = Path(__file__).resolve().parents[1] / "fixtures" / "bench" / "hop-2026-11-30.json"
@@ -148,6 +149,24 @@ def test_the_report_splits_the_extra_cpu_into_the_routing_path_and_the_scoring(r
 
 def test_a_run_without_the_round_robin_variants_has_no_split(results: dict[str, Any]) -> None:
     assert "Where inferlb's picker CPU" not in _markdown(results)
+
+
+@pytest.mark.envoy
+def test_the_backends_serve_metrics_the_picker_reads_and_completions_elsewhere(tmp_path: Path) -> None:
+    # Without a vLLM exposition every scrape fails and the default preset routes without server signals: the
+    # benchmark would measure a picker that no fleet runs.
+    backends = start_backends(2, tmp_path)
+    try:
+        scrapes = [httpx.get(f"http://{a}/metrics", timeout=10) for a in backends.addresses]
+        completion = httpx.post(f"http://{backends.addresses[0]}/v1/completions", content=BODY, timeout=10)
+    finally:
+        backends.process.stop()
+    for scrape in scrapes:
+        assert scrape.status_code == 200 and scrape.headers["content-type"].startswith("text/plain")
+        signals = SignalReader().read(scrape.content)
+        assert (signals.running, signals.waiting, signals.kv_cache_usage) == (2, 0, 0.1)
+        assert signals.block_size == 16 and signals.num_gpu_blocks == 8192
+    assert completion.json()["id"] == "cmpl-1"
 
 
 @pytest.mark.envoy
