@@ -37,8 +37,8 @@ class StalenessFilter:
 class SaturationFilter:
     """Drops saturated endpoints, by the rule admission control uses (`Saturation`, configured once in the
     config's ``admission`` section): more than ``max_waiting`` queued requests, counting those sent since the
-    scrape began, or KV-cache use above ``max_kv_usage``. Unknown values pass. If every candidate is saturated,
-    keeps them all."""
+    scrape began that are still in flight, or KV-cache use above ``max_kv_usage``. Unknown values pass. If every
+    candidate is saturated, keeps them all."""
 
     name = "saturation"
 

@@ -32,6 +32,9 @@ class InFlight:
         self.tokens = np.zeros(size, dtype=np.int64)
         self.sent = np.zeros(size, dtype=np.int64)
         self.decisions = 0  # requests counted so far, all endpoints: a version of the counters
+        # Times a count went down (a request ended or moved away, or the peers' changed): with ``decisions``, the
+        # counters' version for a reader that must see a count fall (the saturation rule's cache).
+        self.lowered = 0
         self.clock = clock
         # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
         self._prefill = np.zeros(size)
@@ -56,6 +59,7 @@ class InFlight:
         for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at", *_PEER_FIELDS):
             getattr(new, name)[kept] = getattr(self, name)[source]
         new.decisions = self.decisions
+        new.lowered = self.lowered
         new._peer_backlog = bool(new._peer_prefill.any())
         return new
 
@@ -94,6 +98,7 @@ class InFlight:
         the counters' version: the saturation rule's cache holds for so many)."""
         self.requests += load.requests - self.peer_requests
         self.tokens += load.tokens - self.peer_tokens
+        self.lowered += 1
         more = load.sent - self.peer_sent
         self.sent += more
         self.decisions += int(np.abs(more).sum())
@@ -205,6 +210,7 @@ class Lease:
         inflight, old = where
         inflight.requests[old] -= 1
         inflight.tokens[old] -= self.tokens
+        inflight.lowered += 1
         inflight.requests[index] += 1
         inflight.tokens[index] += self.tokens
         self._inflight, self.index = inflight, index
@@ -218,3 +224,4 @@ class Lease:
         inflight, index = where
         inflight.requests[index] -= 1
         inflight.tokens[index] -= self.tokens
+        inflight.lowered += 1

@@ -2,10 +2,13 @@
 
 An endpoint is saturated when its latest metrics show more than ``max_waiting`` queued requests or KV-cache use
 above ``max_kv_usage``. The queue counted is the scraped one plus the requests this picker sent the endpoint after
-that scrape began (`Snapshot.sent_at_scrape` against `InFlight.sent`). On the scraped queue alone, the few
-endpoints under the threshold at the last scrape would take every request until the next one: at full load that
-herding put 130 of 358 requests in half a second onto one of 16 servers in the simulator, and raised the
-time-to-first-token p99 2.5 times. Unknown values are not over.
+that scrape began (`Snapshot.sent_at_scrape` against `InFlight.sent`) and that may still be there: no more of them
+than it has in flight (`InFlight.requests`). On the scraped queue alone, the few endpoints under the threshold at
+the last scrape would take every request until the next one: at full load that herding put 130 of 358 requests in
+half a second onto one of 16 servers in the simulator, and raised the time-to-first-token p99 2.5 times. Counting
+every request sent since, finished or not, saturated servers that answer fast: more than ``max_waiting`` short
+requests per endpoint between two scrapes (160 a second at the defaults) held the rest in admission while the
+servers were idle. Unknown values are not over.
 
 Freshness is not part of the rule: admission counts a stale endpoint as saturated (unless every candidate is
 stale), and the staleness filter drops stale endpoints (`Signals.fresh_until`).
@@ -34,13 +37,16 @@ class Saturation:
         self.max_waiting = max_waiting
         self.max_kv_usage = max_kv_usage
         self._for: Snapshot | None = None
-        # Per endpoint, the InFlight.sent count past which it is saturated: -inf when the scrape already says so,
-        # +inf when its queue is unknown or the scrape did not note what had been sent.
+        # Per endpoint, the InFlight.sent count past which it is saturated (if it also has more than _room requests
+        # in flight): -inf when the scrape already says so, +inf when its queue is unknown or the scrape did not note
+        # what had been sent.
         self._limit = np.zeros(0)
-        # The last answer: for which snapshot and counters, at which decision count, and for how many decisions
-        # more it holds (see `over`).
+        self._room = np.zeros(0)  # the queue's room at the scrape; -inf when the scrape says saturated
+        # The last answer: for which snapshot and counters, at which decision and lowered count, and for how many
+        # decisions more it holds (see `over`).
         self._over_for: tuple[Snapshot, InFlight] | None = None
         self._over_at = 0
+        self._lowered_at = 0
         self._holds_for = -math.inf
         self._over = np.zeros(0, dtype=bool)
         self._any = False
@@ -59,13 +65,15 @@ class Saturation:
     def _refresh(self, signals: Signals, inflight: InFlight) -> None:
         snapshot = signals.snapshot
         cached = self._over_for
-        # Every decision adds one to one endpoint's `InFlight.sent` and nothing else changes it, so an endpoint
-        # under its limit by h requests stays under it for h more decisions; over it, it stays over.
+        # Every decision adds one to one endpoint's `InFlight.sent` and `InFlight.requests`, and nothing else raises
+        # them, so an endpoint under by h requests stays under for h more decisions; one over stays over until a
+        # count falls (`InFlight.lowered`: a request ended), which matters only while one is over.
         if (
             cached is not None
             and cached[0] is snapshot
             and cached[1] is inflight
             and inflight.decisions - self._over_at <= self._holds_for
+            and (not self._any or inflight.lowered == self._lowered_at)
         ):
             return
         if snapshot is not self._for:  # once per scrape, not once per pick
@@ -73,14 +81,21 @@ class Saturation:
             base = snapshot.sent_at_scrape
             with np.errstate(invalid="ignore"):  # -inf + inf where the queue is infinite: over anyway
                 limit = room + np.where(np.isnan(base), math.inf, base)
-            self._limit = np.where(snapshot.over(self.max_waiting, self.max_kv_usage), -math.inf, limit)
+            scraped_over = snapshot.over(self.max_waiting, self.max_kv_usage)
+            self._limit = np.where(scraped_over, -math.inf, limit)
+            self._room = np.where(scraped_over, -math.inf, room)
             self._for = snapshot
-        sent = inflight.sent
-        over = sent > self._limit
+        sent, requests = inflight.sent, inflight.requests
+        # min(sent since the scrape, in flight) > room, as two comparisons: no more of the requests sent since the
+        # scrape can be queued there than are in flight there.
+        over = (sent > self._limit) & (requests > self._room)
         over.setflags(write=False)
         self._over = over
         self._any = bool(over.any())
-        # The fewest requests by which an endpoint is under its limit (inf: none can reach one).
-        self._holds_for = float(np.minimum.reduce(self._limit - sent, where=~over, initial=math.inf))
+        # The fewest requests by which an endpoint is under (inf: none can reach saturation). It is under while
+        # either count is, so by the larger of the two margins.
+        margin = np.maximum(self._limit - sent, self._room - requests)
+        self._holds_for = float(np.minimum.reduce(margin, where=~over, initial=math.inf))
         self._over_for = (snapshot, inflight)
         self._over_at = inflight.decisions
+        self._lowered_at = inflight.lowered

@@ -144,8 +144,41 @@ def test_saturation_counts_what_was_sent_after_the_scrape(
 ) -> None:
     s = state(waiting=waiting, sent_at_scrape=sent_at_scrape)
     s.inflight.sent[:] = sent
+    s.inflight.requests[:] = sent  # every request sent is still in flight
     kept = SaturationFilter().filter(REQUEST, s, np.arange(4))
     assert list(kept) == expected
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_saturation_rules_cached_answer_is_always_the_fresh_one(seed: int) -> None:
+    # The rule answers from a cache between decisions and releases; a new Saturation, with no cache, must agree at
+    # every step of a random run of decisions, releases and scrapes.
+    rng = np.random.default_rng(seed)
+    s = state(waiting=[14, 2, 0, 16], sent_at_scrape=[0, 0, 0, 0])
+    leases = []
+    for _ in range(400):
+        step = rng.random()
+        if step < 0.55:
+            leases.append(s.inflight.acquire(int(rng.integers(4)), 10))
+        elif step < 0.95 and leases:
+            leases.pop(int(rng.integers(len(leases)))).release()
+        else:
+            waiting = rng.integers(0, 20, size=4).astype(float)
+            snapshot = s.signals.snapshot.with_values(waiting=waiting, sent_at_scrape=s.inflight.sent.astype(float))
+            s.signals.publish(snapshot)
+        fresh = Saturation().over(s.signals, s.inflight)
+        assert s.saturation.over(s.signals, s.inflight).tolist() == fresh.tolist()
+
+
+def test_requests_sent_since_the_scrape_that_have_ended_are_not_queued() -> None:
+    # 12 sent to endpoint 1 since the scrape (10 queued then), 8 of them answered already: at most 4 can have joined
+    # its queue, so it is not over 16. Before, all 12 counted, and servers that answer fast were held as saturated.
+    s = state(waiting=[0, 10, 0, 0], sent_at_scrape=[0, 0, 0, 0])
+    leases = [s.inflight.acquire(1, 10) for _ in range(12)]
+    assert list(SaturationFilter().filter(REQUEST, s, np.arange(4))) == [0, 2, 3]
+    for lease in leases[:8]:
+        lease.release()
+    assert list(SaturationFilter().filter(REQUEST, s, np.arange(4))) == [0, 1, 2, 3]
 
 
 def test_saturation_stops_herding_onto_the_endpoints_last_seen_idle() -> None:
