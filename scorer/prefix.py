@@ -191,7 +191,7 @@ def overloaded(load: np.ndarray, guard: float) -> np.ndarray | None:
         values = load.tolist()
         total, busiest = sum(values), max(values)
     else:
-        total, busiest = np.add.reduce(load), load[load.argmax()]  # add.reduce and argmax: sum() and max() cheaper
+        total, busiest = np.add.reduce(load), load[load.argmax()]  # cheaper than load.sum() and load.max()
     bar = guard * (total + n - 1) / (n - 1 + guard)
     if busiest <= bar:  # only the busiest can be the first over
         return None
