@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from inferlb.procs import free_port
-from inferlb.scorer.collect import CollectorOptions, MetricsCollector
+from inferlb.scorer.collect import CollectorOptions, MetricsCollector, scrape_phases
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.pool import Pool
@@ -183,3 +183,55 @@ def test_options_refuse_bad_values(bad):
 async def _post(address: str, body: dict) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         await client.post(f"http://{address}/v1/completions", json=body)
+
+
+def test_scrape_phases_start_endpoints_in_groups_spread_over_the_interval():
+    assert scrape_phases(4, 0.1) == [0.0] * 4  # a small pool: one group, one wake-up a round
+    phases = scrape_phases(20, 0.3, group=8)
+    assert phases == [0.0] * 8 + [pytest.approx(0.1)] * 8 + [pytest.approx(0.2)] * 4
+    assert scrape_phases(0, 0.1) == []
+
+
+class _Timed(MetricsCollector):
+    """Records when each endpoint's scrapes start; the first of ``slow`` takes ``slow_s``."""
+
+    def __init__(self, pool: Pool, options: CollectorOptions, slow: int | None = None, slow_s: float = 0.0) -> None:
+        super().__init__(pool, Signals(len(pool)), options)
+        self.starts: list[list[float]] = [[] for _ in pool]
+        self.slow, self.slow_s = slow, slow_s
+
+    async def _scrape(self, i: int) -> None:
+        self.starts[i].append(asyncio.get_running_loop().time())
+        if i == self.slow and len(self.starts[i]) == 1:
+            await asyncio.sleep(self.slow_s)
+
+
+async def _run_until(collector: _Timed, rounds: int) -> None:
+    task = asyncio.create_task(collector.run())
+    deadline = asyncio.get_running_loop().time() + 10
+    while min(len(s) for s in collector.starts) < rounds:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_the_endpoints_of_a_group_wake_together_every_round():
+    """A small pool's scrapes start in the same turn of the loop, round after round (one timer, one snapshot);
+    spread one per endpoint over the interval they were 25 ms apart here."""
+    pool = Pool([EndpointConfig(f"127.0.0.1:{8000 + i}", None) for i in range(4)])
+    collector = _Timed(pool, CollectorOptions(interval_s=0.1))
+    await _run_until(collector, 4)
+    for round_starts in zip(*collector.starts, strict=False):
+        assert max(round_starts) - min(round_starts) < 0.005
+
+
+async def test_a_scrape_that_overruns_its_slot_waits_for_the_next_slot_of_the_grid():
+    pool = Pool([EndpointConfig(f"127.0.0.1:{8000 + i}", None) for i in range(2)])
+    collector = _Timed(pool, CollectorOptions(interval_s=0.05), slow=1, slow_s=0.075)
+    await _run_until(collector, 3)
+    start = collector.starts[0][0]
+    slow = collector.starts[1]
+    assert slow[1] - start >= 0.1 - 1e-6  # not at once after the 75 ms scrape: at the slot after
+    assert min(abs(slow[1] - t) for t in collector.starts[0]) < 0.005  # back in step with its group
