@@ -50,6 +50,7 @@ __all__ = [
     "Backends",
     "add_arguments",
     "backend_metrics",
+    "cpu_ratio_rounds",
     "cpu_ratio_to_floor",
     "run",
     "start_backends",
@@ -167,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         for stack in stacks.values():
             stack.start()
         rows = []
+        round_rows: list[dict[str, Any]] = []  # every run, with its round
         repeats = 1 if args.quick else args.repeats
         for concurrency in args.concurrency:
             runs: dict[str, list[Row]] = {v.name: [] for v in VARIANTS}
@@ -177,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                     row = _measure(stacks[variant.gateway], variant, concurrency, duration)
                     print(f"  c={concurrency:<3} {variant.name:<18} {row.rps:8.0f} req/s  p50 {row.p50_ms:.2f} ms")
                     runs[variant.name].append(row)
+                    round_rows.append({**asdict(row), "round": r})
             rows += [_combine(runs[v.name]) for v in VARIANTS]
         tier_rounds = 1 if args.quick else args.tier_rounds
         tier_rows = _tier_runs(stacks, args.concurrency, duration / 2 if not args.quick else duration, tier_rounds)
@@ -192,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
         "own_work": own,
         "rows": table_rows,
         "cpu_ratio_to_floor": cpu_ratio_to_floor(table_rows),
+        "round_rows": round_rows,
+        "cpu_ratio_rounds": cpu_ratio_rounds(round_rows),
         "tier_rows": tier_rows,
         "weights_to_envoy": weights_to_envoy(tier_rows),
         "profile": profile,
@@ -266,6 +271,31 @@ def cpu_ratio_to_floor(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, fl
                 ratio = round(ours["picker_cpu_us"] / floor["picker_cpu_us"], 3)
                 ratios.setdefault(variant.name, {})[str(concurrency)] = ratio
     return ratios
+
+
+def cpu_ratio_rounds(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``cpu_ratio_to_floor`` taken within each round of the interleaved runs (``rows``: one per run, with its
+    ``round``), per variant and concurrency: the median over rounds, the lowest and highest round, and how many
+    rounds. How far apart the rounds are is how much one run's ratio can be trusted on this machine."""
+    by = {(r["variant"], r["concurrency"], r["round"]): r for r in rows}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for variant in VARIANTS:
+        if not variant.gateway.startswith("inferlb"):
+            continue
+        floor_name = "noop body" if variant.body else "noop headers"
+        for concurrency in sorted({r["concurrency"] for r in rows}):
+            ratios = []
+            for r in sorted({key[2] for key in by}):
+                ours, floor = by.get((variant.name, concurrency, r)), by.get((floor_name, concurrency, r))
+                if ours and floor and ours["picker_cpu_us"] and floor["picker_cpu_us"]:
+                    ratios.append(ours["picker_cpu_us"] / floor["picker_cpu_us"])
+            if ratios:
+                out.setdefault(variant.name, {})[str(concurrency)] = {
+                    "median": round(_median(ratios), 3),
+                    "range": [round(min(ratios), 3), round(max(ratios), 3)],
+                    "rounds": len(ratios),
+                }
+    return out
 
 
 @dataclass
@@ -554,6 +584,7 @@ def _markdown(results: dict[str, Any]) -> str:
         "rlrrrrrrr",
     )
     ratios = results.get("cpu_ratio_to_floor", {})
+    rounds = results.get("cpu_ratio_rounds", {})
     by = {(r["variant"], r["concurrency"]): r for r in rows}
     concurrencies = sorted({r["concurrency"] for r in rows})
     floor_rows = []
@@ -564,10 +595,24 @@ def _markdown(results: dict[str, Any]) -> str:
             if not (base and noop and ours and ratio):
                 continue
             added = f"{noop['p50_ms'] - base['p50_ms']:+.2f}, {ours['p50_ms'] - base['p50_ms']:+.2f}"
-            floor_rows.append([c, kind, f"{ratio:.2f}x", added])
+            each = rounds.get(f"inferlb {kind}", {}).get(str(c))
+            spread = "—" if each is None else f"{each['range'][0]:.2f} to {each['range'][1]:.2f} ({each['rounds']})"
+            floor_rows.append([c, kind, f"{ratio:.2f}x", spread, added])
     out += ["", f"## inferlb ({policy}) against the floor (same run)", ""]
-    head = ["concurrency", "request", "picker CPU inferlb/noop", "p50 added vs Envoy alone: noop, inferlb (ms)"]
-    out += table(head, floor_rows, "rlrl")
+    if rounds:
+        out += [
+            "The ratio is over all the runs of each; the rounds column takes it within each round of the interleaved",
+            "runs (lowest to highest, and how many rounds): the spread is the machine's noise.",
+            "",
+        ]
+    head = [
+        "concurrency",
+        "request",
+        "picker CPU inferlb/noop",
+        "within each round",
+        "p50 added vs Envoy alone: noop, inferlb (ms)",
+    ]
+    out += table(head, floor_rows, "rlrll")
     out += _split(by, concurrencies, policy, own.get("decide_cold"))
     out += _tier_section(results.get("weights_to_envoy", {}), results.get("tier_rows", []))
     out += ["", "## What timing responses in the filter costs (otel.latency_source: stream, same run)", ""]

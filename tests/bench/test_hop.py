@@ -18,6 +18,7 @@ from inferlb.bench.hop import (
     TIER,
     VARIANTS,
     _markdown,
+    cpu_ratio_rounds,
     cpu_ratio_to_floor,
     start_backends,
     weights_to_envoy,
@@ -114,9 +115,41 @@ def test_the_report_shows_the_ratios(results: dict[str, Any]) -> None:
     results["cpu_ratio_to_floor"] = cpu_ratio_to_floor(results["rows"])
     text = _markdown(results)
     assert "## inferlb (least-request) against the floor (same run)" in text  # meta.policy missing: that run's
-    assert "| 1 | headers | 1.28x | +0.81, +1.10 |" in text
+    assert "| 1 | headers | 1.28x | — | +0.81, +1.10 |" in text  # that run kept no rounds
     assert "| 64 | body | 1.39x |" in text
     assert text.count("| 16 | inferlb body |") == 1
+
+
+def _rounds(results: dict[str, Any], factors: list[float]) -> list[dict[str, Any]]:
+    """The run's rows as if measured in len(factors) rounds, inferlb's picker CPU scaled by each round's factor."""
+    return [
+        {**r, "round": i, "picker_cpu_us": r["picker_cpu_us"] * (f if r["variant"].startswith("inferlb") else 1.0)}
+        for i, f in enumerate(factors)
+        for r in results["rows"]
+        if r["picker_cpu_us"] is not None
+    ]
+
+
+def test_cpu_ratio_rounds_takes_the_ratio_within_each_round(results: dict[str, Any]) -> None:
+    rows = _rounds(results, [1.0, 1.2, 0.9])
+    by = {(r["variant"], r["concurrency"]): r["picker_cpu_us"] for r in results["rows"]}
+    base = by[("inferlb body", 16)] / by[("noop body", 16)]
+    entry = cpu_ratio_rounds(rows)["inferlb body"]["16"]
+    assert entry["rounds"] == 3
+    assert entry["median"] == pytest.approx(base, abs=0.001)
+    assert entry["range"] == [pytest.approx(base * 0.9, abs=0.001), pytest.approx(base * 1.2, abs=0.001)]
+    # A round whose floor run has no figure drops out of that ratio, not the others.
+    rows = [dict(r, picker_cpu_us=None) if (r["variant"], r["round"]) == ("noop body", 1) else r for r in rows]
+    assert cpu_ratio_rounds(rows)["inferlb body"]["16"]["rounds"] == 2
+    assert cpu_ratio_rounds(rows)["inferlb headers"]["16"]["rounds"] == 3
+
+
+def test_the_report_shows_the_spread_of_the_rounds(results: dict[str, Any]) -> None:
+    results["cpu_ratio_to_floor"] = cpu_ratio_to_floor(results["rows"])
+    results["cpu_ratio_rounds"] = cpu_ratio_rounds(_rounds(results, [1.0, 1.1]))
+    text = _markdown(results)
+    assert "| 1 | headers | 1.28x | 1.28 to 1.40 (2) | +0.81, +1.10 |" in text
+    assert "the spread is the machine's noise" in text
 
 
 def test_the_report_splits_the_extra_cpu_into_the_routing_path_and_the_scoring(results: dict[str, Any]) -> None:
