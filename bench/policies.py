@@ -34,7 +34,7 @@ from inferlb.scorer.registry import ProfileSpec
 from inferlb.scorer.router import ADMISSION_POLL_S, Admit, Router
 from inferlb.scorer.saturation import Saturation
 from inferlb.scorer.signals import Signals, Snapshot
-from inferlb.scorer.speeds import ServerSpeeds
+from inferlb.scorer.speeds import ServerSpeeds, SpeedHints
 from inferlb.scorer.weights import endpoint_weights
 from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, RequestRecord
 from inferlb.sim.profiles import ServerProfile
@@ -118,6 +118,16 @@ class Oracle:
         return best
 
 
+PROFILE_LABEL = "inferlb.io/profile"  # the simulated endpoints' label naming their server profile
+
+
+def declared_hints(profiles: Sequence[ServerProfile]) -> SpeedHints:
+    """The relative speeds an operator would declare for these profiles (`pool.speeds`): the prefill rate the
+    hardware's compute allows, its dense BF16 FLOPS at the profile's utilisation over the model's FLOPs per token
+    (``1 / prefill_token_s``), which a spec sheet and the model card give."""
+    return SpeedHints(PROFILE_LABEL, {p.name: 1.0 / p.prefill_token_s for p in profiles})
+
+
 class PresetPolicy:
     """An inferlb preset (or profile spec) routed by the routing unit (`scorer.router.Router`) the ext_proc service
     uses, from what a picker would see, on the simulator's clock: admission (a request held for capacity is
@@ -140,10 +150,17 @@ class PresetPolicy:
         labels: Sequence[Mapping[str, str]] | None = None,
         learn_speeds: bool = True,
         kv_events: bool = False,
+        declared_speeds: bool = True,
     ) -> None:
         n = len(profiles)
+        # Each endpoint is labelled with its profile, and the profiles' relative speeds are declared (`pool.speeds`)
+        # as an operator would from the spec sheets (`declared_speeds`).
         endpoints = [
-            EndpointConfig(f"10.0.{i // 250}.{i % 250 + 1}:8000", frozenset({MODEL}), dict(labels[i]) if labels else {})
+            EndpointConfig(
+                f"10.0.{i // 250}.{i % 250 + 1}:8000",
+                frozenset({MODEL}),
+                {**(labels[i] if labels else {}), PROFILE_LABEL: profiles[i].name},
+            )
             for i in range(n)
         ]
         self.pool = Pool(endpoints)
@@ -173,7 +190,9 @@ class PresetPolicy:
             else None
         )
         # The servers' speeds, learned from the requests' timings as the live picker learns them.
-        self.speeds = ServerSpeeds(n, clock) if learn_speeds else None
+        hints = declared_hints(profiles) if declared_speeds else None
+        relative = None if hints is None else hints.of([e.labels for e in self.pool])
+        self.speeds = ServerSpeeds(n, clock, relative=relative) if learn_speeds else None
         self.router = Router(self.engine, classifier, poll_s=poll_s, experiments=self.experiments, speeds=self.speeds)
         self.latency = EndpointLatency(n, window_s=60.0, half_life_s=half_life_s)
         total = np.array([p.gpu_memory_bytes * p.gpu_count for p in profiles], dtype=float)

@@ -183,6 +183,10 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
         ages = snap.age(now)
         errors = picker.collector.last_error if picker.collector is not None else [None] * len(engine.pool)
         latency = picker.spans.view() if picker.spans is not None else None
+        # The operator's relative speeds (pool.speeds), where they tell the servers apart.
+        declared = picker.spans.speeds.relative if picker.spans is not None else None
+        if declared is not None and len(declared) != len(engine.pool):
+            declared = None  # a reload is switching pools
         rows = []
         ramping = dict(engine.pool.ramping)
         for i, endpoint in enumerate(engine.pool):
@@ -210,6 +214,7 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
                     "prefill_tokens_per_s": _num(snap.prefill_tokens_per_s[i]),
                     "decode_step_s": _num(snap.decode_step_s[i]),
                     "peak_tokens_per_s": _num(snap.peak_tokens_per_s[i]),
+                    **({"declared_speed": float(declared[i])} if declared is not None else {}),
                     "inflight_requests": int(engine.inflight.requests[i]),
                     "inflight_tokens": int(engine.inflight.tokens[i]),
                 }

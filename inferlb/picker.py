@@ -358,6 +358,7 @@ class PickerProcess:
         if self.service.quotas is not None and config.quotas is not None:
             self.service.quotas.reconfigure(config.quotas)
         if self.spans is not None:
+            self.spans.hints = config.speeds
             self.spans.rebind(
                 pool, signals, keep=same_pool, config=config.otel, mapping=plan.mapping, restarted=plan.restarted
             )
@@ -568,7 +569,7 @@ def create_picker(
     collector, gpu, kv = _collectors(config, pool, signals, engine.inflight)
     spans = None
     if config.otel.receiver is not None or config.otel.latency_source == "stream":
-        spans = SpanLoop(config.otel, pool, signals)
+        spans = SpanLoop(config.otel, pool, signals, config.speeds)
         service.trace_join = _trace_join(config, spans)
         if config.otel.latency_source == "stream":
             service.response_timer = spans.observe_response

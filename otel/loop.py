@@ -32,7 +32,7 @@ from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.networks import LOOPBACK_NETWORKS, Networks, networks_of_hosts
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
-from inferlb.scorer.speeds import ServerSpeeds
+from inferlb.scorer.speeds import ServerSpeeds, SpeedHints
 
 __all__ = ["SpanLoop", "receiver_settings"]
 
@@ -74,15 +74,16 @@ class SpanLoop:
     ``receiver`` is the `SpanFeed` (its ``stats``: `ReceiverStats`), or None without ``otel.receiver``; ``join``
     the `TraceJoin` the filter records decisions in (a new one after a pool change)."""
 
-    def __init__(self, config: OtelConfig, pool: Pool, signals: Signals) -> None:
+    def __init__(self, config: OtelConfig, pool: Pool, signals: Signals, hints: SpeedHints | None = None) -> None:
         self.config = config
+        self.hints = hints  # the operator's relative speeds (pool.speeds); a reload sets it before `rebind`
         self.from_spans = config.latency_source == "spans"
         self.join = TraceJoin(max_age_s=config.join_max_age_s)
         self.pool, self.signals = pool, signals
         self.latency = EndpointLatency(len(pool), window_s=config.window_s, half_life_s=config.half_life_s)
         # The servers' speeds, learned from each routed request's predicted work and its timing (the routing unit
         # records the work, the spans or the filter's timing of the response the time; see `observed`).
-        self.speeds = ServerSpeeds(len(pool), signals.clock)
+        self.speeds = ServerSpeeds(len(pool), signals.clock, relative=self._relative(pool))
         self.histograms = LatencyHistograms(len(pool))
         # The heatmap's window follows the newest end time it is given: it takes none from the future.
         self.heatmap = HeatmapAggregator(
@@ -164,7 +165,8 @@ class SpanLoop:
                 cold = np.array(mapping, copy=True)
                 cold[list(restarted)] = -1
                 self.latency = self.latency.moved(cold)
-                self.speeds = self.speeds.moved(mapping)  # a restarted server runs on the same hardware
+                # A restarted server runs on the same hardware.
+                self.speeds = self.speeds.moved(mapping, self._relative(pool))
                 self.histograms = self.histograms.moved(mapping)
                 self.join.remap(mapping)
             else:
@@ -172,11 +174,13 @@ class SpanLoop:
                 self.latency = EndpointLatency(
                     len(pool), window_s=self.config.window_s, half_life_s=self.config.half_life_s
                 )
-                self.speeds = ServerSpeeds(len(pool), signals.clock)
+                self.speeds = ServerSpeeds(len(pool), signals.clock, relative=self._relative(pool))
                 self.histograms = LatencyHistograms(len(pool))
             if self.receiver is not None:
                 observe = self._observe if self.from_spans else _ignore
                 self.receiver.joiner.rebind(observe, self._addresses, self.join)
+        else:  # the same endpoints, whose labels or declared speeds may have changed
+            self.speeds.relate(self._relative(pool))
         if self.receiver is None or (keep and config is None):
             return
         try:
@@ -185,6 +189,9 @@ class SpanLoop:
             logger.error("the OTLP receiver keeps the token it had: %s", exc)
             settings = replace(_untokened(self.config, self.pool), token=self.receiver.settings.token)
         self.receiver.update(settings)
+
+    def _relative(self, pool: Pool) -> np.ndarray | None:
+        return None if self.hints is None else self.hints.of([e.labels for e in pool])
 
     def _observe(self, endpoint: int, ttft_s: float | None, e2e_s: float | None) -> None:
         self.latency.observe(endpoint, ttft_s, e2e_s)

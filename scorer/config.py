@@ -69,6 +69,7 @@ from inferlb.scorer.registry import (
     default_registry,
     unknown_type,
 )
+from inferlb.scorer.speeds import SpeedHints
 from inferlb.scorer.validation import (
     FLAG,
     TEXT,
@@ -395,6 +396,24 @@ class SlowStartConfig(Section):
         return SlowStart(self.ramp_s, self.min_fraction, self.idle_speedup)
 
 
+@dataclass(frozen=True, slots=True)
+class SpeedsConfig(Section):
+    """``pool.speeds``: how fast each kind of server prefills, relative to the others (only the ratios matter), by
+    the value of the endpoint label ``label``; ``default`` for an endpoint without it or with a value not listed.
+    On a fleet of unequal servers the learned speeds start each endpoint from this instead of the fleet's pooled
+    figure, and the ``ttft-gap`` filter judges which servers are slower by it (scorer/speeds.py)."""
+
+    label: Text = field(metadata={"description": "the endpoint label that names its kind of server, e.g. 'gpu'"})
+    relative: Annotated[
+        dict[Text, Annotated[float, number(gt=0, le=1e6, noun="a relative speed")]],
+        must("a non-empty mapping of label values to relative speeds", lambda v: isinstance(v, dict) and bool(v)),
+    ] = field(metadata={"description": "label value -> relative prefill speed, e.g. {h100: 3.3, l4: 1}"})
+    default: Annotated[float, number(gt=0, le=1e6, noun="a relative speed")] = 1.0
+
+    def spec(self) -> SpeedHints:
+        return SpeedHints(self.label, dict(self.relative), self.default)
+
+
 def _etcd_url(value: Any) -> str:
     if not isinstance(value, str):
         raise invalid(f" must be an etcd client URL such as 'http://10.0.0.5:2379'; got {shown(value)}")
@@ -692,7 +711,8 @@ class DiscoveryConfig(Section):
 
 class PoolFile(Model):
     """``pool``: the endpoints, and the networks they and their GPU sources must be inside. With ``discovery``
-    the endpoints come (also) from a discovery source; ``slow_start`` ramps in the endpoints that join."""
+    the endpoints come (also) from a discovery source; ``slow_start`` ramps in the endpoints that join; ``speeds``
+    declares how fast each kind of server is."""
 
     allowed_networks: Annotated[tuple[Network, ...], _NETWORK_LIST] = DEFAULT_ALLOWED_NETWORKS
     endpoints: Annotated[
@@ -701,6 +721,7 @@ class PoolFile(Model):
     ] = ()
     discovery: DiscoveryConfig | None = None
     slow_start: SlowStartConfig = Field(default_factory=SlowStartConfig)
+    speeds: SpeedsConfig | None = None
 
     @model_validator(mode="after")
     def _inside_allowed_networks(self) -> PoolFile:
@@ -1036,6 +1057,7 @@ class Config:
     experiments: tuple[ExperimentSpec, ...] = ()
     discovery: DiscoveryConfig | None = None
     slow_start: SlowStart = field(default_factory=SlowStart)
+    speeds: SpeedHints | None = None  # the operator's relative speeds per kind of server (pool.speeds)
     # How many endpoints the picker names per request, best first (more than 1: Envoy's Override Host cluster
     # retries a request that never reached a server on the next); how often it pushes Envoy endpoint weights.
     destinations: int = 1
@@ -1124,6 +1146,7 @@ def parse_config(data: Any) -> Config:
         experiments=tuple(e.spec() for e in doc.experiments),
         discovery=doc.pool.discovery,
         slow_start=doc.pool.slow_start.spec(),
+        speeds=None if doc.pool.speeds is None else doc.pool.speeds.spec(),
         destinations=doc.destinations,
         weights_interval_s=doc.weights_interval_s,
         replicas=doc.replicas,

@@ -20,6 +20,15 @@ Both shrink toward the fleet's pooled figure as an endpoint's evidence ages (``p
 of the pooled figure is mixed in), so an endpoint that got no traffic for a while is priced as the fleet is, not
 by what it did once; an endpoint is NaN (the caller's default) until the fleet has ``min_requests`` timings.
 
+**Declared speeds.** On a fleet of unequal servers the pooled figure is the fast servers' (they serve most
+requests), and a slow server is priced at it until its own timings outweigh it: in the simulator, on 8 H100s, 4
+A100s and 4 L4s, the L4s' predicted TTFT was 3.4x too low at the median over a run, and they took most of the
+slowest requests. The operator knows which server runs on what: `SpeedHints` (``pool.speeds``) maps an endpoint
+label to a relative prefill speed, and with it (``relative``) the prior of endpoint i is the fleet's rate per unit
+of declared speed (its prefill work over the time each endpoint took, weighted by its declared speed) times its
+own. Only the ratios matter. `peak_tokens_per_s` then is the declared speed in the same units, so the ``ttft-gap``
+filter tells slower hardware by what the operator declared. Equal speeds everywhere are the same as none.
+
 Sums decay with ``half_life_s`` on the routing core's clock. Pending sends are bounded (``max_pending``, the
 oldest dropped first) and forgotten after ``max_age_s``. `moved` follows a membership change. One event loop.
 """
@@ -29,11 +38,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ServerSpeeds"]
+__all__ = ["ServerSpeeds", "SpeedHints"]
 
 _PRIOR_STEPS = 64  # decode steps of the fleet's figure mixed in per prior request
 _MIN_PREFILL_SHARE = 0.25  # the prefill part of a TTFT is at least this share of it, whatever the step estimate
@@ -41,6 +51,22 @@ PEAK_SAMPLES = 64  # per-request rates kept per endpoint for the peak rate
 PEAK_MIN_SAMPLES = 8  # the peak rate is NaN until an endpoint has this many
 PEAK_MIN_WORK = 512.0  # tokens: a request with less is mostly the decode step, and says little of prefill
 PEAK_QUANTILE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedHints:
+    """The operator's relative prefill speed per kind of server (``pool.speeds``): an endpoint's ``label`` value
+    looked up in ``relative``; ``default`` for an endpoint without the label or with a value not listed."""
+
+    label: str
+    relative: Mapping[str, float] = field(default_factory=dict)
+    default: float = 1.0
+
+    def of(self, labels: list[Mapping[str, str]]) -> np.ndarray | None:
+        """Per endpoint (given by its labels), its declared relative speed; None where all are equal (nothing to
+        tell apart)."""
+        speeds = np.array([self.relative.get(str(e.get(self.label)), self.default) for e in labels], dtype=float)
+        return None if speeds.size == 0 or bool((speeds == speeds[0]).all()) else speeds
 
 
 class ServerSpeeds:
@@ -56,6 +82,7 @@ class ServerSpeeds:
         min_requests: int = 8,
         max_pending: int = 1 << 16,
         max_age_s: float = 600.0,
+        relative: np.ndarray | None = None,
     ) -> None:
         if not (half_life_s > 0 and math.isfinite(half_life_s)):
             raise ValueError(f"half_life_s must be a positive number of seconds; got {half_life_s!r}")
@@ -80,6 +107,18 @@ class ServerSpeeds:
         self._samples = np.full((size, PEAK_SAMPLES), np.nan)
         self._sampled = np.zeros(size, dtype=np.int64)
         self._peak: np.ndarray | None = None
+        self.relative: np.ndarray | None = None
+        self.relate(relative)
+
+    def relate(self, relative: np.ndarray | None) -> None:
+        """Take the endpoints' declared relative speeds (`SpeedHints.of`; None: none declared)."""
+        if relative is not None:
+            relative = np.array(relative, dtype=float)
+            if relative.shape != (self.size,) or not (np.isfinite(relative).all() and (relative > 0).all()):
+                raise ValueError(f"relative speeds must be {self.size} positive numbers; got {relative!r}")
+            relative.setflags(write=False)
+        self.relative = relative
+        self._cache = None
 
     def sent(self, request_id: str, endpoint: int, work_tokens: float, *, idle: bool = False) -> None:
         """The routing unit sent request ``request_id`` to ``endpoint`` counting ``work_tokens`` of prefill ahead
@@ -142,7 +181,14 @@ class ServerSpeeds:
         `prefill_tokens_per_s` is a busy server's rate, the one that prices its queue: where requests wait for a
         free slot rather than for prefill, it falls far below what the hardware does, and identical servers differ
         by several times. The requests that found no queue keep this figure near the hardware's, so it tells a
-        slower server from a busier one (the ``ttft-gap`` filter)."""
+        slower server from a busier one (the ``ttft-gap`` filter). With declared speeds (``relative``) it is those,
+        scaled to the learned rates (their median ratio; 1 token/s per unit before any is learned)."""
+        if self.relative is not None:  # declared: the hardware's speed as the operator says
+            prefill = self._rates()[0]
+            scale = float(np.nanmedian(prefill / self.relative)) if np.isfinite(prefill).any() else 1.0
+            declared = self.relative * scale
+            declared.setflags(write=False)
+            return declared
         peak = self._peak
         if peak is None:
             with np.errstate(all="ignore"), warnings.catch_warnings():
@@ -167,9 +213,10 @@ class ServerSpeeds:
                 break
             pending.popitem(last=False)
 
-    def moved(self, mapping: np.ndarray) -> ServerSpeeds:
+    def moved(self, mapping: np.ndarray, relative: np.ndarray | None = None) -> ServerSpeeds:
         """The same statistics for a new pool: endpoint j of the new pool was endpoint ``mapping[j]`` (-1: it
-        joined, and starts with none). Pending sends to endpoints that left are dropped."""
+        joined, and starts with none), whose declared speeds are ``relative``. Pending sends to endpoints that left
+        are dropped."""
         mapping = np.asarray(mapping, dtype=np.int64)
         new = ServerSpeeds(
             len(mapping),
@@ -179,6 +226,7 @@ class ServerSpeeds:
             min_requests=self.min_requests,
             max_pending=self.max_pending,
             max_age_s=self.max_age_s,
+            relative=relative,
         )
         self._decay(self.clock())
         new._at, new.timings = self._at, self.timings
@@ -205,7 +253,7 @@ class ServerSpeeds:
         cached = self._cache
         if cached is not None:
             return cached
-        prefill = _shrunk(self._work, self._time, self._count, self.prior_requests)
+        prefill = _shrunk(self._work, self._time, self._count, self.prior_requests, self.relative)
         if self.timings < self.min_requests:
             prefill = np.full(self.size, np.nan)
         decode = _shrunk(self._decode_s, self._steps, self._steps, self.prior_requests * _PRIOR_STEPS)
@@ -215,12 +263,19 @@ class ServerSpeeds:
         return self._cache
 
 
-def _shrunk(top: np.ndarray, bottom: np.ndarray, weight: np.ndarray, prior: float) -> np.ndarray:
+def _shrunk(
+    top: np.ndarray, bottom: np.ndarray, weight: np.ndarray, prior: float, relative: np.ndarray | None = None
+) -> np.ndarray:
     """Per endpoint ``top / bottom``, with ``prior`` units of ``weight`` at the pooled ratio mixed in (an endpoint
-    without evidence gets the pooled ratio; NaN where nothing is known at all)."""
+    without evidence gets the pooled ratio; NaN where nothing is known at all). With ``relative`` (declared
+    speeds) the pooled ratio is per unit of declared speed, ``sum(top) / sum(bottom * relative)``, and an
+    endpoint's prior is that times its own."""
     total_top, total_bottom, total_weight = float(top.sum()), float(bottom.sum()), float(weight.sum())
     if not (total_bottom > 0 and total_top > 0 and total_weight > 0):
         return np.full(len(top), np.nan)
     mix = prior / total_weight  # the prior's share of the fleet's sums, per unit of weight
+    prior_top: float | np.ndarray = mix * total_top
+    if relative is not None:
+        prior_top = mix * total_bottom * (total_top / float((bottom * relative).sum())) * relative
     with np.errstate(invalid="ignore", divide="ignore"):
-        return (top + mix * total_top) / (bottom + mix * total_bottom)
+        return (top + prior_top) / (bottom + mix * total_bottom)

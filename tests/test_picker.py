@@ -359,6 +359,41 @@ async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by
     assert routed.decision.endpoint.index == 0
 
 
+async def test_declared_speeds_reach_the_learned_speeds_and_a_reload_changes_them(tmp_path: Path):
+    doc = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+        "otel": {"latency_source": "stream"},
+        "pool": {
+            "endpoints": [
+                {"address": "10.0.0.1:8000", "labels": {"gpu": "h100"}},
+                {"address": "10.0.0.2:8000", "labels": {"gpu": "l4"}},
+            ],
+            "speeds": {"label": "gpu", "relative": {"h100": 3, "l4": 1}},
+        },
+    }
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    assert picker.service.router.speeds is picker.spans.speeds
+    assert list(picker.spans.speeds.relative) == [3.0, 1.0]
+    await picker.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{picker.config.admin}", timeout=5) as client:
+
+            async def shown() -> list[float | None]:
+                return [r.get("declared_speed") for r in (await client.get("/endpoints")).json()["endpoints"]]
+
+            assert await shown() == [3.0, 1.0]
+            picker.reload_document({**doc, "pool": {**doc["pool"], "speeds": {"label": "gpu", "relative": {"l4": 2}}}})
+            assert list(picker.spans.speeds.relative) == [1.0, 2.0]  # the H100s now get the default, 1
+            assert picker.service.router.speeds is picker.spans.speeds
+            assert await shown() == [1.0, 2.0]
+            picker.reload_document({**doc, "pool": {"endpoints": doc["pool"]["endpoints"]}})
+            assert picker.spans.speeds.relative is None
+            assert await shown() == [None, None]
+    finally:
+        await picker.stop(0.5)
+
+
 async def test_the_filters_timing_of_a_response_teaches_the_speeds_and_a_failure_does_not(tmp_path: Path):
     doc = {
         "listen": f"127.0.0.1:{free_port()}",

@@ -24,6 +24,7 @@ from inferlb.scorer.config import EndpointConfig, OtelConfig
 from inferlb.scorer.credentials import TokenSource
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.signals import Signals
+from inferlb.scorer.speeds import SpeedHints
 
 from ..conftest import until
 from .otlp import E2E, TTFT, request, server, span
@@ -294,3 +295,23 @@ def test_a_membership_change_keeps_each_staying_endpoints_latency_under_its_new_
     loop.rebind(pool(a, c, d), Signals(3), keep=False, mapping=np.array([0, 1, 2]), restarted=(1,))
     assert counts(loop) == [5.0, 0.0, 1.0]
     assert [h.count for h in loop.histograms.ttft] == [5, 5, 1]
+
+
+def test_declared_speeds_follow_the_pools_labels_through_membership_changes_and_reloads() -> None:
+    a, b, c = (
+        EndpointConfig(f"127.0.0.1:{port}", None, {"gpu": gpu})
+        for port, gpu in ((8001, "h100"), (8002, "l4"), (8003, "h100"))
+    )
+    hints = SpeedHints("gpu", {"h100": 3.0, "l4": 1.0})
+    loop = SpanLoop(OtelConfig(latency_source="stream"), Pool([a, b]), Signals(2), hints)
+    assert loop.speeds.relative is not None and list(loop.speeds.relative) == [3.0, 1.0]
+    # b leaves, c joins: both left are H100s, nothing to tell apart.
+    loop.rebind(Pool([a, c]), Signals(2), keep=False, mapping=np.array([0, -1]))
+    assert loop.speeds.relative is None
+    # A reload declares only the L4s' speed: the H100s get the default.
+    loop.hints = SpeedHints("gpu", {"l4": 2.0}, default=0.5)
+    loop.rebind(Pool([a, c, b]), Signals(3), keep=False, mapping=np.array([0, 1, -1]))
+    assert list(loop.speeds.relative) == [0.5, 0.5, 2.0]
+    loop.hints = None  # the declaration removed, same pool
+    loop.rebind(Pool([a, c, b]), Signals(3), keep=True)
+    assert loop.speeds.relative is None

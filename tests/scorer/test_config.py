@@ -26,6 +26,7 @@ from inferlb.scorer.errors import ConfigError, ScorerError
 from inferlb.scorer.networks import DEFAULT_NETWORKS, Networks
 from inferlb.scorer.presets import PRESET_NAMES, build_profile
 from inferlb.scorer.registry import ProfileSpec, default_registry
+from inferlb.scorer.speeds import SpeedHints
 
 GOOD_YAML = """\
 listen: 127.0.0.1:9100
@@ -129,7 +130,7 @@ ERRORS = [
     pytest.param({"pool": ["10.0.0.1:80"]}, r"^pool must be a mapping; got list", id="pool-list"),
     pytest.param(
         {"pool": {"endpoint": []}},
-        r"^pool: unknown key 'endpoint' \(allowed: allowed_networks, discovery, endpoints, slow_start\)",
+        r"^pool: unknown key 'endpoint' \(allowed: allowed_networks, discovery, endpoints, slow_start, speeds\)",
         id="unknown-pool-key",
     ),
     pytest.param(
@@ -980,7 +981,7 @@ def _at(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
             "profiles, quotas, replicas, session_header, signals, weights_interval_s",
             id="top",
         ),
-        pytest.param(("pool",), "pool", "allowed_networks, discovery, endpoints, slow_start", id="pool"),
+        pytest.param(("pool",), "pool", "allowed_networks, discovery, endpoints, slow_start, speeds", id="pool"),
         pytest.param(("pool", "endpoints", 0), "pool.endpoints[0]", "address, gpu, labels, models", id="endpoint"),
         pytest.param(("pool", "endpoints", 0, "gpu"), "pool.endpoints[0].gpu", "indices, kind, url", id="gpu"),
         pytest.param(
@@ -1144,3 +1145,32 @@ def test_a_replicas_section_with_its_password_from_a_file() -> None:
     assert config.replicas is not None and config.replicas.url == "rediss://redis.llm.svc:6380/2"
     assert config.replicas.password is not None and config.replicas.password.file == "/run/secrets/redis"
     assert parse_config(_doc()).replicas is None  # off unless configured
+
+
+def test_pool_speeds_declares_a_relative_speed_per_kind_of_server() -> None:
+    doc = _doc({"address": "10.0.0.1:8000", "labels": {"gpu": "h100"}}, {"address": "10.0.0.2:8000"})
+    doc["pool"]["speeds"] = {"label": "gpu", "relative": {"h100": 3.3, "l4": 1}}
+    config = parse_config(doc)
+    assert config.speeds == SpeedHints("gpu", {"h100": 3.3, "l4": 1.0}, 1.0)
+    assert list(config.speeds.of([e.labels for e in config.endpoints])) == [3.3, 1.0]
+    assert parse_config(_doc()).speeds is None  # none declared: every server is priced from the fleet's figure
+
+
+@pytest.mark.parametrize(
+    ("speeds", "error"),
+    [
+        ({"relative": {"h100": 3}}, r"^pool\.speeds\.label is required"),
+        ({"label": "gpu"}, r"^pool\.speeds\.relative is required"),
+        ({"label": "gpu", "relative": {}}, r"^pool\.speeds\.relative must be a non-empty mapping"),
+        ({"label": "gpu", "relative": {"h100": 0}}, r"^pool\.speeds\.relative\.h100 must be a relative speed in \(0"),
+        ({"label": "gpu", "relative": {"h100": "fast"}}, r"^pool\.speeds\.relative\.h100 must be a relative speed"),
+        ({"label": "gpu", "relative": {"h100": 3}, "default": -1}, r"^pool\.speeds\.default must be a relative speed"),
+        ({"label": "gpu", "relative": {"h100": 3}, "rate": 1}, r"^pool\.speeds: unknown key 'rate'"),
+    ],
+    ids=["no-label", "no-relative", "empty", "zero", "not-a-number", "negative-default", "unknown-key"],
+)
+def test_pool_speeds_refuses_what_cannot_be_a_speed(speeds: dict[str, Any], error: str) -> None:
+    doc = _doc()
+    doc["pool"]["speeds"] = speeds
+    with pytest.raises(ConfigError, match=error):
+        parse_config(doc)

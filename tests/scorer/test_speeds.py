@@ -16,7 +16,7 @@ from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Router
 from inferlb.scorer.signals import Signals, Snapshot
-from inferlb.scorer.speeds import PEAK_MIN_SAMPLES, PEAK_MIN_WORK, ServerSpeeds
+from inferlb.scorer.speeds import PEAK_MIN_SAMPLES, PEAK_MIN_WORK, ServerSpeeds, SpeedHints
 
 
 class Clock:
@@ -222,3 +222,64 @@ def test_the_routing_unit_marks_a_request_that_found_its_server_idle() -> None:
     signals.publish(signals.snapshot.with_values(waiting=[2.0]))
     router.route(RequestFeatures(model="m", request_id="third", prompt_tokens=1000))  # the server says 2 queue
     assert [entry[3] for entry in speeds._pending.values()] == [True, False, False]
+
+
+def test_declared_speeds_start_each_endpoint_from_the_fleets_rate_per_unit_of_its_own() -> None:
+    # Two H100-like endpoints that served everything so far at 30k tokens/s, and an L4-like one, declared 3x slower,
+    # that served nothing: undeclared, it is priced at the fleet's 30k; declared, at a third of it.
+    clock = Clock()
+    hints = SpeedHints("gpu", {"h100": 3.0, "l4": 1.0})
+    relative = hints.of([{"gpu": "h100"}, {"gpu": "h100"}, {"gpu": "l4"}])
+    assert relative is not None and list(relative) == [3.0, 3.0, 1.0]
+    undeclared = ServerSpeeds(3, clock, min_requests=1)
+    declared = ServerSpeeds(3, clock, min_requests=1, relative=relative)
+    for k in range(20):
+        for speeds in (undeclared, declared):
+            timed(speeds, clock, k % 2, 3000.0, 0.1, f"r{k}")
+    assert undeclared.prefill_tokens_per_s()[2] == pytest.approx(30_000.0)
+    assert declared.prefill_tokens_per_s() == pytest.approx([30_000.0, 30_000.0, 10_000.0])
+    # Its own timings still win over the declaration as they come.
+    for k in range(200):
+        timed(declared, clock, 2, 1000.0, 0.05, f"l4-{k}")  # 20k tokens/s: faster than declared
+    assert declared.prefill_tokens_per_s()[2] == pytest.approx(20_000.0, rel=0.05)
+
+
+def test_declared_speeds_name_the_slower_hardware_and_equal_ones_change_nothing() -> None:
+    hints = SpeedHints("gpu", {"h100": 3.0, "a100": 1.0}, default=0.5)
+    assert hints.of([{"gpu": "h100"}, {"gpu": "h100"}]) is None  # all equal: nothing to tell apart
+    relative = hints.of([{"gpu": "h100"}, {"gpu": "a100"}, {}, {"gpu": "tpu"}])
+    assert relative is not None and list(relative) == [3.0, 1.0, 0.5, 0.5]
+    clock = Clock()
+    speeds = ServerSpeeds(4, clock, min_requests=1, relative=relative)
+    # No idle request was ever timed (the learned idle rates are unknown), yet the slower hardware is known: the
+    # declared speeds, in tokens/s once a rate is learned.
+    assert list(speeds.peak_tokens_per_s()) == [3.0, 1.0, 0.5, 0.5]
+    for k in range(10):
+        timed(speeds, clock, 0, 3000.0, 0.1, f"r{k}")
+    assert speeds.peak_tokens_per_s() == pytest.approx([30_000.0, 10_000.0, 5_000.0, 5_000.0])
+    with pytest.raises(ValueError, match="4 positive numbers"):
+        speeds.relate(np.array([1.0, 0.0, 1.0, 1.0]))
+    moved = speeds.moved(np.array([1, 0]), relative[[1, 0]])  # the a100 and the h100 swap places
+    assert moved.prefill_tokens_per_s() == pytest.approx([10_000.0, 30_000.0], rel=0.01)
+
+
+def test_the_ttft_gap_filter_drops_declared_slower_hardware_before_any_idle_rate_is_learned() -> None:
+    # Without declared speeds the filter waits for learned idle rates, which a slow server busy from the start never
+    # gets; with them it keeps a long prompt off the L4 whose queue the prediction says is seconds longer.
+    from inferlb.scorer.filters import TtftGapFilter
+
+    clock = Clock()
+    for relative, kept in ((None, [0, 1]), (np.array([3.0, 1.0]), [0])):
+        speeds = ServerSpeeds(2, clock, min_requests=1, prior_requests=0.0, relative=relative)
+        for k in range(10):  # both busy (no timing counts as idle): 30k and 10k tokens/s
+            timed(speeds, clock, 0, 3000.0, 0.1, f"h{k}")
+            timed(speeds, clock, 1, 1000.0, 0.1, f"l{k}")
+        assert speeds.prefill_tokens_per_s() == pytest.approx([30_000.0, 10_000.0])
+        state = _state()
+        state.signals.publish(
+            Snapshot.empty(2).with_values(
+                prefill_tokens_per_s=speeds.prefill_tokens_per_s(), peak_tokens_per_s=speeds.peak_tokens_per_s()
+            )
+        )
+        request = RequestFeatures(prompt_tokens=40_000)  # predicted 1.3 s on the H100, 4 s on the L4
+        assert list(TtftGapFilter().filter(request, state, np.array([0, 1]))) == kept
