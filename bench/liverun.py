@@ -33,12 +33,14 @@ import httpx
 from inferlb.bench.desrun import fleet_capacity_rps, load_arrivals
 from inferlb.bench.load import cpu_seconds
 from inferlb.bench.metrics import Outcome, summarise
+from inferlb.bench.policies import PROFILE_LABEL, declared_hints
 from inferlb.bench.quality import add_goodput, aggregate, settings
 from inferlb.bench.window import choose_window
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.procs import ManagedProcess, free_port, stop_all
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.promtext import read_vllm
+from inferlb.sim.profiles import fleet_of
 from inferlb.stack import LocalStack, StackOptions, start_sim
 
 __all__ = ["LIVE_CONTENDERS", "LiveRun", "measure", "plan_runs", "run_live"]
@@ -214,8 +216,19 @@ def _run_one(
                 if kind == "envoy"
                 else EnvoyOptions(access_log_path=None)
             )
+            # On a mixed fleet the picker is told each server's profile and the profiles' relative speeds
+            # (pool.speeds), as an operator would declare them.
+            fleet = fleet_of(profile, servers)
+            labels: tuple[dict[str, str], ...] = ()
+            speeds: dict[str, Any] | None = None
+            if kind != "envoy" and len({p.name for p in fleet}) > 1:
+                hints = declared_hints(fleet)
+                labels = tuple({PROFILE_LABEL: p.name} for p in fleet)
+                speeds = {"label": hints.label, "relative": dict(hints.relative)}
             options = StackOptions(
                 backends=servers,
+                endpoint_labels=labels,
+                speeds=speeds,
                 models=(MODEL,),
                 policy=name if kind != "envoy" else "least-request",
                 profile=profile,

@@ -66,6 +66,7 @@ class StackOptions:
     # picker follows them (config kv_events, the emulator's tokenizer); None: no events.
     kv_events: str | None = None
     endpoint_labels: tuple[Mapping[str, str], ...] = ()  # the pool's endpoints' labels, in order (default none)
+    speeds: Mapping[str, Any] | None = None  # the picker's pool.speeds (relative speeds by an endpoint label)
 
 
 def start_envoy(bootstrap: Path, log_path: Path, admin_url: str, concurrency: int = 2) -> ManagedProcess:
@@ -181,7 +182,10 @@ class LocalStack:
             "policy": self.options.policy,
             "drain_s": self.options.picker_drain_s,
             "admin_auth": {"token_file": str(self.admin_token_path)},
-            "pool": {"endpoints": [self._endpoint(a) for a in self.endpoints]},
+            "pool": {
+                "endpoints": [self._endpoint(a) for a in self.endpoints],
+                **({"speeds": dict(self.options.speeds)} if self.options.speeds else {}),
+            },
             **({"kv_events": self._kv_events()} if self.kv_ports is not None else {}),
             **self.options.picker_config,
         }
