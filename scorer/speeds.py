@@ -65,7 +65,8 @@ class SpeedHints:
     def of(self, labels: list[Mapping[str, str]]) -> np.ndarray | None:
         """Per endpoint (given by its labels), its declared relative speed; None where all are equal (nothing to
         tell apart)."""
-        speeds = np.array([self.relative.get(str(e.get(self.label)), self.default) for e in labels], dtype=float)
+        values = [e.get(self.label) for e in labels]
+        speeds = np.array([self.default if v is None else self.relative.get(v, self.default) for v in values])
         return None if speeds.size == 0 or bool((speeds == speeds[0]).all()) else speeds
 
 

@@ -249,6 +249,8 @@ def test_declared_speeds_name_the_slower_hardware_and_equal_ones_change_nothing(
     assert hints.of([{"gpu": "h100"}, {"gpu": "h100"}]) is None  # all equal: nothing to tell apart
     relative = hints.of([{"gpu": "h100"}, {"gpu": "a100"}, {}, {"gpu": "tpu"}])
     assert relative is not None and list(relative) == [3.0, 1.0, 0.5, 0.5]
+    # An endpoint without the label is not one whose label reads "None".
+    assert list(SpeedHints("gpu", {"None": 2.0, "h100": 3.0}).of([{}, {"gpu": "h100"}])) == [1.0, 3.0]
     clock = Clock()
     speeds = ServerSpeeds(4, clock, min_requests=1, relative=relative)
     # No idle request was ever timed (the learned idle rates are unknown), yet the slower hardware is known: the
