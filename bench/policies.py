@@ -181,17 +181,19 @@ class PresetPolicy:
             for endpoint in range(n):
                 self.signals.kv.subscribed(endpoint, True)
         self.inflight = InFlight(n, clock=clock)
-        profile = build_profile(preset, np.random.default_rng(seed), size=n)
+        hints = declared_hints(profiles) if declared_speeds else None
+        relative = None if hints is None else hints.of([e.labels for e in self.pool])
+        profile = build_profile(preset, np.random.default_rng(seed), size=n, speeds=relative)
         self.engine = Engine(self.pool, profile, self.inflight, self.signals, saturation)
         # Experiments run as live: their arms' engines share this state, their statistics run on this clock.
         self.experiments = (
-            Experiments.over(self.engine, experiments, lambda name: name, np.random.default_rng(seed + 1))
+            Experiments.over(
+                self.engine, experiments, lambda name: name, np.random.default_rng(seed + 1), speeds=relative
+            )
             if experiments
             else None
         )
         # The servers' speeds, learned from the requests' timings as the live picker learns them.
-        hints = declared_hints(profiles) if declared_speeds else None
-        relative = None if hints is None else hints.of([e.labels for e in self.pool])
         self.speeds = ServerSpeeds(n, clock, relative=relative) if learn_speeds else None
         self.router = Router(self.engine, classifier, poll_s=poll_s, experiments=self.experiments, speeds=self.speeds)
         self.latency = EndpointLatency(n, window_s=60.0, half_life_s=half_life_s)

@@ -331,7 +331,7 @@ class PickerProcess:
         else:
             inflight = self.engine.inflight.moved(plan.mapping)
             signals = self.engine.signals.moved(plan.mapping, stale_after_s=config.signals.stale_after_s)
-        profile = build_profile(config.profile_spec(), self.rng, size=len(pool))
+        profile = build_profile(config.profile_spec(), self.rng, size=len(pool), speeds=_declared(config, pool))
         engine = Engine(pool, profile, inflight, signals, _saturation(config))
         experiments = _experiments(config, engine, self.rng)
         if experiments is not None:
@@ -498,7 +498,12 @@ def _experiments(config: Config, engine: Engine, rng: np.random.Generator | None
     """The config's experiments over ``engine``'s pool and state, or None without any."""
     if not config.experiments:
         return None
-    return Experiments.over(engine, config.experiments, config.profile_spec, rng)
+    return Experiments.over(engine, config.experiments, config.profile_spec, rng, speeds=_declared(config, engine.pool))
+
+
+def _declared(config: Config, pool: Pool) -> np.ndarray | None:
+    """The pool's declared relative speeds (``pool.speeds``), None where the config declares none or all are equal."""
+    return None if config.speeds is None else config.speeds.of([e.labels for e in pool])
 
 
 def _span_outcomes(service: ExtProcService, spans: SpanLoop | None) -> None:
@@ -551,7 +556,7 @@ def create_picker(
         discovery = discovery_source(config)
     pool = Pool(config.endpoints)
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
-    profile = build_profile(config.profile_spec(), rng, size=len(pool))
+    profile = build_profile(config.profile_spec(), rng, size=len(pool), speeds=_declared(config, pool))
     engine = Engine(pool, profile, signals=signals, saturation=_saturation(config))
     service = ExtProcService(
         engine,

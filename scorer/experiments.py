@@ -752,14 +752,17 @@ class Experiments:
         specs: Sequence[ExperimentSpec],
         spec_of: Callable[[str], ProfileSpec | str],
         rng: np.random.Generator | None = None,
+        *,
+        speeds: np.ndarray | None = None,
     ) -> Experiments:
         """The experiments ``specs`` over ``engine``'s pool and state: an arm whose profile is ``engine``'s routes
-        with it, any other with an engine of its own (``spec_of`` gives a profile's spec) on the same state."""
+        with it, any other with an engine of its own (``spec_of`` gives a profile's spec) on the same state; the
+        pool's declared relative speeds are ``speeds`` (`SpeedHints.of`)."""
         built = {engine.profile.name: engine}
 
         def engine_for(name: str) -> Engine:
             if name not in built:
-                profile = build_profile(spec_of(name), rng, size=len(engine.pool))
+                profile = build_profile(spec_of(name), rng, size=len(engine.pool), speeds=speeds)
                 built[name] = Engine(engine.pool, profile, engine.inflight, engine.signals, engine.saturation)
             return built[name]
 

@@ -7,6 +7,10 @@
 * The prefill backlog: prompt tokens sent that the endpoint is estimated not to have prefilled yet. A prompt's
   tokens count only until its endpoint has had time to prefill them, not until its request ends: a server busy
   decoding long answers is not one with a long queue to prefill.
+* Recent prefill work: the prompt tokens sent to prefill (the uncached part, where the profile estimated it),
+  summed with a decay of half-life `RECENT_HALF_LIFE_S`. It forgets a prompt at a fixed pace, whether or not its
+  request is still running: what a server was given to do in the last few seconds (the ``recent-prefill`` scorer).
+  This replica's own only.
 * Other replicas' `Load` (`set_peers`, from the replicas' exchange): counted with this replica's own, so that
   every scorer, the saturation rule and the prefill estimate see the pool's load, not one replica's share.
 """
@@ -18,6 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+RECENT_HALF_LIFE_S = 2.0
+"""Half-life of the recent prefill work, seconds: a few times a long prompt's prefill, so that it tells which
+servers were given the most to do lately, and short enough that a burst is forgotten soon after it is served."""
 
 
 class InFlight:
@@ -39,6 +47,9 @@ class InFlight:
         # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
         self._prefill = np.zeros(size)
         self._prefill_at = np.zeros(size)
+        # Prompt tokens sent to prefill, decayed with RECENT_HALF_LIFE_S: their sum as of the time in _recent_at.
+        self._recent = np.zeros(size)
+        self._recent_at = np.zeros(size)
         # Set by `moved`: the counters that replaced these, and where each endpoint went there (-1: gone).
         self.successor: tuple[InFlight, np.ndarray] | None = None
         # What other picker replicas have in flight (`set_peers`), included in ``requests`` and ``tokens``; what
@@ -56,7 +67,7 @@ class InFlight:
         new = InFlight(len(mapping), clock=self.clock)
         kept = mapping >= 0
         source = mapping[kept]
-        for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at", *_PEER_FIELDS):
+        for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at", "_recent", "_recent_at", *_PEER_FIELDS):
             getattr(new, name)[kept] = getattr(self, name)[source]
         new.decisions = self.decisions
         new.lowered = self.lowered
@@ -75,17 +86,23 @@ class InFlight:
         """Count one request to endpoint ``index``; the returned lease must be released when it ends.
 
         ``prefill``, when the profile estimated it: (the prompt's tokens still to prefill there, its uncached part;
-        the endpoint's prefill rate in tokens/s), added to the endpoint's prefill backlog."""
+        the endpoint's prefill rate in tokens/s), added to the endpoint's prefill backlog. The recent prefill work
+        adds the uncached part, or all ``tokens`` without an estimate."""
         self.requests[index] += 1
         self.tokens[index] += tokens
         self.sent[index] += 1
         self.decisions += 1
+        now = self.clock()
+        work: float = tokens
         if prefill is not None:
             uncached, tokens_per_s = prefill
-            now = self.clock()
             left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
             self._prefill[index] = max(left, 0.0) + uncached
             self._prefill_at[index] = now
+            work = uncached
+        kept = 0.5 ** ((now - float(self._recent_at[index])) / RECENT_HALF_LIFE_S)
+        self._recent[index] = float(self._recent[index]) * kept + work
+        self._recent_at[index] = now
         return Lease(self, index, tokens)
 
     def total(self) -> int:
@@ -118,6 +135,12 @@ class InFlight:
             self._prefill.copy(),
             self._prefill_at.copy(),
         )
+
+    def recent_prefill(self, candidates: np.ndarray) -> np.ndarray:
+        """Per candidate, the prompt tokens this replica sent there to prefill, each counted with weight
+        ``0.5 ** (its age / RECENT_HALF_LIFE_S)`` (a new array)."""
+        age = self.clock() - self._recent_at[candidates]
+        return self._recent[candidates] * np.exp2(age * (-1.0 / RECENT_HALF_LIFE_S))
 
     def pending_prefill_at(self, index: int, tokens_per_s: float) -> float:
         """`pending_prefill` of one endpoint, as a number (no arrays: the routing unit asks once per request)."""

@@ -133,6 +133,39 @@ class InFlightTokensScorer:
         return 1.0 / (1.0 + (tokens - tokens[tokens.argmin()]) / self.unit)  # argmin: cheaper than min()
 
 
+class RecentPrefillScorer:
+    """Fewer prompt tokens sent to prefill lately scores higher: `InFlight.recent_prefill`, each prompt's uncached
+    tokens fading with a half-life of `RECENT_HALF_LIFE_S`; ``unit`` tokens of difference halve the score.
+
+    The prefill backlog forgets a prompt once it is estimated prefilled, and the in-flight counts weigh a request
+    the same until it ends, however long ago it came; this says which servers were given the most work in the last
+    seconds, which spreads a burst of long prompts before any of it shows in a scrape. Tokens measure work only
+    between servers that do it at the same speed: with ``speeds`` (the pool's declared relative speeds,
+    ``pool.speeds``; None where none differ) the candidates are compared within each speed, each one's least
+    scoring 1, and which speed gets the request is left to ``predicted-ttft``, which counts in seconds.
+    """
+
+    name = "recent-prefill"
+    bounded = True
+
+    def __init__(self, unit: float = 4096.0, *, speeds: np.ndarray | None = None) -> None:
+        self.unit = float(unit)
+        self.speeds = speeds
+
+    def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
+        recent = state.inflight.recent_prefill(candidates)
+        speeds = self.speeds
+        if speeds is None or len(speeds) != len(state.inflight.requests):
+            least: float | np.ndarray = recent[recent.argmin()]
+        else:
+            kinds = speeds[candidates]
+            least = np.empty(len(candidates))
+            for speed in np.unique(kinds):
+                same = kinds == speed
+                least[same] = recent[same].min()
+        return 1.0 / (1.0 + (recent - least) / self.unit)
+
+
 class GpuUtilScorer(_SnapshotScorer):
     """Lower GPU utilisation scores higher: 1 - utilisation (from the GPU agent, DCGM or the emulator)."""
 

@@ -8,8 +8,8 @@
 | prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
 | seed-formula | model, staleness | seed-formula | max-score |
 | default | model, staleness, ttft-gap, | in-flight 0.25, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
-|  | saturation, ttft-slo | predicted-ttft 2, in-flight-tokens 1, latency 0.5, |  |
-|  |  | lora-affinity 1 |  |
+|  | saturation, ttft-slo | predicted-ttft 2, in-flight-tokens 1, recent-prefill 1, |  |
+|  |  | latency 0.5, lora-affinity 1 |  |
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
                 # Prompt tokens until their requests end: what predicted-ttft no longer counts once prefilled,
                 # but what a slow server shows first (its requests stay in flight longer).
                 ("in-flight-tokens", 1.0),
+                # The uncached prompt tokens sent in the last seconds (half-life 2 s): spreads a burst of long
+                # prompts on equal servers, which in-flight tokens weigh alike however long ago they came. Added
+                # 2026-12-05: on the homogeneous fleets over three simulator seeds, 9 runs of 144 over 1.15x the
+                # oracle's TTFT p99 became 4 (bench/results/quality/fleets/README.md).
+                ("recent-prefill", 1.0),
                 ("latency", 0.5),
                 ("lora-affinity", 1.0),
             ),
@@ -92,9 +97,11 @@ def build_profile(
     *,
     size: int = 0,
     registry: Registry | None = None,
+    speeds: np.ndarray | None = None,
 ) -> Profile:
     """A fresh profile for the preset ``name`` (or a spec) over a pool of ``size`` endpoints (plugins that keep
-    per-endpoint state need it). Raises ``KeyError`` naming the known presets, ``ConfigError`` for a bad spec."""
+    per-endpoint state need it), whose declared relative speeds are ``speeds`` (`SpeedHints.of`; None: none
+    differ). Raises ``KeyError`` naming the known presets, ``ConfigError`` for a bad spec."""
     if isinstance(name, ProfileSpec):
         spec = name
     else:
@@ -102,4 +109,4 @@ def build_profile(
             spec = PRESETS[name]
         except KeyError:
             raise KeyError(f"unknown policy {name!r}; known: {', '.join(PRESET_NAMES)}") from None
-    return (registry or default_registry()).build(spec, BuildContext(size=size, rng=rng))
+    return (registry or default_registry()).build(spec, BuildContext(size=size, rng=rng, speeds=speeds))

@@ -42,6 +42,7 @@ from inferlb.scorer.loadscorers import (
     LoraAffinityScorer,
     PredictedTTFTScorer,
     QueueScorer,
+    RecentPrefillScorer,
     RunningScorer,
     SeedFormulaScorer,
     TtftPredictor,
@@ -97,6 +98,8 @@ class BuildContext:
     size: int
     rng: np.random.Generator | None = None
     shared: dict[str, Any] = field(default_factory=dict)
+    # The endpoints' declared relative speeds (``pool.speeds``, `SpeedHints.of`); None where none differ.
+    speeds: np.ndarray | None = None
 
     def prefix_index(self, capacity_blocks: int | None = None) -> PrefixIndex:
         """The profile's shared prefix index, created at the first call (``capacity_blocks``: default 65536);
@@ -157,6 +160,10 @@ class _MemoryFit(TypedDict, total=False):
 
 
 class _InFlightTokens(TypedDict, total=False):
+    unit: Annotated[float, _POSITIVE]
+
+
+class _RecentPrefill(TypedDict, total=False):
     unit: Annotated[float, _POSITIVE]
 
 
@@ -226,6 +233,10 @@ def _prefix_affinity(params: Mapping[str, Any], ctx: BuildContext) -> PrefixAffi
     params = dict(params)
     index = ctx.prefix_index(params.pop("capacity_blocks", None))
     return PrefixAffinityScorer(index, **params)
+
+
+def _recent_prefill(params: Mapping[str, Any], ctx: BuildContext) -> RecentPrefillScorer:
+    return RecentPrefillScorer(**params, speeds=ctx.speeds)
 
 
 def _predicted_ttft(params: Mapping[str, Any], ctx: BuildContext) -> PredictedTTFTScorer:
@@ -332,6 +343,7 @@ def default_registry() -> Registry:
     scorers: dict[str, Plugin] = {
         "in-flight": Plugin(_plain(InFlightScorer)),
         "in-flight-tokens": Plugin(_plain(InFlightTokensScorer), _InFlightTokens),
+        "recent-prefill": Plugin(_recent_prefill, _RecentPrefill),
         "queue": Plugin(_plain(QueueScorer)),
         "running": Plugin(_plain(RunningScorer)),
         "kv-cache": Plugin(_plain(KVCacheScorer)),

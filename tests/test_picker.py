@@ -13,7 +13,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.bench.redisserver import REDIS, redis_server
-from inferlb.picker import create_picker
+from inferlb.picker import PickerProcess, create_picker
 from inferlb.procs import free_port
 from inferlb.scorer.config import load_config
 from inferlb.scorer.features import RequestFeatures
@@ -359,6 +359,13 @@ async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by
     assert routed.decision.endpoint.index == 0
 
 
+def _recent_prefill_speeds(picker: PickerProcess) -> list[float] | None:
+    """The declared speeds the default profile's recent-prefill scorer compares by (None: one speed)."""
+    scorer = next(s.scorer for s in picker.service.router.engine.profile.scorers if s.scorer.name == "recent-prefill")
+    speeds = getattr(scorer, "speeds", None)
+    return None if speeds is None else list(speeds)
+
+
 async def test_declared_speeds_reach_the_learned_speeds_and_a_reload_changes_them(tmp_path: Path):
     doc = {
         "listen": f"127.0.0.1:{free_port()}",
@@ -375,6 +382,7 @@ async def test_declared_speeds_reach_the_learned_speeds_and_a_reload_changes_the
     picker = create_picker(load_config(_write(tmp_path, doc)))
     assert picker.service.router.speeds is picker.spans.speeds
     assert list(picker.spans.speeds.relative) == [3.0, 1.0]
+    assert _recent_prefill_speeds(picker) == [3.0, 1.0]  # it compares the tokens sent within each speed
     await picker.start()
     try:
         async with httpx.AsyncClient(base_url=f"http://{picker.config.admin}", timeout=5) as client:
@@ -386,9 +394,11 @@ async def test_declared_speeds_reach_the_learned_speeds_and_a_reload_changes_the
             picker.reload_document({**doc, "pool": {**doc["pool"], "speeds": {"label": "gpu", "relative": {"l4": 2}}}})
             assert list(picker.spans.speeds.relative) == [1.0, 2.0]  # the H100s now get the default, 1
             assert picker.service.router.speeds is picker.spans.speeds
+            assert _recent_prefill_speeds(picker) == [1.0, 2.0]
             assert await shown() == [1.0, 2.0]
             picker.reload_document({**doc, "pool": {"endpoints": doc["pool"]["endpoints"]}})
             assert picker.spans.speeds.relative is None
+            assert _recent_prefill_speeds(picker) is None
             assert await shown() == [None, None]
     finally:
         await picker.stop(0.5)

@@ -519,6 +519,7 @@ MUST_BE = [
         {"256.0": "256.0", "-1": "-1", "false": "False"},
     ),
     ("scorers", "in-flight-tokens", "unit", "a number > 0", {"0": "0", "-4096": "-4096", ".inf": "inf", "yes": "True"}),
+    ("scorers", "recent-prefill", "unit", "a number > 0", {"0": "0", "-1": "-1", ".nan": "nan"}),
     ("scorers", "latency", "signal", "ttft_s or e2e_s", {"ttft": "'ttft'", "1": "1"}),
     (
         "scorers",
@@ -630,6 +631,7 @@ def test_seed_formula_weights_must_not_all_be_zero() -> None:
             id="memory-fit",
         ),
         pytest.param("scorers", "{type: in-flight-tokens, unit: 1}", ("unit",), (1.0,), id="in-flight-tokens"),
+        pytest.param("scorers", "{type: recent-prefill, unit: 2}", ("unit",), (2.0,), id="recent-prefill"),
         pytest.param("scorers", "{type: latency, signal: e2e_s}", ("signal",), ("e2e_s",), id="latency"),
         pytest.param(
             "scorers", "{type: predicted-ttft, block_tokens: 1}", ("block_tokens",), (1,), id="predicted-ttft"

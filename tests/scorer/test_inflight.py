@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inferlb.scorer.inflight import InFlight, Lease, Load
+from inferlb.scorer.inflight import RECENT_HALF_LIFE_S, InFlight, Lease, Load
 
 
 def test_starts_at_zero() -> None:
@@ -110,6 +110,22 @@ def test_the_prefill_backlog_drains_at_the_given_rate_and_outlives_the_request()
     assert inflight.pending_prefill(np.array([2, 0]), rates[[2, 0]]).tolist() == [1500, 1300]
     now[0] = 200.0  # long drained: never below zero
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 0]
+
+
+def test_recent_prefill_work_halves_every_half_life_and_outlives_the_request() -> None:
+    now = [50.0]
+    inflight = InFlight(3, clock=lambda: now[0])
+    inflight.acquire(0, 2100, (2000, 1000)).release()  # the uncached part counts: 2,000
+    inflight.acquire(1, 500)  # no estimate: the whole prompt
+    assert inflight.recent_prefill(np.arange(3)).tolist() == [2000, 500, 0]
+    now[0] += RECENT_HALF_LIFE_S
+    assert inflight.recent_prefill(np.arange(3)) == pytest.approx([1000, 250, 0])
+    inflight.acquire(0, 300, (300, 1000))  # onto what is left
+    assert inflight.recent_prefill(np.array([2, 0])) == pytest.approx([0, 1300])
+    now[0] += 2 * RECENT_HALF_LIFE_S
+    assert inflight.recent_prefill(np.arange(3)) == pytest.approx([325, 62.5, 0])
+    moved = inflight.moved(np.array([1, -1, 0]))  # it follows its endpoint to the next pool; a new one starts at 0
+    assert moved.recent_prefill(np.arange(3)) == pytest.approx([62.5, 0, 325])
 
 
 def test_a_lease_moved_to_the_endpoint_that_served_releases_there() -> None:

@@ -15,7 +15,7 @@ import pytest
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import NEUTRAL_SCORE, Engine, State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.inflight import InFlight
+from inferlb.scorer.inflight import RECENT_HALF_LIFE_S, InFlight
 from inferlb.scorer.loadscorers import (
     GpuFreeMemoryScorer,
     GpuUtilScorer,
@@ -25,6 +25,7 @@ from inferlb.scorer.loadscorers import (
     LoraAffinityScorer,
     PredictedTTFTScorer,
     QueueScorer,
+    RecentPrefillScorer,
     RunningScorer,
     SeedFormulaScorer,
     TtftPredictor,
@@ -185,6 +186,44 @@ def test_in_flight_tokens_scorer(tokens: list[int], unit: float, candidates: lis
     got = InFlightTokensScorer(unit).score(REQUEST, state(tokens=tokens), given)
     assert got == pytest.approx(expected, abs=1e-6)
     check_bounded(got, given)
+
+
+@pytest.mark.parametrize(
+    ("sent", "speeds", "candidates", "expected"),
+    [
+        pytest.param([0, 0, 0, 0], None, ALL, [1, 1, 1, 1], id="idle"),
+        pytest.param([0, 8192, 2000, 0], None, ALL, [1, 1 / 3, 1 / (1 + 2000 / 4096), 1], id="spread"),
+        pytest.param([0, 8192, 2000, 0], None, [1, 2], [1 / (1 + 6192 / 4096), 1], id="least-among-candidates"),
+        pytest.param([0, 10**12, 0, 0], None, ALL, [1, 0, 1, 1], id="huge"),
+        # Two speeds: each is compared with its own kind; the fast ones were given more, and that is as it should be.
+        pytest.param([8192, 12288, 0, 4096], [3, 3, 1, 1], ALL, [1, 0.5, 1, 0.5], id="within-each-speed"),
+        pytest.param([8192, 12288, 0, 4096], [3, 3, 1, 1], [1, 3], [1, 1], id="one-of-each"),
+        pytest.param(
+            [0, 8192, 2000, 0], [1, 1], ALL, [1, 1 / 3, 1 / (1 + 2000 / 4096), 1], id="speeds-of-another-pool"
+        ),
+    ],
+)
+def test_recent_prefill_scorer(
+    sent: list[int], speeds: list[float] | None, candidates: list[int], expected: list[float]
+) -> None:
+    given = np.array(candidates)
+    declared = None if speeds is None else np.array(speeds, dtype=float)
+    got = RecentPrefillScorer(4096, speeds=declared).score(REQUEST, state(tokens=sent), given)
+    assert got == pytest.approx(expected, abs=1e-6)
+    check_bounded(got, given)
+
+
+def test_recent_prefill_scorer_forgets_a_burst_that_in_flight_tokens_still_count() -> None:
+    now = [0.0]
+    inflight = InFlight(2, clock=lambda: now[0])
+    inflight.acquire(0, 8192)  # a long prompt, its request still running
+    held = State(Pool([EndpointConfig(f"10.0.0.{i + 1}:8000", None) for i in range(2)]), inflight, Signals(2))
+    scorer, tokens = RecentPrefillScorer(4096), InFlightTokensScorer(4096)
+    everything = np.arange(2)
+    assert scorer.score(REQUEST, held, everything) == pytest.approx([1 / 3, 1])
+    now[0] = 10 * RECENT_HALF_LIFE_S
+    assert scorer.score(REQUEST, held, everything) == pytest.approx([1, 1], abs=0.01)  # 8 tokens left
+    assert tokens.score(REQUEST, held, everything) == pytest.approx([1 / 3, 1])
 
 
 # ---------------------------------------------------------------- predicted TTFT
