@@ -43,17 +43,24 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> bytes:
 
 @dataclass
 class Publisher:
-    """A server's publisher: ``send`` numbers a payload and keeps it for replay (``live=False``: kept, not sent)."""
+    """A server's publisher: ``send`` numbers a payload and keeps it for replay (``live=False``: kept, not sent).
+
+    An XPUB socket: a PUB drops what it sends before the subscriber's subscription has reached it, which can come
+    after the connection is up (on a busy machine, long after), so the first live ``send`` waits for it."""
 
     pub: zmq.asyncio.Socket
     router: zmq.asyncio.Socket
     buffer: list[tuple[int, bytes]] = field(default_factory=list)
     next: int = 0
+    joined: bool = False
 
     async def send(self, payload: bytes, *, live: bool = True) -> None:
         sequence, self.next = self.next, self.next + 1
         self.buffer.append((sequence, payload))
         if live:
+            if not self.joined:
+                await asyncio.wait_for(self.pub.recv(), 20.0)  # the subscription, which XPUB hands over
+                self.joined = True
             await self.pub.send_multipart([b"", sequence.to_bytes(8, "big"), payload])
 
     async def serve_replays(self) -> None:
@@ -68,7 +75,7 @@ class Publisher:
 @pytest.fixture
 async def publisher() -> AsyncIterator[tuple[Publisher, KVEventOptions]]:
     context = zmq.asyncio.Context()
-    pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    pub, router = context.socket(zmq.XPUB), context.socket(zmq.ROUTER)
     port, replay_port = free_port(), free_port()
     pub.bind(f"tcp://127.0.0.1:{port}")
     router.bind(f"tcp://127.0.0.1:{replay_port}")
