@@ -8,8 +8,8 @@
 | prefix-aware | model, staleness, saturation | prefix-affinity 2, queue 1, in-flight 1, kv-cache 0.5 | max-score |
 | seed-formula | model, staleness | seed-formula | max-score |
 | default | model, staleness, ttft-gap, | in-flight 0.25, queue 1, kv-cache 0.5, prefix-affinity 1, | max-score |
-|  | saturation, ttft-slo | predicted-ttft 2, in-flight-tokens 1, recent-prefill 1, |  |
-|  |  | latency 0.5, lora-affinity 1 |  |
+|  | saturation, ttft-slo | predicted-ttft 2, in-flight-tokens 1, latency 0.5, |  |
+|  |  | lora-affinity 1 |  |
 """
 
 from __future__ import annotations
@@ -76,11 +76,9 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
                 # Prompt tokens until their requests end: what predicted-ttft no longer counts once prefilled,
                 # but what a slow server shows first (its requests stay in flight longer).
                 ("in-flight-tokens", 1.0),
-                # The uncached prompt tokens sent in the last seconds (half-life 2 s): spreads a burst of long
-                # prompts on equal servers, which in-flight tokens weigh alike however long ago they came. Added
-                # 2026-12-05: on the homogeneous fleets over three simulator seeds, 9 runs of 144 over 1.15x the
-                # oracle's TTFT p99 became 4 (bench/results/quality/fleets/README.md).
-                ("recent-prefill", 1.0),
+                # Not recent-prefill (the prompt tokens sent in the last seconds): it helps equal servers on the
+                # Azure traces, but pulls traffic back onto a server that turned slow, or onto slower hardware whose
+                # speed is not declared, because they are given fewer tokens (bench/results/quality/fleets).
                 ("latency", 0.5),
                 ("lora-affinity", 1.0),
             ),

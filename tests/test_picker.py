@@ -360,7 +360,7 @@ async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by
 
 
 def _recent_prefill_speeds(picker: PickerProcess) -> list[float] | None:
-    """The declared speeds the default profile's recent-prefill scorer compares by (None: one speed)."""
+    """The declared speeds the profile's recent-prefill scorer compares by (None: one speed)."""
     scorer = next(s.scorer for s in picker.service.router.engine.profile.scorers if s.scorer.name == "recent-prefill")
     speeds = getattr(scorer, "speeds", None)
     return None if speeds is None else list(speeds)
@@ -371,6 +371,8 @@ async def test_declared_speeds_reach_the_learned_speeds_and_a_reload_changes_the
         "listen": f"127.0.0.1:{free_port()}",
         "admin": f"127.0.0.1:{free_port()}",
         "otel": {"latency_source": "stream"},
+        "policy": "recent",
+        "profiles": {"recent": {"scorers": [{"type": "recent-prefill"}, {"type": "predicted-ttft"}]}},
         "pool": {
             "endpoints": [
                 {"address": "10.0.0.1:8000", "labels": {"gpu": "h100"}},

@@ -46,10 +46,11 @@ def test_weights_split_traffic_and_each_arm_routes_with_its_profile() -> None:
 
 
 def test_an_arms_own_engine_compares_by_the_pools_declared_speeds() -> None:
-    config = parse_config({"policy": "round-robin", "pool": POOL})
+    profiles = {"recent": {"scorers": [{"type": "recent-prefill"}]}}
+    config = parse_config({"policy": "round-robin", "profiles": profiles, "pool": POOL})
     engine = Engine(Pool(config.endpoints), build_profile("round-robin", np.random.default_rng(0), size=4))
     speeds = np.array([3.0, 3.0, 1.0, 1.0])
-    arms = (ArmSpec("control", "round-robin", 0.5), ArmSpec("treatment", "default", 0.5))
+    arms = (ArmSpec("control", "round-robin", 0.5), ArmSpec("treatment", "recent", 0.5))
     experiments = Experiments.over(engine, [ExperimentSpec("ab", arms)], config.profile_spec, speeds=speeds)
     treatment = experiments.running["ab"].arms[1].engine
     assert treatment is not engine
