@@ -143,6 +143,9 @@ class RecentPrefillScorer:
     between servers that do it at the same speed: with ``speeds`` (the pool's declared relative speeds,
     ``pool.speeds``; None where none differ) the candidates are compared within each speed, each one's least
     scoring 1, and which speed gets the request is left to ``predicted-ttft``, which counts in seconds.
+
+    Not in the default preset: a server that turned slow, or slower hardware whose speed is not declared, is given
+    fewer tokens, and this scorer then sends it more (bench/results/quality/fleets/README.md, "Recent prefill work").
     """
 
     name = "recent-prefill"
