@@ -206,7 +206,7 @@ class PresetPolicy:
         )
         self._block_step = [max(1, PREFIX_BLOCK_TOKENS // p.block_size) for p in profiles]
         self._scraped: list[float] = [-1.0] * n
-        self._sent_at_scrape = np.full(n, np.nan)
+        self._inflight_at_scrape = np.full(n, np.nan)
         self._latency_dirty = False
         self._leases: dict[str, Lease] = {}
         self._routed_at: dict[str, float] = {}
@@ -322,8 +322,9 @@ class PresetPolicy:
         for i, snap in enumerate(snaps):
             if snap is not None and snap.scraped_at != self._scraped[i]:
                 self._scraped[i] = snap.scraped_at
-                # Exact here: nothing was sent between that scrape and this decision.
-                self._sent_at_scrape[i] = self.inflight.sent[i]
+                # Nothing was sent between that scrape and this decision; a request that ended since lowers the base
+                # by one, and the rule errs towards saturated.
+                self._inflight_at_scrape[i] = self.inflight.requests[i]
                 changed = True
         if not changed:
             return
@@ -357,7 +358,7 @@ class PresetPolicy:
                 ttft_s=arrays["ttft_ewma"],
                 e2e_s=arrays["e2e_ewma"],
                 scraped_at=scraped,
-                sent_at_scrape=self._sent_at_scrape,
+                inflight_at_scrape=self._inflight_at_scrape,
                 **learned,
             )
         )

@@ -11,8 +11,8 @@ parse searches a few KB instead of the whole body (tens of microseconds for vLLM
 staging arrays; a new `Snapshot` is published at most ``publish_delay_s`` after a reading arrives, so many scrapes
 make one snapshot (scorers that compute once per snapshot stay cheap).
 
-Each scrape also notes how many requests the picker had sent to the endpoint when it began (``inflight``, if
-given), so that filters can add what was sent since to the scraped queue (`Snapshot.sent_at_scrape`).
+Each scrape also notes how many requests the picker had in flight on the endpoint when it began (``inflight``, if
+given), so that the saturation rule can add their growth since to the scraped queue (`Snapshot.inflight_at_scrape`).
 
 A failed scrape (refused, timed out, an HTTP error, a body without the metrics) marks the endpoint down and keeps
 its last values with their old scrape time, so the staleness filter can tell; it never stops the collector.
@@ -113,8 +113,9 @@ class MetricsCollector:
         self._running, self._waiting = old.running.copy(), old.waiting.copy()
         self._kv_usage, self._kv_tokens = old.kv_usage.copy(), old.kv_tokens.copy()
         self._scraped_at, self._up = old.scraped_at.copy(), old.up.copy()
-        self._sent_at_scrape = old.sent_at_scrape.copy()
-        self._sent_at_start = np.full(len(pool), np.nan)  # InFlight.sent when each endpoint's current scrape began
+        self._inflight_at_scrape = old.inflight_at_scrape.copy()
+        # InFlight.requests when each endpoint's current scrape began
+        self._inflight_at_start = np.full(len(pool), np.nan)
         self._lora = list(old.lora)
         self._publish_pending: asyncio.TimerHandle | None = None
         self._round_published = False
@@ -169,7 +170,7 @@ class MetricsCollector:
 
     async def _scrape(self, i: int) -> None:
         if self.inflight is not None:
-            self._sent_at_start[i] = self.inflight.sent[i]
+            self._inflight_at_start[i] = self.inflight.requests[i]
         try:
             status, body = await self._getters[i].get(self.options.timeout_s)
         except HttpGetError as exc:
@@ -197,7 +198,7 @@ class MetricsCollector:
             self._kv_tokens[i] = reading.num_gpu_blocks * reading.block_size
         self._lora[i] = reading.lora
         self._scraped_at[i] = self._clock()
-        self._sent_at_scrape[i] = self._sent_at_start[i]
+        self._inflight_at_scrape[i] = self._inflight_at_start[i]
         self._up[i] = True
         self.last_error[i] = None
 
@@ -218,7 +219,7 @@ class MetricsCollector:
                 kv_usage=self._kv_usage,
                 kv_tokens=self._kv_tokens,
                 scraped_at=self._scraped_at,
-                sent_at_scrape=self._sent_at_scrape,
+                inflight_at_scrape=self._inflight_at_scrape,
                 up=self._up,
                 lora=self._lora,
             )

@@ -2,8 +2,7 @@
 
 * ``requests`` and ``tokens``: requests (and their estimated prompt tokens) sent and not yet seen finish; they
   move on every decision and every completion.
-* ``sent``: requests ever sent, so that a scraped signal can be brought up to date with what was sent after the
-  scrape began (see `Snapshot.sent_at_scrape`).
+* ``sent``: requests ever sent (with the peers' sends, for replicas).
 * The prefill backlog: prompt tokens sent that the endpoint is estimated not to have prefilled yet. A prompt's
   tokens count only until its endpoint has had time to prefill them, not until its request ends: a server busy
   decoding long answers is not one with a long queue to prefill.
@@ -39,7 +38,7 @@ class InFlight:
         self.requests = np.zeros(size, dtype=np.int64)
         self.tokens = np.zeros(size, dtype=np.int64)
         self.sent = np.zeros(size, dtype=np.int64)
-        self.decisions = 0  # requests counted so far, all endpoints: a version of the counters
+        self.decisions = 0  # requests counted so far (and counts raised otherwise), all endpoints: a version
         # Times a count went down (a request ended or moved away, or the peers' changed): with ``decisions``, the
         # counters' version for a reader that must see a count fall (the saturation rule's cache).
         self.lowered = 0
@@ -111,14 +110,16 @@ class InFlight:
     def set_peers(self, load: Load) -> None:
         """Other replicas have ``load`` per endpoint (aligned with the pool; their sum): from now on ``requests``,
         ``tokens`` and ``sent`` count theirs with this replica's own, which stay as they are (`own`), and the prefill
-        backlog adds theirs. What they sent since the last call counts as that many decisions (``decisions`` is
-        the counters' version: the saturation rule's cache holds for so many)."""
-        self.requests += load.requests - self.peer_requests
+        backlog adds theirs. What they sent since the last call counts as that many decisions, or what their counts
+        rose by if more (``decisions`` is the counters' version: the saturation rule's cache holds for so many)."""
+        raised = load.requests - self.peer_requests
+        self.requests += raised
         self.tokens += load.tokens - self.peer_tokens
         self.lowered += 1
         more = load.sent - self.peer_sent
         self.sent += more
-        self.decisions += int(np.abs(more).sum())
+        # At least every count raised: the saturation rule's cache must not hold past a rise.
+        self.decisions += max(int(np.abs(more).sum()), int(np.maximum(raised, 0).sum()))
         self.peer_requests = load.requests.astype(np.int64, copy=True)
         self.peer_tokens = load.tokens.astype(np.int64, copy=True)
         self.peer_sent = load.sent.astype(np.int64, copy=True)
@@ -235,6 +236,7 @@ class Lease:
         inflight.tokens[old] -= self.tokens
         inflight.lowered += 1
         inflight.requests[index] += 1
+        inflight.decisions += 1  # a count raised, as by a decision (the saturation rule's cache)
         inflight.tokens[index] += self.tokens
         self._inflight, self.index = inflight, index
         return True

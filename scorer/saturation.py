@@ -1,14 +1,17 @@
 """When an endpoint is saturated: the one rule that admission control and the ``saturation`` filter share.
 
 An endpoint is saturated when its latest metrics show more than ``max_waiting`` queued requests or KV-cache use
-above ``max_kv_usage``. The queue counted is the scraped one plus the requests this picker sent the endpoint after
-that scrape began (`Snapshot.sent_at_scrape` against `InFlight.sent`) and that may still be there: no more of them
-than it has in flight (`InFlight.requests`). On the scraped queue alone, the few endpoints under the threshold at
-the last scrape would take every request until the next one: at full load that herding put 130 of 358 requests in
-half a second onto one of 16 servers in the simulator, and raised the time-to-first-token p99 2.5 times. Counting
-every request sent since, finished or not, saturated servers that answer fast: more than ``max_waiting`` short
-requests per endpoint between two scrapes (160 a second at the defaults) held the rest in admission while the
-servers were idle. Unknown values are not over.
+above ``max_kv_usage``. The queue counted is the scraped one plus the growth since that scrape began of the
+requests this picker has in flight there (`InFlight.requests` against `Snapshot.inflight_at_scrape`): the queue
+cannot have grown by more than the requests sent since, less those that ended. On the scraped queue alone, the few
+endpoints under the threshold at the last scrape would take every request until the next one: at full load that
+herding put 130 of 358 requests in half a second onto one of 16 servers in the simulator, and raised the
+time-to-first-token p99 2.5 times. Counting every request sent since the scrape, finished or not, saturated servers
+that answer fast (more than ``max_waiting`` short requests per endpoint between two scrapes); counting the requests
+sent since that were still in flight saturated servers that simply run many requests at once: 64 clients on 4
+servers put 16 in flight on each, and the few ends not yet reported (Envoy's access log sends them in batches) took
+each over 16, so requests waited in admission while the servers had nothing queued (the hop benchmark: the picker's
+CPU per request at concurrency 64 rose by a fifth). Unknown values are not over.
 
 Freshness is not part of the rule: admission counts a stale endpoint as saturated (unless every candidate is
 stale), and the staleness filter drops stale endpoints (`Signals.fresh_until`).
@@ -37,11 +40,9 @@ class Saturation:
         self.max_waiting = max_waiting
         self.max_kv_usage = max_kv_usage
         self._for: Snapshot | None = None
-        # Per endpoint, the InFlight.sent count past which it is saturated (if it also has more than _room requests
-        # in flight): -inf when the scrape already says so, +inf when its queue is unknown or the scrape did not note
-        # what had been sent.
+        # Per endpoint, the InFlight.requests count past which it is saturated: -inf when the scrape already says so,
+        # +inf when its queue is unknown or the scrape did not note what was in flight.
         self._limit = np.zeros(0)
-        self._room = np.zeros(0)  # the queue's room at the scrape; -inf when the scrape says saturated
         # The last answer: for which snapshot and counters, at which decision and lowered count, and for how many
         # decisions more it holds (see `over`).
         self._over_for: tuple[Snapshot, InFlight] | None = None
@@ -65,9 +66,10 @@ class Saturation:
     def _refresh(self, signals: Signals, inflight: InFlight) -> None:
         snapshot = signals.snapshot
         cached = self._over_for
-        # Every decision adds one to one endpoint's `InFlight.sent` and `InFlight.requests`, and nothing else raises
-        # them, so an endpoint under by h requests stays under for h more decisions; one over stays over until a
-        # count falls (`InFlight.lowered`: a request ended), which matters only while one is over.
+        # Every decision adds one to one endpoint's `InFlight.requests`, and nothing else raises it (the peers' counts
+        # add at most what they sent, which counts as decisions), so an endpoint under by h requests stays under for
+        # h more decisions; one over stays over until a count falls (`InFlight.lowered`: a request ended), which
+        # matters only while one is over.
         if (
             cached is not None
             and cached[0] is snapshot
@@ -78,24 +80,18 @@ class Saturation:
             return
         if snapshot is not self._for:  # once per scrape, not once per pick
             room = np.where(np.isnan(snapshot.waiting), math.inf, self.max_waiting - snapshot.waiting)
-            base = snapshot.sent_at_scrape
+            base = snapshot.inflight_at_scrape
             with np.errstate(invalid="ignore"):  # -inf + inf where the queue is infinite: over anyway
                 limit = room + np.where(np.isnan(base), math.inf, base)
-            scraped_over = snapshot.over(self.max_waiting, self.max_kv_usage)
-            self._limit = np.where(scraped_over, -math.inf, limit)
-            self._room = np.where(scraped_over, -math.inf, room)
+            self._limit = np.where(snapshot.over(self.max_waiting, self.max_kv_usage), -math.inf, limit)
             self._for = snapshot
-        sent, requests = inflight.sent, inflight.requests
-        # min(sent since the scrape, in flight) > room, as two comparisons: no more of the requests sent since the
-        # scrape can be queued there than are in flight there.
-        over = (sent > self._limit) & (requests > self._room)
+        requests = inflight.requests
+        over = requests > self._limit  # in flight now - in flight at the scrape > the queue's room at the scrape
         over.setflags(write=False)
         self._over = over
         self._any = bool(over.any())
-        # The fewest requests by which an endpoint is under (inf: none can reach saturation). It is under while
-        # either count is, so by the larger of the two margins.
-        margin = np.maximum(self._limit - sent, self._room - requests)
-        self._holds_for = float(np.minimum.reduce(margin, where=~over, initial=math.inf))
+        # The fewest requests by which an endpoint is under (inf: none can reach saturation).
+        self._holds_for = float(np.minimum.reduce(self._limit - requests, where=~over, initial=math.inf))
         self._over_for = (snapshot, inflight)
         self._over_at = inflight.decisions
         self._lowered_at = inflight.lowered

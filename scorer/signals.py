@@ -45,9 +45,9 @@ def _frozen(values: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """Endpoint state at one moment. ``scraped_at`` is the ``time.monotonic()`` of each endpoint's last successful
-    metrics scrape (NaN: never); ``up`` says whether the last scrape attempt succeeded. ``sent_at_scrape`` is how
-    many requests the picker had sent to the endpoint (`InFlight.sent`) when that scrape began (NaN: not known),
-    so that a scraped queue can be brought up to date with what was sent since. Every array is read-only.
+    metrics scrape (NaN: never); ``up`` says whether the last scrape attempt succeeded. ``inflight_at_scrape`` is how
+    many requests the picker had in flight on the endpoint (`InFlight.requests`) when that scrape began (NaN: not
+    known), so that a scraped queue can be brought up to date with their growth since. Every array is read-only.
     """
 
     running: np.ndarray
@@ -64,7 +64,7 @@ class Snapshot:
     peak_tokens_per_s: np.ndarray
     scraped_at: np.ndarray
     up: np.ndarray
-    sent_at_scrape: np.ndarray
+    inflight_at_scrape: np.ndarray
     built_at: float = field(default_factory=time.monotonic)
     # Per endpoint, the LoRA adapters its running and waiting requests use and its adapter slots, from
     # ``vllm:lora_requests_info`` (None: not reported). Not an array: sets of names.
@@ -77,7 +77,7 @@ class Snapshot:
         return cls(
             **nan,
             scraped_at=_frozen(np.full(size, np.nan)),
-            sent_at_scrape=_frozen(np.full(size, np.nan)),
+            inflight_at_scrape=_frozen(np.full(size, np.nan)),
             up=_frozen(np.ones(size, dtype=bool)),
             lora=(None,) * size,
         )
@@ -104,7 +104,7 @@ class Snapshot:
         source = mapping[kept]
         empty = Snapshot.empty(len(mapping))
         arrays: dict[str, Any] = {}
-        for name in (*SIGNAL_FIELDS, "scraped_at", "sent_at_scrape", "up"):
+        for name in (*SIGNAL_FIELDS, "scraped_at", "inflight_at_scrape", "up"):
             array = np.array(getattr(empty, name), copy=True)
             array[kept] = getattr(self, name)[source]
             arrays[name] = _frozen(array)

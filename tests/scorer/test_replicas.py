@@ -299,12 +299,12 @@ async def test_what_a_peer_sent_since_the_scrape_saturates_here_and_its_prefill_
     await until(lambda: ra.ready() and rb.ready() and rb.peers() == 1, "both caught up, b hears of a")
     limit = b.saturation.max_waiting
     snapshot = b.signals.snapshot.with_values(
-        waiting=[limit - 2, 0, 0], kv_usage=[0.1] * 3, scraped_at=[b.signals.clock()] * 3, sent_at_scrape=[0, 0, 0]
+        waiting=[limit - 2, 0, 0], kv_usage=[0.1] * 3, scraped_at=[b.signals.clock()] * 3, inflight_at_scrape=[0, 0, 0]
     )
     b.signals.publish(snapshot)
     assert not b.saturation.over(b.signals, b.inflight).any()
     leases = [a.inflight.acquire(0, 10, prefill=(4000.0, 1.0)) for _ in range(3)]  # three more queued at 0
-    await until(lambda: b.inflight.sent.tolist() == [3, 0, 0], "b counts what a sent")
+    await until(lambda: b.inflight.requests.tolist() == [3, 0, 0], "b counts what a has in flight")
     assert b.saturation.over(b.signals, b.inflight).tolist() == [True, False, False]
     backlog = b.inflight.pending_prefill(np.array([0, 1]), np.array([1.0, 1.0]))
     assert 11_000 < backlog[0] <= 12_000 and backlog[1] == 0  # a's 3 x 4,000 tokens, draining at 1 a second
