@@ -12,9 +12,9 @@ class may also restrict the request to endpoints with given labels (its pool) an
 the ``ttft-slo`` filter routes by.
 
 Saturated means what `scorer.saturation.Saturation` says (the one rule, shared with the ``saturation`` filter):
-more than ``max_waiting`` queued requests, counting those sent since the last scrape began that are still in
-flight, or KV-cache use above ``max_kv_usage``; a stale endpoint counts as saturated too, unless every candidate is
-stale (then nothing is known and the pick goes ahead).
+more than ``max_waiting`` queued requests, counting the growth of the requests in flight there since the last
+scrape began, or KV-cache use above ``max_kv_usage``; a stale endpoint counts as saturated too, unless every
+candidate is stale (then nothing is known and the pick goes ahead).
 """
 
 from __future__ import annotations

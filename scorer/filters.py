@@ -36,9 +36,9 @@ class StalenessFilter:
 
 class SaturationFilter:
     """Drops saturated endpoints, by the rule admission control uses (`Saturation`, configured once in the
-    config's ``admission`` section): more than ``max_waiting`` queued requests, counting those sent since the
-    scrape began that are still in flight, or KV-cache use above ``max_kv_usage``. Unknown values pass. If every
-    candidate is saturated, keeps them all."""
+    config's ``admission`` section): more than ``max_waiting`` queued requests, counting the growth of the
+    requests in flight there since the scrape began, or KV-cache use above ``max_kv_usage``. Unknown values pass.
+    If every candidate is saturated, keeps them all."""
 
     name = "saturation"
 

@@ -11,10 +11,10 @@ through one Redis stream per pool (``replicas.key``), off the hot path:
   instead of ticking. The tick's entries go in one pipelined round trip. A decision never waits on Redis: it
   changes the local counters only, and the next tick reads them.
 * **What that gives.** Every scorer reads in-flight counts that include the peers'; the saturation rule (one
-  for admission and the filter) adds to a scraped queue what *every* replica sent since the scrape, so an
-  endpoint one replica filled is saturated for all (global admission); the predicted TTFT counts the peers'
-  prefill backlog. Session affinity needs no exchange: its ring is the same in every process (BLAKE2b), and the
-  loads that bound it are the shared counts.
+  for admission and the filter) adds to a scraped queue the growth of what *every* replica has in flight since the
+  scrape, so an endpoint one replica filled is saturated for all (global admission); the predicted TTFT counts the
+  peers' prefill backlog. Session affinity needs no exchange: its ring is the same in every process (BLAKE2b), and
+  the loads that bound it are the shared counts.
 * **Prefixes.** Each decision's prompt blocks (its prefix hashes) are published with the next tick, and peers
   record them in their prefix index as if they had made the decision: a prompt's prefix is found on the
   endpoint any replica sent it to. Prefix hashes are Python's ``hash``, salted per process: replicas agree on

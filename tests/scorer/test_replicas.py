@@ -291,7 +291,7 @@ async def test_an_end_reported_to_another_replica_releases_the_lease_where_it_is
 async def test_what_a_peer_sent_since_the_scrape_saturates_here_and_its_prefill_backlog_counts(
     server: RedisServer, tmp_path: Path, running: Running
 ) -> None:
-    """Global admission: the saturation rule adds to the scraped queue what every replica sent since, so an
+    """Global admission: the saturation rule adds to the scraped queue what every replica added in flight since, so an
     endpoint one replica filled is saturated for the others too; and a peer's prefill backlog counts here."""
     config = _config(server, tmp_path)
     a, b = _engine(), _engine()
