@@ -4,6 +4,7 @@ bad entries skipped with a reason; the last membership kept while etcd is away; 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -119,7 +120,9 @@ async def test_while_etcd_is_away_the_last_membership_stays_and_it_catches_up_wh
         task.cancel()
 
 
-@pytest.mark.skipif(ETCD is None, reason="needs etcd")
+@pytest.mark.skipif(
+    ETCD is None or shutil.which("etcdctl") is None, reason="needs etcd and etcdctl (Debian: etcd-server, etcd-client)"
+)
 async def test_with_auth_on_the_source_needs_its_password(etcd: str, tmp_path: Path) -> None:
     put(etcd, PREFIX + "a", {"address": "127.0.0.11:8000"})
     password = "etcd-test-password-0123456789"
