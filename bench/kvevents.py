@@ -8,9 +8,9 @@ Simulator: 16 servers (``--profile``), 2,000 requests of each trace at each ``--
 contenders: one picker with and without events, four replicas sharing nothing with and without events, and four
 replicas sharing their state through Redis (5 ms; `bench.policies.Replicated`) for reference. Live: 4 emulated
 servers behind real Envoy, ``--live-requests`` requests from the window of the trace where prompts share the most
-blocks (`bench.window.reuse_window`), one picker and two unshared pickers, each with and without events, in ``--rounds``
-rounds (each round runs every setup once, in turn, on fresh servers). Hit rates are the servers' own (their
-counters); TTFT is the client's. Results: ``kvevents.json`` and ``kvevents.md``.
+blocks (`bench.window.reuse_window`), one picker and four unshared pickers (as in the simulator), each with and
+without events, in ``--rounds`` rounds (each round runs every setup once, in turn, on fresh servers). Hit rates
+are the servers' own (their counters); TTFT is the client's. Results: ``kvevents.json`` and ``kvevents.md``.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class LiveSetup:
 LIVE_SETUPS = (
     LiveSetup("one picker", 1, False),
     LiveSetup("one picker, KV events", 1, True),
-    LiveSetup("2 pickers, unshared", 2, False),
-    LiveSetup("2 pickers, unshared, KV events", 2, True),
+    LiveSetup("4 pickers, unshared", 4, False),
+    LiveSetup("4 pickers, unshared, KV events", 4, True),
 )
 
 
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--des-requests", type=int, default=2000)
     parser.add_argument("--live-requests", type=int, default=400)
     parser.add_argument("--live-load", type=float, default=0.8)
-    parser.add_argument("--rounds", type=int, default=2, help="live: every setup once per round")
+    parser.add_argument("--rounds", type=int, default=3, help="live: every setup once per round")
     parser.add_argument(
         "--update", action="store_true", help="keep what OUT/kvevents.json holds of the modes not run this time"
     )
