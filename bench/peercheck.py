@@ -39,6 +39,7 @@ PAIRS: dict[str, str] = {
     "sglang-router power_of_two": "peer-model:sglang-power-of-two",
     "vllm-router cache_aware": "peer-model:vllm-router-cache-aware",
     "vllm-router power_of_two": "peer-model:vllm-router-power-of-two",
+    "vllm-router consistent_hash": "peer-model:vllm-router-consistent-hash",
 }
 # What "agrees" means: hit rates within 0.02 (absolute), each sorted server share within 0.10, TTFT p50 and p99
 # within a factor 1.5 (live times carry the machine's noise; a 300-request p99 is the 3rd-worst request).

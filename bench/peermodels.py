@@ -288,10 +288,11 @@ def _hash64(text: str) -> int:
 
 class HashRing:
     """A consistent-hash ring of ``virtual_nodes`` points per worker name; ``lookup`` gives the worker owning the
-    first point at or after a key's hash (wrapping). Adding a worker moves only the keys its points capture."""
+    first point at or after a key's hash (wrapping). Adding a worker moves only the keys its points capture. A
+    ``salt`` other than "" places the points elsewhere: another deployment's ring (its workers' URLs differ)."""
 
-    def __init__(self, names: Sequence[str], virtual_nodes: int = 160) -> None:
-        points = sorted((_hash64(f"{name}:{i}"), name) for name in names for i in range(virtual_nodes))
+    def __init__(self, names: Sequence[str], virtual_nodes: int = 160, salt: str = "") -> None:
+        points = sorted((_hash64(f"{salt}{name}:{i}"), name) for name in names for i in range(virtual_nodes))
         self._hashes = [h for h, _ in points]
         self._names = [name for _, name in points]
 
@@ -305,10 +306,15 @@ class HashRing:
 class ConsistentHash:
     """vllm-router's ``consistent_hash``: a string ``arrival.tag`` stands for an ``x-session-id`` header; without
     one the key is the request's text (here its block keys and length), so each distinct prompt lands on a fixed
-    but arbitrary worker."""
+    but arbitrary worker.
 
-    def __init__(self, virtual_nodes: int = 160) -> None:
+    The real ring hashes the workers' URLs, so each deployment gets a ring of its own, and with 4 workers one of
+    them may own 30% of the keys where another ring gives none over 27% (two live runs of 2026-12-05 on the same
+    requests). Seed 0 is one ring; each other ``seed`` draws another, as another deployment would."""
+
+    def __init__(self, virtual_nodes: int = 160, seed: int = 0) -> None:
         self.virtual_nodes = virtual_nodes
+        self.salt = "" if seed == 0 else f"{seed}/"
         self._ring: HashRing | None = None
         self._names: tuple[str, ...] = ()
 
@@ -324,7 +330,7 @@ class ConsistentHash:
     def __call__(self, arrival: Arrival, view: FleetView) -> int:
         if self._ring is None or view.servers != self._names:
             self._names = view.servers
-            self._ring = HashRing(view.servers, self.virtual_nodes)
+            self._ring = HashRing(view.servers, self.virtual_nodes, self.salt)
         return view.servers.index(self._ring.lookup(self.key(arrival)))
 
 
@@ -504,7 +510,7 @@ _FACTORIES: dict[str, Callable[[Sequence[ServerProfile], int], Policy]] = {
     "sglang-power-of-two": lambda p, s: PowerOfTwo(s),
     "vllm-router-cache-aware": lambda p, s: CacheAware(VLLM_ROUTER_CACHE_AWARE, len(p), _block_size(p), s),
     "vllm-router-power-of-two": lambda p, s: PowerOfTwo(s),
-    "vllm-router-consistent-hash": lambda p, s: ConsistentHash(),
+    "vllm-router-consistent-hash": lambda p, s: ConsistentHash(seed=s),
     "gie-default": lambda p, s: GieDefault(len(p), _block_size(p), s),
     "dynamo-kv": lambda p, s: DynamoKv(len(p), _block_size(p), s),
 }

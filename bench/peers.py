@@ -11,6 +11,8 @@ What they ask the servers, observed against the emulator (vllm-router 0.1.17, sg
   ``POST /v1/chat/completions/render`` and then ``POST /tokenize`` with the messages on every worker. It routes on
   characters (its prefix tree holds text), so these calls cost the servers work without steering the choice.
   vLLM 0.32 answers the render routes 403 unless started with ``--enable-scale-out``; so does the emulator.
+* vllm-router ``consistent_hash``: no side calls; each request goes to the worker that owns its key on a hash ring
+  (a session header or body field when the request has one, else the request's text).
 * ``power_of_two`` (both): ``GET /get_load`` on every worker, every ``--worker-startup-check-interval`` seconds.
   vLLM has no such route (404), so both fall back to the requests they themselves have in flight per worker.
 * sglang-router at start-up: an HTTP/2 preface (``PRI *``, to detect gRPC workers; the emulator's uvicorn logs
@@ -39,7 +41,7 @@ from inferlb.scorer.address import parse_address
 __all__ = ["PEERS", "READY_TIMEOUT_S", "Peer", "PeerKind", "available", "start_peer"]
 
 PeerKind = Literal["vllm-router", "sglang-router"]
-Policy = Literal["cache_aware", "power_of_two"]
+Policy = Literal["cache_aware", "power_of_two", "consistent_hash"]
 
 READY_TIMEOUT_S = 30.0
 
@@ -72,6 +74,7 @@ PEERS: tuple[Peer, ...] = (
     Peer("vllm-router power_of_two", "vllm-router", "power_of_two"),
     Peer("sglang-router cache_aware", "sglang-router", "cache_aware"),
     Peer("sglang-router power_of_two", "sglang-router", "power_of_two"),
+    Peer("vllm-router consistent_hash", "vllm-router", "consistent_hash"),
 )
 
 

@@ -131,6 +131,22 @@ def test_consistent_hashing_keys_by_session_else_by_the_request_text() -> None:
     assert len({policy(_arrival(f"t{k}", [k]), view) for k in range(50)}) > 1
 
 
+def test_each_seed_is_another_deployment_s_ring() -> None:
+    """The real ring hashes the workers' URLs, so how the keys split depends on the deployment: a seed draws a
+    ring, the same seed the same ring (seed 0 the ring the model always had)."""
+    view = _view(4)
+    arrivals = [_arrival(f"r{k}", [k, k + 7]) for k in range(400)]
+
+    def owners(seed: int) -> list[int]:
+        policy = ConsistentHash(seed=seed)
+        return [policy(a, view) for a in arrivals]
+
+    assert owners(1) == owners(1)
+    assert owners(0) == [ConsistentHash()(a, view) for a in arrivals]
+    moved = sum(a != b for a, b in zip(owners(0), owners(1), strict=True)) / len(arrivals)
+    assert 0.5 < moved < 0.95  # another ring: about three keys in four change worker (four workers)
+
+
 def _snapshot(waiting: int, usage: float) -> ServerSnapshot:
     return ServerSnapshot(1.0, True, 0, waiting, usage, 0, 0, 1000, BS)
 

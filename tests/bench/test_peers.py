@@ -1,5 +1,6 @@
 """Tests for bench/peers.py: each peer router starts on loopback, routes streamed and plain completions to both
-emulated servers with full outputs, and (vllm-router cache_aware) gets its per-request render calls answered."""
+emulated servers with full outputs, (vllm-router cache_aware) gets its per-request render calls answered, and
+(vllm-router consistent_hash) keeps a prompt on one server."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.peers
 MODEL = "m"
 MAX_TOKENS = 6
 REQUESTS = 10
+HASHED_REQUESTS = 40
 # 50x real time: a request takes the emulated engine tens of ms, a few ms here. Render answered, as after
 # `vllm serve --enable-scale-out`, so that vllm-router's cache_aware mode gets what it asks for.
 H100 = get_profile("h100-llama3.1-8b")
@@ -59,6 +61,9 @@ async def test_peer_routes_completions_to_both_servers(peer: Peer, tmp_path: Pat
     reason = available(peer)
     if reason is not None:
         pytest.fail(reason)  # not a skip: a benchmark without its peers must say so
+    # A hashing peer puts each distinct prompt on a server of its ring: with 40 prompts, all on one of two servers
+    # is a chance below 1e-7 even for a ring split 2:1.
+    requests = HASHED_REQUESTS if peer.policy == "consistent_hash" else REQUESTS
     servers = [EmulatedServer(f"127.0.0.1:{free_port()}", OPTIONS) for _ in range(2)]
     async with serving(servers):
         listen = f"127.0.0.1:{free_port()}"
@@ -66,14 +71,14 @@ async def test_peer_routes_completions_to_both_servers(peer: Peer, tmp_path: Pat
         process = await asyncio.to_thread(start_peer, peer, [s.address for s in servers], listen, tmp_path)
         try:
             async with httpx.AsyncClient(base_url=f"http://{listen}", timeout=20) as client:
-                results = await asyncio.gather(*(_complete(client, i) for i in range(REQUESTS)))
+                results = await asyncio.gather(*(_complete(client, i) for i in range(requests)))
             logs = [await _get(f"http://{s.address}/admin/requests") for s in servers]
             routes = [(await _get(f"http://{s.address}/admin/routes"))["routes"] for s in servers]
         finally:
             await asyncio.to_thread(process.stop)
-    assert results == [(200, output_text(0, MAX_TOKENS))] * REQUESTS, process.log_tail()
+    assert results == [(200, output_text(0, MAX_TOKENS))] * requests, process.log_tail()
     served = [len(log["requests"]) for log in logs]
-    assert sum(served) == REQUESTS
+    assert sum(served) == requests
     assert all(served), f"{peer.name} sent every request to one server: {served}; routes seen: {routes}"
     side_calls: Counter[str] = Counter()
     for counts in routes:
@@ -81,7 +86,38 @@ async def test_peer_routes_completions_to_both_servers(peer: Peer, tmp_path: Pat
     assert all(k.endswith(" 200") for k in side_calls), f"side calls answered with errors: {side_calls}"
     if peer.name == "vllm-router cache_aware":
         # It renders every completion on every worker; had those failed it would be measured crippled.
-        assert side_calls["POST /v1/completions/render 200"] == REQUESTS * len(servers), routes
+        assert side_calls["POST /v1/completions/render 200"] == requests * len(servers), routes
+    if peer.policy == "consistent_hash":
+        assert not side_calls, f"consistent_hash asked the servers {side_calls}"
+
+
+async def test_consistent_hash_sends_a_repeated_prompt_where_it_went_first(tmp_path: Path):
+    """What the simulator's model of it assumes: the key is the request's text, so a prompt sent again goes to the
+    same server however loaded, and distinct prompts spread."""
+    peer = next(p for p in PEERS if p.policy == "consistent_hash")
+    reason = available(peer)
+    if reason is not None:
+        pytest.fail(reason)
+    servers = [EmulatedServer(f"127.0.0.1:{free_port()}", OPTIONS) for _ in range(2)]
+    async with serving(servers):
+        listen = f"127.0.0.1:{free_port()}"
+        process = await asyncio.to_thread(start_peer, peer, [s.address for s in servers], listen, tmp_path)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://{listen}", timeout=20) as client:
+                chosen = []
+                for i in (0, 1, 2, 3):
+                    # At once: were it balancing load, the second and later copies would go to the idle server.
+                    await asyncio.gather(*(_complete(client, i) for _ in range(4)))
+                    logs = [await _get(f"http://{s.address}/admin/requests") for s in servers]
+                    chosen.append([len(log["requests"]) for log in logs])
+        finally:
+            await asyncio.to_thread(process.stop)
+    # After each prompt's four copies, exactly one server's count grew, by four.
+    before = [0, 0]
+    for counts in chosen:
+        grew = sorted(after - was for after, was in zip(counts, before, strict=True))
+        assert grew == [0, 4], f"a prompt's copies were split between servers: {chosen}"
+        before = counts
 
 
 def test_a_missing_peer_is_named_with_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
