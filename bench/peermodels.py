@@ -12,11 +12,14 @@ The sources were read to learn the algorithms; no code was copied. Versions and 
   in-flight count per worker. When ``max - min > balance_abs_threshold`` (64) and ``max > min *
   balance_rel_threshold`` (1.5) it sends to the least-loaded worker (the first in worker order on a tie). Otherwise
   it finds the longest prefix of the text in the tree; if matched/total characters ``> cache_threshold`` (0.3) it
-  sends to the *first* tenant of the deepest matched node (the first in its DashMap's order: fixed per process,
-  arbitrary; modelled as a seeded permutation of the workers), else to the tenant whose tree holds the fewest
-  characters (the same order breaks ties). The text is then inserted under the chosen worker. Every
-  ``eviction_interval_secs`` (60; the Python launcher's default, the Rust default is 120) each tenant over
-  ``max_tree_size`` characters (2**26) loses its least recently used leaves. The live peer runs with these
+  sends to the *first* tenant of the deepest matched node (the first in that node's own DashMap's order: each
+  node's map has hash keys of its own, so each node orders the workers its own arbitrary way; modelled as a
+  seeded hash of the node and the worker), else to the tenant whose tree holds the fewest characters (ties: the
+  order of that one map, a seeded permutation of the workers). Until 2026-12-05 the model ordered every node by
+  one permutation, which sent 30% of the Mooncake window's requests to one worker and disagreed with the live
+  peers at load 0.8 (bench/results/quality/peer-models/README.md). The text is then inserted under the chosen
+  worker. Every ``eviction_interval_secs`` (60; the Python launcher's default, the Rust default is 120) each
+  tenant over ``max_tree_size`` characters (2**26) loses its least recently used leaves. The live peer runs with these
   defaults (`inferlb.bench.peers` passes no cache-aware flag).
 * vllm-router 0.1.17 (PyPI, the live peer; Rust read at vllm-project/router ``src/policies/cache_aware.rs``,
   ``consistent_hash.rs``, ``hash_key.rs``, commit 080589a0): ``cache_aware`` is sglang-router's algorithm (the
@@ -121,15 +124,22 @@ class _Node:
 
 class ApproxTree:
     """The routers' approximate radix tree over symbols that are chained block keys (a key names its whole prefix,
-    so a path is a run of keys and the tree is a map from key to node). Tenants are worker indexes; ``order`` is the
-    tie-break order of tenants (the routers' map iteration order). Single-threaded; no I/O."""
+    so a path is a run of keys and the tree is a map from key to node). Tenants are worker indexes. Single-threaded;
+    no I/O.
 
-    def __init__(self, workers: int, order: Sequence[int], alphabet: int = ALPHABET) -> None:
+    Which tenant is a node's "first" is its tenant map's iteration order. In the routers every node has a map of
+    its own (a ``DashMap`` built with a fresh ``RandomState``: Rust's std gives each one different hash keys), so
+    each node orders the workers its own arbitrary way; a ``salt`` draws those orders (a node's rank of a worker is
+    a hash of the salt, the node and the worker). Without one every node orders them as ``order`` does, which is
+    also the order of the one map of characters per tenant that breaks the ties of `smallest`."""
+
+    def __init__(self, workers: int, order: Sequence[int], alphabet: int = ALPHABET, salt: int | None = None) -> None:
         if alphabet < 1:
             raise ValueError(f"alphabet must be >= 1; got {alphabet!r}")
         self._nodes: dict[int, _Node] = {}
         self._roots: set[int] = set()
         self._rank = {w: k for k, w in enumerate(order)}
+        self._salt = salt
         self._alphabet = alphabet
         self.chars = [0] * workers  # characters per tenant, as the routers' tenant_char_count
 
@@ -149,15 +159,21 @@ class ApproxTree:
             depth, last = depth + 1, key
         node = None if last is None else self._nodes[last]
         tenants: Iterable[int] = () if node is None else node.tenants
+        holder = -1 if last is None else last  # the node whose map orders the tenants (-1: the root)
         if depth < len(keys):
             first = self._first_char(keys[depth])
             siblings = self._roots if node is None else node.children
             below = {t for c in siblings if self._first_char(c) == first for t in self._nodes[c].tenants}
             if below:
                 tenants = below
+                holder = _mix64(holder ^ (first + 1))  # the child that starts with that character
         if not tenants:
             return depth, None
-        tenant = min(tenants, key=self._rank.__getitem__)
+        if self._salt is None:
+            tenant = min(tenants, key=self._rank.__getitem__)
+        else:
+            salt = self._salt ^ holder
+            tenant = min(tenants, key=lambda w: _mix64(salt ^ (w + 1) * 0x9E3779B97F4A7C15))
         cursor: int | None = last
         while cursor is not None:
             walk = self._nodes[cursor]
@@ -213,6 +229,14 @@ class ApproxTree:
         return tenant in node.tenants and not any(tenant in self._nodes[c].tenants for c in node.children)
 
 
+def _mix64(value: int) -> int:
+    """A 64-bit finaliser (splitmix64's): independent-looking outputs for nearby inputs."""
+    value &= 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return value ^ (value >> 31)
+
+
 def _symbols(arrival: Arrival, block_size: int, tail_key: int) -> tuple[list[int], list[int]]:
     """The prompt as tree symbols: its full blocks' keys, then (if the prompt ends inside a block) one symbol for
     the rest, unique to the request. With the characters of each."""
@@ -232,9 +256,10 @@ class CacheAware:
     def __init__(self, config: CacheAwareConfig, workers: int, block_size: int, seed: int) -> None:
         self.config = config
         self.block_size = block_size
+        rng = random.Random(seed)
         order = list(range(workers))
-        random.Random(seed).shuffle(order)
-        self.tree = ApproxTree(workers, order)
+        rng.shuffle(order)
+        self.tree = ApproxTree(workers, order, salt=rng.getrandbits(64))
         self._evicted_at = 0.0
         self._tails = 0
         self.balanced = self.cached = self.smallest = 0  # decisions per branch

@@ -55,6 +55,27 @@ def test_the_tree_matches_the_longest_prefix_and_names_its_first_tenant_in_order
     assert tree.smallest() == 1
 
 
+def test_with_a_salt_each_node_orders_its_tenants_its_own_way() -> None:
+    """As the routers' per-node maps do: two nodes that hold the same workers need not name the same one first, and
+    the same salt draws the same orders."""
+
+    def firsts(salt: int) -> list[int | None]:
+        tree = ApproxTree(4, order=[0, 1, 2, 3], salt=salt)
+        for node in range(1, 41):
+            for tenant in range(4):
+                tree.insert([node], [64], tenant=tenant, now=0.0)
+        return [tree.match([node], now=1.0)[1] for node in range(1, 41)]
+
+    assert firsts(7) == firsts(7)
+    assert set(firsts(7)) == {0, 1, 2, 3}  # one global order would name the same worker for all 40
+    assert firsts(7) != firsts(8)
+    unsalted = ApproxTree(4, order=[2, 0, 1, 3])
+    for node in (1, 2):
+        for tenant in range(4):
+            unsalted.insert([node], [64], tenant=tenant, now=0.0)
+    assert [unsalted.match([n], now=1.0)[1] for n in (1, 2)] == [2, 2]
+
+
 @pytest.mark.parametrize(
     ("alphabet", "expected"),
     [
@@ -98,7 +119,8 @@ def test_cache_aware_sends_to_the_least_loaded_when_imbalanced() -> None:
     policy = CacheAware(SGLANG_CACHE_AWARE, 3, BS, seed=0)
     policy.tree.insert([1, 2], [BS * 4] * 2, tenant=0, now=0.0)
     assert policy(_arrival("a", [1, 2]), _view(3, [100, 30, 20])) == 2  # 100 - 20 > 64 and 100 > 1.5 * 20
-    assert policy(_arrival("b", [1, 2]), _view(3, [100, 40, 60])) == 0  # 100 - 40 = 60: balanced, cache wins
+    # 100 - 40 = 60: balanced, so the cache wins: a holder of the prompt (0, or 2 since "a"), not the least loaded 1.
+    assert policy(_arrival("b", [1, 2]), _view(3, [100, 40, 60])) in {0, 2}
     assert policy.balanced == 1 and policy.cached == 1
 
 
