@@ -8,6 +8,8 @@ import asyncio
 import importlib.metadata
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from inferlb.bench.peers import PEERS, Peer, available, start_peer
-from inferlb.procs import ProcessError, free_port
+from inferlb.procs import ManagedProcess, ProcessError, free_port
 from inferlb.sim.fleet import serving
 from inferlb.sim.openai import output_text
 from inferlb.sim.profiles import get_profile
@@ -56,14 +58,14 @@ async def _get(url: str) -> Any:
     return response.json()
 
 
-@pytest.mark.parametrize("peer", [pytest.param(p, id=p.name.replace(" ", "-")) for p in PEERS])
-async def test_peer_routes_completions_to_both_servers(peer: Peer, tmp_path: Path):
+@asynccontextmanager
+async def _peer_before_two_servers(
+    peer: Peer, tmp_path: Path
+) -> AsyncIterator[tuple[list[EmulatedServer], ManagedProcess, httpx.AsyncClient]]:
+    """``peer`` started in front of two emulated servers: the servers, its process and a client to it."""
     reason = available(peer)
     if reason is not None:
         pytest.fail(reason)  # not a skip: a benchmark without its peers must say so
-    # A hashing peer puts each distinct prompt on a server of its ring: with 40 prompts, all on one of two servers
-    # is a chance below 1e-7 even for a ring split 2:1.
-    requests = HASHED_REQUESTS if peer.policy == "consistent_hash" else REQUESTS
     servers = [EmulatedServer(f"127.0.0.1:{free_port()}", OPTIONS) for _ in range(2)]
     async with serving(servers):
         listen = f"127.0.0.1:{free_port()}"
@@ -71,11 +73,20 @@ async def test_peer_routes_completions_to_both_servers(peer: Peer, tmp_path: Pat
         process = await asyncio.to_thread(start_peer, peer, [s.address for s in servers], listen, tmp_path)
         try:
             async with httpx.AsyncClient(base_url=f"http://{listen}", timeout=20) as client:
-                results = await asyncio.gather(*(_complete(client, i) for i in range(requests)))
-            logs = [await _get(f"http://{s.address}/admin/requests") for s in servers]
-            routes = [(await _get(f"http://{s.address}/admin/routes"))["routes"] for s in servers]
+                yield servers, process, client
         finally:
             await asyncio.to_thread(process.stop)
+
+
+@pytest.mark.parametrize("peer", [pytest.param(p, id=p.name.replace(" ", "-")) for p in PEERS])
+async def test_peer_routes_completions_to_both_servers(peer: Peer, tmp_path: Path):
+    # A hashing peer puts each distinct prompt on a server of its ring: with 40 prompts, all on one of two servers
+    # is a chance below 1e-7 even for a ring split 2:1.
+    requests = HASHED_REQUESTS if peer.policy == "consistent_hash" else REQUESTS
+    async with _peer_before_two_servers(peer, tmp_path) as (servers, process, client):
+        results = await asyncio.gather(*(_complete(client, i) for i in range(requests)))
+        logs = [await _get(f"http://{s.address}/admin/requests") for s in servers]
+        routes = [(await _get(f"http://{s.address}/admin/routes"))["routes"] for s in servers]
     assert results == [(200, output_text(0, MAX_TOKENS))] * requests, process.log_tail()
     served = [len(log["requests"]) for log in logs]
     assert sum(served) == requests
@@ -95,23 +106,13 @@ async def test_consistent_hash_sends_a_repeated_prompt_where_it_went_first(tmp_p
     """What the simulator's model of it assumes: the key is the request's text, so a prompt sent again goes to the
     same server however loaded, and distinct prompts spread."""
     peer = next(p for p in PEERS if p.policy == "consistent_hash")
-    reason = available(peer)
-    if reason is not None:
-        pytest.fail(reason)
-    servers = [EmulatedServer(f"127.0.0.1:{free_port()}", OPTIONS) for _ in range(2)]
-    async with serving(servers):
-        listen = f"127.0.0.1:{free_port()}"
-        process = await asyncio.to_thread(start_peer, peer, [s.address for s in servers], listen, tmp_path)
-        try:
-            async with httpx.AsyncClient(base_url=f"http://{listen}", timeout=20) as client:
-                chosen = []
-                for i in (0, 1, 2, 3):
-                    # At once: were it balancing load, the second and later copies would go to the idle server.
-                    await asyncio.gather(*(_complete(client, i) for _ in range(4)))
-                    logs = [await _get(f"http://{s.address}/admin/requests") for s in servers]
-                    chosen.append([len(log["requests"]) for log in logs])
-        finally:
-            await asyncio.to_thread(process.stop)
+    chosen = []
+    async with _peer_before_two_servers(peer, tmp_path) as (servers, _, client):
+        for i in (0, 1, 2, 3):
+            # At once: were it balancing load, the second and later copies would go to the idle server.
+            await asyncio.gather(*(_complete(client, i) for _ in range(4)))
+            logs = [await _get(f"http://{s.address}/admin/requests") for s in servers]
+            chosen.append([len(log["requests"]) for log in logs])
     # After each prompt's four copies, exactly one server's count grew, by four.
     before = [0, 0]
     for counts in chosen:
