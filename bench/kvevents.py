@@ -6,11 +6,12 @@ and for replicas that share nothing, in the simulator and through the real gatew
 
 Simulator: 16 servers (``--profile``), 2,000 requests of each trace at each ``--loads``, ``--seeds`` seeds, five
 contenders: one picker with and without events, four replicas sharing nothing with and without events, and four
-replicas sharing their state through Redis (5 ms; `bench.policies.Replicated`) for reference. Live: 4 emulated
-servers behind real Envoy, ``--live-requests`` requests from the window of the trace where prompts share the most
-blocks (`bench.window.reuse_window`), one picker and four unshared pickers (as in the simulator), each with and
-without events, in ``--rounds`` rounds (each round runs every setup once, in turn, on fresh servers). Hit rates
-are the servers' own (their counters); TTFT is the client's. Results: ``kvevents.json`` and ``kvevents.md``.
+replicas sharing their state through Redis (5 ms; `bench.policies.Replicated`) for reference. Live:
+``--live-servers`` emulated servers (4) behind real Envoy, ``--live-requests`` requests from the window of the trace
+where prompts share the most blocks (`bench.window.reuse_window`), one picker and four unshared pickers (as in the
+simulator), each with and without events, in ``--rounds`` rounds (each round runs every setup once, in turn, on
+fresh servers). Hit rates are the servers' own (their counters); TTFT is the client's. Results: ``kvevents.json``
+and ``kvevents.md``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--des-requests", type=int, default=2000)
     parser.add_argument("--live-requests", type=int, default=400)
     parser.add_argument("--live-load", type=float, default=0.8)
+    parser.add_argument("--live-servers", type=int, default=4, help="live: emulated servers behind the gateway")
     parser.add_argument("--rounds", type=int, default=3, help="live: every setup once per round")
     parser.add_argument(
         "--update", action="store_true", help="keep what OUT/kvevents.json holds of the modes not run this time"
@@ -190,12 +192,16 @@ def _des(args: argparse.Namespace, traces: list[str]) -> list[dict[str, Any]]:
 
 def _live(args: argparse.Namespace, traces: list[str], folder: Path, windows: dict[str, Any]) -> list[dict[str, Any]]:
     profile = get_profile(args.profile)
-    servers = 4
+    servers = args.live_servers
+    if servers < 1:
+        raise ValueError(f"--live-servers must be >= 1; got {servers}")
     rows = []
     for trace in traces:
         chosen = choose_window(trace, args.live_requests, "auto")
         start, share = chosen.start, chosen.reuse or 0.0
-        windows[Path(trace).name] = {"start": start, "requests": args.live_requests, "shared_block_share": share}
+        windows[Path(trace).name] = {
+            "start": start, "requests": args.live_requests, "shared_block_share": share, "servers": servers,
+        }  # fmt: skip
         arrivals = load_arrivals(trace, args.live_requests, profile.block_size, start=start)
         rate = args.live_load * capacity_rps(arrivals, profile, 0) * servers
         mean_output = sum(a.output_tokens for a in arrivals) / len(arrivals)
@@ -203,7 +209,7 @@ def _live(args: argparse.Namespace, traces: list[str], folder: Path, windows: di
         for round_number in range(1, args.rounds + 1):
             for setup in LIVE_SETUPS:
                 name = f"{Path(trace).stem}-{round_number}-{setup.name.replace(' ', '-').replace(',', '')}"
-                row = _live_run(setup, args, trace, start, rate, scale, folder / name)
+                row = _live_run(setup, args, trace, start, rate, scale, folder / name, servers)
                 row.update({"trace": Path(trace).name, "setup": setup.name, "round": round_number, "start": start})
                 rows.append(row)
                 print(
@@ -215,11 +221,18 @@ def _live(args: argparse.Namespace, traces: list[str], folder: Path, windows: di
 
 
 def _live_run(
-    setup: LiveSetup, args: argparse.Namespace, trace: str, start: int, rate: float, scale: float, workdir: Path
+    setup: LiveSetup,
+    args: argparse.Namespace,
+    trace: str,
+    start: int,
+    rate: float,
+    scale: float,
+    workdir: Path,
+    servers: int,
 ) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     options = StackOptions(
-        backends=4,
+        backends=servers,
         models=(MODEL,),
         policy="default",
         profile=args.profile,
@@ -241,7 +254,15 @@ def _live_run(
             stack.endpoints, None, watched, scale, workdir, start,
         )  # fmt: skip
     row.pop("_ttft_s", None)
-    row.update({"mode": "live", "pickers": setup.pickers, "kv_events": setup.kv_events, "time_scale": round(scale, 4)})
+    row.update(
+        {
+            "mode": "live",
+            "servers": servers,
+            "pickers": setup.pickers,
+            "kv_events": setup.kv_events,
+            "time_scale": round(scale, 4),
+        }
+    )
     return row
 
 
@@ -274,7 +295,12 @@ def _markdown(document: dict[str, Any]) -> str:
         "Hit rate: the servers' prefix-cache hits over queries (their own counters); TTFT: the client's. Means over",
         "seeds (simulator) or rounds (live), with the lowest and highest in brackets.",
     ]
-    for title, key in (("Simulator (16 servers, 2,000 requests)", "des_summary"), ("Live (4 servers)", "live_summary")):
+    live_servers = sorted({w.get("servers", 4) for w in document["windows"].values()}) or [4]
+    live_requests = sorted({w["requests"] for w in document["windows"].values()}) or [400]
+    live_title = (
+        f"Live ({', '.join(map(str, live_servers))} servers, {', '.join(f'{n:,}' for n in live_requests)} requests)"
+    )
+    for title, key in (("Simulator (16 servers, 2,000 requests)", "des_summary"), (live_title, "live_summary")):
         summary = document[key]
         if not summary:
             continue

@@ -45,6 +45,18 @@ def test_the_report_shows_every_group_and_the_live_windows() -> None:
     assert "requests 3400..3799, 53% of their prompt blocks" in text
 
 
+def test_the_live_heading_names_the_servers_and_requests_the_run_used() -> None:
+    live = [{**_row("one picker", 0.2, 100.0, 0), "round": 1}]
+    document = {
+        "meta": {"date": "d", "command": "c", "machine": "m"},
+        "des_summary": [],
+        "live_summary": _summary(live, ("trace", "setup")),
+        "windows": {"t.jsonl": {"start": 0, "requests": 800, "shared_block_share": 0.2, "servers": 8}},
+        "cost": [],
+    }
+    assert "## Live (8 servers, 800 requests)" in _markdown(document)
+
+
 def test_the_cost_probe_measures_both_tokenizers(tmp_path: Path) -> None:
     rows = cost_rows(tmp_path, rounds=3)
     assert {r["tokenizer"] for r in rows} == {"pieces", "huggingface-bpe"}
