@@ -7,7 +7,7 @@ VLLM_VENV := $(VENV)/vllm
 VLLM_VERSION := 0.32.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-fleets bench-external bench-replicas lint clean
+.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-fleets bench-external bench-replicas bench-dynamo lint clean
 
 demo: $(VENV)/.installed-envoy
 	$(BIN)/inferlb demo
@@ -55,6 +55,17 @@ bench-fleets: $(VENV)/.installed-bench
 		--loads 0.6 0.8 1.0 --out bench/results/quality/fleets/$$f $(QUICK) || exit 1; done
 	$(BIN)/inferlb bench quality --mode des $(TRACES) --fleet $(MIXED) --loads 0.6 0.8 1.0 \
 		--out bench/results/quality/fleets/mixed $(QUICK)
+
+# The model of Dynamo's KV router against Dynamo's real router (ai-dynamo-runtime's KvRouter in process), on common
+# simulated runs (~30 min on 2 cores). The runtime pins an older pydantic than the project's: a venv of its own.
+DYNAMO_VENV := $(VENV)/dynamo
+bench-dynamo: $(DYNAMO_VENV)/.installed
+	$(DYNAMO_VENV)/bin/inferlb bench dynamocheck --out bench/results/quality/peer-models
+
+$(DYNAMO_VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install -q -e . "ai-dynamo-runtime==1.6.1"
+	touch $@
 
 # Our gateway under guidellm (another team's load tool), beside the servers' and Envoy's own figures. guidellm
 # and its torch live in a venv of their own (torch 2.13.0: the CPU build this machine keeps on disk).

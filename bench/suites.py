@@ -65,6 +65,7 @@ SUITES: Mapping[str, Suite] = MappingProxyType(
                 "the servers' KV events against the picker's guess: hit rate and TTFT, one picker and replicas",
             ),
             Suite("peercheck", "the peer routers' simulator models against the live peers, on one trace window"),
+            Suite("dynamocheck", "the model of Dynamo's KV router against the real router, on common simulated runs"),
             Suite(
                 "replicas",
                 "pickers sharing state through Redis: against one picker and unshared ones (live, simulated), "
