@@ -59,8 +59,9 @@ bench-fleets: $(VENV)/.installed-bench
 # The model of Dynamo's KV router against Dynamo's real router (ai-dynamo-runtime's KvRouter in process), on common
 # simulated runs (~30 min on 2 cores). The runtime pins an older pydantic than the project's: a venv of its own.
 DYNAMO_VENV := $(VENV)/dynamo
+# Its runtime binds some sockets on every interface: it runs in a network namespace of its own (loopback only).
 bench-dynamo: $(DYNAMO_VENV)/.installed
-	$(DYNAMO_VENV)/bin/inferlb bench dynamocheck --out bench/results/quality/peer-models
+	unshare --net sh -c 'ip link set lo up && $(DYNAMO_VENV)/bin/inferlb bench dynamocheck --out bench/results/quality/peer-models'
 
 $(DYNAMO_VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PYTHON) -m venv $(DYNAMO_VENV)

@@ -15,7 +15,9 @@ event plane: before each decision that follows new events the policy yields to t
 (live, events lag the same way).
 
 Needs ``ai-dynamo-runtime`` (``make bench-dynamo`` installs it in a venv of its own: it pins a pydantic older than
-the project's). ``RuntimeError`` naming that where it is missing.
+the project's). ``RuntimeError`` naming that where it is missing. The runtime binds some sockets (its event plane's
+ZMQ publishers) on every interface, whatever host it is told: the policy refuses to start unless the process's
+network namespace has loopback only (``make bench-dynamo`` runs the suite under ``unshare --net``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -30,12 +33,13 @@ from typing import Any
 from inferlb.sim.des import Arrival, FleetView, RequestRecord
 from inferlb.sim.profiles import ServerProfile
 
-__all__ = ["DYNAMO_RUNTIME_VERSION", "RealDynamoKv", "block_tokens"]
+__all__ = ["DYNAMO_RUNTIME_VERSION", "RealDynamoKv", "block_tokens", "loopback_only"]
 
 DYNAMO_RUNTIME_VERSION = "1.6.1"
 _ENDPOINT = "inferlb.backend.generate"
 _MODEL = "bench-model"
 _VOCAB = 1 << 31
+_HOSTS = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST")
 
 
 def block_tokens(block_hash: int, block_size: int) -> list[int]:
@@ -64,6 +68,11 @@ class _Relay:
         self.owner.pending_events = True
 
 
+def loopback_only() -> list[str]:
+    """The network interfaces of this process's namespace other than loopback (none: safe to start the runtime)."""
+    return [name for _index, name in socket.if_nameindex() if name != "lo"]
+
+
 def _key(value: int) -> int:
     """A block hash as the publisher takes it (a signed 64-bit integer): its low 63 bits."""
     return value & 0x7FFF_FFFF_FFFF_FFFF
@@ -73,7 +82,15 @@ class RealDynamoKv:
     """Dynamo's ``KvRouter`` with its default config over the simulated servers (module docstring). Call `close`."""
 
     def __init__(self, profiles: Sequence[ServerProfile], seed: int, *, event_wait_s: float = 0.002) -> None:
+        outside = loopback_only()
+        if outside:
+            raise RuntimeError(
+                "Dynamo's runtime binds some of its sockets on every interface; run it in a network namespace with "
+                f"loopback only (`make bench-dynamo` does: unshare --net); this one also has {', '.join(outside)}"
+            )
         os.environ.setdefault("DYN_LOG", "error")  # before the import: the runtime logs every decision at info
+        for name in _HOSTS:  # the sockets that take a host bind to loopback (the event plane's do not)
+            os.environ.setdefault(name, "127.0.0.1")
         try:
             from dynamo.llm import (
                 KvEventPublisher,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from inferlb.bench import dynamoreal
 from inferlb.bench.dynamocheck import CONTENDERS, _markdown, summarise
-from inferlb.bench.dynamoreal import RealDynamoKv, block_tokens
+from inferlb.bench.dynamoreal import RealDynamoKv, block_tokens, loopback_only
 from inferlb.sim.profiles import fleet_of
 
 HAVE_DYNAMO = importlib.util.find_spec("dynamo") is not None
@@ -21,8 +22,15 @@ def test_a_block_is_the_same_tokens_wherever_it_appears_and_others_differ() -> N
     assert block_tokens(12345, 16) != block_tokens(12346, 16)
 
 
+def test_it_refuses_to_start_where_other_interfaces_could_reach_the_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dynamoreal, "loopback_only", lambda: ["eth0"])
+    with pytest.raises(RuntimeError, match=r"unshare --net.*eth0"):
+        RealDynamoKv(fleet_of("h100-llama3.1-8b", 2), seed=0)
+
+
 @pytest.mark.skipif(HAVE_DYNAMO, reason="the runtime is installed here")
-def test_without_the_runtime_the_error_says_how_to_get_it() -> None:
+def test_without_the_runtime_the_error_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dynamoreal, "loopback_only", lambda: [])
     with pytest.raises(RuntimeError, match="make bench-dynamo"):
         RealDynamoKv(fleet_of("h100-llama3.1-8b", 2), seed=0)
 
@@ -53,7 +61,10 @@ def test_the_model_agrees_where_its_mean_is_within_the_real_routers_range_widene
     assert "1,200 [1,200-1,200] * |" in text
 
 
-@pytest.mark.skipif(not HAVE_DYNAMO, reason="needs ai-dynamo-runtime: run in .venv/dynamo (make bench-dynamo)")
+@pytest.mark.skipif(
+    not HAVE_DYNAMO or bool(loopback_only()),
+    reason="needs ai-dynamo-runtime and a loopback-only network namespace: in .venv/dynamo under unshare --net",
+)
 def test_the_real_router_routes_a_trace_and_follows_the_servers_caches() -> None:
     from inferlb.bench.desrun import capacity_rps, load_arrivals, scaled, sim_figures
     from inferlb.sim.des import simulate
