@@ -13,14 +13,14 @@ seeds. Results: ``dynamocheck.json`` and ``dynamocheck.md`` in ``--out``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from inferlb.bench.desrun import fleet_capacity_rps, load_arrivals, scaled, sim_figures
 from inferlb.bench.peermodels import peer_model
-from inferlb.bench.report import header, table, write
+from inferlb.bench.report import header, spread, table, write
+from inferlb.bench.stats import mean
 from inferlb.sim.des import simulate
 from inferlb.sim.profiles import fleet_of
 
@@ -107,9 +107,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for contender, members in by.items():
             for metric in METRICS:
                 values = [m[metric] for m in members if m.get(metric) is not None]
-                entry[f"{contender}|{metric}"] = (
-                    [statistics.fmean(values), min(values), max(values)] if values else None
-                )
+                entry[f"{contender}|{metric}"] = [mean(values), min(values), max(values)] if values else None
         agrees = {}
         for metric in METRICS:
             real, model = entry.get(f"{CONTENDERS[0]}|{metric}"), entry.get(f"{CONTENDERS[1]}|{metric}")
@@ -142,20 +140,13 @@ def _markdown(document: dict[str, Any]) -> str:
         for metric, digits in zip(METRICS, (3, 0, 0), strict=True):
             for contender in CONTENDERS:
                 value = entry.get(f"{contender}|{metric}")
-                text = "-" if value is None else _cell(value, digits)
+                text = "-" if value is None else spread(*value, digits)
                 if contender == CONTENDERS[1] and entry["agrees"].get(metric) is False:
                     text += " *"
                 cells.append(text)
         rows.append(cells)
     lines += table(head, rows, "lr" + "r" * 6)
     return "\n".join(lines) + "\n"
-
-
-def _cell(value: list[float], digits: int) -> str:
-    mean, low, high = value
-    if digits == 0:
-        return f"{mean:,.0f} [{low:,.0f}-{high:,.0f}]"
-    return f"{mean:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 
 from inferlb.bench.desrun import DesJob, capacity_rps, load_arrivals, replicated_name, run_job
 from inferlb.bench.liverun import MAX_WALL_RPS, MAX_WALL_TOKENS_PER_S, measure
-from inferlb.bench.report import header, table, write
+from inferlb.bench.report import header, spread, table, write
 from inferlb.bench.window import choose_window
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.scorer.kvindex import KVBlockIndex
@@ -340,11 +340,7 @@ def _markdown(document: dict[str, Any]) -> str:
 
 def _cell(entry: dict[str, Any], metric: str, digits: int) -> str | None:
     value, span = entry[metric], entry[f"{metric}_range"]
-    if value is None:
-        return None
-    if digits == 0:
-        return f"{value:,.0f} [{span[0]:,.0f}-{span[1]:,.0f}]"
-    return f"{value:.{digits}f} [{span[0]:.{digits}f}-{span[1]:.{digits}f}]"
+    return None if value is None else spread(value, span[0], span[1], digits)
 
 
 if __name__ == "__main__":

@@ -64,3 +64,10 @@ def table(head: Sequence[str], rows: Iterable[Sequence[object]], align: str | No
             raise ValueError(f"a row of {len(row)} cells in a table of {len(head)} columns: {row!r}")
         lines.append("| " + " | ".join("—" if cell is None else str(cell) for cell in row) + " |")
     return lines
+
+
+def spread(mean: float, low: float, high: float, digits: int) -> str:
+    """A mean with its range over runs, as ``mean [low-high]``: ``digits`` decimals, 0 for thousands separators."""
+    if digits == 0:
+        return f"{mean:,.0f} [{low:,.0f}-{high:,.0f}]"
+    return f"{mean:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
