@@ -10,7 +10,10 @@ needs (one for a decoding request, a chunk of its prompt for a prefilling one: c
 request cannot get the KV blocks it needs, the most recently admitted running request is preempted by recompute
 (its blocks are freed; it goes back to the front of the waiting queue and later recomputes prompt and output so
 far). Then, if nothing was preempted, waiting requests are admitted in FIFO order while budget, sequence slots
-and blocks last; a waiting request first takes the prompt blocks already in the prefix cache. The step that
+and blocks last; a waiting request first takes the prompt blocks already in the prefix cache. The prefix-cache
+counters (``prefix_queries``, ``prefix_hits``; vLLM's ``vllm:prefix_cache_queries`` and ``_hits``) count a request's
+first admission only, as vLLM's do: a preempted request that finds its own blocks again on readmission would
+otherwise count them as hits, and a policy that overloads servers would look cache-friendly. The step that
 computes the last prompt token also samples the first output token (time to first token ends there); each later
 step gives one token.
 
@@ -365,8 +368,9 @@ class EngineModel:
                 cache.take_cached(request.blocks, request.prompt_hashes[:hits])
                 cache.allocate(request.blocks, need)
                 request.computed = hits * bs
-                self.prefix_queries += request.num_tokens
-                self.prefix_hits += hits * bs
+                if not request.preemptions:  # as vLLM: a preempted request finding its own blocks again is no hit
+                    self.prefix_queries += request.num_tokens
+                    self.prefix_hits += hits * bs
                 if request.scheduled_at is None:
                     request.scheduled_at = start
                     request.cached_tokens = hits * bs

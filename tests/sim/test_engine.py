@@ -115,6 +115,19 @@ def test_preempted_requests_resume_and_finish():
     assert all(r.state is RequestState.FINISHED and r.output == 60 for r in requests)
 
 
+def test_prefix_counters_count_first_admissions_only():
+    # Four prompts that share nothing, on a server too small to hold them all to the end: requests are preempted,
+    # and readmitted they find their own blocks in the cache. vLLM counts those lookups apart, not in
+    # vllm:prefix_cache_queries/_hits; neither may the emulator, or a policy that overloads servers looks cache-friendly.
+    engine = EngineModel(TINY, EXACT)
+    requests = [make(i, i, 100, 60, TINY.block_size) for i in range(4)]  # 4 x 160 tokens > 24 x 16 blocks
+    for request in requests:
+        engine.add(request)
+    run_to_end(engine)
+    assert engine.preemptions > 0
+    assert (engine.prefix_queries, engine.prefix_hits) == (400, 0)
+
+
 @settings(max_examples=25, deadline=None)
 @given(ahead=st.lists(st.integers(0, 12), min_size=2, max_size=4, unique=True), prompt=st.integers(64, 3000))
 def test_ttft_grows_with_queue_length(ahead, prompt):
