@@ -118,7 +118,8 @@ def test_preempted_requests_resume_and_finish():
 def test_prefix_counters_count_first_admissions_only():
     # Four prompts that share nothing, on a server too small to hold them all to the end: requests are preempted,
     # and readmitted they find their own blocks in the cache. vLLM counts those lookups apart, not in
-    # vllm:prefix_cache_queries/_hits; neither may the emulator, or a policy that overloads servers looks cache-friendly.
+    # vllm:prefix_cache_queries/_hits; neither may the emulator, or a policy that overloads servers looks
+    # cache-friendly.
     engine = EngineModel(TINY, EXACT)
     requests = [make(i, i, 100, 60, TINY.block_size) for i in range(4)]  # 4 x 160 tokens > 24 x 16 blocks
     for request in requests:
