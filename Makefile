@@ -7,7 +7,7 @@ VLLM_VENV := $(VENV)/vllm
 VLLM_VERSION := 0.32.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-fleets bench-external bench-replicas bench-dynamo lint clean
+.PHONY: demo test test-slow test-vllm bench bench-sim bench-quality bench-fleets bench-external bench-replicas bench-dynamo bench-dynamo-live test-dynamo lint clean
 
 demo: $(VENV)/.installed-envoy
 	$(BIN)/inferlb demo
@@ -59,6 +59,7 @@ bench-fleets: $(VENV)/.installed-bench
 # The model of Dynamo's KV router against Dynamo's real router (ai-dynamo-runtime's KvRouter in process), on common
 # simulated runs (~30 min on 2 cores). The runtime pins an older pydantic than the project's: a venv of its own.
 DYNAMO_VENV := $(VENV)/dynamo
+DYNAMO_FRONTEND_DEPS := "msgspec>=0.19"
 # Its runtime binds some sockets on every interface: it runs in a network namespace of its own (loopback only).
 bench-dynamo: $(DYNAMO_VENV)/.installed
 	unshare --net sh -c 'ip link set lo up && $(DYNAMO_VENV)/bin/inferlb bench dynamocheck --out bench/results/quality/peer-models'
@@ -66,6 +67,25 @@ bench-dynamo: $(DYNAMO_VENV)/.installed
 $(DYNAMO_VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PYTHON) -m venv $(DYNAMO_VENV)
 	$(DYNAMO_VENV)/bin/pip install -q -e . "ai-dynamo-runtime==1.6.1"
+	touch $@
+
+# Dynamo's own HTTP frontend and KV router, live, before emulated servers that publish KV events (one Dynamo worker
+# per server relays them: bench/dynamolive.py), against the model on the live peers' window (~10 min).
+# ai-dynamo's declared dependencies include its planner's (aisimulate, which does not build here, and a Kubernetes
+# client); the frontend imports neither, so ai-dynamo goes in without its dependencies and with the one it needs.
+bench-dynamo-live: $(DYNAMO_VENV)/.installed-live
+	unshare --net sh -c 'ip link set lo up && $(DYNAMO_VENV)/bin/inferlb bench peercheck --peers "dynamo kv" \
+		--trace ../shared/traces/mooncake_conversation_trace.jsonl --start 5500 --requests 600 --loads 0.5 0.8 \
+		--time-scale 1 --out bench/results/quality/peer-models/dynamo-live'
+
+# The tests that need Dynamo (skipped elsewhere): the real router in the simulator, the frontend before two servers.
+test-dynamo: $(DYNAMO_VENV)/.installed-live
+	unshare --net sh -c 'ip link set lo up && $(DYNAMO_VENV)/bin/pytest -p no:cacheprovider \
+		tests/bench/test_dynamocheck.py tests/bench/test_dynamolive.py tests/bench/test_peers.py -k dynamo'
+
+$(DYNAMO_VENV)/.installed-live: $(DYNAMO_VENV)/.installed
+	$(DYNAMO_VENV)/bin/pip install -q --no-deps "ai-dynamo==1.6.1"
+	$(DYNAMO_VENV)/bin/pip install -q $(DYNAMO_FRONTEND_DEPS) pytest pytest-asyncio pytest-timeout
 	touch $@
 
 # Our gateway under guidellm (another team's load tool), beside the servers' and Envoy's own figures. guidellm

@@ -37,7 +37,7 @@ from inferlb.bench.policies import PROFILE_LABEL, declared_hints
 from inferlb.bench.quality import add_goodput, aggregate, settings
 from inferlb.bench.window import choose_window
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.procs import ManagedProcess, free_port, stop_all
+from inferlb.procs import ManagedProcess, free_port, free_ports, stop_all
 from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.promtext import read_vllm
 from inferlb.sim.profiles import fleet_of
@@ -250,16 +250,25 @@ def _run_one(
             from inferlb.bench.peers import PEERS, start_peer
 
             endpoints = [f"127.0.0.1:{free_port()}" for _ in range(servers)]
+            peer = next(p for p in PEERS if p.name == policy)
+            # Dynamo's KV router follows the servers' KV events, as it does vLLM's.
+            events = free_ports(servers) if peer.kind == "dynamo" else 0
+            event_args = ("--kv-events-port", str(events)) if events else ()
             # vllm-router's cache_aware mode asks every worker to render every request; real vLLM answers
             # that only with --enable-scale-out, so the peer is measured as it would be deployed.
-            backends = start_sim(endpoints, workdir / "backends.log", *sim_args, "--model", MODEL, "--enable-scale-out")
+            backends = start_sim(
+                endpoints, workdir / "backends.log", *sim_args, *event_args, "--model", MODEL, "--enable-scale-out"
+            )
             processes.append(backends)
             listen = f"127.0.0.1:{free_port()}"
-            peer = next(p for p in PEERS if p.name == policy)
-            router = start_peer(peer, endpoints, listen, workdir)
-            processes.append(router)
+            helpers: list[ManagedProcess] = []
+            ports = [events + i for i in range(servers)] if events else []
+            router = start_peer(
+                peer, endpoints, listen, workdir, kv_events_ports=ports, profile=profile, helpers=helpers
+            )
+            processes += [router, *helpers]
             url = f"http://{listen}"
-            watched = [router, backends]
+            watched = [router, *helpers, backends]
         return measure(trace, requests, policy, load, rate, url, endpoints, router, watched, scale, workdir, start)
     finally:
         if stack is not None:
@@ -312,12 +321,14 @@ def measure(
     ]
     hits = queries = 0.0
     busy: list[float] = []
+    served: list[int] = []  # each server's finished requests, by its own log
     for address in endpoints:
         reading = read_vllm(httpx.get(f"http://{address}/metrics", timeout=10).content, histograms=False)
         hits += reading.prefix_cache_hits or 0
         queries += reading.prefix_cache_queries or 0
         log = httpx.get(f"http://{address}/admin/requests", timeout=10).json()
         busy.append(float(log.get("busy_s", 0.0)))
+        served.append(len(log.get("requests", ())))
     figures = summarise(outcomes, busy, hits, queries)
     router_cpu = cpu.get(router.pid) if router is not None and router.pid else None
     total_cpu = sum(cpu.values()) + loadgen_cpu
@@ -332,6 +343,7 @@ def measure(
         "cores_used": round(total_cpu / wall, 2) if wall > 0 else None,
         "wall_s": round(wall, 1),
         "servers": len(endpoints),
+        "server_requests": served,
         "_ttft_s": [o.ttft_s for o in outcomes if o.ttft_s is not None and o.error is None],
     }
 

@@ -40,6 +40,7 @@ PAIRS: dict[str, str] = {
     "vllm-router cache_aware": "peer-model:vllm-router-cache-aware",
     "vllm-router power_of_two": "peer-model:vllm-router-power-of-two",
     "vllm-router consistent_hash": "peer-model:vllm-router-consistent-hash",
+    "dynamo kv": "peer-model:dynamo-kv",
 }
 # What "agrees" means: hit rates within 0.02 (absolute), each sorted server share within 0.10, TTFT p50 and p99
 # within a factor 1.5 (live times carry the machine's noise; a 300-request p99 is the 3rd-worst request).
@@ -59,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", nargs="+", choices=sorted(PAIRS), default=list(PAIRS), help="live peers to check")
     parser.add_argument("--seeds", type=int, default=3, help="simulator runs per model (seeds 0..N-1)")
     parser.add_argument("--seed", type=int, default=0, help="the live run's seed")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        help="the live servers' time scale (default: the live harness's choice); 1 for a peer whose own hop is slow",
+    )
     live = parser.add_mutually_exclusive_group()
     live.add_argument("--no-live", action="store_true", help="the simulator's half only (no peers started)")
     live.add_argument(
@@ -150,10 +156,14 @@ def _float(value: object) -> float | None:
 
 
 def live_figures(row: dict[str, Any], records: Path, servers: int) -> Figures:
-    """A live run's figures: its results row, and the shares from the load generator's records."""
+    """A live run's figures: its results row, and the shares from the load generator's records (each response names
+    its server), or from the servers' own counts (``server_requests``) where a router does not pass that name on."""
     counts = Counter(json.loads(line)["server"] for line in records.read_text("utf-8").splitlines() if line.strip())
+    shares = list(counts.values())
+    if "" in counts and row.get("server_requests"):
+        shares = list(row["server_requests"])
     return Figures(
-        _shares(list(counts.values()), servers),
+        _shares(shares, servers),
         row["prefix_hit_rate"],
         row["ttft_p50_ms"],
         row["ttft_p99_ms"],
@@ -234,7 +244,7 @@ def _live(args: argparse.Namespace, path: Path) -> tuple[dict[tuple[str, float],
         quick=False,
         seed=args.seed,
         slo_ms=None,
-        time_scale=None,
+        time_scale=getattr(args, "time_scale", None),
     )
     rows, summary = run_live(live_args, _Progress)
     root = Path(summary["workdir"]) / path.stem

@@ -21,6 +21,12 @@ What they ask the servers, observed against the emulator (vllm-router 0.1.17, sg
   in its multi-model mode, which is off.
 
 Neither needs a tokenizer to route HTTP workers; the environment forbids Hugging Face downloads all the same.
+
+``dynamo kv`` is NVIDIA Dynamo's HTTP frontend with its KV router (``ai-dynamo`` 1.6.1, at its defaults) and one
+Dynamo worker per server, each forwarding to its server and relaying the server's KV events
+(`inferlb.bench.dynamolive`). It is two processes, both of this Python (``.venv/dynamo``: the runtime pins an older
+pydantic than the project's), and must run in a network namespace with loopback only, as Dynamo binds some sockets
+on every interface (`make bench-dynamo-live`). The servers must publish KV events (``kv_events_ports``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import ipaddress
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +47,8 @@ from inferlb.scorer.address import parse_address
 
 __all__ = ["PEERS", "READY_TIMEOUT_S", "Peer", "PeerKind", "available", "start_peer"]
 
-PeerKind = Literal["vllm-router", "sglang-router"]
-Policy = Literal["cache_aware", "power_of_two", "consistent_hash"]
+PeerKind = Literal["vllm-router", "sglang-router", "dynamo"]
+Policy = Literal["cache_aware", "power_of_two", "consistent_hash", "kv"]
 
 READY_TIMEOUT_S = 30.0
 
@@ -49,6 +56,7 @@ READY_TIMEOUT_S = 30.0
 _INSTALL: dict[str, tuple[str, str, str]] = {
     "vllm-router": ("vllm-router", "vllm_router_rs", "0.1.17"),
     "sglang-router": ("sglang-router", "sglang_router.sglang_router_rs", "0.3.2"),
+    "dynamo": ("ai-dynamo", "dynamo._core", "1.6.1"),
 }
 # No Hugging Face downloads (neither needs a tokenizer here), and no proxy between a peer and its workers.
 _ENV = {
@@ -75,12 +83,15 @@ PEERS: tuple[Peer, ...] = (
     Peer("sglang-router cache_aware", "sglang-router", "cache_aware"),
     Peer("sglang-router power_of_two", "sglang-router", "power_of_two"),
     Peer("vllm-router consistent_hash", "vllm-router", "consistent_hash"),
+    Peer("dynamo kv", "dynamo", "kv"),
 )
 
 
 def available(peer: Peer) -> str | None:
     """None if ``peer`` can be started here, else a one-line reason that says how to install it."""
     distribution, module, tested = _INSTALL[peer.kind]
+    if peer.kind == "dynamo":
+        return _dynamo_unavailable(peer, distribution, module, tested)
     install = f"pip install '{distribution}=={tested}' (or inferlb[peers])"
     try:
         importlib.metadata.version(distribution)
@@ -100,10 +111,21 @@ def available(peer: Peer) -> str | None:
 
 
 def start_peer(
-    peer: Peer, workers: Sequence[str], listen: str, workdir: Path, *, timeout_s: float = READY_TIMEOUT_S
+    peer: Peer,
+    workers: Sequence[str],
+    listen: str,
+    workdir: Path,
+    *,
+    timeout_s: float = READY_TIMEOUT_S,
+    kv_events_ports: Sequence[int] = (),
+    profile: str = "h100-llama3.1-8b",
+    helpers: list[ManagedProcess] | None = None,
 ) -> ManagedProcess:
     """Start ``peer`` on ``listen`` (a loopback ``ip:port``) in front of ``workers`` (``ip:port`` each, served as
     ``http://ip:port``), its output in ``workdir/NAME.log``; return once it reports every worker healthy.
+
+    ``dynamo kv`` also needs each worker's KV-event port (``kv_events_ports``) and the servers' ``profile``; its
+    workers' process is appended to ``helpers`` (the caller stops it after the returned frontend).
 
     ValueError for a bad or non-loopback ``listen`` or no workers; ProcessError (with the log's tail) if the peer is
     not installed, exits, or is not ready within ``timeout_s``. The caller stops the process (``stop()``).
@@ -118,6 +140,8 @@ def start_peer(
     reason = available(peer)
     if reason is not None:
         raise ProcessError(reason)
+    if peer.kind == "dynamo":
+        return _start_dynamo(peer, workers, host, port, workdir, timeout_s, kv_events_ports, profile, helpers)
     argv = [find_tool(peer.kind), *_command(peer, host, port, [f"http://{w}" for w in workers])]
     log_path = workdir / f"{peer.name.replace(' ', '-')}.log"
     env = dict(_ENV)
@@ -170,5 +194,81 @@ def _routes_to(listen: str, workers: int) -> Callable[[], bool]:
     def check() -> bool:
         response = httpx.get(url, timeout=1.0)
         return response.status_code == 200 and response.json().get("healthy_workers") == workers
+
+    return check
+
+
+def _dynamo_unavailable(peer: Peer, distribution: str, module: str, tested: str) -> str | None:
+    install = (
+        f"`make bench-dynamo-live` installs {distribution}=={tested} and ai-dynamo-runtime in .venv/dynamo; run "
+        "the suite with that venv's Python"
+    )
+    try:
+        importlib.metadata.version(distribution)
+        found = importlib.util.find_spec(module) is not None
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        found = False
+    if not found:
+        return f"{peer.name}: {distribution} is not installed here: {install}"
+    from inferlb.bench.dynamoreal import loopback_only
+
+    outside = loopback_only()
+    if outside:
+        return (
+            f"{peer.name}: Dynamo binds some sockets on every interface; run it in a network namespace with loopback "
+            f"only (`make bench-dynamo-live` does), not beside {', '.join(outside)}"
+        )
+    return None
+
+
+def _start_dynamo(
+    peer: Peer,
+    workers: Sequence[str],
+    host: str,
+    port: int,
+    workdir: Path,
+    timeout_s: float,
+    kv_events_ports: Sequence[int],
+    profile: str,
+    helpers: list[ManagedProcess] | None,
+) -> ManagedProcess:
+    from inferlb.bench.dynamolive import dynamo_env
+
+    if len(kv_events_ports) != len(workers):
+        raise ValueError(f"{peer.name} needs each worker's KV-event port: {len(workers)} workers, "
+                         f"{len(kv_events_ports)} ports")  # fmt: skip
+    store = workdir / "dynamo-store"
+    store.mkdir(parents=True, exist_ok=True)
+    env = {**_ENV, **dynamo_env(store)}
+    slug = peer.name.replace(" ", "-")
+    argv = [sys.executable, "-m", "inferlb.bench.dynamolive", "--model-dir", str(workdir / "dynamo-model"),
+            "--store", str(store), "--profile", profile]  # fmt: skip
+    for worker, events in zip(workers, kv_events_ports, strict=True):
+        argv += ["--server", worker, "--kv-events-port", str(events)]
+    bridge = ManagedProcess(f"{peer.name} workers", argv, workdir / f"{slug}-workers.log", env=env).start()
+    if helpers is not None:
+        helpers.append(bridge)
+    frontend_argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", host, "--http-port", str(port),
+                     "--router-mode", "kv", "--discovery-backend", "file", "--request-plane", "tcp",
+                     "--event-plane", "zmq"]  # fmt: skip
+    frontend = ManagedProcess(peer.name, frontend_argv, workdir / f"{slug}.log", env=env).start()
+    ready = _dynamo_routes_to(f"{host}:{port}", len(workers))
+    try:
+        for process in (bridge, frontend):  # either may exit first
+            process.wait_ready(ready, timeout_s, f"routing to {len(workers)} workers")
+    except BaseException:
+        frontend.stop()
+        bridge.stop()
+        raise
+    return frontend
+
+
+def _dynamo_routes_to(listen: str, workers: int) -> Callable[[], bool]:
+    # /health lists the worker instances the frontend discovered; /v1/models the model once one registered it.
+    def check() -> bool:
+        health = httpx.get(f"http://{listen}/health", timeout=1.0)
+        if health.status_code != 200 or len(health.json().get("instances", ())) != workers:
+            return False
+        return bool(httpx.get(f"http://{listen}/v1/models", timeout=1.0).json().get("data"))
 
     return check

@@ -84,3 +84,14 @@ def test_a_live_runs_records_give_its_shares(tmp_path: Path, folder: str) -> Non
     row |= {"prefix_hit_rate": 0.1, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "errors": 0}
     figures = live_figures(row, live_records(tmp_path, row), servers=4)
     assert figures.shares == (0.75, 0.25, 0.0, 0.0)
+
+
+def test_a_router_that_hides_the_server_gets_its_shares_from_the_servers_own_counts(tmp_path: Path) -> None:
+    # Dynamo's frontend does not pass the emulator's server header on: the records name no server.
+    records = tmp_path / "dynamo-kv-0.8-r0" / "records.jsonl"
+    records.parent.mkdir()
+    records.write_text("".join(json.dumps({"server": ""}) + "\n" for _ in range(8)), encoding="utf-8")
+    row = {"policy": "dynamo kv", "load": 0.8, "repeat": 0, "server_requests": [1, 5, 2, 0]}
+    row |= {"prefix_hit_rate": 0.1, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "errors": 0}
+    figures = live_figures(row, live_records(tmp_path, row), servers=4)
+    assert figures.shares == (0.625, 0.25, 0.125, 0.0)

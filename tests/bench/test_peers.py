@@ -5,6 +5,7 @@ emulated servers with full outputs, (vllm-router cache_aware) gets its per-reque
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import json
 from collections import Counter
@@ -17,11 +18,13 @@ import httpx
 import pytest
 
 from inferlb.bench.peers import PEERS, Peer, available, start_peer
-from inferlb.procs import ManagedProcess, ProcessError, free_port
+from inferlb.procs import ManagedProcess, ProcessError, free_port, stop_all
 from inferlb.sim.fleet import serving
 from inferlb.sim.openai import output_text
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
+
+from ..conftest import until
 
 pytestmark = pytest.mark.peers
 
@@ -78,7 +81,12 @@ async def _peer_before_two_servers(
             await asyncio.to_thread(process.stop)
 
 
-@pytest.mark.parametrize("peer", [pytest.param(p, id=p.name.replace(" ", "-")) for p in PEERS])
+# Dynamo runs in its own venv and network namespace (make bench-dynamo-live); its test is below.
+ROUTERS = [p for p in PEERS if p.kind != "dynamo"]
+DYNAMO = next(p for p in PEERS if p.kind == "dynamo")
+
+
+@pytest.mark.parametrize("peer", [pytest.param(p, id=p.name.replace(" ", "-")) for p in ROUTERS])
 async def test_peer_routes_completions_to_both_servers(peer: Peer, tmp_path: Path):
     # A hashing peer puts each distinct prompt on a server of its ring: with 40 prompts, all on one of two servers
     # is a chance below 1e-7 even for a ring split 2:1.
@@ -126,7 +134,7 @@ def test_a_missing_peer_is_named_with_how_to_install_it(monkeypatch: pytest.Monk
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    peer = PEERS[2]
+    peer = next(p for p in PEERS if p.name == "sglang-router cache_aware")
     reason = available(peer)
     assert reason is not None
     assert reason.startswith("sglang-router cache_aware: sglang-router is not installed")
@@ -148,3 +156,64 @@ def test_bad_addresses_are_refused_before_anything_starts(workers, listen, words
     with pytest.raises(ValueError, match=words):
         start_peer(PEERS[0], workers, listen, tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(available(DYNAMO) is None, reason="ai-dynamo is installed here")
+def test_dynamo_says_where_it_runs(tmp_path: Path):
+    reason = available(DYNAMO)
+    assert reason is not None
+    assert "make bench-dynamo-live" in reason
+    with pytest.raises(ProcessError, match="bench-dynamo-live"):
+        start_peer(DYNAMO, ["127.0.0.1:1"], "127.0.0.1:2", tmp_path, kv_events_ports=[3])
+
+
+@pytest.mark.skipif(
+    available(DYNAMO) is not None,
+    reason="needs ai-dynamo and a loopback-only network namespace: .venv/dynamo under unshare --net (make test-dynamo)",
+)
+async def test_dynamo_routes_to_both_servers_and_sends_a_cached_prompt_where_its_blocks_are(tmp_path: Path):
+    """Dynamo's frontend and KV router before two servers that publish KV events: distinct prompts spread, and a
+    long prompt sent again, one at a time, goes where the relayed events say its blocks are cached."""
+    servers = [
+        EmulatedServer(f"127.0.0.1:{free_port()}", dataclasses.replace(OPTIONS, kv_events_port=free_port()))
+        for _ in range(2)
+    ]
+    long_prompt = "a long shared document " * 200  # 72 blocks of 64 characters
+    async with serving(servers):
+        listen = f"127.0.0.1:{free_port()}"
+        helpers: list[ManagedProcess] = []
+        ports = [s.options.kv_events_port for s in servers]
+        process = await asyncio.to_thread(
+            start_peer, DYNAMO, [s.address for s in servers], listen, tmp_path, kv_events_ports=ports, helpers=helpers
+        )
+        try:
+            async with httpx.AsyncClient(base_url=f"http://{listen}", timeout=20) as client:
+                results = await asyncio.gather(*(_complete(client, i) for i in range(REQUESTS)))
+                spread = [len((await _get(f"http://{s.address}/admin/requests"))["requests"]) for s in servers]
+                body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 2}
+                # The distinct prompts' blocks first (their events follow their answers), then the long prompt's.
+                applied = await until(lambda: _events_applied(client), "the first prompts' KV events applied", 10.0)
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                first = [len((await _get(f"http://{s.address}/admin/requests"))["requests"]) for s in servers]
+                holder = max((0, 1), key=lambda i: first[i] - spread[i])
+
+                async def relayed() -> bool:  # the blocks' events reach the router after the answer
+                    return await _events_applied(client) > applied
+
+                await until(relayed, "the long prompt's KV events applied by Dynamo's router", 10.0)
+                for _ in range(4):
+                    assert (await client.post("/v1/completions", json=body)).status_code == 200
+                after = [len((await _get(f"http://{s.address}/admin/requests"))["requests"]) for s in servers]
+        finally:
+            await asyncio.to_thread(stop_all, [process, *helpers])
+    # Dynamo's answer is its own detokenizer's text of the worker's tokens: one character per server token here.
+    assert [(status, len(text)) for status, text in results] == [(200, MAX_TOKENS)] * REQUESTS, process.log_tail()
+    assert all(spread), f"Dynamo sent every distinct prompt to one server: {spread}"
+    assert after[holder] - first[holder] == 4, f"the repeated prompt left its cached blocks: {first} -> {after}"
+
+
+async def _events_applied(client: httpx.AsyncClient) -> float:
+    """The KV events Dynamo's router has applied to its index (its frontend's metric, summed over labels)."""
+    text = (await client.get("/metrics")).text
+    name = "dynamo_component_kv_cache_events_applied"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
