@@ -45,7 +45,14 @@ import httpx
 import orjson
 
 from inferlb.bench.dynamoreal import loopback_only
-from inferlb.scorer.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_frames
+from inferlb.scorer.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEventError,
+    decode_frames,
+)
 from inferlb.sim.profiles import PROFILES, get_profile
 from inferlb.sim.tokens import CHARS_PER_TOKEN, block_hashes
 
@@ -228,7 +235,12 @@ async def serve(args: argparse.Namespace) -> None:
         socket.connect(f"tcp://127.0.0.1:{port}")
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         while True:
-            _sequence, batch = decode_frames(await socket.recv_multipart())
+            frames = await socket.recv_multipart()
+            try:
+                _sequence, batch = decode_frames(frames)
+            except KVEventError as error:  # the emulator's own events: a bug to see, not a reason to stop relaying
+                logger.warning("port %d: undecodable KV event message skipped: %s", port, error)
+                continue
             relay(batch, texts, publisher)
 
     all_texts = []

@@ -53,6 +53,7 @@ async def _one(client: httpx.AsyncClient, shot: Shot, start: float, scale: float
     body = {"model": shot.model, "prompt": shot.prompt, "max_tokens": shot.max_tokens, "stream": True}
     first = None
     tokens = 0
+    failure = None  # an error event in the stream: a router that had sent its 200 before the server failed
     try:
         async with client.stream("POST", f"{shot.url}/v1/completions", json=body) as response:
             server = response.headers.get("x-inferlb-sim-server", "")
@@ -63,6 +64,8 @@ async def _one(client: httpx.AsyncClient, shot: Shot, start: float, scale: float
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = orjson.loads(line[6:])
+                if "error" in chunk:
+                    failure = f"error in the stream: {orjson.dumps(chunk['error']).decode()[:200]}"
                 for choice in chunk.get("choices", ()):
                     if choice.get("text"):
                         tokens += 1
@@ -71,6 +74,8 @@ async def _one(client: httpx.AsyncClient, shot: Shot, start: float, scale: float
     except httpx.HTTPError as exc:
         return ClientRecord(shot.id, 0, "", sent, None, None, tokens, f"{type(exc).__name__}: {exc}")
     end = time.monotonic()
+    if failure is not None:
+        return ClientRecord(shot.id, 200, server, sent, None, None, tokens, failure)
     return ClientRecord(shot.id, 200, server, sent, None if first is None else first - sent, end - sent, tokens, None)
 
 
