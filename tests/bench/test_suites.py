@@ -21,7 +21,16 @@ from inferlb.cli import main as cli_main
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 # Scripts the suites start as child processes (or another venv's Python runs): not benchmarks of their own.
-CHILD_PROCESSES = {"faultload", "kubeapi", "loadgen", "metricsfarm", "noop_picker", "offline_tokenizer", "spanflood"}
+CHILD_PROCESSES = {
+    "dynamolive",
+    "faultload",
+    "kubeapi",
+    "loadgen",
+    "metricsfarm",
+    "noop_picker",
+    "offline_tokenizer",
+    "spanflood",
+}
 
 
 def _runs_as_script(path: Path) -> bool:
