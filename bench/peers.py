@@ -237,6 +237,8 @@ def _start_dynamo(
     if len(kv_events_ports) != len(workers):
         raise ValueError(f"{peer.name} needs each worker's KV-event port: {len(workers)} workers, "
                          f"{len(kv_events_ports)} ports")  # fmt: skip
+    if helpers is None:  # its workers' process would outlive the run unseen
+        raise ValueError(f"{peer.name} starts two processes: pass ``helpers`` to be given the workers' one")
     store = workdir / "dynamo-store"
     store.mkdir(parents=True, exist_ok=True)
     env = {**_ENV, **dynamo_env(store)}
