@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 import orjson
 
-from inferlb.bench.dynamoreal import loopback_only
+from inferlb.bench.dynamoreal import LOOPBACK_HOSTS, block_key, loopback_only
 from inferlb.scorer.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -56,9 +56,8 @@ from inferlb.scorer.kvevents import (
 from inferlb.sim.profiles import PROFILES, get_profile
 from inferlb.sim.tokens import CHARS_PER_TOKEN, block_hashes
 
-__all__ = ["BLOCK_CHARS", "DYNAMO_VERSION", "ENDPOINT", "VOCAB", "BlockTexts", "dynamo_env", "main", "write_model"]
+__all__ = ["BLOCK_CHARS", "ENDPOINT", "VOCAB", "BlockTexts", "dynamo_env", "main", "write_model"]
 
-DYNAMO_VERSION = "1.6.1"
 ENDPOINT = "inferlb.backend.generate"
 # The emulator's block: 16 tokens of CHARS_PER_TOKEN characters (every profile's block size).
 _SERVER_BLOCK_TOKENS = 16
@@ -72,8 +71,6 @@ VOCAB: dict[str, int] = {
 }
 _CHARS = {i: c for c, i in VOCAB.items() if len(c) == 1}
 _ANSWER_TOKEN = VOCAB["a"]
-_MASK63 = 0x7FFF_FFFF_FFFF_FFFF
-_HOSTS = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST")
 
 logger = logging.getLogger("inferlb.bench.dynamolive")
 
@@ -81,7 +78,7 @@ logger = logging.getLogger("inferlb.bench.dynamolive")
 def dynamo_env(store: Path) -> dict[str, str]:
     """The environment both Dynamo processes need: file discovery under ``store``, sockets that take a host on
     loopback, warnings (the frontend still logs one line per routed request), no Hugging Face downloads."""
-    env = {name: "127.0.0.1" for name in _HOSTS}
+    env = {name: "127.0.0.1" for name in LOOPBACK_HOSTS}
     env |= {"DYN_FILE_KV": str(store), "DYN_LOG": "warn", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     return env
 
@@ -172,11 +169,11 @@ def relay(batch: EventBatch, texts: BlockTexts, publisher: Any) -> None:
             tokens = texts.tokens(event.block_hashes)
             if tokens is None:
                 continue
-            parent = None if event.parent_block_hash is None else int(event.parent_block_hash) & _MASK63
-            hashes = [int(h) & _MASK63 for h in event.block_hashes]
+            parent = None if event.parent_block_hash is None else block_key(int(event.parent_block_hash))
+            hashes = [block_key(int(h)) for h in event.block_hashes]
             publisher.publish_stored(tokens, [BLOCK_CHARS] * len(hashes), hashes, parent)
         elif isinstance(event, BlockRemoved):
-            publisher.publish_removed([int(h) & _MASK63 for h in event.block_hashes])
+            publisher.publish_removed([block_key(int(h)) for h in event.block_hashes])
         elif isinstance(event, AllBlocksCleared):  # a server restart; these runs have none
             logger.warning("a server cleared its cache; Dynamo 1.6.1's publisher has no event for that, not relayed")
 

@@ -33,13 +33,14 @@ from typing import Any
 from inferlb.sim.des import Arrival, FleetView, RequestRecord
 from inferlb.sim.profiles import ServerProfile
 
-__all__ = ["DYNAMO_RUNTIME_VERSION", "RealDynamoKv", "block_tokens", "loopback_only"]
+__all__ = ["DYNAMO_RUNTIME_VERSION", "LOOPBACK_HOSTS", "RealDynamoKv", "block_key", "block_tokens", "loopback_only"]
 
 DYNAMO_RUNTIME_VERSION = "1.6.1"
 _ENDPOINT = "inferlb.backend.generate"
 _MODEL = "bench-model"
 _VOCAB = 1 << 31
-_HOSTS = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST")
+# The runtime's settings of the hosts its sockets bind, where it takes one (the event plane's publishers do not).
+LOOPBACK_HOSTS = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST")
 
 
 def block_tokens(block_hash: int, block_size: int) -> list[int]:
@@ -56,12 +57,12 @@ class _Relay:
 
     def stored(self, hashes: list[int], parent: int | None, token_ids: Sequence[int]) -> None:
         tokens = [t for h in hashes for t in block_tokens(h, self.block_size)]
-        self.publisher.publish_stored(tokens, [self.block_size] * len(hashes), [_key(h) for h in hashes],
-                                      None if parent is None else _key(parent))  # fmt: skip
+        self.publisher.publish_stored(tokens, [self.block_size] * len(hashes), [block_key(h) for h in hashes],
+                                      None if parent is None else block_key(parent))  # fmt: skip
         self.owner.pending_events = True
 
     def removed(self, hashes: list[int]) -> None:
-        self.publisher.publish_removed([_key(h) for h in hashes])
+        self.publisher.publish_removed([block_key(h) for h in hashes])
         self.owner.pending_events = True
 
     def cleared(self) -> None:  # a restart; the bench's runs have none
@@ -73,7 +74,7 @@ def loopback_only() -> list[str]:
     return [name for _index, name in socket.if_nameindex() if name != "lo"]
 
 
-def _key(value: int) -> int:
+def block_key(value: int) -> int:
     """A block hash as the publisher takes it (a signed 64-bit integer): its low 63 bits."""
     return value & 0x7FFF_FFFF_FFFF_FFFF
 
@@ -89,7 +90,7 @@ class RealDynamoKv:
                 f"loopback only (`make bench-dynamo` does: unshare --net); this one also has {', '.join(outside)}"
             )
         os.environ.setdefault("DYN_LOG", "error")  # before the import: the runtime logs every decision at info
-        for name in _HOSTS:  # the sockets that take a host bind to loopback (the event plane's do not)
+        for name in LOOPBACK_HOSTS:  # the sockets that take a host bind to loopback (the event plane's do not)
             os.environ.setdefault(name, "127.0.0.1")
         try:
             from dynamo.llm import (
