@@ -52,6 +52,7 @@ DES_CONTENDERS: tuple[str, ...] = (
     "inferlb-weights:default",  # the weights tier: Envoy's LEAST_REQUEST over the default preset's weights
     "inferlb-fixed-speed:default",  # the default predicting with one constant prefill rate, learning no speeds
     "inferlb-kv-events:default",  # the default with the servers' KV events: their exact prefix caches
+    "inferlb-stream:default",  # the default timing the responses itself: each request's first token is known
     "inferlb-undeclared:default",  # the default with no relative speeds declared (pool.speeds) for its servers
     "oracle",
     *(f"peer-model:{name}" for name in PEER_MODELS),  # the peer routers' policies, modelled (bench/peermodels.py)
@@ -149,6 +150,8 @@ def make_policy(name: str, profiles: Sequence[ServerProfile], seed: int) -> Poli
         return PresetPolicy(name.removeprefix("inferlb-fixed-speed:"), profiles, seed=seed, learn_speeds=False)
     if name.startswith("inferlb-kv-events:") and name.removeprefix("inferlb-kv-events:") in PRESET_NAMES:
         return PresetPolicy(name.removeprefix("inferlb-kv-events:"), profiles, seed=seed, kv_events=True)
+    if name.startswith("inferlb-stream:") and name.removeprefix("inferlb-stream:") in PRESET_NAMES:
+        return PresetPolicy(name.removeprefix("inferlb-stream:"), profiles, seed=seed, first_tokens=True)
     if name.startswith("inferlb-undeclared:") and name.removeprefix("inferlb-undeclared:") in PRESET_NAMES:
         return PresetPolicy(name.removeprefix("inferlb-undeclared:"), profiles, seed=seed, declared_speeds=False)
     if name.startswith("inferlb:") and name.removeprefix("inferlb:") in PRESET_NAMES:

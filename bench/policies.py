@@ -151,6 +151,7 @@ class PresetPolicy:
         learn_speeds: bool = True,
         kv_events: bool = False,
         declared_speeds: bool = True,
+        first_tokens: bool = False,
     ) -> None:
         n = len(profiles)
         # Each endpoint is labelled with its profile, and the profiles' relative speeds are declared (`pool.speeds`)
@@ -181,6 +182,10 @@ class PresetPolicy:
             for endpoint in range(n):
                 self.signals.kv.subscribed(endpoint, True)
         self.inflight = InFlight(n, clock=clock)
+        # With the filter timing the responses (otel.latency_source: stream), each request's first token reaches
+        # its lease, and the prefill backlog is exact: the leases are told at the first decision after it.
+        self.inflight.first_tokens = first_tokens
+        self._prefilling: list[set[str]] | None = [set() for _ in range(n)] if first_tokens else None
         hints = declared_hints(profiles) if declared_speeds else None
         relative = None if hints is None else hints.of([e.labels for e in self.pool])
         profile = build_profile(preset, np.random.default_rng(seed), size=n, speeds=relative)
@@ -252,6 +257,8 @@ class PresetPolicy:
         routed = router.route(request, saturated=saturated)
         self.decisions += 1
         self._leases[arrival.id] = routed.lease
+        if self._prefilling is not None and routed.lease.unprefilled:
+            self._prefilling[routed.lease.index].add(arrival.id)
         if self.speeds is not None:
             self._routed_at[arrival.id] = self._now
         return routed.decision.endpoint.index
@@ -272,6 +279,17 @@ class PresetPolicy:
             cache_keys=tuple(arrival.prompt_hashes) if self.signals.kv is not None else (),
         )
 
+    def _first_tokens(self, view: FleetView) -> None:
+        """Tell the leases of the requests whose first token came since the last decision (the observing stream's
+        report, live)."""
+        assert self._prefilling is not None
+        for server, waiting in enumerate(self._prefilling):
+            if waiting:
+                for request in view.engines[server].running:
+                    if request.first_token_at is not None and request.id in waiting:
+                        waiting.discard(request.id)
+                        self._leases[request.id].first_token()
+
     def _next_tick(self) -> float:
         poll = self.router.queue.poll_s
         return (math.floor(self._now / poll + 1e-9) + 1) * poll
@@ -282,6 +300,8 @@ class PresetPolicy:
         lease = self._leases.pop(record.id, None)
         if lease is not None:
             lease.release()
+            if self._prefilling is not None:
+                self._prefilling[lease.index].discard(record.id)
         routed_at = self._routed_at.pop(record.id, None)
         if record.error is None:
             self.latency.observe(record.server, record.ttft_s, record.e2e_s, now=now)
@@ -306,6 +326,8 @@ class PresetPolicy:
     def _sync(self, view: FleetView) -> None:
         """Publish a snapshot when a scrape or a latency changed (the collectors' work)."""
         self._now = view.now
+        if self._prefilling is not None:
+            self._first_tokens(view)
         kv = self.signals.kv
         if kv is not None:
             if not self._kv_listening:

@@ -392,8 +392,12 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         return QuotaExceededError(refusal), None
 
     def _timed(self, request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
-        """The filter timed request ``request_id``'s response (or saw it fail): its experiment arm and the servers'
+        """The filter timed request ``request_id``'s response (or saw it fail): its lease learns that its prompt is
+        prefilled (the exact prefill backlog, `InFlight.first_tokens`), and its experiment arm and the servers'
         speeds are told."""
+        lease = self._lease_of(request_id)
+        if lease is not None:
+            lease.first_token()
         router = self.router  # read now: a reload may have replaced it since the request was routed
         if router.speeds is not None and not failed:
             router.speeds.observed(request_id, ttft_s, e2e_s)
@@ -403,9 +407,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
     def _served_by_id(self, request_id: str, address: str) -> None:
         """The served endpoint the observing stream of request ``request_id`` reported: its lease (held, or that of
         its open routing stream) moves if a retry served it elsewhere."""
-        leases = self.leases
-        lease = leases.lease_of(request_id) if leases is not None else self._open.get(request_id)
+        lease = self._lease_of(request_id)
         self.stats.served["unknown" if lease is None else self.router.served(lease, address)] += 1
+
+    def _lease_of(self, request_id: str) -> Lease | None:
+        """The lease of request ``request_id`` that this picker holds (or that of its open routing stream)."""
+        leases = self.leases
+        return leases.lease_of(request_id) if leases is not None else self._open.get(request_id)
 
     async def _not_admitted(self, admit: Admit) -> tuple[RequestError | None, bool]:
         """For a request admission did not let go ahead at once: a refusal (shed, 429), or None to go ahead after

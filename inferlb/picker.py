@@ -578,6 +578,9 @@ def create_picker(
         service.trace_join = _trace_join(config, spans)
         if config.otel.latency_source == "stream":
             service.response_timer = spans.observe_response
+            # Each response's first token is seen, so the prefill backlog can be counted exactly; with replicas the
+            # observing stream may reach another replica than the lease's, and the backlog stays estimated.
+            engine.inflight.first_tokens = config.replicas is None
         service.router.speeds = spans.speeds
         _span_outcomes(service, spans)
     if config.otel.exporter != "none" and config.otel.export_endpoint is not None:

@@ -3,9 +3,11 @@
 * ``requests`` and ``tokens``: requests (and their estimated prompt tokens) sent and not yet seen finish; they
   move on every decision and every completion.
 * ``sent``: requests ever sent (with the peers' sends, for replicas).
-* The prefill backlog: prompt tokens sent that the endpoint is estimated not to have prefilled yet. A prompt's
-  tokens count only until its endpoint has had time to prefill them, not until its request ends: a server busy
-  decoding long answers is not one with a long queue to prefill.
+* The prefill backlog: prompt tokens sent that the endpoint has not prefilled yet. Where each request's first token
+  is reported (``first_tokens``: the filter times the responses, ``otel.latency_source: stream``), it is exact: the
+  uncached tokens of the requests whose first token has not come (`Lease.first_token`). Elsewhere it is estimated: a
+  prompt's tokens count until its endpoint has had time to prefill them at its learned rate. Either way not until
+  its request ends: a server busy decoding long answers is not one with a long queue to prefill.
 * Recent prefill work: the prompt tokens sent to prefill (the uncached part, where the profile estimated it),
   summed with a decay of half-life `RECENT_HALF_LIFE_S`. It forgets a prompt at a fixed pace, whether or not its
   request is still running: what a server was given to do in the last few seconds (the ``recent-prefill`` scorer).
@@ -43,9 +45,14 @@ class InFlight:
         # counters' version for a reader that must see a count fall (the saturation rule's cache).
         self.lowered = 0
         self.clock = clock
+        # Whether every request's first token is reported (`Lease.first_token`): the prefill backlog is then the
+        # uncached tokens still waiting for theirs (_unprefilled), not the estimate drained at a rate (_prefill).
+        self.first_tokens = False
         # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
         self._prefill = np.zeros(size)
         self._prefill_at = np.zeros(size)
+        # Uncached prompt tokens of the requests counted here whose first token has not been reported.
+        self._unprefilled = np.zeros(size)
         # Prompt tokens sent to prefill, decayed with RECENT_HALF_LIFE_S: their sum as of the time in _recent_at.
         self._recent = np.zeros(size)
         self._recent_at = np.zeros(size)
@@ -64,9 +71,10 @@ class InFlight:
         """The counters of the next pool after a membership change: endpoint j of the new pool has what endpoint
         ``mapping[j]`` had here (-1: it joined, and starts at zero). Changes nothing here until `hand_over`."""
         new = InFlight(len(mapping), clock=self.clock)
+        new.first_tokens = self.first_tokens
         kept = mapping >= 0
         source = mapping[kept]
-        for name in ("requests", "tokens", "sent", "_prefill", "_prefill_at", "_recent", "_recent_at", *_PEER_FIELDS):
+        for name in (*_OWN_FIELDS, *_PEER_FIELDS):
             getattr(new, name)[kept] = getattr(self, name)[source]
         new.decisions = self.decisions
         new.lowered = self.lowered
@@ -86,23 +94,26 @@ class InFlight:
 
         ``prefill``, when the profile estimated it: (the prompt's tokens still to prefill there, its uncached part;
         the endpoint's prefill rate in tokens/s), added to the endpoint's prefill backlog. The recent prefill work
-        adds the uncached part, or all ``tokens`` without an estimate."""
+        adds the uncached part, or all ``tokens`` without an estimate. The uncached part also counts as waiting for
+        its first token until `Lease.first_token` or the release."""
         self.requests[index] += 1
         self.tokens[index] += tokens
         self.sent[index] += 1
         self.decisions += 1
         now = self.clock()
         work: float = tokens
+        unprefilled = 0.0
         if prefill is not None:
             uncached, tokens_per_s = prefill
             left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
             self._prefill[index] = max(left, 0.0) + uncached
             self._prefill_at[index] = now
-            work = uncached
+            self._unprefilled[index] += uncached
+            work = unprefilled = uncached
         kept = 0.5 ** ((now - float(self._recent_at[index])) / RECENT_HALF_LIFE_S)
         self._recent[index] = float(self._recent[index]) * kept + work
         self._recent_at[index] = now
-        return Lease(self, index, tokens)
+        return Lease(self, index, tokens, unprefilled)
 
     def total(self) -> int:
         return int(self.requests.sum())
@@ -128,13 +139,18 @@ class InFlight:
         self._peer_backlog = bool(self._peer_prefill.any())
 
     def own(self) -> Load:
-        """This replica's own load per endpoint (new arrays): what it tells its peers."""
+        """This replica's own load per endpoint (new arrays): what it tells its peers. An exact backlog
+        (``first_tokens``) goes as of now: the peers drain it at the endpoint's rate until the next exchange."""
+        if self.first_tokens:
+            backlog, backlog_at = np.maximum(self._unprefilled, 0.0), np.full(len(self.requests), self.clock())
+        else:
+            backlog, backlog_at = self._prefill.copy(), self._prefill_at.copy()
         return Load(
             self.requests - self.peer_requests,
             self.tokens - self.peer_tokens,
             self.sent - self.peer_sent,
-            self._prefill.copy(),
-            self._prefill_at.copy(),
+            backlog,
+            backlog_at,
         )
 
     def recent_prefill(self, candidates: np.ndarray) -> np.ndarray:
@@ -146,15 +162,23 @@ class InFlight:
     def pending_prefill_at(self, index: int, tokens_per_s: float) -> float:
         """`pending_prefill` of one endpoint, as a number (no arrays: the routing unit asks once per request)."""
         now = self.clock()
-        own = float(self._prefill[index]) - tokens_per_s * (now - float(self._prefill_at[index]))
+        if self.first_tokens:
+            own = float(self._unprefilled[index])
+        else:
+            own = float(self._prefill[index]) - tokens_per_s * (now - float(self._prefill_at[index]))
         peers = float(self._peer_prefill[index]) - tokens_per_s * (now - float(self._peer_prefill_at[index]))
         return max(own, 0.0) + max(peers, 0.0)
 
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
-        """Per candidate, the prompt tokens sent there that it has not had time to prefill, at ``tokens_per_s``
-        (aligned with ``candidates``)."""
+        """Per candidate, the prompt tokens sent there that it has not prefilled: with ``first_tokens`` those of the
+        requests whose first token has not come, else those it has not had time to prefill at ``tokens_per_s``
+        (aligned with ``candidates``). The peers' backlog is always drained at ``tokens_per_s``."""
         now = self.clock()
-        own = np.maximum(self._prefill[candidates] - tokens_per_s * (now - self._prefill_at[candidates]), 0.0)
+        if self.first_tokens:
+            # max: sums of floats taken off in another order than they were added may leave -1e-12
+            own = np.maximum(self._unprefilled[candidates], 0.0)
+        else:
+            own = np.maximum(self._prefill[candidates] - tokens_per_s * (now - self._prefill_at[candidates]), 0.0)
         if not self._peer_backlog:  # no replicas, or none with a backlog: half the work, on every prediction
             return own
         peers = self._peer_prefill[candidates] - tokens_per_s * (now - self._peer_prefill_at[candidates])
@@ -162,6 +186,7 @@ class InFlight:
 
 
 _PEER_FIELDS = ("peer_requests", "peer_tokens", "peer_sent", "_peer_prefill", "_peer_prefill_at")
+_OWN_FIELDS = ("requests", "tokens", "sent", "_prefill", "_prefill_at", "_unprefilled", "_recent", "_recent_at")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,14 +226,16 @@ class Load:
 
 
 class Lease:
-    """One counted request. ``release()`` is idempotent, so every exit path may call it."""
+    """One counted request. ``release()`` is idempotent, so every exit path may call it; so is ``first_token()``.
+    ``unprefilled``: its uncached prompt tokens while its first token has not been reported (then 0)."""
 
-    __slots__ = ("_inflight", "index", "released", "tokens")
+    __slots__ = ("_inflight", "index", "released", "tokens", "unprefilled")
 
-    def __init__(self, inflight: InFlight, index: int, tokens: int) -> None:
+    def __init__(self, inflight: InFlight, index: int, tokens: int, unprefilled: float = 0.0) -> None:
         self._inflight = inflight
         self.index = index
         self.tokens = tokens
+        self.unprefilled = unprefilled
         self.released = False
 
     def current(self) -> tuple[InFlight, int] | None:
@@ -234,12 +261,24 @@ class Lease:
         inflight, old = where
         inflight.requests[old] -= 1
         inflight.tokens[old] -= self.tokens
+        inflight._unprefilled[old] -= self.unprefilled
         inflight.lowered += 1
         inflight.requests[index] += 1
         inflight.decisions += 1  # a count raised, as by a decision (the saturation rule's cache)
         inflight.tokens[index] += self.tokens
+        inflight._unprefilled[index] += self.unprefilled
         self._inflight, self.index = inflight, index
         return True
+
+    def first_token(self) -> None:
+        """The request's first token came: its prompt is prefilled, and leaves its endpoint's exact backlog."""
+        if not self.unprefilled:
+            return
+        where = self.current()
+        if where is not None:
+            inflight, index = where
+            inflight._unprefilled[index] -= self.unprefilled
+        self.unprefilled = 0.0
 
     def release(self) -> None:
         where = self.current()
@@ -249,4 +288,7 @@ class Lease:
         inflight, index = where
         inflight.requests[index] -= 1
         inflight.tokens[index] -= self.tokens
+        if self.unprefilled:
+            inflight._unprefilled[index] -= self.unprefilled
+            self.unprefilled = 0.0
         inflight.lowered += 1

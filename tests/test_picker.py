@@ -462,3 +462,29 @@ async def test_two_pickers_sharing_redis_count_each_others_requests_and_say_when
         finally:
             for picker, _ in pickers:
                 await picker.stop(0.5)
+
+
+@pytest.mark.parametrize(
+    ("otel", "replicas", "exact"),
+    [
+        ({"latency_source": "stream"}, False, True),
+        ({}, False, False),  # spans arrive at the request's end: the backlog stays estimated
+        ({"latency_source": "stream"}, True, False),  # another replica may see the first token
+    ],
+    ids=["stream", "spans", "stream-with-replicas"],
+)
+def test_the_prefill_backlog_is_exact_where_this_picker_sees_every_first_token(
+    tmp_path: Path, otel: dict, replicas: bool, exact: bool
+) -> None:
+    doc: dict = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+        "otel": otel,
+        "pool": {"endpoints": [{"address": "10.0.0.1:8000"}, {"address": "10.0.0.2:8000"}]},
+    }
+    if replicas:
+        secret = tmp_path / "redis-password"
+        secret.write_text("not-used")
+        doc["replicas"] = {"url": "redis://127.0.0.1:1", "password": {"token_file": str(secret)}, "key": "inferlb:t"}
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    assert picker.engine.inflight.first_tokens is exact

@@ -8,7 +8,7 @@ import pytest
 
 from inferlb.bench.policies import LeastRequest, Oracle, PresetPolicy, RoundRobin
 from inferlb.scorer.classes import Classifier, RequestClass
-from inferlb.sim.des import Arrival, FleetView, simulate
+from inferlb.sim.des import Arrival, FleetView, Hold, Refuse, simulate
 from inferlb.sim.profiles import get_profile
 
 H100 = get_profile("h100-llama3.1-8b")
@@ -104,3 +104,37 @@ def test_on_a_mixed_fleet_the_default_learns_which_servers_are_slow_and_sends_th
             assert min(rates[:2]) > 1.5 * max(rates[2:])
             assert max(steps[:2]) < min(steps[2:])
     assert shares[True] < shares[False]
+
+
+def test_with_first_tokens_the_backlog_counts_the_prompts_whose_first_token_has_not_come() -> None:
+    # The stream deployment (otel.latency_source: stream): before every decision the policy tells the leases of the
+    # first tokens that came, so the exact backlog on each server is the uncached tokens of the requests it routed
+    # there that have no first token yet.
+    profiles = [H100] * 3
+    policy = PresetPolicy("default", profiles, seed=0, first_tokens=True)
+    checked = told = 0
+
+    def check(arrival: Arrival, view: FleetView) -> int | Hold | Refuse:
+        nonlocal checked, told
+        chosen = policy(arrival, view)
+        if not isinstance(chosen, int):  # held for capacity: presented again later
+            return chosen
+        waiting = np.zeros(3)
+        for server, engine in enumerate(view.engines):
+            for request in (*engine.waiting, *engine.running):
+                lease = policy._leases.get(request.id)
+                if lease is not None and request.first_token_at is None:
+                    waiting[server] += lease.unprefilled
+                elif lease is not None:
+                    told += lease.unprefilled == 0
+        waiting[chosen] += policy._leases[arrival.id].unprefilled  # not at its server yet
+        pending = policy.inflight.pending_prefill(np.arange(3), np.ones(3))
+        assert pending == pytest.approx(waiting)
+        checked += pending.sum() > 0
+        return chosen
+
+    arrivals = [Arrival(str(i), i * 0.01, 3000, 30) for i in range(150)]
+    result = simulate(arrivals, check, profiles, seed=0, on_finish=policy.finished)
+    assert result.policy_errors == 0 and all(r.error is None for r in result.records)
+    assert checked > 50 and told > 50  # backlogs were there to count, and first tokens took prompts out of them
+    assert policy.inflight.total() == 0 and policy.inflight.pending_prefill(np.arange(3), np.ones(3)).sum() == 0

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -297,5 +298,37 @@ async def test_without_leases_a_served_report_moves_the_count_of_the_open_routin
         await envoy.close()
         await until(lambda: inflight.total() == 0)
         assert service._open == {}
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held-lease", "open-routing-stream"])
+async def test_the_first_token_takes_the_prompt_out_of_the_exact_prefill_backlog(held: bool) -> None:
+    """With first tokens reported (otel.latency_source: stream), the observing stream's first chunk tells the
+    request's lease: its uncached tokens leave its endpoint's prefill backlog, and the request stays counted."""
+    service = ExtProcService(make_engine(), max_body_bytes=4096, leases=OpenLeases() if held else None)
+    service.response_timer = lambda *m: None
+    inflight = service.engine.inflight
+    inflight.first_tokens = True
+    server = PickerServer(service, "127.0.0.1:0")
+    await server.start()
+    try:
+        lease = inflight.acquire(1, 1200, (1000, 5000.0))
+        if held:
+            service.leases.hold("r-7", lease)  # type: ignore[union-attr]
+        else:
+            service._open["r-7"] = lease
+        rates = np.full(3, 5000.0)
+        assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 1000, 0]
+        # A report for another request changes nothing.
+        other = _headers({"x-gateway-destination-endpoint": ENDPOINTS[1], "x-request-id": "r-8"})
+        await _mirror(server, [other, response(), _chunk(b"data: x")])
+        await until(lambda: service.observe_stats.ttft == 1)
+        assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 1000, 0]
+        first = _headers({"x-gateway-destination-endpoint": ENDPOINTS[1], "x-request-id": "r-7"})
+        await _mirror(server, [first, response(), _chunk(b"data: x")])
+        await until(lambda: service.observe_stats.ttft == 2)
+        assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 0]
+        assert inflight.requests.tolist() == [0, 1, 0]  # still in flight until its end
     finally:
         await server.stop(0)
