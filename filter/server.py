@@ -160,6 +160,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.on_routed: Callable[[str, tuple[int, ...]], None] | None = None
         # Told of each reported end of a request this picker holds no lease for (another replica may).
         self.on_end_elsewhere: Callable[[str], None] | None = None
+        # Told of each first token the filter saw of a request this picker holds no lease for (the same).
+        self.on_first_token_elsewhere: Callable[[str], None] | None = None
         # Without leases: the leases of requests whose routing stream is open, by request id (for the served
         # endpoint, which the observing stream reports).
         self._open: dict[str, Lease] = {}
@@ -395,9 +397,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         """The filter timed request ``request_id``'s response (or saw it fail): its lease learns that its prompt is
         prefilled (the exact prefill backlog, `InFlight.first_tokens`), and its experiment arm and the servers'
         speeds are told."""
-        lease = self._lease_of(request_id)
-        if lease is not None:
-            lease.first_token()
+        if not self.first_token(request_id) and self.on_first_token_elsewhere is not None:
+            self.on_first_token_elsewhere(request_id)
         router = self.router  # read now: a reload may have replaced it since the request was routed
         if router.speeds is not None and not failed:
             router.speeds.observed(request_id, ttft_s, e2e_s)
@@ -409,6 +410,15 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         its open routing stream) moves if a retry served it elsewhere."""
         lease = self._lease_of(request_id)
         self.stats.served["unknown" if lease is None else self.router.served(lease, address)] += 1
+
+    def first_token(self, request_id: str) -> bool:
+        """Request ``request_id``'s first token came: its lease, if this picker holds it (True then), takes its
+        prompt out of the exact prefill backlog."""
+        lease = self._lease_of(request_id)
+        if lease is None:
+            return False
+        lease.first_token()
+        return True
 
     def _lease_of(self, request_id: str) -> Lease | None:
         """The lease of request ``request_id`` that this picker holds (or that of its open routing stream)."""

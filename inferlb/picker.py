@@ -578,9 +578,9 @@ def create_picker(
         service.trace_join = _trace_join(config, spans)
         if config.otel.latency_source == "stream":
             service.response_timer = spans.observe_response
-            # Each response's first token is seen, so the prefill backlog can be counted exactly; with replicas the
-            # observing stream may reach another replica than the lease's, and the backlog stays estimated.
-            engine.inflight.first_tokens = config.replicas is None
+            # Each response's first token is seen, so the prefill backlog is counted exactly (with replicas, the
+            # replica whose observing stream saw it passes it on to the one that holds the lease).
+            engine.inflight.first_tokens = True
         service.router.speeds = spans.speeds
         _span_outcomes(service, spans)
     if config.otel.exporter != "none" and config.otel.export_endpoint is not None:
@@ -619,6 +619,10 @@ def create_picker(
             # routed it: the exchange passes such ends on, and each replica releases the leases it holds.
             service.on_end_elsewhere = picker.replicas.ended_elsewhere
             picker.replicas.finish = lambda request_id: leases.finish(request_id, count_unknown=False)
+        if engine.inflight.first_tokens:
+            # Likewise a response's first token, which the replica its observing stream reached saw.
+            service.on_first_token_elsewhere = picker.replicas.first_token_elsewhere
+            picker.replicas.first_token = service.first_token
     if config.quotas is not None:
         replicas = picker.replicas
         service.quotas = Quotas(

@@ -15,6 +15,10 @@ through one Redis stream per pool (``replicas.key``), off the hot path:
   scrape, so an endpoint one replica filled is saturated for all (global admission); the predicted TTFT counts the
   peers' prefill backlog. Session affinity needs no exchange: its ring is the same in every process (BLAKE2b), and
   the loads that bound it are the shared counts.
+* **Ends and first tokens.** Envoy's access-log stream, and a response's observing stream (``otel.latency_source:
+  stream``), reach one replica each, not necessarily the one that routed the request: a request's end, or its
+  first token, that a replica holds no lease for goes out with its next entry, and the replica that holds the
+  lease releases it, or takes its prompt out of its exact prefill backlog (`InFlight.first_tokens`).
 * **Prefixes.** Each decision's prompt blocks (its prefix hashes) are published with the next tick, and peers
   record them in their prefix index as if they had made the decision: a prompt's prefix is found on the
   endpoint any replica sent it to. Prefix hashes are Python's ``hash``, salted per process: replicas agree on
@@ -94,6 +98,8 @@ class ReplicaStats:
     prefixes_applied: int = 0  # peers' decisions recorded in the prefix index
     ends_passed: int = 0  # ends of requests this replica did not hold, passed on to the others
     ends_taken: int = 0  # ends passed on by a peer that released a lease held here
+    first_tokens_passed: int = 0  # first tokens of requests this replica did not hold, passed on to the others
+    first_tokens_taken: int = 0  # first tokens passed on by a peer for a lease held here
 
 
 @dataclass(slots=True)
@@ -129,7 +135,8 @@ class Replicas:
         self._applied_to: InFlight | None = None  # the counters the peers' sum was last put into
         self._dirty = False
         self._sent: dict[str, tuple[int, ...]] = {}
-        self._sent_arrays: tuple[Any, np.ndarray, np.ndarray] | None = None  # (pool, requests, sent) last read
+        # (pool, requests, sent, backlog) last read
+        self._sent_arrays: tuple[Any, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._full_at = -FULL_EVERY_S
         self._client: aioredis.Redis | None = None
         # Prefix block hashes are Python's hash(), salted per process: replicas agree on them only with the same
@@ -142,8 +149,12 @@ class Replicas:
         self._busy = True  # whether the last tick or a decision since had something to publish
         self._waker: asyncio.Future[None] | None = None  # an idle publisher waits on it
         self._ends: deque[str] = deque(maxlen=MAX_PENDING_ENDS)
+        self._first_tokens: deque[str] = deque(maxlen=MAX_PENDING_ENDS)
         # Releases this replica's lease of a request id, if it holds one (True then): set by the picker.
         self.finish: Callable[[str], bool] | None = None
+        # Tells this replica's lease of a request id of its first token, if it holds one (True then): set by the
+        # picker where the prefill backlog is exact (`InFlight.first_tokens`).
+        self.first_token: Callable[[str], bool] | None = None
 
     # ---- state for the picker ---------------------------------------------------------------------------
 
@@ -157,6 +168,13 @@ class Replicas:
         """Envoy reported the end of a request this replica holds no lease for: another replica routed it (Envoy's
         access-log stream reached this one). Passed on with the next tick."""
         self._ends.append(request_id)
+        self._nudge()
+
+    def first_token_elsewhere(self, request_id: str) -> None:
+        """The filter saw the first token of a request this replica holds no lease for (its observing stream
+        reached this one): passed on with the next tick, for the exact prefill backlog of the replica that holds
+        it."""
+        self._first_tokens.append(request_id)
         self._nudge()
 
     def _nudge(self) -> None:
@@ -249,15 +267,17 @@ class Replicas:
             now = self._clock()
             full = now - self._full_at >= FULL_EVERY_S
             last = self._sent_arrays
-            # Every change of the load comes with a decision or an end, which moves `sent` or `requests`.
+            # Every change of the load comes with a decision or an end, which moves `sent` or `requests`, or with a
+            # first token, which moves an exact backlog.
             unchanged = (
                 last is not None
                 and last[0] is engine.pool
                 and np.array_equal(last[1], load.requests)
                 and np.array_equal(last[2], load.sent)
+                and np.array_equal(last[3], load.backlog)
             )
-            self._sent_arrays = (engine.pool, load.requests, load.sent)
-            if unchanged and not full and not self._ends and not self._pending:
+            self._sent_arrays = (engine.pool, load.requests, load.sent, load.backlog)
+            if unchanged and not full and not self._ends and not self._pending and not self._first_tokens:
                 continue  # most ticks: nothing to say
             self._busy = True
             current = _load_values(engine.pool, load, engine.inflight.clock())
@@ -270,10 +290,11 @@ class Replicas:
                 payload = {a: v for a, v in current.items() if (old := self._sent.get(a)) is None or old[:4] != v[:4]}
                 payload.update({a: (0, 0, 0, 0, 0) for a in self._sent.keys() - current.keys()})  # left the pool
             self._sent = current
-            ends, pending = self._ends, self._pending
+            ends, pending, firsts = self._ends, self._pending, self._first_tokens
             end_ids = [ends.popleft() for _ in range(min(len(ends), MAX_ENDS_PER_ENTRY))]
+            first_ids = [firsts.popleft() for _ in range(min(len(firsts), MAX_ENDS_PER_ENTRY))]
             prompts = [pending.popleft() for _ in range(min(len(pending), MAX_PREFIXES_PER_ENTRY))]
-            if not (payload or end_ids or prompts):
+            if not (payload or end_ids or first_ids or prompts):
                 continue
             # One entry per tick, whatever it carries: the Redis client's work per command is most of the cost,
             # on both sides (one XADD here, one entry to parse in each peer).
@@ -282,6 +303,8 @@ class Replicas:
                 fields["d"] = orjson.dumps(payload)
             if end_ids:
                 fields["e"] = orjson.dumps(end_ids)
+            if first_ids:
+                fields["f"] = orjson.dumps(first_ids)
             if prompts:
                 fields["h"] = self.fingerprint
                 fields["p"] = orjson.dumps(prompts)
@@ -289,10 +312,12 @@ class Replicas:
                 await client.xadd(self.config.key, fields, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
             except BaseException:
                 ends.extendleft(reversed(end_ids))  # kept for the next attempt (within the pending bounds)
+                firsts.extendleft(reversed(first_ids))
                 pending.extendleft(reversed(prompts))
                 raise
             self.stats.published += 1
             self.stats.ends_passed += len(end_ids)
+            self.stats.first_tokens_passed += len(first_ids)
             self.stats.prefixes_published += len(prompts)
 
     async def _idle(self) -> None:
@@ -335,7 +360,9 @@ class Replicas:
             self._apply_prefixes(_text(fields.get(b"h", b"")), _json(fields[b"p"]))
         if b"e" in fields:
             self._apply_ends(_json(fields[b"e"]), seen)
-        if kind == "tick" and replica:  # decisions and ends only: its load was unchanged
+        if b"f" in fields:
+            self._apply_first_tokens(_json(fields[b"f"]), seen)
+        if kind == "tick" and replica:  # decisions, ends and first tokens only: its load was unchanged
             return
         if not replica or kind not in ("full", "changes") or not isinstance(payload, dict):
             self.stats.rejected += 1
@@ -416,15 +443,23 @@ class Replicas:
     def _apply_ends(self, payload: Any, seen: float) -> None:
         """Ends a peer received for requests it did not hold: each releases this replica's lease, if it holds one.
         Only live ones count: a replay at start does not end requests routed since."""
+        self.stats.ends_taken += self._apply_ids(payload, seen, self.finish)
+
+    def _apply_first_tokens(self, payload: Any, seen: float) -> None:
+        """First tokens a peer saw of requests it did not hold: each tells this replica's lease, if it holds one."""
+        self.stats.first_tokens_taken += self._apply_ids(payload, seen, self.first_token)
+
+    def _apply_ids(self, payload: Any, seen: float, take: Callable[[str], bool] | None) -> int:
+        """``take`` each request id of a peer's list (live ones only, not a replay's); how many it took."""
         if not isinstance(payload, list) or not all(
             isinstance(r, str) and len(r) <= MAX_REQUEST_ID_CHARS for r in payload
         ):
             self.stats.rejected += 1
-            return
-        finish = self.finish
-        if finish is not None and self._clock() - seen < self.config.peer_ttl_s:
-            self.stats.ends_taken += sum(map(finish, payload))
+            return 0
         self.stats.applied += 1
+        if take is None or self._clock() - seen >= self.config.peer_ttl_s:
+            return 0
+        return sum(map(take, payload))
 
     def _expire(self) -> None:
         limit = self._clock() - self.config.peer_ttl_s

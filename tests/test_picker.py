@@ -469,11 +469,13 @@ async def test_two_pickers_sharing_redis_count_each_others_requests_and_say_when
     [
         ({"latency_source": "stream"}, False, True),
         ({}, False, False),  # spans arrive at the request's end: the backlog stays estimated
-        ({"latency_source": "stream"}, True, False),  # another replica may see the first token
+        # The replica whose observing stream saw a first token passes it on to the one that holds the lease.
+        ({"latency_source": "stream"}, True, True),
+        ({}, True, False),
     ],
-    ids=["stream", "spans", "stream-with-replicas"],
+    ids=["stream", "spans", "stream-with-replicas", "spans-with-replicas"],
 )
-def test_the_prefill_backlog_is_exact_where_this_picker_sees_every_first_token(
+def test_the_prefill_backlog_is_exact_where_the_picker_times_the_responses(
     tmp_path: Path, otel: dict, replicas: bool, exact: bool
 ) -> None:
     doc: dict = {
@@ -488,3 +490,6 @@ def test_the_prefill_backlog_is_exact_where_this_picker_sees_every_first_token(
         doc["replicas"] = {"url": "redis://127.0.0.1:1", "password": {"token_file": str(secret)}, "key": "inferlb:t"}
     picker = create_picker(load_config(_write(tmp_path, doc)))
     assert picker.engine.inflight.first_tokens is exact
+    if replicas:
+        relayed = picker.replicas is not None and picker.replicas.first_token is not None
+        assert relayed is exact and (picker.service.on_first_token_elsewhere is not None) is exact

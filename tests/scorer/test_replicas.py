@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -286,6 +286,41 @@ async def test_an_end_reported_to_another_replica_releases_the_lease_where_it_is
     # b counts what it passed on once its write returns, which may be after a has read it.
     await until(lambda: rb.stats.ends_passed == 2, "b counted both ends passed on")
     await until(lambda: b.inflight.requests.tolist() == [0, 1, 0], "b sees a's remaining request")
+
+
+async def test_a_first_token_seen_by_another_replica_reaches_the_exact_backlog_where_the_lease_is_held(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """With the responses timed (exact prefill backlogs), a request's observing stream may reach another replica
+    than the one holding its lease: the first token is passed on, and the backlog it ends goes from every view."""
+    config = _config(server, tmp_path)
+    a, b = _engine(), _engine()
+    for engine in (a, b):
+        engine.inflight.first_tokens = True
+    ra, rb = running.start(config, a, "a"), running.start(config, b, "b")
+    held_a, held_b = OpenLeases(), OpenLeases()
+
+    def told(held: OpenLeases) -> Callable[[str], bool]:
+        def first_token(request_id: str) -> bool:
+            lease = held.lease_of(request_id)
+            if lease is not None:
+                lease.first_token()
+            return lease is not None
+
+        return first_token
+
+    ra.first_token, rb.first_token = told(held_a), told(held_b)
+    await until(lambda: ra.ready() and rb.ready() and rb.peers() == 1, "both caught up, b hears of a")
+    held_a.hold("req-1", a.inflight.acquire(0, 1200, (1000, 1000.0)))
+    rates = np.full(3, 1000.0)
+    await until(lambda: b.inflight.pending_prefill(np.arange(3), rates)[0] > 900, "b counts a's backlog")
+    for request_id in ("req-1", "req-9"):  # req-9: nobody holds it
+        rb.first_token_elsewhere(request_id)
+    await until(lambda: ra.stats.first_tokens_taken == 1, "a told req-1's lease")
+    assert a.inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 0]
+    assert a.inflight.requests.tolist() == [1, 0, 0]  # still in flight until its end
+    await until(lambda: b.inflight.pending_prefill(np.arange(3), rates)[0] == 0, "b no longer counts it")
+    await until(lambda: rb.stats.first_tokens_passed == 2, "b counted both passed on")
 
 
 async def test_what_a_peer_sent_since_the_scrape_saturates_here_and_its_prefill_backlog_counts(
