@@ -207,7 +207,8 @@ class OtelConfig(Section):
 
     ``latency_source`` says what feeds those statistics: ``spans`` (the servers' spans, at the receiver) or
     ``stream`` (the picker times each response as Envoy passes it through: TTFT to the first non-empty chunk of
-    a streamed response, E2E to the body of any other; for servers that send no spans).
+    a streamed response, E2E to the body of any other; for servers that send no spans). With ``stream`` the picker
+    also sees each request's first token, so the prefill backlog is counted exactly (`InFlight.first_tokens`).
 
     Spans steer routing, so the receiver trusts only ``allowed_senders`` (CIDR strings; None: the pool's hosts
     and loopback, following the pool) and, with ``receiver_auth``, only exports that carry ``authorization:
