@@ -368,7 +368,7 @@ def ab_through_envoy(*, quick: bool = False, alpha: float = 0.05) -> dict[str, A
     """`round-robin` against `default`, then `default` against `default`, through real Envoy and emulated
     servers on the shared-prefix workload (see the module's docstring). ``quick``: a smaller budget and minimum
     sample, and a test tuned to large differences (``latency_tau`` 0.5: the test's)."""
-    budget = 800 if quick else 1600
+    budget = 1200 if quick else 1600
     min_samples = 50 if quick else 200
     tau = 0.5 if quick else 0.1
     out: dict[str, Any] = {

@@ -4,8 +4,9 @@
   move on every decision and every completion.
 * ``sent``: requests ever sent (with the peers' sends, for replicas).
 * The prefill backlog: prompt tokens sent that the endpoint has not prefilled yet. Where each request's first token
-  is reported (``first_tokens``: the filter times the responses, ``otel.latency_source: stream``), it is exact: the
-  uncached tokens of the requests whose first token has not come (`Lease.first_token`). Elsewhere it is estimated: a
+  is reported (``first_tokens``: the filter times the responses, ``otel.latency_source: stream``), a streamed
+  request's part is exact: its uncached tokens count until its first token (`Lease.first_token`). Elsewhere, and for
+  a request whose response is not streamed (its first token comes with its whole answer), it is estimated: a
   prompt's tokens count until its endpoint has had time to prefill them at its learned rate. Either way not until
   its request ends: a server busy decoding long answers is not one with a long queue to prefill.
 * Recent prefill work: the prompt tokens sent to prefill (the uncached part, where the profile estimated it),
@@ -45,13 +46,15 @@ class InFlight:
         # counters' version for a reader that must see a count fall (the saturation rule's cache).
         self.lowered = 0
         self.clock = clock
-        # Whether every request's first token is reported (`Lease.first_token`): the prefill backlog is then the
-        # uncached tokens still waiting for theirs (_unprefilled), not the estimate drained at a rate (_prefill).
+        # Whether streamed responses' first tokens are reported (`Lease.first_token`): a streamed request's tokens
+        # then wait in _unprefilled until its first token, instead of draining at a rate in _prefill.
         self.first_tokens = False
-        # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
+        # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader
+        # (_prefill_rate: the one given with the last of them, for `own`).
         self._prefill = np.zeros(size)
         self._prefill_at = np.zeros(size)
-        # Uncached prompt tokens of the requests counted here whose first token has not been reported.
+        self._prefill_rate = np.zeros(size)
+        # Uncached prompt tokens of the streamed requests counted here whose first token has not been reported.
         self._unprefilled = np.zeros(size)
         # Prompt tokens sent to prefill, decayed with RECENT_HALF_LIFE_S: their sum as of the time in _recent_at.
         self._recent = np.zeros(size)
@@ -89,13 +92,15 @@ class InFlight:
         forward[mapping[kept]] = np.flatnonzero(kept)
         self.successor = (new, forward)
 
-    def acquire(self, index: int, tokens: int, prefill: tuple[float, float] | None = None) -> Lease:
+    def acquire(
+        self, index: int, tokens: int, prefill: tuple[float, float] | None = None, *, streamed: bool = False
+    ) -> Lease:
         """Count one request to endpoint ``index``; the returned lease must be released when it ends.
 
         ``prefill``, when the profile estimated it: (the prompt's tokens still to prefill there, its uncached part;
-        the endpoint's prefill rate in tokens/s), added to the endpoint's prefill backlog. The recent prefill work
-        adds the uncached part, or all ``tokens`` without an estimate. The uncached part also counts as waiting for
-        its first token until `Lease.first_token` or the release."""
+        the endpoint's prefill rate in tokens/s), added to the endpoint's prefill backlog: with ``first_tokens`` and
+        a ``streamed`` response until `Lease.first_token` (or the release), else drained at that rate. The recent
+        prefill work adds the uncached part, or all ``tokens`` without an estimate."""
         self.requests[index] += 1
         self.tokens[index] += tokens
         self.sent[index] += 1
@@ -105,11 +110,15 @@ class InFlight:
         unprefilled = 0.0
         if prefill is not None:
             uncached, tokens_per_s = prefill
-            left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
-            self._prefill[index] = max(left, 0.0) + uncached
-            self._prefill_at[index] = now
-            self._unprefilled[index] += uncached
-            work = unprefilled = uncached
+            work = uncached
+            if self.first_tokens and streamed:
+                self._unprefilled[index] += uncached
+                unprefilled = uncached
+            else:
+                left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
+                self._prefill[index] = max(left, 0.0) + uncached
+                self._prefill_at[index] = now
+                self._prefill_rate[index] = tokens_per_s
         kept = 0.5 ** ((now - float(self._recent_at[index])) / RECENT_HALF_LIFE_S)
         self._recent[index] = float(self._recent[index]) * kept + work
         self._recent_at[index] = now
@@ -139,10 +148,13 @@ class InFlight:
         self._peer_backlog = bool(self._peer_prefill.any())
 
     def own(self) -> Load:
-        """This replica's own load per endpoint (new arrays): what it tells its peers. An exact backlog
-        (``first_tokens``) goes as of now: the peers drain it at the endpoint's rate until the next exchange."""
+        """This replica's own load per endpoint (new arrays): what it tells its peers, who drain its backlog at the
+        endpoint's rate from its time. With ``first_tokens`` the backlog goes as of now: the exact part, and what is
+        left of the drained one (of unstreamed requests) at the rate given with its last request."""
         if self.first_tokens:
-            backlog, backlog_at = np.maximum(self._unprefilled, 0.0), np.full(len(self.requests), self.clock())
+            now = self.clock()
+            drained = np.maximum(self._prefill - self._prefill_rate * (now - self._prefill_at), 0.0)
+            backlog, backlog_at = drained + np.maximum(self._unprefilled, 0.0), np.full(len(self.requests), now)
         else:
             backlog, backlog_at = self._prefill.copy(), self._prefill_at.copy()
         return Load(
@@ -162,23 +174,20 @@ class InFlight:
     def pending_prefill_at(self, index: int, tokens_per_s: float) -> float:
         """`pending_prefill` of one endpoint, as a number (no arrays: the routing unit asks once per request)."""
         now = self.clock()
+        own = max(float(self._prefill[index]) - tokens_per_s * (now - float(self._prefill_at[index])), 0.0)
         if self.first_tokens:
-            own = float(self._unprefilled[index])
-        else:
-            own = float(self._prefill[index]) - tokens_per_s * (now - float(self._prefill_at[index]))
+            own += max(float(self._unprefilled[index]), 0.0)
         peers = float(self._peer_prefill[index]) - tokens_per_s * (now - float(self._peer_prefill_at[index]))
-        return max(own, 0.0) + max(peers, 0.0)
+        return own + max(peers, 0.0)
 
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
         """Per candidate, the prompt tokens sent there that it has not prefilled: with ``first_tokens`` those of the
-        requests whose first token has not come, else those it has not had time to prefill at ``tokens_per_s``
-        (aligned with ``candidates``). The peers' backlog is always drained at ``tokens_per_s``."""
+        streamed requests whose first token has not come, plus (always) those it has not had time to prefill at
+        ``tokens_per_s`` (aligned with ``candidates``). The peers' backlog is drained at ``tokens_per_s``."""
         now = self.clock()
+        own = np.maximum(self._prefill[candidates] - tokens_per_s * (now - self._prefill_at[candidates]), 0.0)
         if self.first_tokens:
-            # max: sums of floats taken off in another order than they were added may leave -1e-12
-            own = np.maximum(self._unprefilled[candidates], 0.0)
-        else:
-            own = np.maximum(self._prefill[candidates] - tokens_per_s * (now - self._prefill_at[candidates]), 0.0)
+            own += np.maximum(self._unprefilled[candidates], 0.0)
         if not self._peer_backlog:  # no replicas, or none with a backlog: half the work, on every prediction
             return own
         peers = self._peer_prefill[candidates] - tokens_per_s * (now - self._peer_prefill_at[candidates])
@@ -186,7 +195,17 @@ class InFlight:
 
 
 _PEER_FIELDS = ("peer_requests", "peer_tokens", "peer_sent", "_peer_prefill", "_peer_prefill_at")
-_OWN_FIELDS = ("requests", "tokens", "sent", "_prefill", "_prefill_at", "_unprefilled", "_recent", "_recent_at")
+_OWN_FIELDS = (
+    "requests",
+    "tokens",
+    "sent",
+    "_prefill",
+    "_prefill_at",
+    "_prefill_rate",
+    "_unprefilled",
+    "_recent",
+    "_recent_at",
+)
 
 
 @dataclass(frozen=True, slots=True)

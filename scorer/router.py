@@ -179,7 +179,7 @@ class Router:
             # timing then shows how fast the server prefills, not how long its queue was (`ServerSpeeds.peak...`).
             idle = backlog <= IDLE_BACKLOG_SHARE * uncached and not engine.signals.snapshot.waiting[index] > 0
             speeds.sent(request.request_id, index, backlog + uncached, idle=idle)
-        lease = engine.inflight.acquire(index, request.prompt_tokens, decision.prefill)
+        lease = engine.inflight.acquire(index, request.prompt_tokens, decision.prefill, streamed=request.stream)
         if request.cache_keys and (kv := engine.signals.kv) is not None:
             kv.sent(index, request.cache_keys)  # pending there until the server's events confirm them
         if arm is not None and experiments is not None:

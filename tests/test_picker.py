@@ -475,7 +475,7 @@ async def test_two_pickers_sharing_redis_count_each_others_requests_and_say_when
     ],
     ids=["stream", "spans", "stream-with-replicas", "spans-with-replicas"],
 )
-def test_the_prefill_backlog_is_exact_where_the_picker_times_the_responses(
+async def test_the_prefill_backlog_is_exact_where_the_picker_times_the_responses(
     tmp_path: Path, otel: dict, replicas: bool, exact: bool
 ) -> None:
     doc: dict = {

@@ -313,7 +313,7 @@ async def test_the_first_token_takes_the_prompt_out_of_the_exact_prefill_backlog
     server = PickerServer(service, "127.0.0.1:0")
     await server.start()
     try:
-        lease = inflight.acquire(1, 1200, (1000, 5000.0))
+        lease = inflight.acquire(1, 1200, (1000, 5000.0), streamed=True)
         if held:
             service.leases.hold("r-7", lease)  # type: ignore[union-attr]
         else:

@@ -203,10 +203,15 @@ def test_with_first_tokens_reported_the_backlog_is_the_prompts_still_waiting_for
     inflight = InFlight(3, clock=lambda: now[0])
     inflight.first_tokens = True
     rates = np.array([1000.0, 1000.0, 1000.0])
-    a = inflight.acquire(0, 2100, (2000, 1000))  # 100 of its tokens cached there: 2,000 to prefill
-    b = inflight.acquire(0, 500, (500, 1000))
+    a = inflight.acquire(0, 2100, (2000, 1000), streamed=True)  # 100 of its tokens cached there: 2,000 to prefill
+    b = inflight.acquire(0, 500, (500, 1000), streamed=True)
     inflight.acquire(1, 700)  # no estimate: nothing in the backlog
-    c = inflight.acquire(2, 900, (900, 1000))
+    c = inflight.acquire(2, 900, (900, 1000), streamed=True)
+    # Not streamed: its first token comes with its whole answer, so its tokens drain at the rate instead.
+    d = inflight.acquire(1, 3000, (3000, 1000))
+    assert d.unprefilled == 0 and inflight.pending_prefill(np.arange(3), rates).tolist() == [2500, 3000, 900]
+    now[0] = 101.0
+    assert inflight.pending_prefill(np.arange(3), rates).tolist() == [2500, 2000, 900]
     now[0] = 160.0  # a minute on: a drained estimate would be 0 everywhere; no first token came, so nothing is done
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [2500, 0, 900]
     assert inflight.pending_prefill_at(0, 1000.0) == 2500
@@ -216,14 +221,18 @@ def test_with_first_tokens_reported_the_backlog_is_the_prompts_still_waiting_for
     a.release()  # its tokens left the backlog at its first token, not again at its end
     b.release()  # ended before any first token (a client gone): its tokens go at its end
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 900]
+    d.release()
     assert inflight.requests.tolist() == [0, 1, 1]
     c.move(1)  # a retry served it on endpoint 1: its waiting tokens go with it
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 900, 0]
     moved = inflight.moved(np.array([1, -1]))  # endpoint 1 is now 0 (and 0, 2 left): the flag and the count follow
     inflight.hand_over(moved, np.array([1, -1]))
     assert moved.first_tokens and moved.pending_prefill(np.arange(2), rates[:2]).tolist() == [900, 0]
-    own = moved.own()  # what a replica would tell its peers: the exact count, as of now
+    own = moved.own()  # what a replica would tell its peers, as of now: the exact count, the drained part's rest
     assert own.backlog.tolist() == [900, 0] and own.backlog_at.tolist() == [160.0, 160.0]
+    moved.acquire(1, 1000, (1000, 100.0))  # unstreamed: 1,000 drained at 100 tokens/s
+    now[0] = 162.0
+    assert moved.own().backlog.tolist() == [900, 800]
     c.first_token()  # told through the lease, wherever the request counts now
     assert moved.pending_prefill(np.arange(2), rates[:2]).tolist() == [0, 0]
 
@@ -232,7 +241,7 @@ def test_without_first_tokens_reported_a_first_token_changes_nothing() -> None:
     # The drained estimate stays the backlog: a report that reaches the lease leaves it as it was.
     now = [100.0]
     inflight = InFlight(1, clock=lambda: now[0])
-    lease = inflight.acquire(0, 2000, (2000, 1000))
+    lease = inflight.acquire(0, 2000, (2000, 1000), streamed=True)
     now[0] = 101.0
     lease.first_token()
     assert inflight.pending_prefill(np.arange(1), np.array([1000.0])).tolist() == [1000]

@@ -311,7 +311,7 @@ async def test_a_first_token_seen_by_another_replica_reaches_the_exact_backlog_w
 
     ra.first_token, rb.first_token = told(held_a), told(held_b)
     await until(lambda: ra.ready() and rb.ready() and rb.peers() == 1, "both caught up, b hears of a")
-    held_a.hold("req-1", a.inflight.acquire(0, 1200, (1000, 1000.0)))
+    held_a.hold("req-1", a.inflight.acquire(0, 1200, (1000, 1000.0), streamed=True))
     rates = np.full(3, 1000.0)
     await until(lambda: b.inflight.pending_prefill(np.arange(3), rates)[0] > 900, "b counts a's backlog")
     for request_id in ("req-1", "req-9"):  # req-9: nobody holds it
