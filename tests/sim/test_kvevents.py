@@ -208,6 +208,7 @@ async def test_block_stored_chains_hashes_with_the_prompts_token_ids(ctx, encodi
         await complete(client, server, first)
         await complete(client, server, second)
         end = (await truth(client, server))["next_seq"]
+        live = await sub.live_until(end)  # published (the publisher's thread): the replay then holds them too
         stored = [e for _, p in await sub.replay(start) for e in decode(p) if e["type"] == "BlockStored"]
         ids = {}
         for prompt in (first, second):
@@ -220,7 +221,6 @@ async def test_block_stored_chains_hashes_with_the_prompts_token_ids(ctx, encodi
         assert stored[0]["token_ids"] == ids[first][: 5 * BS]
         assert stored[1]["token_ids"] == ids[second][2 * BS : 4 * BS]
         assert {(e["block_size"], e["medium"], e["lora_id"], e["group_idx"]) for e in stored} == {(BS, "GPU", None, 0)}
-        live = await sub.live_until(end)
         assert [seq for seq, _ in live] == list(range(live[0][0], end))
 
 
