@@ -321,6 +321,17 @@ async def test_a_first_token_seen_by_another_replica_reaches_the_exact_backlog_w
     assert a.inflight.requests.tolist() == [1, 0, 0]  # still in flight until its end
     await until(lambda: b.inflight.pending_prefill(np.arange(3), rates)[0] == 0, "b no longer counts it")
     await until(lambda: rb.stats.first_tokens_passed == 2, "b counted both passed on")
+    # First tokens that are not a list of request ids are refused and tell no lease anything.
+    held_a.hold("req-2", a.inflight.acquire(1, 600, (500, 1000.0), streamed=True))
+    forger = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        rejected = ra.stats.rejected
+        for bad in (b"not json", orjson.dumps("req-2"), orjson.dumps([2]), orjson.dumps(["x" * 300])):
+            await forger.xadd(config.key, {"r": "f", "k": "tick", "f": bad})  # type: ignore[arg-type]
+        await until(lambda: ra.stats.rejected >= rejected + 4, "the bad first tokens refused")
+    finally:
+        await forger.aclose()
+    assert a.inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 500, 0] and ra.stats.first_tokens_taken == 1
 
 
 async def test_what_a_peer_sent_since_the_scrape_saturates_here_and_its_prefill_backlog_counts(
