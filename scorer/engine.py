@@ -97,6 +97,15 @@ class PrefillEstimator(Protocol):
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None: ...
 
 
+@runtime_checkable
+class PrefillPredictor(Protocol):
+    """A filter or scorer that can estimate, outside a decision of its own, a request's tokens still to prefill on
+    ``endpoint`` and that endpoint's prefill rate: for a request another profile routed there (an experiment's arm),
+    whose prompt still delays what comes after it on that server."""
+
+    def estimate_prefill(self, request: RequestFeatures, state: State, endpoint: int) -> tuple[float, float] | None: ...
+
+
 class Picker(Protocol):
     """Chooses one candidate from the weighted total scores; returns its position in ``candidates``."""
 
@@ -185,6 +194,7 @@ class Engine:
         plugins = (*profile.filters, *(ws.scorer for ws in profile.scorers))
         self._observers = tuple(p.on_pick for p in plugins if isinstance(p, PickObserver))
         self._estimators = tuple(p.prefill for p in plugins if isinstance(p, PrefillEstimator))
+        self._predictors = tuple(p.estimate_prefill for p in plugins if isinstance(p, PrefillPredictor))
         self._filters = tuple(profile.filters)
         self._reason = _PICKER_REASONS.get(profile.picker.name, profile.picker.name)
         self._scorers = tuple(
@@ -272,6 +282,15 @@ class Engine:
             tuple(per_scorer) if len(candidates) <= RANKED_UP_TO_CANDIDATES else (),
             prefill,
         )
+
+    def prefill_at(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
+        """This profile's estimate of ``request``'s prefill on ``endpoint`` (as `Decision.prefill`) for a request that
+        another profile routed there; None when none of its plugins estimates one. Learns nothing."""
+        for estimate in self._predictors:
+            prefill = estimate(request, self.state, endpoint)
+            if prefill is not None:
+                return prefill
+        return None
 
     def observe_pick(self, request: RequestFeatures, endpoint: int) -> None:
         """Tell the plugins that keep state of decisions (the prefix index) that ``request`` went to ``endpoint``

@@ -737,6 +737,11 @@ class Experiments:
                 raise ValueError(f"experiment {spec.name!r} is configured twice")
             engines = {a.profile: engine_for(a.profile) for a in spec.arms}
             self.running[spec.name] = RunningExperiment(spec, engines, rng, clock, labels, self._tell)
+        # Every arm's engine, each once: the requests of all arms share the servers, so each engine's state of them
+        # (its prefix index) learns where the others' requests went (`Router.route`).
+        self.engines: tuple[Engine, ...] = tuple(
+            {id(arm.engine): arm.engine for e in self.running.values() for arm in e.arms}.values()
+        )
         reserved = [e.reserved for e in self.running.values() if e.reserved is not None]
         # The endpoints a request no experiment assigns may use (None: any): all but the release arms'.
         self.outside: np.ndarray | None = ~np.logical_or.reduce(reserved) if reserved else None

@@ -390,6 +390,11 @@ class Predicting:
     def prefill(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:
         return self.predictor.prefill(request, endpoint)
 
+    def estimate_prefill(self, request: RequestFeatures, state: State, endpoint: int) -> tuple[float, float] | None:
+        """The prefill estimate of ``request`` on ``endpoint`` for a request this plugin did not help decide."""
+        self.predictor.seconds(request, state, np.array([endpoint]))
+        return self.predictor.prefill(request, endpoint)
+
 
 class PredictedTTFTScorer(Predicting):
     """The time this request would wait for its first token on each candidate (`TtftPredictor`), best / own."""

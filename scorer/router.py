@@ -7,7 +7,7 @@
 3. `Router.route`: the profile's decision (`Engine.decide`) and the request's in-flight lease, which counts it,
    its prompt tokens and its prefill backlog on the chosen endpoint until `Lease.release` at the request's end.
    A request that an experiment covers (`scorer.experiments`) is assigned its arm by `Router.admit`, and decided
-   by the arm's engine, on the same state, among the arm's endpoints.
+   by the arm's engine, on the same state, among the arm's endpoints; the other engines learn where it went.
 
 Nothing here does I/O; time is the routing core's clock (``engine.signals.clock``), so a test or the simulator
 runs it on a clock of its own. One event loop.
@@ -170,18 +170,43 @@ class Router:
         # The prompt is the work a request brings before its first token: what the in-flight token count and the
         # predicted-TTFT scorer weigh.
         index = decision.endpoint.index
+        prefill = decision.prefill
+        if experiments is not None:
+            prefill = self._share(request, engine, index, prefill, experiments)
         speeds = self.speeds
-        if speeds is not None and decision.prefill is not None and request.request_id:
+        if speeds is not None and prefill is not None and request.request_id:
             # The work the prediction counted before this request's first token: the backlog and its own tokens.
-            uncached, rate = decision.prefill
+            uncached, rate = prefill
             backlog = engine.inflight.pending_prefill_at(index, rate)
             # Whether it found the server with nothing ahead of it (no prefill backlog, an empty scraped queue): its
             # timing then shows how fast the server prefills, not how long its queue was (`ServerSpeeds.peak...`).
             idle = backlog <= IDLE_BACKLOG_SHARE * uncached and not engine.signals.snapshot.waiting[index] > 0
             speeds.sent(request.request_id, index, backlog + uncached, idle=idle)
-        lease = engine.inflight.acquire(index, request.prompt_tokens, decision.prefill, streamed=request.stream)
+        lease = engine.inflight.acquire(index, request.prompt_tokens, prefill, streamed=request.stream)
         if request.cache_keys and (kv := engine.signals.kv) is not None:
             kv.sent(index, request.cache_keys)  # pending there until the server's events confirm them
         if arm is not None and experiments is not None:
             experiments.routed(request.request_id, arm)
         return Routed(decision, lease, time.perf_counter() - started, arm)
+
+    def _share(
+        self,
+        request: RequestFeatures,
+        engine: Engine,
+        index: int,
+        prefill: tuple[float, float] | None,
+        experiments: Experiments,
+    ) -> tuple[float, float] | None:
+        """With experiments, the requests of every arm and of none share the servers. Each engine but ``engine``
+        (which decided) learns that ``request`` went to ``index`` (its prefix index: the server now caches the
+        prompt), and a request whose profile estimates no prefill (round robin) is estimated by the first engine
+        that can, so that the prefill backlog the other arms' predictions price counts its prompt. The prefill
+        estimate the lease is to count."""
+        main = self.engine
+        for other in (main, *(e for e in experiments.engines if e is not main)):
+            if other is engine:
+                continue
+            if prefill is None:
+                prefill = other.prefill_at(request, index)
+            other.observe_pick(request, index)
+        return prefill

@@ -254,3 +254,35 @@ def test_a_span_without_output_tokens_or_with_one_gives_no_time_per_output_token
     running = experiments.running["ab"]
     assert sum(a.outcomes.tpot.histogram.count for a in running.arms) == 0
     assert sum(a.outcomes.ttft.histogram.count for a in running.arms) == 3
+
+
+def test_a_request_one_arm_routed_is_counted_by_every_other_arms_engine() -> None:
+    # The arms' requests share the servers: a prompt the round-robin control sent somewhere is cached there and
+    # queued for prefill there, and the default arm's predictions must see both (else the server that holds a
+    # prompt the control sent looks cold to the default and idle while it prefills the control's requests).
+    router = _router(_ab())
+    prompt = dict(model="m", prompt_tokens=4096, prefix_hashes=tuple(range(1, 65)))
+    for i in range(50):
+        routed = router.route(router.admit(RequestFeatures(**prompt, request_id=f"c{i}")).request)  # type: ignore[arg-type]
+        if routed.arm is not None and routed.arm.name == "control":
+            break
+        routed.lease.release()
+    else:
+        pytest.fail("no request went to the control arm")
+    index = routed.decision.endpoint.index
+    assert routed.decision.prefill is None  # round robin estimates nothing itself
+    default = router.engine
+    assert routed.arm.engine is not default
+    rates = np.full(4, 1e-9)  # drains nothing: the backlog as the lease left it
+    # The control's prompt is in that endpoint's prefill backlog, estimated by the default's predictor.
+    assert default.inflight.pending_prefill(np.arange(4), rates)[index] == pytest.approx(4096)
+    # And the default's prefix index knows the endpoint now holds the prompt: a repeat costs it one token there.
+    uncached, _ = default.prefill_at(RequestFeatures(**prompt, request_id="again"), index)  # type: ignore[arg-type, misc]
+    assert uncached == 1
+    assert default.prefill_at(RequestFeatures(**prompt, request_id="again"), (index + 1) % 4)[0] == 4096  # type: ignore[arg-type, index]
+    routed.lease.release()
+
+
+def test_a_profile_without_a_predictor_estimates_no_prefill_for_anothers_request() -> None:
+    engine = Engine(Pool(parse_config({"pool": POOL}).endpoints), build_profile("round-robin", None, size=4))
+    assert engine.prefill_at(RequestFeatures(model="m", prompt_tokens=100, request_id="r"), 0) is None
