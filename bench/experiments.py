@@ -614,7 +614,7 @@ def _markdown(r: dict[str, Any]) -> str:
         "",
         f"- Canary failing {CANARY_FAULT_RATE:.0%} of its requests: first cut after",
         f"  **{faulty['first_cut_after_s']} s**,"
-        f" rolled back after {faulty['rolled_back_after_s']} s; **{faulty['canary_failed_requests']} client requests",
+        f" {_rolled_back(faulty)}; **{faulty['canary_failed_requests']} client requests",
         f"  failed on the canary** of {faulty['canary_requests']} it got ({faulty['requests']} in all).",
         f"  Changes: {_changes(faulty['changes'])}. The run: {faulty['duration_s']} s at {faulty['rate_rps']} req/s.",
         f"- Healthy canary: final weight {healthy['final_weight']:.0%} ({healthy['state']});",
@@ -642,7 +642,7 @@ def _markdown(r: dict[str, Any]) -> str:
             "guard as above. Seconds are wall time from the first request.",
             "",
             f"- Canary failing {CANARY_FAULT_RATE:.0%} of its requests (`inferlb sim --fault`): first cut after",
-            f"  **{faulty['first_cut_after_s']} s**, rolled back after {faulty['rolled_back_after_s']} s;",
+            f"  **{faulty['first_cut_after_s']} s**, {_rolled_back(faulty)};",
             f"  **{faulty['canary_failed_requests']} client requests failed on the canary** of",
             f"  {faulty['canary_requests']} it got ({faulty['requests']} in all, {faulty['failed_elsewhere']} failed",
             f"  elsewhere). Changes: {_changes(faulty['changes'])}.",
@@ -652,6 +652,13 @@ def _markdown(r: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(out)
+
+
+def _rolled_back(run: dict[str, Any]) -> str:
+    """When a failing canary was rolled back, or that it was not before the run ended (its weight then)."""
+    if run["rolled_back_after_s"] is None:
+        return f"not rolled back before the run ended (its weight then {run['final_weight']:.1%}, {run['state']})"
+    return f"rolled back after {run['rolled_back_after_s']} s"
 
 
 def _changes(steps: Sequence[dict[str, Any]]) -> str:

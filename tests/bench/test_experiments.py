@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from inferlb.bench.experiments import CANARY_FAULT_RATE, Fleet, _canary_spec, release, watched_run
+from inferlb.bench.experiments import CANARY_FAULT_RATE, Fleet, _canary_spec, _rolled_back, release, watched_run
 from inferlb.sim.des import Arrival
 
 
@@ -41,3 +41,11 @@ def test_a_failing_canary_is_cut_and_rolled_back_and_a_healthy_one_ramps() -> No
     assert [(c["kind"], c["weight"]) for c in healthy["changes"]] == [("ramp", 0.1), ("ramp", 0.2)]
     assert healthy["changes"][0]["at_s"] >= 10.0 and healthy["final_weight"] == 0.2
     assert healthy["canary_failed_requests"] == 0
+
+
+def test_the_report_says_when_a_failing_canary_was_not_rolled_back_before_the_run_ended() -> None:
+    assert _rolled_back({"rolled_back_after_s": 72.3, "final_weight": 0.0, "state": "rolled back"}) == (
+        "rolled back after 72.3 s"
+    )
+    running = _rolled_back({"rolled_back_after_s": None, "final_weight": 0.015, "state": "running"})
+    assert running == "not rolled back before the run ended (its weight then 1.5%, running)"
