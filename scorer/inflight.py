@@ -49,11 +49,9 @@ class InFlight:
         # Whether streamed responses' first tokens are reported (`Lease.first_token`): a streamed request's tokens
         # then wait in _unprefilled until its first token, instead of draining at a rate in _prefill.
         self.first_tokens = False
-        # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader
-        # (_prefill_rate: the one given with the last of them, for `own`).
+        # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
         self._prefill = np.zeros(size)
         self._prefill_at = np.zeros(size)
-        self._prefill_rate = np.zeros(size)
         # Uncached prompt tokens of the streamed requests counted here whose first token has not been reported.
         self._unprefilled = np.zeros(size)
         # Prompt tokens sent to prefill, decayed with RECENT_HALF_LIFE_S: their sum as of the time in _recent_at.
@@ -68,6 +66,8 @@ class InFlight:
         self.peer_sent = np.zeros(size, dtype=np.int64)
         self._peer_prefill = np.zeros(size)
         self._peer_prefill_at = np.zeros(size)
+        # Their exact backlog (of streamed requests before their first token): it does not drain with time.
+        self._peer_unprefilled = np.zeros(size)
         self._peer_backlog = False  # whether any peer backlog is set (without one, `pending_prefill` skips it)
 
     def moved(self, mapping: np.ndarray) -> InFlight:
@@ -81,7 +81,7 @@ class InFlight:
             getattr(new, name)[kept] = getattr(self, name)[source]
         new.decisions = self.decisions
         new.lowered = self.lowered
-        new._peer_backlog = bool(new._peer_prefill.any())
+        new._peer_backlog = bool(new._peer_prefill.any() or new._peer_unprefilled.any())
         return new
 
     def hand_over(self, new: InFlight, mapping: np.ndarray) -> None:
@@ -118,7 +118,6 @@ class InFlight:
                 left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
                 self._prefill[index] = max(left, 0.0) + uncached
                 self._prefill_at[index] = now
-                self._prefill_rate[index] = tokens_per_s
         kept = 0.5 ** ((now - float(self._recent_at[index])) / RECENT_HALF_LIFE_S)
         self._recent[index] = float(self._recent[index]) * kept + work
         self._recent_at[index] = now
@@ -145,24 +144,19 @@ class InFlight:
         self.peer_sent = load.sent.astype(np.int64, copy=True)
         self._peer_prefill = load.backlog.astype(float, copy=True)
         self._peer_prefill_at = load.backlog_at.astype(float, copy=True)
-        self._peer_backlog = bool(self._peer_prefill.any())
+        self._peer_unprefilled = load.exact.astype(float, copy=True)
+        self._peer_backlog = bool(self._peer_prefill.any() or self._peer_unprefilled.any())
 
     def own(self) -> Load:
-        """This replica's own load per endpoint (new arrays): what it tells its peers, who drain its backlog at the
-        endpoint's rate from its time. With ``first_tokens`` the backlog goes as of now: the exact part, and what is
-        left of the drained one (of unstreamed requests) at the rate given with its last request."""
-        if self.first_tokens:
-            now = self.clock()
-            drained = np.maximum(self._prefill - self._prefill_rate * (now - self._prefill_at), 0.0)
-            backlog, backlog_at = drained + np.maximum(self._unprefilled, 0.0), np.full(len(self.requests), now)
-        else:
-            backlog, backlog_at = self._prefill.copy(), self._prefill_at.copy()
+        """This replica's own load per endpoint (new arrays): what it tells its peers. They drain its estimated
+        backlog at the endpoint's rate from its time, and count its exact one (``first_tokens``) as it is."""
         return Load(
             self.requests - self.peer_requests,
             self.tokens - self.peer_tokens,
             self.sent - self.peer_sent,
-            backlog,
-            backlog_at,
+            self._prefill.copy(),
+            self._prefill_at.copy(),
+            np.maximum(self._unprefilled, 0.0),
         )
 
     def recent_prefill(self, candidates: np.ndarray) -> np.ndarray:
@@ -178,7 +172,7 @@ class InFlight:
         if self.first_tokens:
             own += max(float(self._unprefilled[index]), 0.0)
         peers = float(self._peer_prefill[index]) - tokens_per_s * (now - float(self._peer_prefill_at[index]))
-        return own + max(peers, 0.0)
+        return own + max(peers, 0.0) + float(self._peer_unprefilled[index])
 
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
         """Per candidate, the prompt tokens sent there that it has not prefilled: with ``first_tokens`` those of the
@@ -191,17 +185,16 @@ class InFlight:
         if not self._peer_backlog:  # no replicas, or none with a backlog: half the work, on every prediction
             return own
         peers = self._peer_prefill[candidates] - tokens_per_s * (now - self._peer_prefill_at[candidates])
-        return own + np.maximum(peers, 0.0)
+        return own + np.maximum(peers, 0.0) + self._peer_unprefilled[candidates]
 
 
-_PEER_FIELDS = ("peer_requests", "peer_tokens", "peer_sent", "_peer_prefill", "_peer_prefill_at")
+_PEER_FIELDS = ("peer_requests", "peer_tokens", "peer_sent", "_peer_prefill", "_peer_prefill_at", "_peer_unprefilled")
 _OWN_FIELDS = (
     "requests",
     "tokens",
     "sent",
     "_prefill",
     "_prefill_at",
-    "_prefill_rate",
     "_unprefilled",
     "_recent",
     "_recent_at",
@@ -211,19 +204,21 @@ _OWN_FIELDS = (
 @dataclass(frozen=True, slots=True)
 class Load:
     """What one replica (or several, `sum`) has on each endpoint of a pool: requests and tokens in flight, requests
-    sent so far (a cumulative count), and the prefill backlog (prompt tokens not yet prefilled as of
-    ``backlog_at``, on the reader's clock)."""
+    sent so far (a cumulative count), the estimated prefill backlog (prompt tokens not yet prefilled as of
+    ``backlog_at``, on the reader's clock: it drains at the endpoint's rate from then), and the exact one
+    (``exact``: uncached prompt tokens of streamed requests whose first token has not come; it does not drain)."""
 
     requests: np.ndarray
     tokens: np.ndarray
     sent: np.ndarray
     backlog: np.ndarray
     backlog_at: np.ndarray
+    exact: np.ndarray
 
     @staticmethod
     def zero(size: int) -> Load:
         ints, floats = np.zeros(size, dtype=np.int64), np.zeros(size)
-        return Load(ints, ints, ints, floats, floats)
+        return Load(ints, ints, ints, floats, floats, floats)
 
     @staticmethod
     def sum(loads: Sequence[Load], size: int) -> Load:
@@ -241,6 +236,7 @@ class Load:
             np.sum([x.sent for x in loads], axis=0).astype(np.int64),
             backlog,
             at,
+            np.sum([x.exact for x in loads], axis=0),
         )
 
 

@@ -6,10 +6,11 @@ through one Redis stream per pool (``replicas.key``), off the hot path:
 
 * **Publishing.** Every ``publish_interval_s`` a replica appends one entry with its own load on the endpoints
   whose load changed since its last entry (`InFlight.own`, as absolute values): requests and tokens in flight,
-  requests sent so far, and the prefill backlog with its age; once a second, all of them (a full snapshot,
-  which is also its heartbeat). While nothing changes it waits for its next decision (``IDLE_TICK_S`` at most)
-  instead of ticking. The tick's entries go in one pipelined round trip. A decision never waits on Redis: it
-  changes the local counters only, and the next tick reads them.
+  requests sent so far, the estimated prefill backlog with its age (peers drain it at the endpoint's rate)
+  and the exact one, which waits for first tokens (``otel.latency_source: stream``); once a second, all of
+  them (a full snapshot, which is also its heartbeat). While nothing changes it waits for its next decision
+  (``IDLE_TICK_S`` at most) instead of ticking. The tick's entries go in one pipelined round trip. A decision
+  never waits on Redis: it changes the local counters only, and the next tick reads them.
 * **What that gives.** Every scorer reads in-flight counts that include the peers'; the saturation rule (one
   for admission and the filter) adds to a scraped queue the growth of what *every* replica has in flight since the
   scrape, so an endpoint one replica filled is saturated for all (global admission); the predicted TTFT counts the
@@ -105,8 +106,9 @@ class ReplicaStats:
 @dataclass(slots=True)
 class _Peer:
     seen: float  # monotonic time of its newest entry
-    # address -> (requests, tokens, sent since first heard of, prefill backlog, its time on this replica's clock)
-    counts: dict[str, tuple[int, int, int, int, float]] = field(default_factory=dict)
+    # address -> (requests, tokens, sent since first heard of, estimated prefill backlog, its time on this replica's
+    # clock, exact prefill backlog)
+    counts: dict[str, tuple[int, int, int, int, float, int]] = field(default_factory=dict)
     sent_base: dict[str, int] = field(default_factory=dict)  # address -> its sent count when first heard of
 
 
@@ -268,15 +270,16 @@ class Replicas:
             full = now - self._full_at >= FULL_EVERY_S
             last = self._sent_arrays
             # Every change of the load comes with a decision or an end, which moves `sent` or `requests`, or with a
-            # first token, which moves an exact backlog.
+            # first token, which moves the exact backlog. The estimated backlog drains on the peers' side: it
+            # changes here only with a decision.
             unchanged = (
                 last is not None
                 and last[0] is engine.pool
                 and np.array_equal(last[1], load.requests)
                 and np.array_equal(last[2], load.sent)
-                and np.array_equal(last[3], load.backlog)
+                and np.array_equal(last[3], load.exact)
             )
-            self._sent_arrays = (engine.pool, load.requests, load.sent, load.backlog)
+            self._sent_arrays = (engine.pool, load.requests, load.sent, load.exact)
             if unchanged and not full and not self._ends and not self._pending and not self._first_tokens:
                 continue  # most ticks: nothing to say
             self._busy = True
@@ -286,8 +289,12 @@ class Replicas:
                 self._full_at = now
             else:
                 kind = "changes"
-                # The backlog's age (last) moves on its own: an endpoint whose load is unchanged is left out.
-                payload = {a: v for a, v in current.items() if (old := self._sent.get(a)) is None or old[:4] != v[:4]}
+                # The backlog's age (the fifth) moves on its own: an endpoint whose load is unchanged is left out.
+                payload = {
+                    a: v
+                    for a, v in current.items()
+                    if (old := self._sent.get(a)) is None or old[:4] != v[:4] or old[5:] != v[5:]
+                }
                 payload.update({a: (0, 0, 0, 0, 0) for a in self._sent.keys() - current.keys()})  # left the pool
             self._sent = current
             ends, pending, firsts = self._ends, self._pending, self._first_tokens
@@ -381,21 +388,22 @@ class Replicas:
             if (
                 pool.find(address) is None
                 or not isinstance(value, list)
-                or len(value) not in (2, 5)
+                or len(value) not in (2, 5, 6)
                 or not all(isinstance(v, int) and 0 <= v <= MAX_COUNT for v in value)
             ):
                 refused = True  # not a member of this pool (or not counts): this replica's pool is its own
                 continue
             if len(value) == 2:  # in flight only (an older replica)
-                counts[address] = (value[0], value[1], 0, 0, 0.0)
+                counts[address] = (value[0], value[1], 0, 0, 0.0, 0)
             else:
-                requests, tokens, sent, backlog, age_ms = value
+                requests, tokens, sent, backlog, age_ms, *exact = value  # no exact backlog: none, or an older replica
                 # What it sent before this replica first heard of it is no news: only what it sends from then on
                 # adds to a scraped queue (else a peer that joins would saturate every endpoint until the scrape).
                 base = peer.sent_base.setdefault(address, sent)
                 if sent < base:
                     base = peer.sent_base[address] = sent
-                counts[address] = (requests, tokens, sent - base, backlog, local - min(age_ms, MAX_AGE_MS) / 1000)
+                at = local - min(age_ms, MAX_AGE_MS) / 1000
+                counts[address] = (requests, tokens, sent - base, backlog, at, exact[0] if exact else 0)
         peer.counts = counts
         peer.seen = max(peer.seen, seen)
         self.stats.applied += 1
@@ -480,12 +488,12 @@ class Replicas:
         pool = engine.pool
         loads = []
         for peer in self._peers.values():
-            values = np.zeros((5, len(pool)))
+            values = np.zeros((6, len(pool)))
             for address, value in peer.counts.items():
                 index = pool.find(address)
                 if index is not None:
                     values[:, index] = value
-            loads.append(Load(*values[:3].astype(np.int64), values[3], values[4]))
+            loads.append(Load(*values[:3].astype(np.int64), values[3], values[4], values[5]))
         engine.inflight.set_peers(Load.sum(loads, len(pool)))
         self._applied_to = engine.inflight
         self._dirty = False
@@ -519,7 +527,9 @@ class Replicas:
 
 
 def _load_values(pool: Any, load: Load, now: float) -> dict[str, tuple[int, ...]]:
-    """Per address: requests, tokens, sent, prefill backlog (tokens), the backlog's age (ms): what an entry says."""
+    """Per address: requests, tokens, sent, estimated prefill backlog (tokens), the backlog's age (ms) and, where
+    it is not zero, the exact prefill backlog (tokens): what an entry says. Five values where there is no exact
+    backlog (always, with spans), as replicas before it sent, which read only five."""
     ages = np.clip((now - load.backlog_at) * 1000, 0, MAX_AGE_MS)
     columns = zip(
         load.requests.tolist(),
@@ -527,9 +537,10 @@ def _load_values(pool: Any, load: Load, now: float) -> dict[str, tuple[int, ...]
         load.sent.tolist(),
         np.rint(load.backlog).astype(np.int64).tolist(),
         np.rint(ages).astype(np.int64).tolist(),
+        np.rint(load.exact).astype(np.int64).tolist(),
         strict=True,
     )
-    return {e.address: value for e, value in zip(pool.endpoints, columns, strict=True)}
+    return {e.address: value if value[5] else value[:5] for e, value in zip(pool.endpoints, columns, strict=True)}
 
 
 def connect_redis(config: ReplicasConfig) -> aioredis.Redis:

@@ -158,7 +158,10 @@ def test_peers_load_counts_in_requests_sent_and_the_prefill_backlog() -> None:
     inflight = InFlight(2, clock=lambda: now[0])
     inflight.acquire(0, 10, prefill=(1000.0, 100.0))  # 1,000 tokens to prefill at 100 a second
     decisions = inflight.decisions
-    peers = Load(np.array([2, 0]), np.array([20, 0]), np.array([5, 1]), np.array([500.0, 0.0]), np.array([99.0, 0.0]))
+    none = np.zeros(2)
+    peers = Load(
+        np.array([2, 0]), np.array([20, 0]), np.array([5, 1]), np.array([500.0, 0.0]), np.array([99.0, 0.0]), none
+    )
     inflight.set_peers(peers)
     assert inflight.requests.tolist() == [3, 0] and inflight.tokens.tolist() == [30, 0]
     assert inflight.sent.tolist() == [6, 1]  # its own one and the peers' six: the saturation rule sees them all
@@ -180,7 +183,14 @@ def test_a_peer_backlog_counts_until_cleared_and_moves_with_the_pool() -> None:
     rates = np.array([100.0, 100.0])
     assert inflight.pending_prefill(np.arange(2), rates).tolist() == [0.0, 0.0]
     inflight.set_peers(
-        Load(np.array([0, 1]), np.array([0, 5]), np.array([0, 1]), np.array([0.0, 400.0]), np.array([0.0, 100.0]))
+        Load(
+            np.array([0, 1]),
+            np.array([0, 5]),
+            np.array([0, 1]),
+            np.array([0.0, 400.0]),
+            np.array([0.0, 100.0]),
+            rates * 0,
+        )
     )
     assert inflight.pending_prefill(np.arange(2), rates).tolist() == [0.0, 400.0]
     moved = inflight.moved(np.array([1, 0, -1]))  # old 1 is now 0; a new endpoint joined as 2
@@ -190,11 +200,12 @@ def test_a_peer_backlog_counts_until_cleared_and_moves_with_the_pool() -> None:
 
 
 def test_loads_add_up_with_their_backlogs_dated_by_weight() -> None:
-    one = Load(np.array([1]), np.array([10]), np.array([3]), np.array([300.0]), np.array([10.0]))
-    two = Load(np.array([2]), np.array([20]), np.array([4]), np.array([100.0]), np.array([14.0]))
+    one = Load(np.array([1]), np.array([10]), np.array([3]), np.array([300.0]), np.array([10.0]), np.array([50.0]))
+    two = Load(np.array([2]), np.array([20]), np.array([4]), np.array([100.0]), np.array([14.0]), np.array([25.0]))
     total = Load.sum([one, two], 1)
     assert (total.requests.tolist(), total.tokens.tolist(), total.sent.tolist()) == ([3], [30], [7])
     assert total.backlog.tolist() == [400.0] and total.backlog_at.tolist() == [11.0]
+    assert total.exact.tolist() == [75.0]
     assert Load.sum([], 3).requests.tolist() == [0, 0, 0]
 
 
@@ -228,13 +239,35 @@ def test_with_first_tokens_reported_the_backlog_is_the_prompts_still_waiting_for
     moved = inflight.moved(np.array([1, -1]))  # endpoint 1 is now 0 (and 0, 2 left): the flag and the count follow
     inflight.hand_over(moved, np.array([1, -1]))
     assert moved.first_tokens and moved.pending_prefill(np.arange(2), rates[:2]).tolist() == [900, 0]
-    own = moved.own()  # what a replica would tell its peers, as of now: the exact count, the drained part's rest
-    assert own.backlog.tolist() == [900, 0] and own.backlog_at.tolist() == [160.0, 160.0]
+    # What a replica would tell its peers: the exact backlog apart from the estimated one, which goes as it was
+    # sent (the unstreamed 3,000 at 100 s), for them to drain from its time.
+    own = moved.own()
+    assert own.exact.tolist() == [900, 0] and own.backlog.tolist() == [3000, 0] and own.backlog_at[0] == 100.0
     moved.acquire(1, 1000, (1000, 100.0))  # unstreamed: 1,000 drained at 100 tokens/s
     now[0] = 162.0
-    assert moved.own().backlog.tolist() == [900, 800]
+    own = moved.own()
+    assert own.exact.tolist() == [900, 0] and own.backlog.tolist() == [3000, 1000] and own.backlog_at[1] == 160.0
     c.first_token()  # told through the lease, wherever the request counts now
     assert moved.pending_prefill(np.arange(2), rates[:2]).tolist() == [0, 0]
+    assert moved.own().exact.tolist() == [0, 0]
+
+
+def test_a_peers_exact_backlog_counts_as_it_is_and_its_estimate_drains() -> None:
+    # A peer's streamed requests still waiting for their first token are work the endpoint has not done however
+    # long ago they were sent; only its estimated part drains at the endpoint's rate.
+    now = [100.0]
+    inflight = InFlight(2, clock=lambda: now[0])
+    rates = np.array([100.0, 100.0])
+    ints = np.zeros(2, dtype=np.int64)
+    inflight.set_peers(Load(ints, ints, ints, np.array([300.0, 0.0]), np.array([100.0, 0.0]), np.array([0.0, 800.0])))
+    assert inflight.pending_prefill(np.arange(2), rates).tolist() == [300.0, 800.0]
+    now[0] = 160.0
+    assert inflight.pending_prefill(np.arange(2), rates).tolist() == [0.0, 800.0]
+    assert inflight.pending_prefill_at(1, 100.0) == 800.0
+    moved = inflight.moved(np.array([1]))  # endpoint 1 is now 0: its peers' exact backlog follows
+    assert moved.pending_prefill(np.arange(1), rates[:1]).tolist() == [800.0]
+    inflight.set_peers(Load.zero(2))
+    assert inflight.pending_prefill(np.arange(2), rates).tolist() == [0.0, 0.0]
 
 
 def test_without_first_tokens_reported_a_first_token_changes_nothing() -> None:

@@ -24,7 +24,7 @@ from inferlb.scorer.features import text_block_hashes
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.prefix import PrefixAffinityScorer, PrefixIndex
 from inferlb.scorer.presets import build_profile
-from inferlb.scorer.replicas import Replicas, hash_seed_problem
+from inferlb.scorer.replicas import Replicas, _load_values, hash_seed_problem
 
 from ..conftest import until
 
@@ -144,20 +144,23 @@ async def test_only_well_formed_counts_of_its_own_pool_members_are_applied(
 async def test_a_peers_load_counts_only_as_far_as_each_value_is_a_count(
     server: RedisServer, tmp_path: Path, running: Running
 ) -> None:
-    """The load's five values (requests, tokens, sent, prefill backlog, its age in ms): a negative or non-integer
-    one, or a list of another length, refuses that endpoint's entry; an age beyond any backlog's life is cut."""
+    """The load's five or six values (requests, tokens, sent, estimated prefill backlog, its age in ms, and the
+    exact backlog where there is one): a negative or non-integer one, or a list of another length, refuses that
+    endpoint's entry; an age beyond any backlog's life is cut."""
     config = _config(server, tmp_path)
     b = _engine()
     rb = running.start(config, b, "b")
     await until(rb.ready, "b caught up")
     forger = aioredis.Redis.from_url(server.url, password=server.password)
     load = {ENDPOINTS[0]: [1, 1, -5, 0, 0], ENDPOINTS[1]: [1, 1, 1, 1], ENDPOINTS[2]: [2, 20, 7, 900, 10**12]}
+    bad_exact = {ENDPOINTS[0]: [1, 1, 1, 0, 0, -1], ENDPOINTS[1]: [1, 1, 1, 0, 0, 1.5]}
     try:
+        await forger.xadd(config.key, {"r": "u", "k": "full", "d": orjson.dumps(bad_exact)})  # type: ignore[arg-type]
         await forger.xadd(config.key, {"r": "v", "k": "full", "d": orjson.dumps(load)})  # type: ignore[arg-type]
         await until(lambda: b.inflight.requests.tolist() == [0, 0, 2], "the well-formed endpoint applied")
     finally:
         await forger.aclose()
-    assert rb.stats.rejected >= 1
+    assert rb.stats.rejected >= 2
     assert b.inflight.sent.tolist() == [0, 0, 0]  # what it sent before b first heard of it is no news
     backlog = b.inflight.pending_prefill(np.array([2]), np.array([1.0]))
     assert backlog.tolist() == [0.0]  # dated an hour back at most: long drained, never a negative time
@@ -332,6 +335,31 @@ async def test_a_first_token_seen_by_another_replica_reaches_the_exact_backlog_w
     finally:
         await forger.aclose()
     assert a.inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 500, 0] and ra.stats.first_tokens_taken == 1
+
+
+async def test_a_peers_exact_backlog_counts_here_undrained_until_its_first_token(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """With the responses timed, a replica's streamed requests wait in its exact backlog for their first token, which
+    no rate drains: a peer counts them as they are, apart from the estimated backlog that it drains, until the
+    first token takes them out. Entries without an exact backlog keep the five values older replicas read."""
+    config = _config(server, tmp_path)
+    a, b = _engine(), _engine()
+    for engine in (a, b):
+        engine.inflight.first_tokens = True
+    ra, rb = running.start(config, a, "a"), running.start(config, b, "b")
+    await until(lambda: ra.ready() and rb.ready() and rb.peers() == 1, "both caught up, b hears of a")
+    fast = np.full(3, 1e12)  # a rate at which any estimated backlog drains at once
+    streamed = a.inflight.acquire(0, 1200, (1000, 1000.0), streamed=True)
+    unstreamed = a.inflight.acquire(1, 900, (800, 1000.0))
+    await until(lambda: b.inflight.pending_prefill(np.arange(3), fast).tolist() == [1000, 0, 0], "b counts it as is")
+    assert b.inflight.pending_prefill(np.arange(3), np.full(3, 1e-6))[1] == pytest.approx(800)  # the estimate, apart
+    values = _load_values(a.pool, a.inflight.own(), a.inflight.clock())
+    assert len(values[ENDPOINTS[0]]) == 6 and len(values[ENDPOINTS[1]]) == 5
+    streamed.first_token()
+    await until(lambda: b.inflight.pending_prefill(np.arange(3), fast).tolist() == [0, 0, 0], "b drops it")
+    streamed.release()
+    unstreamed.release()
 
 
 async def test_what_a_peer_sent_since_the_scrape_saturates_here_and_its_prefill_backlog_counts(
