@@ -189,6 +189,8 @@ class PresetPolicy:
         hints = declared_hints(profiles) if declared_speeds else None
         relative = None if hints is None else hints.of([e.labels for e in self.pool])
         profile = build_profile(preset, np.random.default_rng(seed), size=n, speeds=relative)
+        if saturation is None:  # the config's defaults, with the declared speeds as the picker passes them
+            saturation = Saturation(speeds=relative)
         self.engine = Engine(self.pool, profile, self.inflight, self.signals, saturation)
         # Experiments run as live: their arms' engines share this state, their statistics run on this clock.
         self.experiments = (

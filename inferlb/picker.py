@@ -332,7 +332,7 @@ class PickerProcess:
             inflight = self.engine.inflight.moved(plan.mapping)
             signals = self.engine.signals.moved(plan.mapping, stale_after_s=config.signals.stale_after_s)
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool), speeds=_declared(config, pool))
-        engine = Engine(pool, profile, inflight, signals, _saturation(config))
+        engine = Engine(pool, profile, inflight, signals, _saturation(config, pool))
         experiments = _experiments(config, engine, self.rng)
         if experiments is not None:
             experiments.adopt(self.service.router.experiments)
@@ -441,8 +441,9 @@ def _log_membership(plan: Plan, pool: Pool, inflight: InFlight, reason: str) -> 
     logger.info("membership (%s): %s; %d endpoints", reason, "; ".join(parts), len(pool) - len(draining))
 
 
-def _saturation(config: Config) -> Saturation:
-    return Saturation(config.admission.max_waiting, config.admission.max_kv_usage)
+def _saturation(config: Config, pool: Pool) -> Saturation:
+    admission = config.admission
+    return Saturation(admission.max_waiting, admission.max_kv_usage, speeds=_declared(config, pool))
 
 
 def _collectors(
@@ -557,7 +558,7 @@ def create_picker(
     pool = Pool(config.endpoints)
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
     profile = build_profile(config.profile_spec(), rng, size=len(pool), speeds=_declared(config, pool))
-    engine = Engine(pool, profile, signals=signals, saturation=_saturation(config))
+    engine = Engine(pool, profile, signals=signals, saturation=_saturation(config, pool))
     service = ExtProcService(
         engine,
         max_body_bytes=config.max_body_bytes,

@@ -57,8 +57,10 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
             # a mixed fleet, the slow servers that the load scorers favour for holding fewer requests;
             # bench/results/quality/fleets). Before saturation: when the fast servers are saturated, the saturation
             # filter alone would leave a slow one under its threshold as the only candidate, and herd every request
-            # onto it until the next scrape. ttft-slo: a no-op for requests whose class has no TTFT objective.
-            ("model", "staleness", "ttft-gap", "saturation", "ttft-slo"),
+            # onto it until the next scrape. speed-class: on a mixed fleet with exact prefill backlogs (the responses
+            # timed), only the kind of server predicted soonest, among the unsaturated (bench/results/quality/fleets).
+            # ttft-slo: a no-op for requests whose class has no TTFT objective.
+            ("model", "staleness", "ttft-gap", "saturation", "speed-class", "ttft-slo"),
             (
                 # 0.25, not 1: a count weighs a 100-token request like an 8,000-token one, and at 1 it outvoted the
                 # token-aware scorers below (TTFT p99 up to 1.35x the oracle's on the Azure traces, where prompts

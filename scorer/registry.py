@@ -32,7 +32,14 @@ from typing_extensions import TypedDict
 
 from inferlb.scorer.engine import Filter, Picker, Profile, Scorer, WeightedScorer
 from inferlb.scorer.errors import ConfigError, shown
-from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftGapFilter, TtftSloFilter
+from inferlb.scorer.filters import (
+    MemoryFitFilter,
+    SaturationFilter,
+    SpeedClassFilter,
+    StalenessFilter,
+    TtftGapFilter,
+    TtftSloFilter,
+)
 from inferlb.scorer.loadscorers import (
     GpuFreeMemoryScorer,
     GpuUtilScorer,
@@ -253,6 +260,10 @@ def _ttft_gap(params: Mapping[str, Any], ctx: BuildContext) -> TtftGapFilter:
     return TtftGapFilter(ctx.prefix_index(), **params, predictor=ctx.ttft_predictor(params))
 
 
+def _speed_class(params: Mapping[str, Any], ctx: BuildContext) -> SpeedClassFilter:
+    return SpeedClassFilter(ctx.prefix_index(), **params, predictor=ctx.ttft_predictor(params), speeds=ctx.speeds)
+
+
 def _session_affinity(params: Mapping[str, Any], ctx: BuildContext) -> SessionAffinityScorer:
     params = dict(params)
     ring = ConsistentHashRing(ctx.size, params.pop("vnodes", 160))
@@ -333,6 +344,7 @@ def default_registry() -> Registry:
         "staleness": Plugin(_plain(StalenessFilter)),
         "ttft-slo": Plugin(_ttft_slo, _Predictor),
         "ttft-gap": Plugin(_ttft_gap, _TtftGap),
+        "speed-class": Plugin(_speed_class, _Predictor),
         "saturation": Plugin(
             _plain(SaturationFilter),
             note="one rule decides when an endpoint is saturated, for this filter and admission control alike: "

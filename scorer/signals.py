@@ -91,9 +91,9 @@ class Snapshot:
         age = now - self.scraped_at
         return np.where(np.isnan(age), math.inf, age)
 
-    def over(self, max_waiting: float, max_kv_usage: float) -> np.ndarray:
-        """Per endpoint: more than ``max_waiting`` queued requests or KV-cache use above ``max_kv_usage``
-        (unknown values are not over)."""
+    def over(self, max_waiting: float | np.ndarray, max_kv_usage: float) -> np.ndarray:
+        """Per endpoint: more than ``max_waiting`` queued requests (one for all, or one per endpoint) or KV-cache use
+        above ``max_kv_usage`` (unknown values are not over)."""
         with np.errstate(invalid="ignore"):
             return (self.waiting > max_waiting) | (self.kv_usage > max_kv_usage)
 

@@ -359,6 +359,12 @@ async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by
     assert routed.decision.endpoint.index == 0
 
 
+def _queue_limits(picker: PickerProcess) -> list[float]:
+    """Each endpoint's queue limit in the saturation rule (max_waiting scaled by its declared speed)."""
+    limit = picker.service.router.engine.saturation.waiting_limit
+    return np.broadcast_to(limit, len(picker.service.router.pool)).tolist()
+
+
 def _recent_prefill_speeds(picker: PickerProcess) -> list[float] | None:
     """The declared speeds the profile's recent-prefill scorer compares by (None: one speed)."""
     scorer = next(s.scorer for s in picker.service.router.engine.profile.scorers if s.scorer.name == "recent-prefill")
@@ -385,6 +391,7 @@ async def test_declared_speeds_reach_the_learned_speeds_and_a_reload_changes_the
     assert picker.service.router.speeds is picker.spans.speeds
     assert list(picker.spans.speeds.relative) == [3.0, 1.0]
     assert _recent_prefill_speeds(picker) == [3.0, 1.0]  # it compares the tokens sent within each speed
+    assert _queue_limits(picker) == [16.0, 16 / 3]  # an L4's queue of 5.3 takes as long as an H100's of 16
     await picker.start()
     try:
         async with httpx.AsyncClient(base_url=f"http://{picker.config.admin}", timeout=5) as client:
@@ -397,10 +404,12 @@ async def test_declared_speeds_reach_the_learned_speeds_and_a_reload_changes_the
             assert list(picker.spans.speeds.relative) == [1.0, 2.0]  # the H100s now get the default, 1
             assert picker.service.router.speeds is picker.spans.speeds
             assert _recent_prefill_speeds(picker) == [1.0, 2.0]
+            assert _queue_limits(picker) == [8.0, 16.0]
             assert await shown() == [1.0, 2.0]
             picker.reload_document({**doc, "pool": {"endpoints": doc["pool"]["endpoints"]}})
             assert picker.spans.speeds.relative is None
             assert _recent_prefill_speeds(picker) is None
+            assert _queue_limits(picker) == [16.0, 16.0]
             assert await shown() == [None, None]
     finally:
         await picker.stop(0.5)

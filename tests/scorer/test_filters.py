@@ -15,7 +15,14 @@ import pytest
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.filters import MemoryFitFilter, SaturationFilter, StalenessFilter, TtftGapFilter, TtftSloFilter
+from inferlb.scorer.filters import (
+    MemoryFitFilter,
+    SaturationFilter,
+    SpeedClassFilter,
+    StalenessFilter,
+    TtftGapFilter,
+    TtftSloFilter,
+)
 from inferlb.scorer.inflight import InFlight
 from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
@@ -232,6 +239,27 @@ def test_saturation_refuses_bad_thresholds(params: dict[str, float], message: st
         Saturation(**params)
 
 
+def test_on_unequal_servers_the_queue_limit_is_the_fastest_ones_time() -> None:
+    # Declared speeds 4 : 4 : 1 : 1 and max_waiting 16: the slow servers are saturated past 4 queued, where the fast
+    # ones clear 16 in the same time. Without speeds (or with equal ones) every endpoint's limit is 16.
+    speeds = np.array([4.0, 4.0, 1.0, 1.0])
+    queued = {"waiting": [10, 17, 3, 5], "kv_usage": [0.1] * 4, "inflight_at_scrape": [0, 0, 0, 0]}
+    st = state(saturation=Saturation(16, speeds=speeds), **queued)
+    assert st.saturation.over(st.signals, st.inflight).tolist() == [False, True, False, True]
+    assert SaturationFilter().filter(REQUEST, st, np.arange(4)).tolist() == [0, 2]
+    even = state(saturation=Saturation(16, speeds=np.ones(4)), **queued)
+    assert even.saturation.over(even.signals, even.inflight).tolist() == [False, True, False, False]
+    plain = state(**queued)
+    assert plain.saturation.over(plain.signals, plain.inflight).tolist() == [False, True, False, False]
+    # Requests sent since the scrape count against the scaled limit too: two more on the slow server 2 saturate it.
+    st.inflight.acquire(2, 10)
+    assert not st.saturation.over(st.signals, st.inflight)[2]
+    st.inflight.acquire(2, 10)
+    assert st.saturation.over(st.signals, st.inflight).tolist() == [False, True, True, True]
+    with pytest.raises(ValueError, match="speeds must be positive"):
+        Saturation(16, speeds=np.array([1.0, 0.0]))
+
+
 # ---------------------------------------------------------------- memory fit
 
 # bytes_per_token 1000, margin 1.3, prompt 1000 + max_tokens 100: 1.43 MB needed.
@@ -397,3 +425,53 @@ def test_ttft_gap_filter_judges_a_server_whose_idle_rate_is_unknown_by_its_learn
     st.inflight.clock = lambda: 0.0
     st.inflight.acquire(3, 0, (40_000, GAP_RATES[3])).release()
     assert TtftGapFilter().filter(REQUEST, st, np.arange(4)).tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- speed-class
+
+# Two fast servers (40,000 prompt tokens/s) and two four times slower, declared so (pool.speeds).
+CLASS_SPEEDS = np.array([4.0, 4.0, 1.0, 1.0])
+
+
+def _class_state(backlog: list[int], *, exact: bool = True) -> State:
+    st = state(prefill_tokens_per_s=GAP_RATES, peak_tokens_per_s=GAP_RATES)
+    st.inflight.clock = lambda: 0.0
+    st.inflight.first_tokens = exact
+    for i, tokens in enumerate(backlog):
+        st.inflight.acquire(i, 0, (tokens, GAP_RATES[i]), streamed=True)
+    return st
+
+
+@pytest.mark.parametrize(
+    ("backlog", "expected"),
+    [
+        pytest.param([0, 0, 0, 0], [0, 1], id="idle-the-fast-kind"),
+        # The slow servers hold fewer requests but are predicted later: the load scorers must not get to choose them.
+        pytest.param([2_000, 2_000, 0, 0], [0, 1], id="fast-ones-busier-still-sooner"),
+        pytest.param([200_000, 160_000, 0, 1_000], [2, 3], id="fast-ones-seconds-behind-the-slow-kind"),
+    ],
+)
+def test_speed_class_filter_keeps_the_kind_of_server_predicted_soonest(backlog: list[int], expected: list[int]) -> None:
+    st = _class_state(backlog)
+    candidates = np.arange(4)
+    kept = SpeedClassFilter(speeds=CLASS_SPEEDS).filter(REQUEST, st, candidates)
+    check_subset(kept, candidates)
+    assert kept.tolist() == expected
+
+
+def test_speed_class_filter_keeps_all_without_exact_backlogs_declared_speeds_or_a_second_kind() -> None:
+    candidates = np.arange(4)
+    # Spans only: the backlog is estimated, not sure enough to choose a kind of server on.
+    assert SpeedClassFilter(speeds=CLASS_SPEEDS).filter(
+        REQUEST, _class_state([0] * 4, exact=False), candidates
+    ).tolist() == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    st = _class_state([0] * 4)
+    assert SpeedClassFilter().filter(REQUEST, st, candidates).tolist() == [0, 1, 2, 3]  # nothing declared
+    assert SpeedClassFilter(speeds=np.ones(4)).filter(REQUEST, st, candidates).tolist() == [0, 1, 2, 3]
+    assert SpeedClassFilter(speeds=CLASS_SPEEDS).filter(REQUEST, st, np.array([2, 3])).tolist() == [2, 3]
+    assert SpeedClassFilter(speeds=CLASS_SPEEDS[:3]).filter(REQUEST, st, candidates).tolist() == [0, 1, 2, 3]
