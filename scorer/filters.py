@@ -171,9 +171,10 @@ class SpeedClassFilter(Predicting):
     The load scorers count requests and tokens alike on every kind of server, so on a mixed fleet they favour the
     slow servers, which hold fewer; which kind gets a request is a question in seconds, which only the prediction
     answers. In the simulator (8 H100s, 4 A100s and 4 L4s; bench/results/quality/fleets) this took the Azure code
-    trace's TTFT p99 from 1.3-1.4x the oracle's to 1.1x. With an estimated backlog (spans) the prediction is not
-    sure enough to decide alone: a kind whose backlog estimate drained early looks free and takes every request
-    (up to 3.4x the oracle there), so the filter keeps every candidate; so it does on a fleet of one kind."""
+    trace's TTFT p99 from 1.2-1.4x the oracle's to 1.02-1.15x (three seeds). With an estimated backlog (spans) the
+    prediction is not sure enough to decide alone: a kind whose backlog estimate drained early looks free and takes
+    every request (up to 3.4x the oracle there), so the filter keeps every candidate; so it does on a fleet of one
+    kind."""
 
     name = "speed-class"
 
