@@ -133,8 +133,8 @@ class Router:
     def served(self, lease: Lease, address: str, request: RequestFeatures | None = None) -> str:
         """The data plane reports that ``address`` served the request counted by ``lease`` (the Endpoint Picker
         protocol's served endpoint). If that is another member than the one picked (a retry went to the next
-        endpoint listed), the request counts there from now on and, given its ``request``, the prefix index
-        learns where its prompt went. The outcome: ``as-picked``, ``elsewhere`` (moved), or ``unknown`` (an
+        endpoint listed), the request counts there from now on and, given its ``request``, every engine's prefix
+        index learns where its prompt went (each arm's, with experiments). The outcome: ``as-picked``, ``elsewhere`` (moved), or ``unknown`` (an
         address outside the pool, or a request no longer counted here)."""
         where = lease.current()
         index = self.pool.find(address) if where is not None and where[0] is self.engine.inflight else None
@@ -144,7 +144,8 @@ class Router:
             return "as-picked"
         lease.move(index)
         if request is not None:
-            self.engine.observe_pick(request, index)
+            for engine in self._engines():
+                engine.observe_pick(request, index)
         return "elsewhere"
 
     async def wait(self, admit: Admit) -> bool:
@@ -189,6 +190,13 @@ class Router:
             experiments.routed(request.request_id, arm)
         return Routed(decision, lease, time.perf_counter() - started, arm)
 
+    def _engines(self) -> tuple[Engine, ...]:
+        """The pool's engine and, with experiments, each arm's own, each once: all share the servers."""
+        main, experiments = self.engine, self.experiments
+        if experiments is None:
+            return (main,)
+        return (main, *(e for e in experiments.engines if e is not main))
+
     def _share(
         self,
         request: RequestFeatures,
@@ -202,8 +210,7 @@ class Router:
         prompt), and a request whose profile estimates no prefill (round robin) is estimated by the first engine
         that can, so that the prefill backlog the other arms' predictions price counts its prompt. The prefill
         estimate the lease is to count."""
-        main = self.engine
-        for other in (main, *(e for e in experiments.engines if e is not main)):
+        for other in self._engines():
             if other is engine:
                 continue
             if prefill is None:

@@ -263,7 +263,8 @@ def test_a_request_one_arm_routed_is_counted_by_every_other_arms_engine() -> Non
     router = _router(_ab())
     prompt = dict(model="m", prompt_tokens=4096, prefix_hashes=tuple(range(1, 65)))
     for i in range(50):
-        routed = router.route(router.admit(RequestFeatures(**prompt, request_id=f"c{i}")).request)  # type: ignore[arg-type]
+        admitted = router.admit(RequestFeatures(**prompt, request_id=f"c{i}")).request  # type: ignore[arg-type]
+        routed = router.route(admitted)
         if routed.arm is not None and routed.arm.name == "control":
             break
         routed.lease.release()
@@ -279,10 +280,36 @@ def test_a_request_one_arm_routed_is_counted_by_every_other_arms_engine() -> Non
     # And the default's prefix index knows the endpoint now holds the prompt: a repeat costs it one token there.
     uncached, _ = default.prefill_at(RequestFeatures(**prompt, request_id="again"), index)  # type: ignore[arg-type, misc]
     assert uncached == 1
-    assert default.prefill_at(RequestFeatures(**prompt, request_id="again"), (index + 1) % 4)[0] == 4096  # type: ignore[arg-type, index]
+    elsewhere = (index + 1) % 4
+    assert default.prefill_at(RequestFeatures(**prompt, request_id="again"), elsewhere)[0] == 4096  # type: ignore[arg-type, index]
+    # A retry served it on another endpoint: the default's index learns that too.
+    assert router.served(routed.lease, router.pool.endpoints[elsewhere].address, admitted) == "elsewhere"
+    assert default.prefill_at(RequestFeatures(**prompt, request_id="third"), elsewhere)[0] == 1  # type: ignore[arg-type, index]
     routed.lease.release()
 
 
 def test_a_profile_without_a_predictor_estimates_no_prefill_for_anothers_request() -> None:
     engine = Engine(Pool(parse_config({"pool": POOL}).endpoints), build_profile("round-robin", None, size=4))
     assert engine.prefill_at(RequestFeatures(model="m", prompt_tokens=100, request_id="r"), 0) is None
+
+
+def test_a_retry_served_elsewhere_is_learned_by_every_arms_prefix_index() -> None:
+    arms = (ArmSpec("control", "default", 0.5), ArmSpec("treatment", "prefix-aware", 0.5))
+    router = _router(ExperimentSpec("ab", arms))
+    prompt = dict(model="m", prompt_tokens=4096, prefix_hashes=tuple(range(1, 65)))
+    for i in range(50):
+        admitted = router.admit(RequestFeatures(**prompt, request_id=f"t{i}")).request  # type: ignore[arg-type]
+        routed = router.route(admitted)
+        if routed.arm is not None and routed.arm.name == "treatment":
+            break
+        routed.lease.release()
+    else:
+        pytest.fail("no request went to the treatment arm")
+    treatment = routed.arm.engine
+    affinity = next(s.scorer for s in treatment.profile.scorers if s.scorer.name == "prefix-affinity")
+    elsewhere = (routed.decision.endpoint.index + 1) % 4
+    assert router.served(routed.lease, router.pool.endpoints[elsewhere].address, admitted) == "elsewhere"
+    # The treatment's own index (not only the pool's engine's) now finds the prompt where the retry served it.
+    scores = affinity.score(RequestFeatures(**prompt, request_id="again"), treatment.state, np.arange(4))  # type: ignore[arg-type]
+    assert scores[elsewhere] == pytest.approx(1.0)
+    routed.lease.release()
