@@ -134,8 +134,8 @@ class Router:
         """The data plane reports that ``address`` served the request counted by ``lease`` (the Endpoint Picker
         protocol's served endpoint). If that is another member than the one picked (a retry went to the next
         endpoint listed), the request counts there from now on and, given its ``request``, every engine's prefix
-        index learns where its prompt went (each arm's, with experiments). The outcome: ``as-picked``, ``elsewhere`` (moved), or ``unknown`` (an
-        address outside the pool, or a request no longer counted here)."""
+        index learns where its prompt went (each arm's, with experiments). The outcome: ``as-picked``,
+        ``elsewhere`` (moved), or ``unknown`` (an address outside the pool, or a request no longer counted here)."""
         where = lease.current()
         index = self.pool.find(address) if where is not None and where[0] is self.engine.inflight else None
         if where is None or index is None:
