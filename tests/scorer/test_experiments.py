@@ -12,7 +12,7 @@ from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
-from inferlb.scorer.router import Router
+from inferlb.scorer.router import Routed, Router
 
 POOL = {"endpoints": [{"address": f"10.0.0.{i}:8000", "models": ["m"]} for i in range(1, 5)]}
 
@@ -256,20 +256,29 @@ def test_a_span_without_output_tokens_or_with_one_gives_no_time_per_output_token
     assert sum(a.outcomes.ttft.histogram.count for a in running.arms) == 3
 
 
+# A prompt of 64 blocks (4,096 tokens) that every request below repeats.
+PROMPT = {"model": "m", "prompt_tokens": 4096, "prefix_hashes": tuple(range(1, 65))}
+
+
+def _routed_to(router: Router, arm: str) -> tuple[RequestFeatures, Routed]:
+    """Route repeats of PROMPT until one goes to ``arm``: that request (as admitted) and its routing, still held."""
+    for i in range(50):
+        admitted = router.admit(RequestFeatures(**PROMPT, request_id=f"{arm}-{i}")).request  # type: ignore[arg-type]
+        routed = router.route(admitted)
+        if routed.arm is not None and routed.arm.name == arm:
+            return admitted, routed
+        routed.lease.release()
+    pytest.fail(f"no request went to the {arm} arm")
+
+
 def test_a_request_one_arm_routed_is_counted_by_every_other_arms_engine() -> None:
     # The arms' requests share the servers: a prompt the round-robin control sent somewhere is cached there and
     # queued for prefill there, and the default arm's predictions must see both (else the server that holds a
     # prompt the control sent looks cold to the default and idle while it prefills the control's requests).
     router = _router(_ab())
-    prompt = dict(model="m", prompt_tokens=4096, prefix_hashes=tuple(range(1, 65)))
-    for i in range(50):
-        admitted = router.admit(RequestFeatures(**prompt, request_id=f"c{i}")).request  # type: ignore[arg-type]
-        routed = router.route(admitted)
-        if routed.arm is not None and routed.arm.name == "control":
-            break
-        routed.lease.release()
-    else:
-        pytest.fail("no request went to the control arm")
+    prompt = PROMPT
+    admitted, routed = _routed_to(router, "control")
+    assert routed.arm is not None
     index = routed.decision.endpoint.index
     assert routed.decision.prefill is None  # round robin estimates nothing itself
     default = router.engine
@@ -296,15 +305,9 @@ def test_a_profile_without_a_predictor_estimates_no_prefill_for_anothers_request
 def test_a_retry_served_elsewhere_is_learned_by_every_arms_prefix_index() -> None:
     arms = (ArmSpec("control", "default", 0.5), ArmSpec("treatment", "prefix-aware", 0.5))
     router = _router(ExperimentSpec("ab", arms))
-    prompt = dict(model="m", prompt_tokens=4096, prefix_hashes=tuple(range(1, 65)))
-    for i in range(50):
-        admitted = router.admit(RequestFeatures(**prompt, request_id=f"t{i}")).request  # type: ignore[arg-type]
-        routed = router.route(admitted)
-        if routed.arm is not None and routed.arm.name == "treatment":
-            break
-        routed.lease.release()
-    else:
-        pytest.fail("no request went to the treatment arm")
+    prompt = PROMPT
+    admitted, routed = _routed_to(router, "treatment")
+    assert routed.arm is not None
     treatment = routed.arm.engine
     affinity = next(s.scorer for s in treatment.profile.scorers if s.scorer.name == "prefix-affinity")
     elsewhere = (routed.decision.endpoint.index + 1) % 4
