@@ -7,8 +7,9 @@
   is reported (``first_tokens``: the filter times the responses, ``otel.latency_source: stream``), a streamed
   request's part is exact: its uncached tokens count until its first token (`Lease.first_token`). Elsewhere, and for
   a request whose response is not streamed (its first token comes with its whole answer), it is estimated: a
-  prompt's tokens count until its endpoint has had time to prefill them at its learned rate. Either way not until
-  its request ends: a server busy decoding long answers is not one with a long queue to prefill.
+  prompt's tokens count until its endpoint has had time to prefill them at `DRAIN_SHARE` of its learned rate.
+  Either way not until its request ends: a server busy decoding long answers is not one with a long queue to
+  prefill.
 * Recent prefill work: the prompt tokens sent to prefill (the uncached part, where the profile estimated it),
   summed with a decay of half-life `RECENT_HALF_LIFE_S`. It forgets a prompt at a fixed pace, whether or not its
   request is still running: what a server was given to do in the last few seconds (the ``recent-prefill`` scorer).
@@ -28,6 +29,14 @@ import numpy as np
 RECENT_HALF_LIFE_S = 2.0
 """Half-life of the recent prefill work, seconds: a few times a long prompt's prefill, so that it tells which
 servers were given the most to do lately, and short enough that a burst is forgotten soon after it is served."""
+
+DRAIN_SHARE = 0.9
+"""The estimated prefill backlog drains at this share of the endpoint's learned prefill rate. The rate prices one
+request's wait (`scorer.speeds`); a backlog drains a little slower, because its server also runs decode steps
+between the prefill chunks. In the simulator (bench/results/quality/fleets, three seeds, four fleets of one kind
+of server, four traces, loads 0.6-1.0, the responses' first tokens not timed) 0.9 rather than 1 took the rows
+whose TTFT p99 was over 1.15x the oracle's from 9 of 144 to 3 (the A100s' Azure conversation trace at 0.8: 1.21-1.37x
+to 1.09-1.15x); 0.8 helped one fleet and hurt others."""
 
 
 class InFlight:
@@ -49,7 +58,8 @@ class InFlight:
         # Whether streamed responses' first tokens are reported (`Lease.first_token`): a streamed request's tokens
         # then wait in _unprefilled until its first token, instead of draining at a rate in _prefill.
         self.first_tokens = False
-        # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at the rate given by the reader.
+        # Prompt tokens not yet prefilled at the time in _prefill_at; they drain at DRAIN_SHARE of the rate given by
+        # the reader.
         self._prefill = np.zeros(size)
         self._prefill_at = np.zeros(size)
         # Uncached prompt tokens of the streamed requests counted here whose first token has not been reported.
@@ -99,8 +109,8 @@ class InFlight:
 
         ``prefill``, when the profile estimated it: (the prompt's tokens still to prefill there, its uncached part;
         the endpoint's prefill rate in tokens/s), added to the endpoint's prefill backlog: with ``first_tokens`` and
-        a ``streamed`` response until `Lease.first_token` (or the release), else drained at that rate. The recent
-        prefill work adds the uncached part, or all ``tokens`` without an estimate."""
+        a ``streamed`` response until `Lease.first_token` (or the release), else drained at `DRAIN_SHARE` of that
+        rate. The recent prefill work adds the uncached part, or all ``tokens`` without an estimate."""
         self.requests[index] += 1
         self.tokens[index] += tokens
         self.sent[index] += 1
@@ -115,7 +125,7 @@ class InFlight:
                 self._unprefilled[index] += uncached
                 unprefilled = uncached
             else:
-                left = self._prefill[index] - tokens_per_s * (now - self._prefill_at[index])
+                left = self._prefill[index] - tokens_per_s * DRAIN_SHARE * (now - self._prefill_at[index])
                 self._prefill[index] = max(left, 0.0) + uncached
                 self._prefill_at[index] = now
         kept = 0.5 ** ((now - float(self._recent_at[index])) / RECENT_HALF_LIFE_S)
@@ -168,23 +178,25 @@ class InFlight:
     def pending_prefill_at(self, index: int, tokens_per_s: float) -> float:
         """`pending_prefill` of one endpoint, as a number (no arrays: the routing unit asks once per request)."""
         now = self.clock()
-        own = max(float(self._prefill[index]) - tokens_per_s * (now - float(self._prefill_at[index])), 0.0)
+        rate = tokens_per_s * DRAIN_SHARE
+        own = max(float(self._prefill[index]) - rate * (now - float(self._prefill_at[index])), 0.0)
         if self.first_tokens:
             own += max(float(self._unprefilled[index]), 0.0)
-        peers = float(self._peer_prefill[index]) - tokens_per_s * (now - float(self._peer_prefill_at[index]))
+        peers = float(self._peer_prefill[index]) - rate * (now - float(self._peer_prefill_at[index]))
         return own + max(peers, 0.0) + float(self._peer_unprefilled[index])
 
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
         """Per candidate, the prompt tokens sent there that it has not prefilled: with ``first_tokens`` those of the
         streamed requests whose first token has not come, plus (always) those it has not had time to prefill at
-        ``tokens_per_s`` (aligned with ``candidates``). The peers' backlog is drained at ``tokens_per_s``."""
+        `DRAIN_SHARE` of ``tokens_per_s`` (aligned with ``candidates``). The peers' backlog drains likewise."""
         now = self.clock()
-        own = np.maximum(self._prefill[candidates] - tokens_per_s * (now - self._prefill_at[candidates]), 0.0)
+        rate = tokens_per_s * DRAIN_SHARE
+        own = np.maximum(self._prefill[candidates] - rate * (now - self._prefill_at[candidates]), 0.0)
         if self.first_tokens:
             own += np.maximum(self._unprefilled[candidates], 0.0)
         if not self._peer_backlog:  # no replicas, or none with a backlog: half the work, on every prediction
             return own
-        peers = self._peer_prefill[candidates] - tokens_per_s * (now - self._peer_prefill_at[candidates])
+        peers = self._peer_prefill[candidates] - rate * (now - self._peer_prefill_at[candidates])
         return own + np.maximum(peers, 0.0) + self._peer_unprefilled[candidates]
 
 
@@ -205,7 +217,7 @@ _OWN_FIELDS = (
 class Load:
     """What one replica (or several, `sum`) has on each endpoint of a pool: requests and tokens in flight, requests
     sent so far (a cumulative count), the estimated prefill backlog (prompt tokens not yet prefilled as of
-    ``backlog_at``, on the reader's clock: it drains at the endpoint's rate from then), and the exact one
+    ``backlog_at``, on the reader's clock: it drains from then as `InFlight` drains its own), and the exact one
     (``exact``: uncached prompt tokens of streamed requests whose first token has not come; it does not drain)."""
 
     requests: np.ndarray

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from inferlb.scorer.inflight import RECENT_HALF_LIFE_S, InFlight, Lease, Load
+from inferlb.scorer.inflight import DRAIN_SHARE, RECENT_HALF_LIFE_S, InFlight, Lease, Load
 
 
 def test_starts_at_zero() -> None:
@@ -104,10 +104,10 @@ def test_the_prefill_backlog_drains_at_the_given_rate_and_outlives_the_request()
     inflight.acquire(1, 500)  # no estimate: no backlog
     inflight.acquire(2, 2000, (2000, 500))
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [2000, 0, 2000]
-    now[0] = 101.0
-    assert inflight.pending_prefill(np.arange(3), rates).tolist() == [1000, 0, 1500]
+    now[0] = 100.0 + 1 / DRAIN_SHARE  # the time to prefill 1,000 tokens at DRAIN_SHARE of 1,000 a second
+    assert inflight.pending_prefill(np.arange(3), rates) == pytest.approx([1000, 0, 1500])
     inflight.acquire(0, 300, (300, 1000))  # onto what is left: 1,000 + 300
-    assert inflight.pending_prefill(np.array([2, 0]), rates[[2, 0]]).tolist() == [1500, 1300]
+    assert inflight.pending_prefill(np.array([2, 0]), rates[[2, 0]]) == pytest.approx([1500, 1300])
     now[0] = 200.0  # long drained: never below zero
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 0]
 
@@ -167,8 +167,9 @@ def test_peers_load_counts_in_requests_sent_and_the_prefill_backlog() -> None:
     assert inflight.sent.tolist() == [6, 1]  # its own one and the peers' six: the saturation rule sees them all
     assert inflight.decisions == decisions + 6  # a version that moves with what the peers sent
     now[0] = 102.0
-    # Its own 1,000 less 200 drained, and the peers' 500 (of a second earlier) less 300.
-    assert inflight.pending_prefill(np.array([0, 1]), np.array([100.0, 100.0])).tolist() == [1000.0, 0.0]
+    # Its own 1,000 less 2 s drained, and the peers' 500 (of a second earlier) less 3 s, each at DRAIN_SHARE of 100/s.
+    expected = 1000 - 200 * DRAIN_SHARE + 500 - 300 * DRAIN_SHARE
+    assert inflight.pending_prefill(np.array([0, 1]), np.array([100.0, 100.0])) == pytest.approx([expected, 0.0])
     own = inflight.own()
     assert own.requests.tolist() == [1, 0] and own.sent.tolist() == [1, 0] and own.backlog.tolist() == [1000.0, 0.0]
     inflight.set_peers(Load.zero(2))  # the peers gone
@@ -221,8 +222,8 @@ def test_with_first_tokens_reported_the_backlog_is_the_prompts_still_waiting_for
     # Not streamed: its first token comes with its whole answer, so its tokens drain at the rate instead.
     d = inflight.acquire(1, 3000, (3000, 1000))
     assert d.unprefilled == 0 and inflight.pending_prefill(np.arange(3), rates).tolist() == [2500, 3000, 900]
-    now[0] = 101.0
-    assert inflight.pending_prefill(np.arange(3), rates).tolist() == [2500, 2000, 900]
+    now[0] = 100.0 + 1 / DRAIN_SHARE  # the time to prefill 1,000 tokens at DRAIN_SHARE of 1,000 a second
+    assert inflight.pending_prefill(np.arange(3), rates) == pytest.approx([2500, 2000, 900])
     now[0] = 160.0  # a minute on: a drained estimate would be 0 everywhere; no first token came, so nothing is done
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [2500, 0, 900]
     assert inflight.pending_prefill_at(0, 1000.0) == 2500
@@ -275,6 +276,6 @@ def test_without_first_tokens_reported_a_first_token_changes_nothing() -> None:
     now = [100.0]
     inflight = InFlight(1, clock=lambda: now[0])
     lease = inflight.acquire(0, 2000, (2000, 1000), streamed=True)
-    now[0] = 101.0
+    now[0] = 100.0 + 1 / DRAIN_SHARE
     lease.first_token()
-    assert inflight.pending_prefill(np.arange(1), np.array([1000.0])).tolist() == [1000]
+    assert inflight.pending_prefill(np.arange(1), np.array([1000.0])) == pytest.approx([1000])

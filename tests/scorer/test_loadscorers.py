@@ -15,7 +15,7 @@ import pytest
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import NEUTRAL_SCORE, Engine, State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.inflight import RECENT_HALF_LIFE_S, InFlight
+from inferlb.scorer.inflight import DRAIN_SHARE, RECENT_HALF_LIFE_S, InFlight
 from inferlb.scorer.loadscorers import (
     GpuFreeMemoryScorer,
     GpuUtilScorer,
@@ -291,7 +291,7 @@ def test_a_picked_prompt_counts_until_it_is_prefilled_not_until_its_request_ends
     seconds = scorer.predictor.seconds(REQUEST, s, np.arange(4))
     assert seconds == pytest.approx(np.array([1000, 10_360, 1000, 1000]) / D)
     assert scorer.prefill(first, 2) is None  # one estimate per prediction
-    now[0] = 0.25  # a quarter of a second at 20,000 tokens/s: 5,000 prefilled
+    now[0] = 0.25 / DRAIN_SHARE  # the time to prefill 5,000 tokens at DRAIN_SHARE of 20,000 tokens/s
     assert scorer.predictor.seconds(REQUEST, s, np.arange(4))[1] == pytest.approx((4360 + 1000) / D)
     now[0] = 10.0  # long prefilled, though the request is still in flight
     assert s.inflight.requests[1] == 1
@@ -328,7 +328,7 @@ def test_a_backlog_drains_at_the_endpoints_learned_rate() -> None:
         request = RequestFeatures(model="m", prompt_tokens=20_000)
         scorer.score(request, s, np.arange(4))
         s.inflight.acquire(endpoint, 20_000, scorer.prefill(request, endpoint))
-    now[0] = 0.5
+    now[0] = 0.5 / DRAIN_SHARE  # at DRAIN_SHARE of its rate, endpoint 0 has prefilled 10,000 tokens, 1 all 20,000
     seconds = scorer.predictor.seconds(REQUEST, s, np.arange(4))
     assert seconds == pytest.approx([(10_000 + 1000) / D, 1000 / (2 * D), 1000 / D, 1000 / D])
 

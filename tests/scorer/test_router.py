@@ -16,6 +16,7 @@ from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import UnknownModelError
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.inflight import DRAIN_SHARE
 from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
@@ -51,7 +52,7 @@ def test_a_routed_request_is_counted_with_its_prefill_backlog_until_its_lease_en
     routed.lease.release()
     routed.lease.release()  # idempotent
     assert inflight.total() == 0 and inflight.tokens[index] == 0
-    clock.advance(0.025)  # the backlog drains on the routing clock, not at the request's end
+    clock.advance(0.025 / DRAIN_SHARE)  # the backlog drains on the routing clock, not at the request's end
     assert inflight.pending_prefill(np.arange(3), rates)[index] == pytest.approx(500)
 
 
