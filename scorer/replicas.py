@@ -6,7 +6,7 @@ through one Redis stream per pool (``replicas.key``), off the hot path:
 
 * **Publishing.** Every ``publish_interval_s`` a replica appends one entry with its own load on the endpoints
   whose load changed since its last entry (`InFlight.own`, as absolute values): requests and tokens in flight,
-  requests sent so far, the estimated prefill backlog with its age (peers drain it at the endpoint's rate)
+  requests sent so far, the estimated prefill backlog with its age (peers drain it as their own, `InFlight`)
   and the exact one, which waits for first tokens (``otel.latency_source: stream``); once a second, all of
   them (a full snapshot, which is also its heartbeat). While nothing changes it waits for its next decision
   (``IDLE_TICK_S`` at most) instead of ticking. The tick's entries go in one pipelined round trip. A decision
