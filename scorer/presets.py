@@ -57,8 +57,9 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
             # a mixed fleet, the slow servers that the load scorers favour for holding fewer requests;
             # bench/results/quality/fleets). Before saturation: when the fast servers are saturated, the saturation
             # filter alone would leave a slow one under its threshold as the only candidate, and herd every request
-            # onto it until the next scrape. speed-class: on a mixed fleet with exact prefill backlogs (the responses
-            # timed), only the kind of server predicted soonest, among the unsaturated (bench/results/quality/fleets).
+            # onto it until the next scrape. speed-class: on a mixed fleet, for a request predicted to wait 0.75 s or
+            # more even at best, only the kind of server predicted soonest, among the unsaturated
+            # (bench/results/quality/fleets).
             # ttft-slo: a no-op for requests whose class has no TTFT objective.
             ("model", "staleness", "ttft-gap", "saturation", "speed-class", "ttft-slo"),
             (

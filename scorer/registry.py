@@ -160,6 +160,10 @@ class _TtftGap(_Predictor, total=False):
     slower: Annotated[float, number(gt=0, le=1)]
 
 
+class _SpeedClass(_Predictor, total=False):
+    min_wait_s: Annotated[float, number(ge=0)]
+
+
 class _MemoryFit(TypedDict, total=False):
     bytes_per_token: Annotated[float, _POSITIVE]
     margin: Annotated[float, number(ge=1)]
@@ -344,7 +348,7 @@ def default_registry() -> Registry:
         "staleness": Plugin(_plain(StalenessFilter)),
         "ttft-slo": Plugin(_ttft_slo, _Predictor),
         "ttft-gap": Plugin(_ttft_gap, _TtftGap),
-        "speed-class": Plugin(_speed_class, _Predictor),
+        "speed-class": Plugin(_speed_class, _SpeedClass),
         "saturation": Plugin(
             _plain(SaturationFilter),
             note="one rule decides when an endpoint is saturated, for this filter and admission control alike: "

@@ -442,36 +442,49 @@ def _class_state(backlog: list[int], *, exact: bool = True) -> State:
     return st
 
 
+# REQUEST's 1,000 prompt tokens take 0.025 s on a fast server and 0.1 s on a slow one; the backlogs below are in
+# prompt tokens, so a fast server with 30,000 waits 0.775 s and a slow one with 8,000 0.9 s.
+@pytest.mark.parametrize("exact", [True, False], ids=["timed", "estimated"])
 @pytest.mark.parametrize(
     ("backlog", "expected"),
     [
-        pytest.param([0, 0, 0, 0], [0, 1], id="idle-the-fast-kind"),
-        # The slow servers hold fewer requests but are predicted later: the load scorers must not get to choose them.
-        pytest.param([2_000, 2_000, 0, 0], [0, 1], id="fast-ones-busier-still-sooner"),
-        pytest.param([200_000, 160_000, 0, 1_000], [2, 3], id="fast-ones-seconds-behind-the-slow-kind"),
+        # The slow servers hold fewer tokens but are predicted later: the load scorers must not get to choose them.
+        pytest.param([30_000, 30_000, 8_000, 8_000], [0, 1], id="fast-ones-busier-still-sooner"),
+        pytest.param([200_000, 160_000, 10_000, 12_000], [2, 3], id="fast-ones-seconds-behind-the-slow-kind"),
+        # Below min_wait_s (0.75 s) even at best: the first token waits mostly on decode steps the prediction does
+        # not see, so the kind is left to the scorers.
+        pytest.param([0, 0, 0, 0], [0, 1, 2, 3], id="idle-all-stay"),
+        pytest.param([20_000, 20_000, 0, 0], [0, 1, 2, 3], id="short-waits-all-stay"),
     ],
 )
-def test_speed_class_filter_keeps_the_kind_of_server_predicted_soonest(backlog: list[int], expected: list[int]) -> None:
-    st = _class_state(backlog)
+def test_speed_class_filter_keeps_the_kind_of_server_predicted_soonest_when_the_wait_is_long(
+    backlog: list[int], expected: list[int], exact: bool
+) -> None:
+    # Timed responses (an exact backlog) or spans (an estimate): the filter acts on either.
+    st = _class_state(backlog, exact=exact)
     candidates = np.arange(4)
     kept = SpeedClassFilter(speeds=CLASS_SPEEDS).filter(REQUEST, st, candidates)
     check_subset(kept, candidates)
     assert kept.tolist() == expected
 
 
-def test_speed_class_filter_keeps_all_without_exact_backlogs_declared_speeds_or_a_second_kind() -> None:
+def test_speed_class_filter_min_wait_s_sets_where_it_acts() -> None:
     candidates = np.arange(4)
-    # Spans only: the backlog is estimated, not sure enough to choose a kind of server on.
-    assert SpeedClassFilter(speeds=CLASS_SPEEDS).filter(
-        REQUEST, _class_state([0] * 4, exact=False), candidates
-    ).tolist() == [
+    st = _class_state([0, 0, 0, 0])
+    assert SpeedClassFilter(speeds=CLASS_SPEEDS, min_wait_s=0.0).filter(REQUEST, st, candidates).tolist() == [0, 1]
+    st = _class_state([30_000, 30_000, 8_000, 8_000])  # 0.775 s at best
+    assert SpeedClassFilter(speeds=CLASS_SPEEDS, min_wait_s=0.8).filter(REQUEST, st, candidates).tolist() == [
         0,
         1,
         2,
         3,
     ]
-    st = _class_state([0] * 4)
+
+
+def test_speed_class_filter_keeps_all_without_declared_speeds_or_a_second_kind() -> None:
+    candidates = np.arange(4)
+    st = _class_state([200_000, 160_000, 10_000, 12_000])
     assert SpeedClassFilter().filter(REQUEST, st, candidates).tolist() == [0, 1, 2, 3]  # nothing declared
     assert SpeedClassFilter(speeds=np.ones(4)).filter(REQUEST, st, candidates).tolist() == [0, 1, 2, 3]
-    assert SpeedClassFilter(speeds=CLASS_SPEEDS).filter(REQUEST, st, np.array([2, 3])).tolist() == [2, 3]
+    assert SpeedClassFilter(speeds=CLASS_SPEEDS).filter(REQUEST, st, np.array([0, 1])).tolist() == [0, 1]
     assert SpeedClassFilter(speeds=CLASS_SPEEDS[:3]).filter(REQUEST, st, candidates).tolist() == [0, 1, 2, 3]
