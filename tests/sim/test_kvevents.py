@@ -231,6 +231,7 @@ async def test_eviction_and_a_crash_keep_the_replayed_view_equal_to_the_cache(ct
         for i in range(12):
             await complete(client, server, f"prompt {i} {next(_unique)} ".ljust(4 * BLOCK_CHARS, "x"))
         state = await truth(client, server)
+        await sub.live_until(state["next_seq"])  # published (the publisher's thread): the replay then holds them too
         batches = await sub.replay(0)
         assert [seq for seq, _ in batches] == list(range(state["next_seq"]))
         events = [e for _, p in batches for e in decode(p)]
@@ -241,6 +242,7 @@ async def test_eviction_and_a_crash_keep_the_replayed_view_equal_to_the_cache(ct
 
         await faults(client, server, {"crash": True, "cold_start_s": 0})
         state = await truth(client, server)
+        await sub.live_until(state["next_seq"])
         cleared = [decode(p) for _, p in await sub.replay(batches[-1][0] + 1)]
         assert cleared[-1] == [{"type": "AllBlocksCleared"}]
         assert state["blocks"] == []
