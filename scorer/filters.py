@@ -10,7 +10,7 @@ import numpy as np
 
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.loadscorers import Predicting, TtftPredictor
+from inferlb.scorer.loadscorers import ATTENTION_TOKENS, Predicting, TtftPredictor
 from inferlb.scorer.signals import Snapshot
 
 __all__ = [
@@ -127,9 +127,10 @@ class TtftGapFilter(Predicting):
         seconds: float = 1.0,
         slower: float = 0.5,
         *,
+        attention_tokens: float = ATTENTION_TOKENS,
         predictor: TtftPredictor | None = None,
     ) -> None:
-        super().__init__(prefix_match, block_tokens, guard, predictor=predictor)
+        super().__init__(prefix_match, block_tokens, guard, attention_tokens=attention_tokens, predictor=predictor)
         self.factor = factor
         self.seconds = seconds
         self.slower = slower
@@ -189,10 +190,11 @@ class SpeedClassFilter(Predicting):
         guard: float = 2.0,
         min_wait_s: float = 0.75,
         *,
+        attention_tokens: float = ATTENTION_TOKENS,
         predictor: TtftPredictor | None = None,
         speeds: np.ndarray | None = None,
     ) -> None:
-        super().__init__(prefix_match, block_tokens, guard, predictor=predictor)
+        super().__init__(prefix_match, block_tokens, guard, attention_tokens=attention_tokens, predictor=predictor)
         self.min_wait_s = float(min_wait_s)
         self.speeds = speeds
 

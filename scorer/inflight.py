@@ -3,7 +3,9 @@
 * ``requests`` and ``tokens``: requests (and their estimated prompt tokens) sent and not yet seen finish; they
   move on every decision and every completion.
 * ``sent``: requests ever sent (with the peers' sends, for replicas).
-* The prefill backlog: prompt tokens sent that the endpoint has not prefilled yet. Where each request's first token
+* The prefill backlog: the work of the prompt tokens sent that the endpoint has not prefilled yet (in tokens, as the
+  predictor counts a prompt's work: its uncached tokens weighted for their attention, `scorer.loadscorers`'s
+  ``ATTENTION_TOKENS``; the leases bring it, this module adds and drains it). Where each request's first token
   is reported (``first_tokens``: the filter times the responses, ``otel.latency_source: stream``), a streamed
   request's part is exact: its uncached tokens count until its first token (`Lease.first_token`). Elsewhere, and for
   a request whose response is not streamed (its first token comes with its whole answer), it is estimated: a

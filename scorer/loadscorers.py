@@ -16,6 +16,7 @@ from inferlb.scorer.prefix import overloaded
 from inferlb.scorer.signals import Snapshot
 
 __all__ = [
+    "ATTENTION_TOKENS",
     "DEFAULT_PREFILL_TOKENS_PER_S",
     "GpuFreeMemoryScorer",
     "GpuUtilScorer",
@@ -39,6 +40,15 @@ DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
 # How long after a prediction another plugin of the same decision may take it instead of predicting again: the
 # filters and the scorer of one decision run within microseconds, a later decision finds the counters changed.
 REUSE_S = 0.001
+# A prompt token's prefill costs its share of the model's linear layers (the same for every token) plus its attention
+# over the tokens before it (growing with its position). This is the context length at which the two are equal:
+# 2 x non-embedding parameters / (4 x layers x attention heads x head dimension), a property of the model: Llama
+# 3.1 8B 26,600, Llama 3.2 3B 16,400, Llama 3.1 70B 58,700. Prefilling u tokens after c cached ones is then the
+# work of u x (1 + (c + u / 2) / ATTENTION_TOKENS) tokens at the short-prompt rate: a 100,000-token prompt takes
+# nearly 3 times what 100,000 / rate says. In the simulator (bench/results/quality/fleets) counting it took the
+# default's runs over 1.15x the oracle's TTFT p99 on the mixed fleet from 5 of 36 (three seeds) to 1: a prompt of
+# 135,000 tokens held an H100 for 12 s where 5 were predicted, and the requests sent there after it waited.
+ATTENTION_TOKENS = 26_000.0
 
 
 def min_max_low(values: np.ndarray) -> np.ndarray:
@@ -222,19 +232,22 @@ class LatencyScorer(_SnapshotScorer):
 class TtftPredictor:
     """Predicts, per candidate, how long the request would wait for its first token there, in seconds.
 
-    Predicted work = the endpoint's prefill backlog (prompt tokens this picker sent there that it has not had
-    time to prefill, `InFlight.pending_prefill`; no scrape lag) + this request's prompt tokens not expected to hit
-    that endpoint's prefix cache, over the endpoint's prefill rate (the snapshot's ``prefill_tokens_per_s``, which
-    `scorer.speeds.ServerSpeeds` learns; `DEFAULT_PREFILL_TOKENS_PER_S` where it is not known), plus the
-    endpoint's decode step time where one is learned (``decode_step_s``: the step that makes the first token).
-    ``prefix_match`` (optional) gives, per endpoint of the pool, how many of the request's prefix blocks it likely
-    holds, and ``block_tokens`` how many tokens a block is. The prefix-affinity scorer's imbalance guard applies
-    here too: an endpoint with more than ``guard x (mean in-flight requests over the other candidates + 1)`` requests
-    in flight (`scorer.prefix.overloaded`) gets no credit for its cache, or one popular prefix would pile every
-    request onto it (a cached prompt is cheap to prefill, but the requests still have to be decoded somewhere).
+    Predicted work = the endpoint's prefill backlog (the work of the prompts this picker sent there that it has not
+    had time to prefill, `InFlight.pending_prefill`; no scrape lag) + the work of this request's prompt tokens not
+    expected to hit that endpoint's prefix cache, over the endpoint's prefill rate (the snapshot's
+    ``prefill_tokens_per_s``, which `scorer.speeds.ServerSpeeds` learns; `DEFAULT_PREFILL_TOKENS_PER_S` where it is
+    not known), plus the endpoint's decode step time where one is learned (``decode_step_s``: the step that makes
+    the first token). The work of ``u`` tokens to prefill after ``c`` cached ones is ``u x (1 + (c + u / 2) /
+    attention_tokens)`` tokens' worth (`ATTENTION_TOKENS`: their attention over the context before them; 0 counts
+    the tokens alone), and the rates are learned in the same units. ``prefix_match`` (optional) gives, per endpoint
+    of the pool, how many of the request's prefix blocks it likely holds, and ``block_tokens`` how many tokens a
+    block is. The prefix-affinity scorer's imbalance guard applies here too: an endpoint with more than ``guard x
+    (mean in-flight requests over the other candidates + 1)`` requests in flight (`scorer.prefix.overloaded`) gets
+    no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt is cheap to
+    prefill, but the requests still have to be decoded somewhere).
 
-    ``prefill`` tells the engine the request's uncached tokens on the chosen endpoint, which the request's lease
-    adds to that endpoint's backlog. Keeps a per-snapshot cache: one event loop.
+    ``prefill`` tells the engine the work of the request's uncached tokens on the chosen endpoint, which the
+    request's lease adds to that endpoint's backlog. Keeps a per-snapshot cache: one event loop.
 
     One predictor may serve several plugins of a profile (the ``ttft-gap`` filter and the ``predicted-ttft``
     scorer, `BuildContext.ttft_predictor`): a call with ``reuse`` then takes the prediction the
@@ -242,8 +255,15 @@ class TtftPredictor:
     since, within `REUSE_S`) instead of computing it again.
     """
 
-    def __init__(self, prefix_match: object | None = None, block_tokens: int = 64, guard: float = 2.0) -> None:
+    def __init__(
+        self,
+        prefix_match: object | None = None,
+        block_tokens: int = 64,
+        guard: float = 2.0,
+        attention_tokens: float = ATTENTION_TOKENS,
+    ) -> None:
         self.prefix_match = prefix_match
+        self.attention_tokens = float(attention_tokens)
         self._match = getattr(prefix_match, "match", None)
         # A PrefixIndex also says how deep the best match goes: 0 spares the work for a prompt nobody holds.
         self._match_depth = getattr(prefix_match, "match_depth", None)
@@ -297,6 +317,9 @@ class TtftPredictor:
             # At least one token stays to prefill: the cached part is at most prompt_tokens - 1, and the prompt at
             # least prompt_tokens, so the difference is at least 1 (no floor needed).
             own = prompt - np.minimum(cached, request.prompt_tokens - 1)
+        if self.attention_tokens > 0:  # own x (1 + (cached + own / 2) / L), cached = prompt - own
+            per = 1.0 / self.attention_tokens
+            own = own * ((1.0 + prompt * per) - own * (0.5 * per))
         self._last = (request, state, candidates, own)
         if candidates is not self._rates_for:  # the candidates array is usually the pool's, the same every time
             self._rates = self._tokens_per_s[candidates]
@@ -369,7 +392,8 @@ class TtftPredictor:
 
 
 class Predicting:
-    """A plugin that predicts with a `TtftPredictor`: its own (from ``prefix_match``, ``block_tokens`` and ``guard``),
+    """A plugin that predicts with a `TtftPredictor`: its own (from ``prefix_match``, ``block_tokens``, ``guard`` and
+    ``attention_tokens``),
     or ``predictor``, the one its profile shares; and that passes the prediction's prefill estimate on (a
     `PrefillEstimator`)."""
 
@@ -379,9 +403,10 @@ class Predicting:
         block_tokens: int = 64,
         guard: float = 2.0,
         *,
+        attention_tokens: float = ATTENTION_TOKENS,
         predictor: TtftPredictor | None = None,
     ) -> None:
-        self.predictor = predictor or TtftPredictor(prefix_match, block_tokens, guard)
+        self.predictor = predictor or TtftPredictor(prefix_match, block_tokens, guard, attention_tokens)
 
     @property
     def block_tokens(self) -> int:

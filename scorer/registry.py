@@ -41,6 +41,7 @@ from inferlb.scorer.filters import (
     TtftSloFilter,
 )
 from inferlb.scorer.loadscorers import (
+    ATTENTION_TOKENS,
     GpuFreeMemoryScorer,
     GpuUtilScorer,
     InFlightTokensScorer,
@@ -122,14 +123,16 @@ class BuildContext:
         return index
 
     def ttft_predictor(self, params: Mapping[str, Any]) -> TtftPredictor:
-        """The profile's TTFT predictor for these parameters (``block_tokens``, ``guard``; others are ignored),
+        """The profile's TTFT predictor for these parameters (``block_tokens``, ``guard``, ``attention_tokens``;
+        others are ignored),
         shared by the ``ttft-gap`` filter and the ``predicted-ttft`` scorer: one prediction per decision serves
         both."""
         block_tokens, guard = params.get("block_tokens", 64), params.get("guard", 2.0)
-        key = f"ttft_predictor/{block_tokens}/{guard}"
+        attention = float(params.get("attention_tokens", ATTENTION_TOKENS))
+        key = f"ttft_predictor/{block_tokens}/{guard}/{attention}"
         predictor = self.shared.get(key)
         if predictor is None:
-            predictor = self.shared[key] = TtftPredictor(self.prefix_index(), block_tokens, guard)
+            predictor = self.shared[key] = TtftPredictor(self.prefix_index(), block_tokens, guard, attention)
         return predictor
 
 
@@ -152,6 +155,7 @@ _GUARD = number(gt=0, inf=True)  # the imbalance guard; .inf turns it off
 class _Predictor(TypedDict, total=False):  # predicted-ttft, ttft-slo
     block_tokens: Annotated[int, integer(ge=1)]
     guard: Annotated[float, _GUARD]
+    attention_tokens: Annotated[float, number(ge=0)]  # 0: a prompt's work is its tokens alone
 
 
 class _TtftGap(_Predictor, total=False):

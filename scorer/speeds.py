@@ -7,12 +7,13 @@ decode batch) is not its rate alone. `ServerSpeeds` learns, per endpoint, the ra
 right:
 
 - **Prefill rate.** When the routing unit sends a request it records the work the prediction counted for it: the
-  endpoint's prefill backlog then plus the request's own uncached tokens (`sent`). When the request's first token
-  is timed (the server's span, or the filter timing the response stream), the endpoint has prefilled that work in
-  the TTFT less one decode step (the step that produced the token). The rate is the ratio of the decayed sums of
-  work and of those times, so long prompts weigh more than short ones, whose TTFT is mostly the fixed step; a
-  request whose prompt hit the cache brings little work and weighs little; queueing the backlog did not count
-  lowers the rate, which is what a busier server is.
+  endpoint's prefill backlog then plus the request's own uncached tokens (`sent`; tokens weighted for their attention
+  over the context before them, as the predictor counts work: `scorer.loadscorers.ATTENTION_TOKENS`). When the
+  request's first token is timed (the server's span, or the filter timing the response stream), the endpoint has
+  prefilled that work in the TTFT less one decode step (the step that produced the token). The rate is the ratio of
+  the decayed sums of work and of those times, so long prompts weigh more than short ones, whose TTFT is mostly the
+  fixed step; a request whose prompt hit the cache brings little work and weighs little; queueing the backlog did
+  not count lowers the rate, which is what a busier server is.
 - **Decode step.** From requests that report their output tokens: (E2E - TTFT) / (output tokens - 1), as the
   ratio of decayed sums.
 

@@ -137,4 +137,6 @@ def test_with_first_tokens_the_backlog_counts_the_prompts_whose_first_token_has_
     result = simulate(arrivals, check, profiles, seed=0, on_finish=policy.finished)
     assert result.policy_errors == 0 and all(r.error is None for r in result.records)
     assert checked > 50 and told > 50  # backlogs were there to count, and first tokens took prompts out of them
-    assert policy.inflight.total() == 0 and policy.inflight.pending_prefill(np.arange(3), np.ones(3)).sum() == 0
+    # Nothing left but rounding: the work of a prompt (its tokens, weighted for attention) is not a whole number.
+    assert policy.inflight.total() == 0
+    assert policy.inflight.pending_prefill(np.arange(3), np.ones(3)).sum() == pytest.approx(0, abs=1e-6)

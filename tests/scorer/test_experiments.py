@@ -10,6 +10,7 @@ from inferlb.scorer.engine import Engine
 from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec, histogram_quantile
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.histogram import Histogram
+from inferlb.scorer.loadscorers import ATTENTION_TOKENS
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Routed, Router
@@ -284,16 +285,19 @@ def test_a_request_one_arm_routed_is_counted_by_every_other_arms_engine() -> Non
     default = router.engine
     assert routed.arm.engine is not default
     rates = np.full(4, 1e-9)  # drains nothing: the backlog as the lease left it
-    # The control's prompt is in that endpoint's prefill backlog, estimated by the default's predictor.
-    assert default.inflight.pending_prefill(np.arange(4), rates)[index] == pytest.approx(4096)
-    # And the default's prefix index knows the endpoint now holds the prompt: a repeat costs it one token there.
+    # The control's prompt is in that endpoint's prefill backlog, estimated by the default's predictor (its 4,096
+    # tokens' work, with their attention over the context before each).
+    work = 4096 * (1 + 2048 / ATTENTION_TOKENS)
+    assert default.inflight.pending_prefill(np.arange(4), rates)[index] == pytest.approx(work)
+    # And the default's prefix index knows the endpoint now holds the prompt: a repeat costs it one token there
+    # (after the 4,095 cached).
     uncached, _ = default.prefill_at(RequestFeatures(**prompt, request_id="again"), index)  # type: ignore[arg-type, misc]
-    assert uncached == 1
+    assert uncached == pytest.approx(1 + 4095.5 / ATTENTION_TOKENS)
     elsewhere = (index + 1) % 4
-    assert default.prefill_at(RequestFeatures(**prompt, request_id="again"), elsewhere)[0] == 4096  # type: ignore[arg-type, index]
+    assert default.prefill_at(RequestFeatures(**prompt, request_id="again"), elsewhere)[0] == pytest.approx(work)  # type: ignore[arg-type, index]
     # A retry served it on another endpoint: the default's index learns that too.
     assert router.served(routed.lease, router.pool.endpoints[elsewhere].address, admitted) == "elsewhere"
-    assert default.prefill_at(RequestFeatures(**prompt, request_id="third"), elsewhere)[0] == 1  # type: ignore[arg-type, index]
+    assert default.prefill_at(RequestFeatures(**prompt, request_id="third"), elsewhere)[0] == pytest.approx(uncached)  # type: ignore[arg-type, index]
     routed.lease.release()
 
 

@@ -350,7 +350,10 @@ def test_ttft_slo_filter(
     for i, tokens in enumerate(backlog):  # prompt tokens sent there and not yet prefilled
         st.inflight.acquire(i, 0, (tokens, DEFAULT_PREFILL_TOKENS_PER_S)).release()
     request = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=(1, 2), ttft_slo_s=slo)
-    flt = TtftSloFilter(FixedMatch(cached_blocks) if cached_blocks is not None else None, block_tokens=64)
+    # Tokens alone (attention_tokens=0): "a-long-queue-misses-it" sits on the objective, 0.5 s exactly.
+    flt = TtftSloFilter(
+        FixedMatch(cached_blocks) if cached_blocks is not None else None, block_tokens=64, attention_tokens=0
+    )
     candidates = np.arange(4)
     kept = flt.filter(request, st, candidates)
     check_subset(kept, candidates)

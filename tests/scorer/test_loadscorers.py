@@ -17,6 +17,7 @@ from inferlb.scorer.engine import NEUTRAL_SCORE, Engine, State
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import DRAIN_SHARE, RECENT_HALF_LIFE_S, InFlight
 from inferlb.scorer.loadscorers import (
+    ATTENTION_TOKENS,
     GpuFreeMemoryScorer,
     GpuUtilScorer,
     InFlightTokensScorer,
@@ -227,6 +228,7 @@ def test_recent_prefill_scorer_forgets_a_burst_that_in_flight_tokens_still_count
 
 
 # ---------------------------------------------------------------- predicted TTFT
+# These count a prompt's work as its tokens alone (attention_tokens=0); the attention term has tests of its own.
 
 
 class Match:
@@ -270,7 +272,7 @@ def test_predicted_ttft_is_best_cost_over_own(
     costs: list[float],
 ) -> None:
     values = {"prefill_tokens_per_s": rates} if rates is not None else {}
-    scorer = PredictedTTFTScorer(Match(held) if held is not None else None, block_tokens=64)
+    scorer = PredictedTTFTScorer(Match(held) if held is not None else None, block_tokens=64, attention_tokens=0)
     given = np.array(candidates)
     got = scorer.score(request_, state(backlog=backlog, **values), given)
     expected = min(costs) / np.array(costs)
@@ -282,7 +284,7 @@ def test_a_picked_prompt_counts_until_it_is_prefilled_not_until_its_request_ends
     now = [0.0]
     s = state()
     s.inflight.clock = lambda: now[0]
-    scorer = PredictedTTFTScorer(Match([0, 10, 0, 0]), block_tokens=64)
+    scorer = PredictedTTFTScorer(Match([0, 10, 0, 0]), block_tokens=64, attention_tokens=0)
     first = RequestFeatures(model="m", prompt_tokens=10_000, prefix_hashes=tuple(range(15)))
     scorer.score(first, s, np.arange(4))
     prefill = scorer.prefill(first, 1)
@@ -314,7 +316,7 @@ def test_the_imbalance_guard_stops_cache_credit_on_a_hot_endpoint(
     # (Over all four candidates' mean, 3 would still be credited: 3 <= 2 x (0.75 + 1).)
     s = state()
     s.inflight.requests[:] = requests
-    scorer = PredictedTTFTScorer(Match([0, 10, 10, 0]), block_tokens=64, guard=guard)
+    scorer = PredictedTTFTScorer(Match([0, 10, 10, 0]), block_tokens=64, guard=guard, attention_tokens=0)
     seconds = scorer.predictor.seconds(PREFIXED, s, np.arange(4))
     assert seconds == pytest.approx(np.array(costs) / D)
 
@@ -323,7 +325,7 @@ def test_a_backlog_drains_at_the_endpoints_learned_rate() -> None:
     now = [0.0]
     s = state(prefill_tokens_per_s=[D, 2 * D, D, D])
     s.inflight.clock = lambda: now[0]
-    scorer = PredictedTTFTScorer()
+    scorer = PredictedTTFTScorer(attention_tokens=0)
     for endpoint in (0, 1):
         request = RequestFeatures(model="m", prompt_tokens=20_000)
         scorer.score(request, s, np.arange(4))
@@ -335,11 +337,30 @@ def test_a_backlog_drains_at_the_endpoints_learned_rate() -> None:
 
 def test_a_pick_the_predictor_did_not_see_has_no_estimate() -> None:
     s = state()
-    scorer = PredictedTTFTScorer()
+    scorer = PredictedTTFTScorer(attention_tokens=0)
     scorer.score(REQUEST, s, np.arange(4))
     other = RequestFeatures(model="m", prompt_tokens=5000)
     assert scorer.prefill(other, 0) is None  # e.g. the request went on a route that did not score it
     assert scorer.prefill(REQUEST, 3) == (1000, D)
+
+
+def test_a_long_prompt_counts_its_attention_over_the_context_before_each_token() -> None:
+    # u tokens to prefill after c cached ones are u x (1 + (c + u / 2) / L) tokens' worth: at L tokens of prompt,
+    # half as much again as its tokens; at 4 L, three times; the cached part adds its context to each new token.
+    L = ATTENTION_TOKENS  # the default: Llama 3.1 8B's, rounded
+    assert L == TtftPredictor().attention_tokens == 26_000
+    long = RequestFeatures(model="m", prompt_tokens=int(4 * L), prefix_hashes=tuple(range(104)))  # 1,000-token blocks
+    cached = 78  # endpoint 1 holds the first 3 L tokens: L are left, after a context of 3 L
+    scorer = PredictedTTFTScorer(Match([0, cached, 0, 0]), block_tokens=1000, attention_tokens=L)
+    seconds = scorer.predictor.seconds(long, state(), np.arange(4))
+    assert seconds == pytest.approx(np.array([4 * L * 3, L * (1 + 3.5), 4 * L * 3, 4 * L * 3]) / D)
+    assert scorer.prefill(long, 1) == pytest.approx((L * 4.5, D))  # the lease's backlog is that work too
+    # A short prompt is nearly its tokens; 0 turns the term off.
+    assert PredictedTTFTScorer(attention_tokens=L).predictor.seconds(REQUEST, state(), np.arange(1))[0] == (
+        pytest.approx(1000 * (1 + 500 / L) / D)
+    )
+    linear = PredictedTTFTScorer(Match([0, cached, 0, 0]), block_tokens=1000, attention_tokens=0)
+    assert linear.predictor.seconds(long, state(), np.arange(4)) == pytest.approx(np.array([4, 1, 4, 4]) * L / D)
 
 
 def test_predicted_ttft_follows_a_new_snapshot() -> None:
@@ -490,12 +511,12 @@ def test_a_prediction_is_reused_only_for_the_same_candidates() -> None:
     now = [0.0]
     st = _clocked_state(now)
     request = RequestFeatures(model="m", prompt_tokens=1000, prefix_hashes=(1, 2))
-    shared = TtftPredictor()
+    shared = TtftPredictor(attention_tokens=0)
     candidates = np.arange(4)
     first = shared.seconds(request, st, candidates)
     assert shared.seconds(request, st, candidates, reuse=True) is first
     left = np.array([0, 2, 3])  # a filter dropped one: predicted anew (the imbalance guard weighs the candidates)
-    alone = TtftPredictor()
+    alone = TtftPredictor(attention_tokens=0)
     np.testing.assert_array_equal(shared.seconds(request, st, left, reuse=True), alone.seconds(request, st, left))
     # What the engine asks after the pick is of the candidates the last plugin saw: all of the prompt, at
     # endpoint 2's rate.

