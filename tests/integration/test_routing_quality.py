@@ -63,9 +63,11 @@ def test_a_slowed_server_gets_less_traffic_and_the_tail_is_shorter(tmp_path: Pat
     rr_share, rr_p95 = results["round-robin"]
     share, tail = results["default"]
     assert rr_share == pytest.approx(0.25, abs=0.02)
-    # Measured here: 10-12% alone, 12.5% once under the full suite's load (round robin: 25%; a fair share of a
-    # server 5x slower than three others would be 6%). Under 15% is well clear of round robin and of that noise.
-    assert share < 0.6 * rr_share, results
+    # Measured: 10-12% alone, 12.5% once under the full suite's load, on an Intel 2-core host; 13-16% alone and 15%
+    # under the suite on an AMD 2-core one since the prediction counts prompts' attention (13-14% before, 5 runs)
+    # (round robin: 25%; a fair share of a server 5x slower than three others would be 6%). Under 17.5% is well
+    # clear of round robin and of that noise.
+    assert share < 0.7 * rr_share, results
     assert tail < rr_p95, results
 
 
