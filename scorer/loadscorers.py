@@ -264,6 +264,7 @@ class TtftPredictor:
     ) -> None:
         self.prefix_match = prefix_match
         self.attention_tokens = float(attention_tokens)
+        self._per_attention = 1.0 / self.attention_tokens if self.attention_tokens > 0 else 0.0
         self._match = getattr(prefix_match, "match", None)
         # A PrefixIndex also says how deep the best match goes: 0 spares the work for a prompt nobody holds.
         self._match_depth = getattr(prefix_match, "match_depth", None)
@@ -317,8 +318,7 @@ class TtftPredictor:
             # At least one token stays to prefill: the cached part is at most prompt_tokens - 1, and the prompt at
             # least prompt_tokens, so the difference is at least 1 (no floor needed).
             own = prompt - np.minimum(cached, request.prompt_tokens - 1)
-        if self.attention_tokens > 0:  # own x (1 + (cached + own / 2) / L), cached = prompt - own
-            per = 1.0 / self.attention_tokens
+        if per := self._per_attention:  # own x (1 + (cached + own / 2) / L), cached = prompt - own
             own = own * ((1.0 + prompt * per) - own * (0.5 * per))
         self._last = (request, state, candidates, own)
         if candidates is not self._rates_for:  # the candidates array is usually the pool's, the same every time
