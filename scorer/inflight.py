@@ -11,7 +11,8 @@
   a request whose response is not streamed (its first token comes with its whole answer), it is estimated: a
   prompt's tokens count until its endpoint has had time to prefill them at `DRAIN_SHARE` of its learned rate.
   Either way not until its request ends: a server busy decoding long answers is not one with a long queue to
-  prefill.
+  prefill. With the backlog, how many requests it holds (`waiting_prefill`): exact where it is exact, else
+  estimated, draining with the estimated backlog's tokens (a backlog half drained holds half its requests).
 * Recent prefill work: the prompt tokens sent to prefill (the uncached part, where the profile estimated it),
   summed with a decay of half-life `RECENT_HALF_LIFE_S`. It forgets a prompt at a fixed pace, whether or not its
   request is still running: what a server was given to do in the last few seconds (the ``recent-prefill`` scorer).
@@ -64,8 +65,12 @@ class InFlight:
         # the reader.
         self._prefill = np.zeros(size)
         self._prefill_at = np.zeros(size)
-        # Uncached prompt tokens of the streamed requests counted here whose first token has not been reported.
+        # The requests in that backlog at the time in _prefill_at: they drain with its tokens.
+        self._prefill_n = np.zeros(size)
+        # Uncached prompt tokens of the streamed requests counted here whose first token has not been reported, and
+        # how many requests those are.
         self._unprefilled = np.zeros(size)
+        self._unprefilled_n = np.zeros(size, dtype=np.int64)
         # Prompt tokens sent to prefill, decayed with RECENT_HALF_LIFE_S: their sum as of the time in _recent_at.
         self._recent = np.zeros(size)
         self._recent_at = np.zeros(size)
@@ -125,10 +130,14 @@ class InFlight:
             work = uncached
             if self.first_tokens and streamed:
                 self._unprefilled[index] += uncached
+                self._unprefilled_n[index] += uncached > 0  # as long as the lease holds tokens here
                 unprefilled = uncached
             else:
-                left = self._prefill[index] - tokens_per_s * DRAIN_SHARE * (now - self._prefill_at[index])
-                self._prefill[index] = max(left, 0.0) + uncached
+                held = float(self._prefill[index])
+                left = max(held - tokens_per_s * DRAIN_SHARE * (now - float(self._prefill_at[index])), 0.0)
+                waiting = float(self._prefill_n[index]) * left / held if held > 0 else 0.0
+                self._prefill_n[index] = waiting + (uncached > 0)
+                self._prefill[index] = left + uncached
                 self._prefill_at[index] = now
         kept = 0.5 ** ((now - float(self._recent_at[index])) / RECENT_HALF_LIFE_S)
         self._recent[index] = float(self._recent[index]) * kept + work
@@ -187,6 +196,20 @@ class InFlight:
         peers = float(self._peer_prefill[index]) - rate * (now - float(self._peer_prefill_at[index]))
         return own + max(peers, 0.0) + float(self._peer_unprefilled[index])
 
+    def waiting_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
+        """Per candidate, how many of the requests this replica sent there wait for their prompt to be prefilled:
+        with ``first_tokens`` the streamed ones whose first token has not come, plus the estimated backlog's
+        requests in the share of its tokens not yet drained at `DRAIN_SHARE` of ``tokens_per_s`` (a fraction: the
+        chance that one still waits). The peers' requests are not counted: `Load` carries their backlog's tokens,
+        not its requests."""
+        held = self._prefill[candidates]
+        left = np.maximum(held - (tokens_per_s * DRAIN_SHARE) * (self.clock() - self._prefill_at[candidates]), 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            waiting = np.where(held > 0, self._prefill_n[candidates] * left / held, 0.0)
+        if self.first_tokens:
+            waiting += self._unprefilled_n[candidates]
+        return waiting
+
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
         """Per candidate, the prompt tokens sent there that it has not prefilled: with ``first_tokens`` those of the
         streamed requests whose first token has not come, plus (always) those it has not had time to prefill at
@@ -209,7 +232,9 @@ _OWN_FIELDS = (
     "sent",
     "_prefill",
     "_prefill_at",
+    "_prefill_n",
     "_unprefilled",
+    "_unprefilled_n",
     "_recent",
     "_recent_at",
 )
@@ -290,12 +315,15 @@ class Lease:
         inflight, old = where
         inflight.requests[old] -= 1
         inflight.tokens[old] -= self.tokens
-        inflight._unprefilled[old] -= self.unprefilled
         inflight.lowered += 1
         inflight.requests[index] += 1
         inflight.decisions += 1  # a count raised, as by a decision (the saturation rule's cache)
         inflight.tokens[index] += self.tokens
-        inflight._unprefilled[index] += self.unprefilled
+        if self.unprefilled:
+            inflight._unprefilled[old] -= self.unprefilled
+            inflight._unprefilled_n[old] -= 1
+            inflight._unprefilled[index] += self.unprefilled
+            inflight._unprefilled_n[index] += 1
         self._inflight, self.index = inflight, index
         return True
 
@@ -307,6 +335,7 @@ class Lease:
         if where is not None:
             inflight, index = where
             inflight._unprefilled[index] -= self.unprefilled
+            inflight._unprefilled_n[index] -= 1
         self.unprefilled = 0.0
 
     def release(self) -> None:
@@ -319,5 +348,6 @@ class Lease:
         inflight.tokens[index] -= self.tokens
         if self.unprefilled:
             inflight._unprefilled[index] -= self.unprefilled
+            inflight._unprefilled_n[index] -= 1
             self.unprefilled = 0.0
         inflight.lowered += 1

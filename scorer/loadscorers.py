@@ -49,6 +49,9 @@ REUSE_S = 0.001
 # default's runs over 1.15x the oracle's TTFT p99 on the mixed fleet from 5 of 36 (three seeds) to 1: a prompt of
 # 135,000 tokens held an H100 for 12 s where 5 were predicted, and the requests sent there after it waited.
 ATTENTION_TOKENS = 26_000.0
+# The weight of the delay a request's prefill would add to a request already waiting for its own on a candidate
+# (`PredictedTTFTScorer`), against that request's own predicted wait: 1 prices both seconds alike.
+DELAY_TO_WAITING = 1.0
 
 
 def min_max_low(values: np.ndarray) -> np.ndarray:
@@ -332,6 +335,20 @@ class TtftPredictor:
         self._recent = (snapshot, state.inflight.decisions, state.inflight.clock(), seconds)
         return seconds
 
+    def added_delay(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray | None:
+        """For the request `seconds` last predicted with these ``candidates``: per candidate, the seconds its prefill
+        there would add to the first token of a request already waiting there for its own prefill (its prefill time
+        there, times the requests estimated to wait, `InFlight.waiting_prefill`, counted at most once); None if
+        `seconds` last predicted another request or other candidates. A server computes the prompts that wait
+        together in one step (as many as its token budget holds): a prompt sent where a short one waits makes that
+        one wait for both."""
+        last = self._last
+        if last is None or last[0] is not request or last[2] is not candidates:
+            return None
+        rates = self._rates
+        waiting = state.inflight.waiting_prefill(candidates, rates)
+        return np.minimum(waiting, 1.0) * last[3] / rates
+
     def _reused(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray | None:
         """The last prediction if it is of this request and candidates in this decision, its prefill estimate not yet
         taken; else None (a subset of the candidates is predicted anew: the imbalance guard weighs their mean load)."""
@@ -422,13 +439,38 @@ class Predicting:
 
 
 class PredictedTTFTScorer(Predicting):
-    """The time this request would wait for its first token on each candidate (`TtftPredictor`), best / own."""
+    """The time this request would wait for its first token on each candidate (`TtftPredictor`), plus
+    ``delay_to_waiting`` times what its prefill there would add to the wait of a request already waiting for its own
+    (`TtftPredictor.added_delay`): best / own.
+
+    The second part is there because a server prefills the prompts that wait together in one step: where a short
+    prompt waits, a long one sent after it makes it wait as long as both take, though the long one's own prediction
+    is no worse there than elsewhere. In the simulator (16 H100s, Azure conversation trace, seed 0) the slowest 1% of
+    requests were mostly such pairs, a 0.5-1k-token prompt and a 4-6k one sent within milliseconds to the same server
+    (TTFT 160-210 ms where either alone took 40-150). Counted once however many wait: weighing each (the sum of their
+    delays) did worse on the Azure code trace (bench/results/quality/fleets/README.md). 0 turns it off."""
 
     name = "predicted-ttft"
     bounded = True
 
+    def __init__(
+        self,
+        prefix_match: object | None = None,
+        block_tokens: int = 64,
+        guard: float = 2.0,
+        *,
+        attention_tokens: float = ATTENTION_TOKENS,
+        delay_to_waiting: float = DELAY_TO_WAITING,
+        predictor: TtftPredictor | None = None,
+    ) -> None:
+        super().__init__(prefix_match, block_tokens, guard, attention_tokens=attention_tokens, predictor=predictor)
+        self.delay_to_waiting = float(delay_to_waiting)
+
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        cost = self.predictor.seconds(request, state, candidates, reuse=True)
+        predictor = self.predictor
+        cost = predictor.seconds(request, state, candidates, reuse=True)
+        if self.delay_to_waiting and (added := predictor.added_delay(request, state, candidates)) is not None:
+            cost = cost + self.delay_to_waiting * added  # a new array: a reused prediction is not the scorer's
         least = cost[cost.argmin()]  # argmin: cheaper than min()
         # The floor keeps a zero cost from dividing by zero; above it, it changes nothing and is skipped.
         return least / (cost if least >= 1e-12 else np.maximum(cost, 1e-12))

@@ -158,6 +158,10 @@ class _Predictor(TypedDict, total=False):  # predicted-ttft, ttft-slo
     attention_tokens: Annotated[float, number(ge=0)]  # 0: a prompt's work is its tokens alone
 
 
+class _PredictedTtft(_Predictor, total=False):
+    delay_to_waiting: Annotated[float, number(ge=0)]  # 0: the request's own wait alone
+
+
 class _TtftGap(_Predictor, total=False):
     factor: Annotated[float, number(ge=1)]
     seconds: Annotated[float, number(ge=0)]
@@ -371,7 +375,7 @@ def default_registry() -> Registry:
         "gpu-free-memory": Plugin(_plain(GpuFreeMemoryScorer)),
         "latency": Plugin(_plain(LatencyScorer), _Latency),
         "lora-affinity": Plugin(_plain(LoraAffinityScorer)),
-        "predicted-ttft": Plugin(_predicted_ttft, _Predictor),
+        "predicted-ttft": Plugin(_predicted_ttft, _PredictedTtft),
         "seed-formula": Plugin(_plain(SeedFormulaScorer), _SeedFormula),
         "prefix-affinity": Plugin(_prefix_affinity, _PrefixAffinity),
         "session-affinity": Plugin(_session_affinity, _SessionAffinity),

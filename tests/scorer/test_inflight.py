@@ -112,6 +112,55 @@ def test_the_prefill_backlog_drains_at_the_given_rate_and_outlives_the_request()
     assert inflight.pending_prefill(np.arange(3), rates).tolist() == [0, 0, 0]
 
 
+def test_the_requests_waiting_in_the_estimated_backlog_drain_with_its_tokens() -> None:
+    now = [100.0]
+    inflight = InFlight(3, clock=lambda: now[0])
+    rates = np.array([1000.0, 1000.0, 1000.0])
+    inflight.acquire(0, 1000, (1000, 1000)).release()  # waits until prefilled, not until its request ends
+    inflight.acquire(0, 1000, (1000, 1000))
+    inflight.acquire(1, 500)  # no estimate: not waiting as far as the picker knows
+    inflight.acquire(2, 0, (0, 1000))  # nothing to prefill: not waiting either
+    assert inflight.waiting_prefill(np.arange(3), rates).tolist() == [2, 0, 0]
+    now[0] = 100.0 + 1 / DRAIN_SHARE  # half the 2,000 tokens drained: half the requests still wait
+    assert inflight.waiting_prefill(np.arange(3), rates) == pytest.approx([1, 0, 0])
+    inflight.acquire(0, 1000, (1000, 1000))  # one more onto the half left
+    assert inflight.waiting_prefill(np.array([0]), rates[:1]) == pytest.approx([2])
+    now[0] = 100.0 + 2 / DRAIN_SHARE  # 1,000 of the 2,000 tokens left drained
+    assert inflight.waiting_prefill(np.array([0]), rates[:1]) == pytest.approx([1])
+    now[0] = 200.0
+    assert inflight.waiting_prefill(np.arange(3), rates).tolist() == [0, 0, 0]
+    moved = inflight.moved(np.array([2, 0]))  # the count moves with its endpoint
+    inflight.acquire(0, 1000, (1000, 1000))
+    inflight.hand_over(moved, np.array([2, 0]))
+    assert moved.waiting_prefill(np.arange(2), rates[:2]).tolist() == [0, 0]  # moved before that request
+
+
+def test_the_streamed_requests_waiting_for_their_first_token_are_counted_exactly() -> None:
+    now = [100.0]
+    inflight = InFlight(3, clock=lambda: now[0])
+    inflight.first_tokens = True
+    rates = np.array([1000.0, 1000.0, 1000.0])
+    a = inflight.acquire(0, 2000, (2000, 1000), streamed=True)
+    b = inflight.acquire(0, 500, (500, 1000), streamed=True)
+    c = inflight.acquire(2, 900, (900, 1000), streamed=True)
+    inflight.acquire(1, 3000, (3000, 1000))  # not streamed: estimated, and drained
+    assert inflight.waiting_prefill(np.arange(3), rates).tolist() == [2, 1, 1]
+    now[0] = 160.0  # no first token came: the streamed ones still wait, the estimate has drained
+    assert inflight.waiting_prefill(np.arange(3), rates).tolist() == [2, 0, 1]
+    a.first_token()
+    a.first_token()  # idempotent
+    a.release()  # counted out at its first token, not again at its end
+    assert inflight.waiting_prefill(np.arange(3), rates).tolist() == [1, 0, 1]
+    b.release()  # ended before its first token
+    c.move(1)  # served on endpoint 1: it waits there
+    assert inflight.waiting_prefill(np.arange(3), rates).tolist() == [0, 1, 0]
+    moved = inflight.moved(np.array([1, -1]))
+    inflight.hand_over(moved, np.array([1, -1]))
+    assert moved.waiting_prefill(np.arange(2), rates[:2]).tolist() == [1, 0]
+    c.first_token()  # through the lease, wherever it counts now
+    assert moved.waiting_prefill(np.arange(2), rates[:2]).tolist() == [0, 0]
+
+
 def test_recent_prefill_work_halves_every_half_life_and_outlives_the_request() -> None:
     now = [50.0]
     inflight = InFlight(3, clock=lambda: now[0])

@@ -18,6 +18,7 @@ from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.inflight import DRAIN_SHARE, RECENT_HALF_LIFE_S, InFlight
 from inferlb.scorer.loadscorers import (
     ATTENTION_TOKENS,
+    DELAY_TO_WAITING,
     GpuFreeMemoryScorer,
     GpuUtilScorer,
     InFlightTokensScorer,
@@ -228,7 +229,8 @@ def test_recent_prefill_scorer_forgets_a_burst_that_in_flight_tokens_still_count
 
 
 # ---------------------------------------------------------------- predicted TTFT
-# These count a prompt's work as its tokens alone (attention_tokens=0); the attention term has tests of its own.
+# These count a prompt's work as its tokens alone (attention_tokens=0) and a request's own wait alone
+# (delay_to_waiting=0); the attention term and the delay to the requests waiting have tests of their own.
 
 
 class Match:
@@ -272,7 +274,9 @@ def test_predicted_ttft_is_best_cost_over_own(
     costs: list[float],
 ) -> None:
     values = {"prefill_tokens_per_s": rates} if rates is not None else {}
-    scorer = PredictedTTFTScorer(Match(held) if held is not None else None, block_tokens=64, attention_tokens=0)
+    scorer = PredictedTTFTScorer(
+        Match(held) if held is not None else None, block_tokens=64, attention_tokens=0, delay_to_waiting=0
+    )
     given = np.array(candidates)
     got = scorer.score(request_, state(backlog=backlog, **values), given)
     expected = min(costs) / np.array(costs)
@@ -361,6 +365,38 @@ def test_a_long_prompt_counts_its_attention_over_the_context_before_each_token()
     )
     linear = PredictedTTFTScorer(Match([0, cached, 0, 0]), block_tokens=1000, attention_tokens=0)
     assert linear.predictor.seconds(long, state(), np.arange(4)) == pytest.approx(np.array([4, 1, 4, 4]) * L / D)
+
+
+def test_a_prompt_is_kept_from_a_server_where_another_waits_to_be_prefilled() -> None:
+    # Endpoint 0 has 1,000 tokens of one request waiting; endpoint 1 is 1,000 tokens into a prefill step of 2,000
+    # whose request is half done (the estimate drains with the tokens). A 4,000-token prompt waits about as long on
+    # either by its own prediction, but on 0 the waiting request's first token would wait for both prompts.
+    now = [0.0]
+    s = state(2)
+    s.inflight.clock = lambda: now[0]
+    s.inflight.acquire(1, 0, (2000, D)).release()
+    now[0] = 1000 / (D * DRAIN_SHARE)  # the time to prefill 1,000 tokens at DRAIN_SHARE of the rate
+    s.inflight.acquire(0, 0, (1000, D)).release()
+    long = RequestFeatures(model="m", prompt_tokens=4000)
+    candidates = np.arange(2)
+    alone = PredictedTTFTScorer(attention_tokens=0, delay_to_waiting=0)
+    assert alone.predictor.seconds(long, s, candidates) == pytest.approx(np.array([5000, 5000]) / D)
+    assert s.inflight.waiting_prefill(candidates, np.array([D, D])) == pytest.approx([1, 0.5])
+    scorer = PredictedTTFTScorer(attention_tokens=0)
+    assert scorer.delay_to_waiting == DELAY_TO_WAITING == 1
+    added = np.array([1 * 4000, 0.5 * 4000]) / D  # its prefill time, times the requests waiting (at most one)
+    cost = np.array([5000, 5000]) / D + added
+    assert scorer.score(long, s, candidates) == pytest.approx(cost.min() / cost)
+    assert scorer.score(long, s, candidates).argmax() == 1
+    assert alone.score(long, s, candidates) == pytest.approx([1, 1])
+    # However many wait, the delay counts once: it is what one waiting request would lose.
+    for _ in range(3):
+        s.inflight.acquire(0, 0, (10, D)).release()
+    assert s.inflight.waiting_prefill(candidates[:1], np.array([D]))[0] == pytest.approx(4)
+    scorer.predictor.seconds(long, s, candidates)
+    assert scorer.predictor.added_delay(long, s, candidates) == pytest.approx(np.array([4000, 2000]) / D)
+    assert scorer.predictor.added_delay(REQUEST, s, candidates) is None  # not the request predicted last
+    assert scorer.predictor.added_delay(long, s, np.arange(2)) is None  # nor the candidates
 
 
 def test_predicted_ttft_follows_a_new_snapshot() -> None:
@@ -556,6 +592,10 @@ def test_the_default_profile_predicts_once_per_decision_for_its_gap_filter_and_s
     candidates, per_scorer, _ = engine.rank(request)
     assert len(calls) == 1
     scores = dict(per_scorer)["predicted-ttft"]
-    cost = TtftPredictor().seconds(request, st, candidates)
+    fresh = TtftPredictor()
+    cost = fresh.seconds(request, st, candidates)
+    added = fresh.added_delay(request, st, candidates)
+    assert added is not None and added.any()  # the state has requests waiting to be prefilled
+    cost = cost + DELAY_TO_WAITING * added
     np.testing.assert_allclose(scores, cost.min() / cost)
     assert predictor is not None
