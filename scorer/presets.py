@@ -74,7 +74,9 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
                 ("queue", 1.0),
                 ("kv-cache", 0.5),
                 ("prefix-affinity", 1.0),
-                # 2, not 1: tuned in the simulator on the Mooncake conversation trace (bench/results/quality/).
+                # 2, not 1: tuned in the simulator on the Mooncake conversation trace (bench/results/quality/). It
+                # also charges the wait a prompt adds to one already waiting there (delay_to_waiting: prompts that
+                # wait are prefilled together; bench/results/quality/fleets, "Prompts that wait together").
                 ("predicted-ttft", 2.0),
                 # Prompt tokens until their requests end: what predicted-ttft no longer counts once prefilled,
                 # but what a slow server shows first (its requests stay in flight longer).

@@ -40,8 +40,10 @@ def test_a_failing_canary_is_cut_and_rolled_back_and_a_healthy_one_ramps() -> No
     healthy = release(fleet, spec, faulty=False)
     steps = [(c["kind"], c["weight"]) for c in healthy["changes"]]
     # It ramps to its fair share and is never rolled back. Its one server has no neighbour to share a burst with, so
-    # once it carries a full share its TTFT p99 may pass 2x the balanced pool's by chance: one cut at most.
-    assert steps[:2] == [("ramp", 0.1), ("ramp", 0.2)] and steps[2:] in ([], [("cut", 0.06)])
+    # once it carries a full share its TTFT p99 may pass 2x the balanced pool's by chance: one cut at most, after
+    # which it ramps again.
+    assert steps[:2] == [("ramp", 0.1), ("ramp", 0.2)]
+    assert steps[2:] in ([], [("cut", 0.06)], [("cut", 0.06), ("ramp", 0.1)])
     assert healthy["changes"][0]["at_s"] >= 10.0 and healthy["state"] == "running"
     assert healthy["canary_failed_requests"] == 0
 
