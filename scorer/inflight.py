@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+_NOTHING = 1e-9  # tokens: less than any backlog held
+
 RECENT_HALF_LIFE_S = 2.0
 """Half-life of the recent prefill work, seconds: a few times a long prompt's prefill, so that it tells which
 servers were given the most to do lately, and short enough that a burst is forgotten soon after it is served."""
@@ -204,8 +206,8 @@ class InFlight:
         not its requests."""
         held = self._prefill[candidates]
         left = np.maximum(held - (tokens_per_s * DRAIN_SHARE) * (self.clock() - self._prefill_at[candidates]), 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            waiting = np.where(held > 0, self._prefill_n[candidates] * left / held, 0.0)
+        # Where nothing is held nothing is left: the floor keeps 0 / 0 out (a held backlog is at least a token).
+        waiting = self._prefill_n[candidates] * left / np.maximum(held, _NOTHING)
         if self.first_tokens:
             waiting += self._unprefilled_n[candidates]
         return waiting
