@@ -155,11 +155,22 @@ class Decision:
     endpoint: Endpoint
     profile: str
     reason: str
-    scores: dict[str, float]
     candidates: np.ndarray
     totals: np.ndarray
     per_scorer: tuple[tuple[str, np.ndarray], ...] = ()
     prefill: tuple[float, float] | None = None
+    position: int = 0  # the chosen endpoint's place in candidates
+    # The chosen endpoint's scores where per_scorer is not kept (more candidates than RANKED_UP_TO_CANDIDATES).
+    kept_scores: dict[str, float] | None = None
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """Each scorer's score for the chosen endpoint, by the scorer's name (taken when asked: the decision log
+        reads them only when someone looks)."""
+        if self.kept_scores is not None:
+            return self.kept_scores
+        position = self.position
+        return {name: float(s[position]) for name, s in self.per_scorer}
 
     @property
     def ranked(self) -> tuple[int, ...]:
@@ -272,15 +283,20 @@ class Engine:
             reason = "no-fresh-metrics"
         else:
             reason = self._reason
+        if len(candidates) <= RANKED_UP_TO_CANDIDATES:
+            return Decision(
+                self.pool.endpoints[chosen],
+                profile.name,
+                reason,
+                candidates,
+                totals,
+                tuple(per_scorer),
+                prefill,
+                position,
+            )
+        kept = {name: float(s[position]) for name, s in per_scorer}
         return Decision(
-            self.pool.endpoints[chosen],
-            profile.name,
-            reason,
-            {name: float(s[position]) for name, s in per_scorer},
-            candidates,
-            totals,
-            tuple(per_scorer) if len(candidates) <= RANKED_UP_TO_CANDIDATES else (),
-            prefill,
+            self.pool.endpoints[chosen], profile.name, reason, candidates, totals, (), prefill, position, kept
         )
 
     def prefill_at(self, request: RequestFeatures, endpoint: int) -> tuple[float, float] | None:

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,36 @@ between the prefill chunks. In the simulator (bench/results/quality/fleets, thre
 of server, four traces, loads 0.6-1.0, the responses' first tokens not timed) 0.9 rather than 1 took the rows
 whose TTFT p99 was over 1.15x the oracle's from 9 of 144 to 3 (the A100s' Azure conversation trace at 0.8: 1.21-1.37x
 to 1.09-1.15x); 0.8 helped one fleet and hurt others."""
+
+
+# Up to this many candidates `overloaded` reads the loads as a list (on a few values numpy's per-call cost is most of
+# the work; from about 64 the list costs more).
+_FEW_AS_LIST = 32
+
+
+def overloaded(load: np.ndarray, guard: float) -> np.ndarray | None:
+    """The imbalance guard of prefix affinity: which candidates hold more than ``guard x (the mean in-flight
+    requests of the other candidates + 1)``, as a mask; None when none does (the common case, found cheaply).
+
+    The others' mean, not all candidates': on a small pool a server that piles up requests lifts a mean that counts
+    itself (3 servers, two holding 3 requests each: it would need 19 to be over 2x, against 9 here), and a prefix
+    it caches holds traffic on it long after it has turned slow.
+    """
+    n = len(load)
+    if n < 2 or guard == math.inf:
+        return None
+    # load_i > guard * ((total - load_i) / (n - 1) + 1), solved for load_i: one bound for every candidate. For whole
+    # request counts and a whole guard it decides as the exact rational would: a quotient that is not a whole number
+    # is too far from one (at least 1 / (n - 1 + guard)) for rounding to carry it across.
+    if n <= _FEW_AS_LIST:  # the sum and the busiest as Python ints: a quarter of numpy's per-call cost, same bar
+        values = load.tolist()
+        total, busiest = sum(values), max(values)
+    else:
+        total, busiest = np.add.reduce(load), load[load.argmax()]  # cheaper than load.sum() and load.max()
+    bar = guard * (total + n - 1) / (n - 1 + guard)
+    if busiest <= bar:  # only the busiest can be the first over
+        return None
+    return load > bar
 
 
 class InFlight:
@@ -88,6 +119,8 @@ class InFlight:
         # Their exact backlog (of streamed requests before their first token): it does not drain with time.
         self._peer_unprefilled = np.zeros(size)
         self._peer_backlog = False  # whether any peer backlog is set (without one, `pending_prefill` skips it)
+        # The last `overloaded` answer: (candidates, guard, decisions, lowered, mask).
+        self._overloaded: tuple[np.ndarray, float, int, int, np.ndarray | None] | None = None
 
     def moved(self, mapping: np.ndarray) -> InFlight:
         """The counters of the next pool after a membership change: endpoint j of the new pool has what endpoint
@@ -145,6 +178,25 @@ class InFlight:
         self._recent[index] = float(self._recent[index]) * kept + work
         self._recent_at[index] = now
         return Lease(self, index, tokens, unprefilled)
+
+    def overloaded(self, candidates: np.ndarray, guard: float) -> np.ndarray | None:
+        """`overloaded` of the candidates' requests in flight, kept until a count changes (``decisions`` and
+        ``lowered`` are the counters' version): the prefix-affinity scorer and the TTFT prediction of one decision
+        ask the same. The mask is read-only."""
+        last = self._overloaded
+        if (
+            last is not None
+            and last[0] is candidates
+            and last[1] == guard
+            and last[2] == self.decisions
+            and last[3] == self.lowered
+        ):
+            return last[4]
+        over = overloaded(self.requests[candidates], guard)
+        if over is not None:
+            over.flags.writeable = False
+        self._overloaded = (candidates, guard, self.decisions, self.lowered, over)
+        return over
 
     def total(self) -> int:
         return int(self.requests.sum())
@@ -204,27 +256,38 @@ class InFlight:
         requests in the share of its tokens not yet drained at `DRAIN_SHARE` of ``tokens_per_s`` (a fraction: the
         chance that one still waits). The peers' requests are not counted: `Load` carries their backlog's tokens,
         not its requests."""
-        held = self._prefill[candidates]
-        left = np.maximum(held - (tokens_per_s * DRAIN_SHARE) * (self.clock() - self._prefill_at[candidates]), 0.0)
-        # Where nothing is held nothing is left: the floor keeps 0 / 0 out (a held backlog is at least a token).
-        waiting = self._prefill_n[candidates] * left / np.maximum(held, _NOTHING)
-        if self.first_tokens:
-            waiting += self._unprefilled_n[candidates]
+        waiting = self.prefill_queue(candidates, tokens_per_s * DRAIN_SHARE, waiting=True)[1]
+        assert waiting is not None, "asked for"
         return waiting
 
     def pending_prefill(self, candidates: np.ndarray, tokens_per_s: np.ndarray) -> np.ndarray:
         """Per candidate, the prompt tokens sent there that it has not prefilled: with ``first_tokens`` those of the
         streamed requests whose first token has not come, plus (always) those it has not had time to prefill at
         `DRAIN_SHARE` of ``tokens_per_s`` (aligned with ``candidates``). The peers' backlog drains likewise."""
+        return self.prefill_queue(candidates, tokens_per_s * DRAIN_SHARE)[0]
+
+    def prefill_queue(
+        self, candidates: np.ndarray, drain_per_s: np.ndarray, *, waiting: bool = False
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`pending_prefill` and, with ``waiting``, `waiting_prefill` (else None) at once, from one reading of the
+        clock and of the backlog: ``drain_per_s`` is `DRAIN_SHARE` of each candidate's prefill rate. A prediction
+        asks for both, and on a small pool each array operation costs more than its arithmetic."""
         now = self.clock()
-        rate = tokens_per_s * DRAIN_SHARE
-        own = np.maximum(self._prefill[candidates] - rate * (now - self._prefill_at[candidates]), 0.0)
+        held = self._prefill[candidates]
+        left = np.maximum(held - drain_per_s * (now - self._prefill_at[candidates]), 0.0)
+        counted = None
+        if waiting:
+            # Where nothing is held nothing is left: the floor keeps 0 / 0 out (a held backlog is at least a token).
+            counted = self._prefill_n[candidates] * left / np.maximum(held, _NOTHING)
+            if self.first_tokens:
+                counted += self._unprefilled_n[candidates]
+        own = left
         if self.first_tokens:
-            own += np.maximum(self._unprefilled[candidates], 0.0)
+            own = own + np.maximum(self._unprefilled[candidates], 0.0)
         if not self._peer_backlog:  # no replicas, or none with a backlog: half the work, on every prediction
-            return own
-        peers = self._peer_prefill[candidates] - rate * (now - self._peer_prefill_at[candidates])
-        return own + np.maximum(peers, 0.0) + self._peer_unprefilled[candidates]
+            return own, counted
+        peers = self._peer_prefill[candidates] - drain_per_s * (now - self._peer_prefill_at[candidates])
+        return own + np.maximum(peers, 0.0) + self._peer_unprefilled[candidates], counted
 
 
 _PEER_FIELDS = ("peer_requests", "peer_tokens", "peer_sent", "_peer_prefill", "_peer_prefill_at", "_peer_unprefilled")

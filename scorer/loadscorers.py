@@ -11,8 +11,8 @@ import numpy as np
 
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.inflight import DRAIN_SHARE
 from inferlb.scorer.kvindex import KVBlockIndex
-from inferlb.scorer.prefix import overloaded
 from inferlb.scorer.signals import Snapshot
 
 __all__ = [
@@ -245,7 +245,7 @@ class TtftPredictor:
     the tokens alone), and the rates are learned in the same units. ``prefix_match`` (optional) gives, per endpoint
     of the pool, how many of the request's prefix blocks it likely holds, and ``block_tokens`` how many tokens a
     block is. The prefix-affinity scorer's imbalance guard applies here too: an endpoint with more than ``guard x
-    (mean in-flight requests over the other candidates + 1)`` requests in flight (`scorer.prefix.overloaded`) gets
+    (mean in-flight requests over the other candidates + 1)`` requests in flight (`scorer.inflight.overloaded`) gets
     no credit for its cache, or one popular prefix would pile every request onto it (a cached prompt is cheap to
     prefill, but the requests still have to be decoded somewhere).
 
@@ -279,7 +279,12 @@ class TtftPredictor:
         self._steps: np.ndarray | None = None  # those of the last candidates seen
         # The rates of the last candidates seen, and those candidates (reset with the snapshot).
         self._rates = np.zeros(0)
+        self._drain = np.zeros(0)  # DRAIN_SHARE of those rates: what the backlog drains at
         self._rates_for: np.ndarray | None = None
+        # Whether a plugin sharing this predictor asks for `added_delay`: each prediction then counts the requests
+        # waiting with the backlog it reads (`InFlight.prefill_queue`), kept for the next call, in _waiting.
+        self.counts_waiting = False
+        self._waiting: np.ndarray | None = None
         # The last prediction, for prefill: the request, its state, candidates and uncached tokens per candidate.
         self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray] | None = None
         # The last prediction, for reuse (its request and candidates are in _last): snapshot, counters' version,
@@ -315,7 +320,7 @@ class TtftPredictor:
         elif hashes:
             cached = self._guessed(hashes, candidates)
         if cached is not None and np.count_nonzero(cached):  # count_nonzero: any() without its wrapper
-            over = overloaded(state.inflight.requests[candidates], self.guard)
+            over = state.inflight.overloaded(candidates, self.guard)
             if over is not None:
                 cached[over] = 0
             # At least one token stays to prefill: the cached part is at most prompt_tokens - 1, and the prompt at
@@ -326,10 +331,12 @@ class TtftPredictor:
         self._last = (request, state, candidates, own)
         if candidates is not self._rates_for:  # the candidates array is usually the pool's, the same every time
             self._rates = self._tokens_per_s[candidates]
+            self._drain = self._rates * DRAIN_SHARE
             self._steps = None if self._step_s is None else self._step_s[candidates]
             self._rates_for = candidates
         rates = self._rates
-        seconds = (state.inflight.pending_prefill(candidates, rates) + own) / rates
+        pending, self._waiting = state.inflight.prefill_queue(candidates, self._drain, waiting=self.counts_waiting)
+        seconds = (pending + own) / rates
         if self._steps is not None:  # the first token also waits for the step that makes it
             seconds += self._steps
         self._recent = (snapshot, state.inflight.decisions, state.inflight.clock(), seconds)
@@ -346,7 +353,9 @@ class TtftPredictor:
         if last is None or last[0] is not request or last[2] is not candidates:
             return None
         rates = self._rates
-        waiting = state.inflight.waiting_prefill(candidates, rates)
+        waiting = self._waiting
+        if waiting is None:  # no plugin said it would ask (`counts_waiting`)
+            waiting = state.inflight.waiting_prefill(candidates, rates)
         return np.minimum(waiting, 1.0) * last[3] / rates
 
     def _reused(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray | None:
@@ -465,6 +474,8 @@ class PredictedTTFTScorer(Predicting):
     ) -> None:
         super().__init__(prefix_match, block_tokens, guard, attention_tokens=attention_tokens, predictor=predictor)
         self.delay_to_waiting = float(delay_to_waiting)
+        if self.delay_to_waiting:
+            self.predictor.counts_waiting = True
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         predictor = self.predictor

@@ -12,7 +12,6 @@ work onto one hot endpoint.
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -21,9 +20,10 @@ import numpy as np
 from inferlb.scorer.chainmatch import match_depth
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
 from inferlb.scorer.features import PREFIX_BLOCK_TOKENS, RequestFeatures
+from inferlb.scorer.inflight import overloaded
 from inferlb.scorer.kvindex import KVBlockIndex
 
-__all__ = ["PrefixAffinityScorer", "PrefixIndex"]
+__all__ = ["PrefixAffinityScorer", "PrefixIndex", "overloaded"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,36 +168,6 @@ class PrefixIndex:
         return len(self._holders)
 
 
-# Up to this many candidates `overloaded` reads the loads as a list (on a few values numpy's per-call cost is most of
-# the work; from about 64 the list costs more).
-_FEW_AS_LIST = 32
-
-
-def overloaded(load: np.ndarray, guard: float) -> np.ndarray | None:
-    """The imbalance guard of prefix affinity: which candidates hold more than ``guard x (the mean in-flight
-    requests of the other candidates + 1)``, as a mask; None when none does (the common case, found cheaply).
-
-    The others' mean, not all candidates': on a small pool a server that piles up requests lifts a mean that counts
-    itself (3 servers, two holding 3 requests each: it would need 19 to be over 2x, against 9 here), and a prefix
-    it caches holds traffic on it long after it has turned slow.
-    """
-    n = len(load)
-    if n < 2 or guard == math.inf:
-        return None
-    # load_i > guard * ((total - load_i) / (n - 1) + 1), solved for load_i: one bound for every candidate. For whole
-    # request counts and a whole guard it decides as the exact rational would: a quotient that is not a whole number
-    # is too far from one (at least 1 / (n - 1 + guard)) for rounding to carry it across.
-    if n <= _FEW_AS_LIST:  # the sum and the busiest as Python ints: a quarter of numpy's per-call cost, same bar
-        values = load.tolist()
-        total, busiest = sum(values), max(values)
-    else:
-        total, busiest = np.add.reduce(load), load[load.argmax()]  # cheaper than load.sum() and load.max()
-    bar = guard * (total + n - 1) / (n - 1 + guard)
-    if busiest <= bar:  # only the busiest can be the first over
-        return None
-    return load > bar
-
-
 class PrefixAffinityScorer:
     """Scores each candidate by the fraction of the request's prefix blocks it holds, leading blocks only.
 
@@ -268,7 +238,7 @@ class PrefixAffinityScorer:
         return self._guarded(np.where(live, scores, 0.0 if guess is None else guess), state, candidates)
 
     def _guarded(self, scores: np.ndarray, state: State, candidates: np.ndarray) -> np.ndarray:
-        over = overloaded(state.inflight.requests[candidates], self.guard)
+        over = state.inflight.overloaded(candidates, self.guard)
         if over is not None:
             scores[over] = 0.0
         return scores

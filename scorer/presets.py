@@ -68,7 +68,7 @@ PRESETS: Mapping[str, ProfileSpec] = MappingProxyType(
                 # vary most; bench/results/quality/fleets). It stays as the tie-breaker that spreads requests whose
                 # prompt the picker does not read (a headers-only route), which the token scorers cannot tell apart.
                 # Where prefix affinity holds traffic on a server that turns slow (the demo), the count at 1 pushed
-                # the traffic off sooner; at 0.25 the imbalance guard does (`scorer.prefix.overloaded`: more than
+                # the traffic off sooner; at 0.25 the imbalance guard does (`scorer.inflight.overloaded`: more than
                 # twice the other candidates' mean in-flight requests ends the cache credit).
                 ("in-flight", 0.25),
                 ("queue", 1.0),

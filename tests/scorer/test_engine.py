@@ -14,6 +14,7 @@ import pytest
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.engine import (
     NEUTRAL_SCORE,
+    RANKED_UP_TO_CANDIDATES,
     Decision,
     Engine,
     Filter,
@@ -547,6 +548,21 @@ def test_decision_scores_are_before_weighting() -> None:
     assert decision.scores == {"s": 0.6}
     np.testing.assert_allclose(decision.totals, [4.0, 6.0, 8.0])
     assert decision.candidates.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("size", [RANKED_UP_TO_CANDIDATES, RANKED_UP_TO_CANDIDATES + 1])
+def test_decision_scores_are_the_chosen_endpoints_with_or_without_every_candidates(size: int) -> None:
+    # Up to RANKED_UP_TO_CANDIDATES a decision keeps every candidate's scores and reads the chosen one's from them
+    # when asked; beyond, it keeps the chosen one's alone.
+    first = FixedScorer("first", {i: (i % 7) / 7 for i in range(size)})
+    second = FixedScorer("second", {i: (i % 5) / 5 for i in range(size)})
+    fleet = [EndpointConfig(f"10.0.1.{i + 1}:8000") for i in range(size)]
+    profile = Profile("p", (), (WeightedScorer(first, 1.0), WeightedScorer(second, 2.0)), FixedPicker(size - 3))
+    decision = Engine(Pool(fleet), profile).decide(_req(None))
+    chosen = decision.endpoint.index
+    assert chosen == size - 3
+    assert decision.scores == {"first": (chosen % 7) / 7, "second": (chosen % 5) / 5}
+    assert len(decision.per_scorer) == (2 if size <= RANKED_UP_TO_CANDIDATES else 0)
 
 
 def test_least_request_decision_reports_the_inflight_score() -> None:

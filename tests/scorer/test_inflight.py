@@ -161,6 +161,29 @@ def test_the_streamed_requests_waiting_for_their_first_token_are_counted_exactly
     assert moved.waiting_prefill(np.arange(2), rates[:2]).tolist() == [0, 0]
 
 
+def test_the_imbalance_guard_is_kept_until_a_count_changes() -> None:
+    inflight = InFlight(4)
+    candidates = np.arange(4)
+    leases = [inflight.acquire(0, 10) for _ in range(2)]
+    assert inflight.overloaded(candidates, 2.0) is None  # 2 against the others' mean 0: not over 2 x (0 + 1)
+    assert inflight.overloaded(candidates, 2.0) is None
+    leases.append(inflight.acquire(0, 10))  # 3: over
+    over = inflight.overloaded(candidates, 2.0)
+    assert over is not None and over.tolist() == [True, False, False, False]
+    assert inflight.overloaded(candidates, 2.0) is over  # asked again with nothing changed: the same answer
+    assert inflight.overloaded(candidates, 3.0) is None  # another guard is another question
+    leases.pop().release()  # a count falls: asked anew
+    assert inflight.overloaded(candidates, 2.0) is None
+    assert inflight.overloaded(candidates[1:], 2.0) is None  # other candidates too
+    lease = inflight.acquire(1, 10)
+    assert inflight.overloaded(candidates, 2.0) is None
+    lease.move(0)  # moved by a retry: endpoint 0 holds 3 again
+    over = inflight.overloaded(candidates, 2.0)
+    assert over is not None and over.tolist() == [True, False, False, False]
+    with pytest.raises(ValueError):
+        over[1] = True  # shared by the plugins that ask: read-only
+
+
 def test_recent_prefill_work_halves_every_half_life_and_outlives_the_request() -> None:
     now = [50.0]
     inflight = InFlight(3, clock=lambda: now[0])

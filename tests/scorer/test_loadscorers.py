@@ -586,11 +586,11 @@ def test_the_default_profile_predicts_once_per_decision_for_its_gap_filter_and_s
     engine = Engine(st.pool, profile, st.inflight, st.signals)
     predictor = next(w.scorer for w in profile.scorers if w.scorer.name == "predicted-ttft").predictor
     calls = []
-    original = st.inflight.pending_prefill
-    st.inflight.pending_prefill = lambda c, r: calls.append(1) or original(c, r)  # type: ignore[method-assign]
+    original = st.inflight.prefill_queue
+    st.inflight.prefill_queue = lambda c, r, **kw: calls.append(kw) or original(c, r, **kw)  # type: ignore[method-assign]
     request = RequestFeatures(model="m", prompt_tokens=1000, request_id="r1")
     candidates, per_scorer, _ = engine.rank(request)
-    assert len(calls) == 1
+    assert calls == [{"waiting": True}]  # one reading of the backlog, with the requests waiting in it
     scores = dict(per_scorer)["predicted-ttft"]
     fresh = TtftPredictor()
     cost = fresh.seconds(request, st, candidates)
