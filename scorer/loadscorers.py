@@ -480,8 +480,10 @@ class PredictedTTFTScorer(Predicting):
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         predictor = self.predictor
         cost = predictor.seconds(request, state, candidates, reuse=True)
-        if self.delay_to_waiting and (added := predictor.added_delay(request, state, candidates)) is not None:
-            cost = cost + self.delay_to_waiting * added  # a new array: a reused prediction is not the scorer's
+        delay = self.delay_to_waiting
+        if delay and (added := predictor.added_delay(request, state, candidates)) is not None:
+            # A new array: a reused prediction is not the scorer's. At weight 1 (the default) without the product.
+            cost = cost + (added if delay == 1.0 else delay * added)
         least = cost[cost.argmin()]  # argmin: cheaper than min()
         # The floor keeps a zero cost from dividing by zero; above it, it changes nothing and is skipped.
         return least / (cost if least >= 1e-12 else np.maximum(cost, 1e-12))

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -38,10 +37,9 @@ ADMISSION_POLL_S = 0.02
 IDLE_BACKLOG_SHARE = 0.1
 
 
-@dataclass(frozen=True, slots=True)
-class Admit:
+class Admit(NamedTuple):
     """What admission says of a request: ``go``, ``shed`` (refuse it, 429) or ``wait`` (for room among
-    ``candidates``). ``request`` is the request with its class's fields set."""
+    ``candidates``). ``request`` is the request with its class's fields set. Immutable."""
 
     verdict: Literal["go", "shed", "wait"]
     request: RequestFeatures
@@ -49,9 +47,8 @@ class Admit:
     candidates: np.ndarray | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """A decision and the lease that counts its request in flight (release it when the request ends)."""
+class Routed(NamedTuple):
+    """A decision and the lease that counts its request in flight (release it when the request ends). Immutable."""
 
     decision: Decision
     lease: Lease
@@ -167,7 +164,7 @@ class Router:
         started = time.perf_counter()
         decision = engine.decide(request)
         if saturated:
-            decision = replace(decision, reason="saturated")
+            decision = decision._replace(reason="saturated")
         # The prompt is the work a request brings before its first token: what the in-flight token count and the
         # predicted-TTFT scorer weigh.
         index = decision.endpoint.index

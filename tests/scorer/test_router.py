@@ -61,8 +61,10 @@ def test_a_routed_request_is_counted_with_its_prefill_backlog_until_its_lease_en
 def test_decisions_and_request_features_are_immutable(clock) -> None:
     r = router(clock)
     routed = r.route(r.admit(PROMPT).request)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         routed.decision.reason = "saturated"  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        routed.lease = None  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         PROMPT.priority = 3  # type: ignore[misc]
     assert PROMPT.request_class is None  # admission returned a new object
