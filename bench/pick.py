@@ -16,7 +16,10 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
+import re
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -230,6 +233,82 @@ print(json.dumps(out))
 """
 
 
+# The same decisions counted in CPU instructions under valgrind's callgrind (``--instructions``): a count does not
+# depend on what else the machine runs, so a change of a few percent shows where the timings' noise hides it. For
+# that the decisions must be the same in every run: they run on a clock of their own (a decision every millisecond
+# from a scrape at 0; on the real clock, valgrind's slowness and the machine's load would drain the prefill
+# backlog by different amounts, and the counts differed by 5%), and the prompts' prefix hashes, from Python's
+# salted hash, on a fixed salt (PYTHONHASHSEED).
+_COUNT_CODE = """
+import sys
+from collections import deque
+import numpy as np
+from inferlb.bench.pick import _fleet, _requests
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.presets import build_profile
+n, decisions = int(sys.argv[1]), int(sys.argv[2])
+rng = np.random.default_rng(1)
+requests = _requests(512, rng)
+pool, signals = _fleet(n, rng)
+now = [0.0]
+signals.clock = lambda: now[0]
+signals.publish(signals.snapshot.with_values(scraped_at=np.zeros(n)))
+engine = Engine(pool, build_profile("default", np.random.default_rng(2), size=n), signals=signals)
+held = deque()
+for k in range(decisions):
+    now[0] += 0.001
+    request = requests[k % len(requests)]
+    decision = engine.decide(request)
+    held.append(engine.inflight.acquire(decision.endpoint.index, request.prompt_tokens))
+    if len(held) > 4 * n:
+        held.popleft().release()
+"""
+COUNT_WARM = 300  # decisions before the counted ones (imports, first-call set-up), subtracted
+COUNT_DECISIONS = 1000
+
+
+def instructions(python: str, size: int, decisions: int) -> int:
+    """The CPU instructions that interpreter ``python`` runs for the count workload (start-up included) with
+    ``decisions`` decisions on ``size`` endpoints, by valgrind's callgrind. Raises ``FileNotFoundError`` when
+    valgrind is not installed (Debian's package ``valgrind``)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise FileNotFoundError("valgrind is not installed: apt-get install valgrind (it counts the instructions)")
+    # --trace-children: ``python`` may be a wrapper script that execs the interpreter (its few instructions count
+    # alike in both runs, and subtract out).
+    argv = [valgrind, "--tool=callgrind", "--trace-children=yes", "--callgrind-out-file=/dev/null", python, "-c"]
+    argv.append(_COUNT_CODE)
+    done = subprocess.run(
+        [*argv, str(size), str(decisions)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    found = re.findall(r"Collected : (\d+)", done.stderr)
+    if not found:
+        raise RuntimeError(f"callgrind reported no count: {done.stderr[-500:]}")
+    return int(found[-1])  # the interpreter's (with a wrapper, its count comes last)
+
+
+def instructions_per_decision(python: str, size: int, counted: int = COUNT_DECISIONS) -> float:
+    """Instructions per decision and lease: two runs, `COUNT_WARM` decisions and ``counted`` more, subtracted."""
+    before = instructions(python, size, COUNT_WARM)
+    return (instructions(python, size, COUNT_WARM + counted) - before) / counted
+
+
+def counted_against(python: str, counted: int = COUNT_DECISIONS) -> list[dict[str, Any]]:
+    """Per size, the instructions per decision here and with ``python``, and their ratio."""
+    rows = []
+    for n in SIZES:
+        this = instructions_per_decision(sys.executable, n, counted)
+        other = instructions_per_decision(python, n, counted)
+        rows.append({"endpoints": n, "this": round(this), "other": round(other), "ratio": round(this / other, 3)})
+        print(f"instructions at {n}: this {this:.0f}, other {other:.0f}", flush=True)
+    return rows
+
+
 def against(python: str, rounds: int, decisions: int) -> dict[str, Any]:
     """The default preset's pick p50 here and with another checkout's interpreter ``python``, in alternation,
     ``rounds`` times each: the median of each side's rounds per size, and the ratio."""
@@ -245,7 +324,20 @@ def against(python: str, rounds: int, decisions: int) -> dict[str, Any]:
     for n in SIZES:
         this = round(median([r[str(n)] for r in sides["this"]]) or 0.0, 1)
         other = round(median([r[str(n)] for r in sides["other"]]) or 0.0, 1)
-        rows.append({"endpoints": n, "this_p50_us": this, "other_p50_us": other, "ratio": round(this / other, 3)})
+        # The best round of each side too: on a machine whose speed comes and goes, the least disturbed run.
+        this_best = round(min(r[str(n)] for r in sides["this"]), 1)
+        other_best = round(min(r[str(n)] for r in sides["other"]), 1)
+        rows.append(
+            {
+                "endpoints": n,
+                "this_p50_us": this,
+                "other_p50_us": other,
+                "ratio": round(this / other, 3),
+                "this_best_us": this_best,
+                "other_best_us": other_best,
+                "best_ratio": round(this_best / other_best, 3),
+            }
+        )
     return {"other_python": python, "rounds": rounds, "decisions": decisions, "rows": rows, "raw": sides}
 
 
@@ -259,24 +351,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with inferlb installed from that checkout), in alternation; writes pick-against.{json,md}",
     )
     parser.add_argument("--rounds", type=int, default=3, help="with --against: runs per side")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="with --against: also count each side's CPU instructions per decision under valgrind's callgrind "
+        "(the same on a busy machine as on a quiet one; needs valgrind; a few minutes)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.against:
         result = {**header(args.command), **against(args.against, args.rounds, 2_000 if args.quick else 5_000)}
+        if args.instructions:
+            result["instructions"] = counted_against(args.against, 200 if args.quick else COUNT_DECISIONS)
         lines = [
             "# The default preset's pick against another revision",
             "",
             f"{result['date']}; `{result['command']}`; {result['machine']}. `Engine.decide` and the in-flight lease,"
-            f" p50 µs, the median of {args.rounds} runs per side in alternation; other: `{args.against}`.",
+            f" p50 µs, the median of {args.rounds} runs per side in alternation, and the best run of each side;"
+            f" other: `{args.against}`.",
             "",
             *table(
-                ["endpoints", "this p50 µs", "other p50 µs", "this / other"],
-                ([r["endpoints"], r["this_p50_us"], r["other_p50_us"], r["ratio"]] for r in result["rows"]),
-                "rrrr",
+                ["endpoints", "this p50 µs", "other p50 µs", "this / other", "best: this, other", "best: this / other"],
+                (
+                    [
+                        r["endpoints"],
+                        r["this_p50_us"],
+                        r["other_p50_us"],
+                        r["ratio"],
+                        f"{r['this_best_us']}, {r['other_best_us']}",
+                        r["best_ratio"],
+                    ]
+                    for r in result["rows"]
+                ),
+                "rrrrrr",
             ),
         ]
+        if args.instructions:
+            lines += [
+                "",
+                "CPU instructions per decision and lease (valgrind's callgrind; the same workload, counted once per"
+                " side):",
+                "",
+                *table(
+                    ["endpoints", "this", "other", "this / other"],
+                    ([r["endpoints"], r["this"], r["other"], r["ratio"]] for r in result["instructions"]),
+                    "rrrr",
+                ),
+            ]
         write(args.out, "pick-against", result, "\n".join(lines) + "\n")
         return 0
     picks = pick_latency(2_000 if args.quick else 20_000)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 
+import pytest
+
+from inferlb.bench import pick
 from inferlb.bench.pick import SIZES, against
 
 
@@ -14,3 +18,21 @@ def test_against_measures_both_sides_in_alternation_and_gives_the_ratio() -> Non
     for row in result["rows"]:
         assert row["this_p50_us"] > 0 and row["other_p50_us"] > 0
         assert row["ratio"] == round(row["this_p50_us"] / row["other_p50_us"], 3)
+        assert 0 < row["this_best_us"] <= row["this_p50_us"] and 0 < row["other_best_us"] <= row["other_p50_us"]
+
+
+def test_counting_instructions_without_valgrind_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pick.shutil, "which", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="apt-get install valgrind"):
+        pick.instructions(sys.executable, 8, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian package valgrind)")
+def test_an_instruction_count_is_the_same_on_every_run() -> None:
+    # What the count is for: a figure the machine's load does not move, unlike a timing (each run ~30 s).
+    first = pick.instructions(sys.executable, 8, 100)
+    again = pick.instructions(sys.executable, 8, 100)
+    assert first > 100_000_000  # the interpreter's start-up and imports, then the decisions
+    assert abs(first - again) / first < 0.005
