@@ -406,8 +406,12 @@ class TtftPredictor:
         _, _, candidates, own = last
         self._last = None
         if isinstance(own, np.ndarray):
-            # Candidates are ascending (filters keep the pool's order): a binary search, checked, finds it.
-            position = int(candidates.searchsorted(endpoint))
+            # Candidates are ascending and distinct (filters keep the pool's order), so where every endpoint is a
+            # candidate (the pool's own array, the usual case) the endpoint is its own position; else a binary
+            # search, checked, finds it.
+            position = endpoint
+            if position >= len(candidates) or candidates[position] != endpoint:
+                position = int(candidates.searchsorted(endpoint))
             if position >= len(candidates) or candidates[position] != endpoint:
                 found = np.flatnonzero(candidates == endpoint)  # a filter of a plugin's own may reorder them
                 if not len(found):

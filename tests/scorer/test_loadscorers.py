@@ -284,6 +284,25 @@ def test_predicted_ttft_is_best_cost_over_own(
     check_bounded(got, given)
 
 
+@pytest.mark.parametrize(
+    ("candidates", "chosen"),
+    [
+        pytest.param([0, 1, 2, 3], 1, id="the-pool"),
+        pytest.param([0, 2, 3], 2, id="a-subset-where-the-index-is-another-endpoint"),
+        pytest.param([1, 3], 3, id="a-subset-past-its-length"),
+        pytest.param([3, 0, 1], 1, id="reordered-by-a-plugins-filter"),
+        pytest.param([3, 1, 2], 1, id="reordered-with-the-endpoint-at-its-own-index"),
+    ],
+)
+def test_the_prefill_estimate_is_the_chosen_endpoints_whatever_the_candidates(
+    candidates: list[int], chosen: int
+) -> None:
+    # Endpoint i holds 3 * i of the prompt's blocks: each has its own uncached part (1000 - 192 * i tokens).
+    predictor = TtftPredictor(Match([0, 3, 6, 9]), block_tokens=64, attention_tokens=0)
+    predictor.seconds(PREFIXED, state(), np.array(candidates))
+    assert predictor.prefill(PREFIXED, chosen) == (1000 - 192 * chosen, D)
+
+
 def test_a_picked_prompt_counts_until_it_is_prefilled_not_until_its_request_ends() -> None:
     now = [0.0]
     s = state()
