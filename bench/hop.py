@@ -99,6 +99,7 @@ VARIANTS = (
 # runs a few seconds apart and drift on a noisy machine moves all three alike.
 TIER = (("envoy", "envoy-rr"), ("envoy-lr", "envoy-lr"), ("inferlb-weights", "inferlb weights"))
 KINDS = (("headers", "/v1/embeddings", False), ("body", "/v1/completions", True))
+IDLE_S = 10.0  # seconds over which each picker's CPU with no request coming is measured
 
 
 @dataclass(slots=True)
@@ -167,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
         stacks["inferlb-weights"] = LocalStack(replace(ours, envoy=weights), workdir / "inferlb-weights")
         for stack in stacks.values():
             stack.start()
+        # What each picker spends with no request coming (inferlb scrapes its servers; the floor does nothing): a
+        # share of every request's CPU figure below, larger where fewer requests come.
+        idle = {name: _idle_cpu(stacks[name], IDLE_S) for name in ("noop", "inferlb", "inferlb-rr")}
+        print("  picker CPU while idle, ms/s: " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()), flush=True)
         rows = []
         round_rows: list[dict[str, Any]] = []  # every run, with its round
         repeats = 1 if args.quick else args.repeats
@@ -196,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": table_rows,
         "cpu_ratio_to_floor": cpu_ratio_to_floor(table_rows),
         "round_rows": round_rows,
+        "idle_cpu_ms_per_s": idle,
         "cpu_ratio_rounds": cpu_ratio_rounds(round_rows),
         "tier_rows": tier_rows,
         "weights_to_envoy": weights_to_envoy(tier_rows),
@@ -374,6 +380,14 @@ def _measure(stack: LocalStack, variant: Variant, concurrency: int, duration: fl
     )
 
 
+def _idle_cpu(stack: LocalStack, seconds: float) -> float:
+    """The picker's CPU milliseconds per second over ``seconds`` in which no request comes."""
+    assert stack.picker is not None and stack.picker.pid is not None
+    before = cpu_seconds(stack.picker.pid)
+    time.sleep(seconds)  # the measurement's window, not a wait for readiness
+    return (cpu_seconds(stack.picker.pid) - before) / seconds * 1000
+
+
 def _picks(stack: LocalStack) -> tuple[float, float] | None:
     """(seconds, decisions) of inferlb's pick histogram so far; None for a stack without inferlb's picker."""
     if stack.picker is None or stack.options.picker_command:
@@ -448,11 +462,13 @@ def _split(
     concurrencies: list[int],
     policy: str,
     cold: dict[str, float] | None,
+    idle: dict[str, float] | None = None,
 ) -> list[str]:
     """Where inferlb's picker CPU over the floor goes: the routing path (what the round-robin preset costs over
-    the floor) and the scoring of ``policy`` (what it costs over round-robin). Empty for runs without the
-    round-robin variants."""
-    rows = []
+    the floor) and the scoring of ``policy`` (what it costs over round-robin); with ``idle`` (each picker's CPU
+    ms/s with no request coming), the share of ``policy``'s figure that its background work (the scrapes) makes at
+    that run's request rate. Empty for runs without the round-robin variants."""
+    rows: list[list[object]] = []
     for c in concurrencies:
         for kind in ("headers", "body"):
             floor, rr, ours = (by.get((name, c)) for name in (f"noop {kind}", f"inferlb rr {kind}", f"inferlb {kind}"))
@@ -462,7 +478,10 @@ def _split(
             added = [f"{path - base:+.0f}", f"{full - path:+.0f}"]
             picks = [rr.get("pick_us"), ours.get("pick_us")]
             shown = "—" if None in picks else f"{picks[0]:.0f}, {picks[1]:.0f}"
-            rows.append([c, kind, f"{base:.0f}", *added, shown, f"{path / base:.2f}x", f"{full / base:.2f}x"])
+            row: list[object] = [c, kind, f"{base:.0f}", *added, shown, f"{path / base:.2f}x", f"{full / base:.2f}x"]
+            if idle and "inferlb" in idle:
+                row.append(f"{idle['inferlb'] * 1000 / ours['rps']:.0f}" if ours.get("rps") else None)
+            rows.append(row)
     if not rows:
         return []
     out = ["", "## Where inferlb's picker CPU over the floor goes (same run)", ""]
@@ -475,7 +494,17 @@ def _split(
         "",
     ]
     head = ["concurrency", "request", "floor µs/req", "routing path µs", f"{policy} scoring µs", "pick µs rr, default"]
-    out += table([*head, "round-robin/floor", f"{policy}/floor"], rows, "rlrrrrrr")
+    head += ["round-robin/floor", f"{policy}/floor"]
+    if idle and "inferlb" in idle:
+        shown_idle = ", ".join(f"{name} {ms:.1f}" for name, ms in idle.items())
+        out += [
+            f"With no request coming the pickers spend, in CPU ms a second: {shown_idle} (inferlb scrapes its",
+            "servers ten times a second; the floor does nothing). The last column is that background work's",
+            f"share of `{policy}`'s figure at that run's request rate: part of what it costs over the floor.",
+            "",
+        ]
+        head.append(f"{policy} idle µs/req")
+    out += table(head, rows, "rlrrrrrr" + "r" * (len(head) - 8))
     if cold:
         out += [
             "",
@@ -613,7 +642,7 @@ def _markdown(results: dict[str, Any]) -> str:
         "p50 added vs Envoy alone: noop, inferlb (ms)",
     ]
     out += table(head, floor_rows, "rlrll")
-    out += _split(by, concurrencies, policy, own.get("decide_cold"))
+    out += _split(by, concurrencies, policy, own.get("decide_cold"), results.get("idle_cpu_ms_per_s"))
     out += _tier_section(results.get("weights_to_envoy", {}), results.get("tier_rows", []))
     out += ["", "## What timing responses in the filter costs (otel.latency_source: stream, same run)", ""]
     out += [

@@ -180,6 +180,22 @@ def test_the_report_splits_the_extra_cpu_into_the_routing_path_and_the_scoring(r
     assert "inferlb rr body" in cpu_ratio_to_floor(rows)
 
 
+def test_the_split_shows_the_pickers_background_cpu_per_request(results: dict[str, Any]) -> None:
+    # inferlb scrapes its servers with no request coming, the floor does nothing: at a run's request rate, that
+    # background CPU is a share of each request's figure, which the split shows.
+    rows = results["rows"]
+    by = {(r["variant"], r["concurrency"]): r for r in rows}
+    rows.append(dict(by[("inferlb body", 64)], variant="inferlb rr body"))
+    results["idle_cpu_ms_per_s"] = {"noop": 0.0, "inferlb": 25.0, "inferlb-rr": 24.0}
+    text = _markdown(results)
+
+    assert "in CPU ms a second: noop 0.0, inferlb 25.0, inferlb-rr 24.0" in text
+    assert " idle µs/req |" in text
+    ours = by[("inferlb body", 64)]
+    row = next(line for line in text.splitlines() if line.startswith("| 64 | body |") and "x |" in line)
+    assert row.endswith(f" {25.0 * 1000 / ours['rps']:.0f} |")
+
+
 def test_a_run_without_the_round_robin_variants_has_no_split(results: dict[str, Any]) -> None:
     assert "Where inferlb's picker CPU" not in _markdown(results)
 
