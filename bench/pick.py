@@ -16,10 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
-import re
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +27,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from inferlb.bench import callgrind
 from inferlb.bench.report import header, table, write
 from inferlb.bench.stats import median, percentile, rounded
 from inferlb.filter.request import apply_body
@@ -269,27 +267,8 @@ COUNT_DECISIONS = 1000
 
 def instructions(python: str, size: int, decisions: int) -> int:
     """The CPU instructions that interpreter ``python`` runs for the count workload (start-up included) with
-    ``decisions`` decisions on ``size`` endpoints, by valgrind's callgrind. Raises ``FileNotFoundError`` when
-    valgrind is not installed (Debian's package ``valgrind``)."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise FileNotFoundError("valgrind is not installed: apt-get install valgrind (it counts the instructions)")
-    # --trace-children: ``python`` may be a wrapper script that execs the interpreter (its few instructions count
-    # alike in both runs, and subtract out).
-    argv = [valgrind, "--tool=callgrind", "--trace-children=yes", "--callgrind-out-file=/dev/null", python, "-c"]
-    argv.append(_COUNT_CODE)
-    done = subprocess.run(
-        [*argv, str(size), str(decisions)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd="/",
-        env={**os.environ, "PYTHONHASHSEED": "0"},
-    )
-    found = re.findall(r"Collected : (\d+)", done.stderr)
-    if not found:
-        raise RuntimeError(f"callgrind reported no count: {done.stderr[-500:]}")
-    return int(found[-1])  # the interpreter's (with a wrapper, its count comes last)
+    ``decisions`` decisions on ``size`` endpoints (`callgrind.count`)."""
+    return callgrind.count(python, _COUNT_CODE, str(size), str(decisions))
 
 
 def instructions_per_decision(python: str, size: int, counted: int = COUNT_DECISIONS) -> float:

@@ -21,12 +21,6 @@ def test_against_measures_both_sides_in_alternation_and_gives_the_ratio() -> Non
         assert 0 < row["this_best_us"] <= row["this_p50_us"] and 0 < row["other_best_us"] <= row["other_p50_us"]
 
 
-def test_counting_instructions_without_valgrind_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pick.shutil, "which", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="apt-get install valgrind"):
-        pick.instructions(sys.executable, 8, 10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian package valgrind)")
