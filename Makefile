@@ -29,7 +29,8 @@ test-vllm: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 # ext_proc server, with inferlb's picker CPU over the do-nothing one's at each concurrency.
 bench: $(VENV)/.installed-bench
 	@command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -q wrk >/dev/null; }
-	$(BIN)/inferlb bench hop --out bench/results
+	@command -v valgrind >/dev/null || echo "valgrind not installed: no instruction counts (apt-get install valgrind)"
+	$(BIN)/inferlb bench hop --out bench/results $$(command -v valgrind >/dev/null && echo --instructions)
 
 # Picker replicas: sharing state through Redis (live, and the simulator's replica model), 1 and 2 workers'
 # throughput, tenant quotas across replicas, the exchange's CPU (bench/results/replicas.md). About 20 minutes.

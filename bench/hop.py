@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from importlib.resources import files
@@ -127,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs per variant and concurrency, interleaved")
     parser.add_argument("--tier-rounds", type=int, default=4, help="rounds of the weights tier against Envoy alone")
     parser.add_argument("--quick", action="store_true", help="2 s runs, no profile")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count the CPU instructions of one request through the stream handler (the floor's, round robin's"
+        " and the default's; in process, under valgrind's callgrind: a figure the machine's load does not move)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         "decide": {n: micro.decide_us(n, POLICY) for n in (8, 64, 1024)},
         "decide_cold": {policy: micro.decide_cold_us(policy) for policy in ("round-robin", "least-request", POLICY)},
     }
+    if args.instructions:
+        print("instructions per request through the stream handler (callgrind) ...", flush=True)
+        own["instructions"] = handler_instructions(200 if args.quick else 1000)
 
     backends = start_backends(args.backends, workdir)
     stacks: dict[str, LocalStack] = {}
@@ -380,6 +390,21 @@ def _measure(stack: LocalStack, variant: Variant, concurrency: int, duration: fl
     )
 
 
+COUNTED = ("noop", "round-robin", POLICY)  # the pickers whose stream handler `--instructions` counts
+
+
+def handler_instructions(counted: int) -> dict[str, dict[str, float]]:
+    """Per picker of `COUNTED` and request kind, the CPU instructions of one request through the stream handler
+    (`micro.handler_instructions`), the counts run side by side on the machine's CPUs."""
+    jobs = [(policy, kind) for policy in COUNTED for kind in ("headers", "body")]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        counts = pool.map(lambda job: micro.handler_instructions(job[0], job[1] == "body", counted), jobs)
+        found: dict[str, dict[str, float]] = {}
+        for (policy, kind), value in zip(jobs, counts, strict=True):
+            found.setdefault(policy, {})[kind] = round(value)
+    return found
+
+
 def _idle_cpu(stack: LocalStack, seconds: float) -> float:
     """The picker's CPU milliseconds per second over ``seconds`` in which no request comes."""
     assert stack.picker is not None and stack.picker.pid is not None
@@ -498,9 +523,9 @@ def _split(
     if idle and "inferlb" in idle:
         shown_idle = ", ".join(f"{name} {ms:.1f}" for name, ms in idle.items())
         out += [
-            f"With no request coming the pickers spend, in CPU ms a second: {shown_idle} (inferlb scrapes its",
-            "servers ten times a second; the floor does nothing). The last column is that background work's",
-            f"share of `{policy}`'s figure at that run's request rate: part of what it costs over the floor.",
+            "With no request coming (inferlb scrapes its servers ten times a second; the floor does nothing) the",
+            f"pickers spend, in CPU ms a second: {shown_idle}. The last column is that background work's share",
+            f"of `{policy}`'s figure at that run's request rate: part of what it costs over the floor.",
             "",
         ]
         head.append(f"{policy} idle µs/req")
@@ -577,6 +602,29 @@ def _tier_section(tier: dict[str, dict[str, dict[str, Any]]], rows: Sequence[dic
             "rlrrrrr",
         )
     return out
+
+
+def _instructions_section(counts: dict[str, dict[str, float]] | None) -> list[str]:
+    """The stream handler's CPU instructions per request (``--instructions``); empty for runs without them."""
+    if not counts or "noop" not in counts:
+        return []
+    out = [
+        "",
+        "CPU instructions per request through the stream handler, counted by valgrind's callgrind (the same",
+        "requests in process, on a clock of their own: the count is the same on every run; `--instructions`),",
+        "the do-nothing picker's (the floor) beside inferlb's:",
+        "",
+    ]
+    names = [name for name in counts if name != "noop"]
+    head = ["request", "noop", *names, *(f"{name} - noop" for name in names)]
+    rows = []
+    for kind in ("headers", "body"):
+        floor = counts["noop"][kind]
+        rows.append(
+            [kind, f"{floor:,.0f}", *(f"{counts[n][kind]:,.0f}" for n in names)]
+            + [f"{counts[n][kind] - floor:+,.0f}" for n in names]
+        )
+    return out + table(head, rows)
 
 
 def _markdown(results: dict[str, Any]) -> str:
@@ -689,6 +737,7 @@ def _markdown(results: dict[str, Any]) -> str:
         ([n, f"{p50:.1f}", f"{p99:.1f}"] for n, (p50, p99) in own["decide"].items()),
         "rrr",
     )
+    out += _instructions_section(own.get("instructions"))
     profile = results.get("profile")
     if profile:
         out += ["", f"## Where the picker's CPU goes (py-spy, {profile['samples']} samples, body requests, c=16)", ""]

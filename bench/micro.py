@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import timeit
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,7 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpBody, HttpHeaders, ProcessingRequest
 
+from inferlb.bench import callgrind
 from inferlb.bench.stats import percentiles
 from inferlb.filter.request import apply_body, features_from_headers
 from inferlb.filter.server import ExtProcService
@@ -141,3 +143,40 @@ def decide_us(endpoints: int, policy: str, n: int = 20000) -> tuple[float, float
     p50, p99 = found[50], found[99]
     assert p50 is not None and p99 is not None, "n >= 1 timings"
     return p50 / 1000, p99 / 1000
+
+
+# One request through the stream handler, as `per_request_us` drives it, counted in CPU instructions (`callgrind`):
+# ``policy`` is a preset, or "noop" for the do-nothing picker (the hop benchmark's floor). The routing core runs on a
+# clock of the workload's own (a request every millisecond), so that every run counts the same.
+_HANDLER_CODE = """
+import asyncio, sys
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+from inferlb.bench.micro import make_service, request_messages
+steps, policy, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+service = make_service(4, "round-robin" if policy == "noop" else policy)
+now = [0.0]
+service.engine.signals.clock = service.engine.inflight.clock = lambda: now[0]
+if policy == "noop":
+    from inferlb.bench.noop_picker import NoopService
+    service = NoopService(service.engine.pool)
+wire = request_messages(kind == "body")
+async def one():
+    async def messages():
+        for raw in wire:
+            yield ProcessingRequest.FromString(raw)
+    async for reply in service.Process(messages(), None):
+        reply.SerializeToString()
+async def main():
+    for _ in range(steps):
+        now[0] += 0.001
+        await one()
+asyncio.run(main())
+"""
+HANDLER_WARM = 300  # requests before the counted ones (imports, first-call set-up), subtracted
+
+
+def handler_instructions(policy: str, with_body: bool, counted: int = 1000, python: str = sys.executable) -> float:
+    """CPU instructions per request through the stream handler (``policy``: a preset, or "noop" for the do-nothing
+    picker), in process, without gRPC; needs valgrind (`callgrind.count`)."""
+    kind = "body" if with_body else "headers"
+    return callgrind.per_step(python, _HANDLER_CODE, HANDLER_WARM, counted, policy, kind)

@@ -196,6 +196,19 @@ def test_the_split_shows_the_pickers_background_cpu_per_request(results: dict[st
     assert row.endswith(f" {25.0 * 1000 / ours['rps']:.0f} |")
 
 
+def test_the_report_shows_the_handlers_instructions_beside_the_floors(results: dict[str, Any]) -> None:
+    assert "CPU instructions per request through the stream handler" not in _markdown(results)  # not counted
+    results["own_work"]["instructions"] = {
+        "noop": {"headers": 34_000, "body": 40_000},
+        "round-robin": {"headers": 137_000, "body": 197_000},
+        "default": {"headers": 364_000, "body": 507_000},
+    }
+    text = _markdown(results)
+
+    assert "| request | noop | round-robin | default | round-robin - noop | default - noop |" in text
+    assert "| body | 40,000 | 197,000 | 507,000 | +157,000 | +467,000 |" in text
+
+
 def test_a_run_without_the_round_robin_variants_has_no_split(results: dict[str, Any]) -> None:
     assert "Where inferlb's picker CPU" not in _markdown(results)
 
