@@ -244,7 +244,7 @@ import numpy as np
 from inferlb.bench.pick import _fleet, _requests
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.presets import build_profile
-n, decisions = int(sys.argv[1]), int(sys.argv[2])
+decisions, n = int(sys.argv[1]), int(sys.argv[2])
 rng = np.random.default_rng(1)
 requests = _requests(512, rng)
 pool, signals = _fleet(n, rng)
@@ -268,13 +268,12 @@ COUNT_DECISIONS = 1000
 def instructions(python: str, size: int, decisions: int) -> int:
     """The CPU instructions that interpreter ``python`` runs for the count workload (start-up included) with
     ``decisions`` decisions on ``size`` endpoints (`callgrind.count`)."""
-    return callgrind.count(python, _COUNT_CODE, str(size), str(decisions))
+    return callgrind.count(python, _COUNT_CODE, str(decisions), str(size))
 
 
 def instructions_per_decision(python: str, size: int, counted: int = COUNT_DECISIONS) -> float:
     """Instructions per decision and lease: two runs, `COUNT_WARM` decisions and ``counted`` more, subtracted."""
-    before = instructions(python, size, COUNT_WARM)
-    return (instructions(python, size, COUNT_WARM + counted) - before) / counted
+    return callgrind.per_step(python, _COUNT_CODE, COUNT_WARM, counted, str(size))
 
 
 def counted_against(python: str, counted: int = COUNT_DECISIONS) -> list[dict[str, Any]]:
