@@ -208,8 +208,16 @@ class Engine:
         self._predictors = tuple(p.estimate_prefill for p in plugins if isinstance(p, PrefillPredictor))
         self._filters = tuple(profile.filters)
         self._reason = _PICKER_REASONS.get(profile.picker.name, profile.picker.name)
+        # Each weight other than 1 as a 0-d array: numpy 2 takes a Python float operand through its scalar promotion,
+        # which costs more than the product of a few values (the same product either way).
         self._scorers = tuple(
-            (ws.scorer.name, ws.scorer, ws.weight, bool(getattr(ws.scorer, "bounded", False))) for ws in profile.scorers
+            (
+                ws.scorer.name,
+                ws.scorer,
+                None if ws.weight == 1.0 else np.array(ws.weight, dtype=np.float64),
+                bool(getattr(ws.scorer, "bounded", False)),
+            )
+            for ws in profile.scorers
         )
 
     def rank(
@@ -245,7 +253,7 @@ class Engine:
             except Exception:
                 scores = self._failed(scorer, len(candidates))
             per_scorer.append((name, scores))
-            weighted = scores if weight == 1.0 else weight * scores
+            weighted = scores if weight is None else weight * scores
             if totals is None:
                 totals = weighted
                 owned = weighted is not scores

@@ -11,7 +11,7 @@ import numpy as np
 
 from inferlb.scorer.engine import NEUTRAL_SCORE, State
 from inferlb.scorer.features import RequestFeatures
-from inferlb.scorer.inflight import DRAIN_SHARE
+from inferlb.scorer.inflight import DRAIN_SHARE, FEW_AS_LIST
 from inferlb.scorer.kvindex import KVBlockIndex
 from inferlb.scorer.signals import Snapshot
 
@@ -143,7 +143,12 @@ class InFlightTokensScorer:
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         tokens = state.inflight.tokens[candidates]  # integers, never unknown: `fewer_is_better` without the NaNs
-        return 1.0 / (1.0 + (tokens - tokens[tokens.argmin()]) / self.unit)  # argmin: cheaper than min()
+        unit = self.unit
+        if len(tokens) <= FEW_AS_LIST:
+            values = tokens.tolist()
+            least = min(values)
+            return np.array([1.0 / (1.0 + (v - least) / unit) for v in values])
+        return 1.0 / (1.0 + (tokens - tokens[tokens.argmin()]) / unit)  # argmin: cheaper than min()
 
 
 class RecentPrefillScorer:
@@ -281,12 +286,17 @@ class TtftPredictor:
         self._rates = np.zeros(0)
         self._drain = np.zeros(0)  # DRAIN_SHARE of those rates: what the backlog drains at
         self._rates_for: np.ndarray | None = None
+        # Those rates, drain rates and steps as lists, for candidates few enough to compute on lists (`FEW_AS_LIST`).
+        self._rates_few: list[float] = []
+        self._drain_few: list[float] = []
+        self._steps_few: list[float] | None = None
         # Whether a plugin sharing this predictor asks for `added_delay`: each prediction then counts the requests
         # waiting with the backlog it reads (`InFlight.prefill_queue`), kept for the next call, in _waiting.
         self.counts_waiting = False
-        self._waiting: np.ndarray | None = None
-        # The last prediction, for prefill: the request, its state, candidates and uncached tokens per candidate.
-        self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray] | None = None
+        self._waiting: np.ndarray | list[float] | None = None
+        # The last prediction, for prefill: the request, its state, candidates and the work of its uncached tokens per
+        # candidate (one number where it is the same everywhere; a list where the candidates are few).
+        self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray | list[float]] | None = None
         # The last prediction, for reuse (its request and candidates are in _last): snapshot, counters' version,
         # time and seconds.
         self._recent: tuple[Snapshot, int, float, np.ndarray] | None = None
@@ -311,7 +321,9 @@ class TtftPredictor:
         # At least one token: a request whose prompt is unknown (a headers-only route) still ranks endpoints by
         # the work queued there, instead of scoring every one 0 when some endpoint is idle.
         prompt = float(max(request.prompt_tokens, 1))
-        own: float | np.ndarray = prompt  # this request's tokens to prefill, per candidate where they differ
+        # The work of the request's tokens to prefill: one number, or per candidate where they differ (a list where
+        # the candidates are few, `FEW_AS_LIST`).
+        own: float | np.ndarray | list[float] = prompt
         hashes = request.prefix_hashes
         cached = None
         kv = state.signals.kv
@@ -319,27 +331,51 @@ class TtftPredictor:
             cached = self._cached_exact(request, candidates, kv)
         elif hashes:
             cached = self._guessed(hashes, candidates)
-        if cached is not None and np.count_nonzero(cached):  # count_nonzero: any() without its wrapper
+        few = len(candidates) <= FEW_AS_LIST
+        # At least one token stays to prefill: the cached part is at most prompt_tokens - 1, and the prompt at least
+        # prompt_tokens, so the difference is at least 1 (no floor needed).
+        top = request.prompt_tokens - 1
+        if cached is None:
+            pass
+        elif few:  # on lists (`FEW_AS_LIST`): the same numbers
+            held = cached.tolist()
+            if any(held):
+                over = state.inflight.overloaded(candidates, self.guard)
+                if over is not None:
+                    held = [0 if o else c for c, o in zip(held, over.tolist(), strict=True)]
+                own = [prompt - (c if c < top else top) for c in held]
+        elif np.count_nonzero(cached):  # count_nonzero: any() without its wrapper
             over = state.inflight.overloaded(candidates, self.guard)
             if over is not None:
                 cached[over] = 0
-            # At least one token stays to prefill: the cached part is at most prompt_tokens - 1, and the prompt at
-            # least prompt_tokens, so the difference is at least 1 (no floor needed).
-            own = prompt - np.minimum(cached, request.prompt_tokens - 1)
+            own = prompt - np.minimum(cached, top)
         if per := self._per_attention:  # own x (1 + (cached + own / 2) / L), cached = prompt - own
-            own = own * ((1.0 + prompt * per) - own * (0.5 * per))
+            whole, half = 1.0 + prompt * per, 0.5 * per
+            own = [x * (whole - x * half) for x in own] if isinstance(own, list) else own * (whole - own * half)
         self._last = (request, state, candidates, own)
         if candidates is not self._rates_for:  # the candidates array is usually the pool's, the same every time
             self._rates = self._tokens_per_s[candidates]
             self._drain = self._rates * DRAIN_SHARE
             self._steps = None if self._step_s is None else self._step_s[candidates]
             self._rates_for = candidates
-        rates = self._rates
-        pending, self._waiting = state.inflight.prefill_queue(candidates, self._drain, waiting=self.counts_waiting)
-        seconds = (pending + own) / rates
-        if self._steps is not None:  # the first token also waits for the step that makes it
-            seconds += self._steps
-        self._recent = (snapshot, state.inflight.decisions, state.inflight.clock(), seconds)
+            self._rates_few, self._drain_few = self._rates.tolist(), self._drain.tolist()
+            self._steps_few = None if self._steps is None else self._steps.tolist()
+        inflight = state.inflight
+        if few:
+            pending, self._waiting = inflight.prefill_queue_few(
+                candidates, self._drain_few, waiting=self.counts_waiting
+            )
+            works = own if isinstance(own, list) else [own] * len(pending)
+            times = [(p + w) / r for p, w, r in zip(pending, works, self._rates_few, strict=True)]
+            if self._steps_few is not None:  # the first token also waits for the step that makes it
+                times = [t + step for t, step in zip(times, self._steps_few, strict=True)]
+            seconds = np.array(times)
+        else:
+            pending_array, self._waiting = inflight.prefill_queue(candidates, self._drain, waiting=self.counts_waiting)
+            seconds = (pending_array + own) / self._rates
+            if self._steps is not None:
+                seconds += self._steps
+        self._recent = (snapshot, inflight.decisions, inflight.clock(), seconds)
         return seconds
 
     def added_delay(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray | None:
@@ -349,11 +385,23 @@ class TtftPredictor:
         `seconds` last predicted another request or other candidates. A server computes the prompts that wait
         together in one step (as many as its token budget holds): a prompt sent where a short one waits makes that
         one wait for both."""
+        added = self._added_delay(request, state, candidates)
+        return np.array(added) if isinstance(added, list) else added
+
+    def _added_delay(
+        self, request: RequestFeatures, state: State, candidates: np.ndarray
+    ) -> np.ndarray | list[float] | None:
+        """`added_delay`, as a list where the prediction was computed on lists (`FEW_AS_LIST`)."""
         last = self._last
         if last is None or last[0] is not request or last[2] is not candidates:
             return None
-        rates = self._rates
         waiting = self._waiting
+        if isinstance(waiting, list):
+            own = last[3]
+            assert not isinstance(own, np.ndarray), "a prediction on lists keeps its work as a list or a number"
+            works = own if isinstance(own, list) else [own] * len(waiting)
+            return [(1.0 if w > 1.0 else w) * x / r for w, x, r in zip(waiting, works, self._rates_few, strict=True)]
+        rates = self._rates
         if waiting is None:  # no plugin said it would ask (`counts_waiting`)
             waiting = state.inflight.waiting_prefill(candidates, rates)
         return np.minimum(waiting, 1.0) * last[3] / rates
@@ -405,7 +453,7 @@ class TtftPredictor:
             return None
         _, _, candidates, own = last
         self._last = None
-        if isinstance(own, np.ndarray):
+        if not isinstance(own, float):
             # Candidates are ascending and distinct (filters keep the pool's order), so where every endpoint is a
             # candidate (the pool's own array, the usual case) the endpoint is its own position; else a binary
             # search, checked, finds it.
@@ -485,11 +533,20 @@ class PredictedTTFTScorer(Predicting):
         predictor = self.predictor
         cost = predictor.seconds(request, state, candidates, reuse=True)
         delay = self.delay_to_waiting
-        if delay and (added := predictor.added_delay(request, state, candidates)) is not None:
+        added = predictor._added_delay(request, state, candidates) if delay else None
+        if len(cost) <= FEW_AS_LIST:  # on lists (`FEW_AS_LIST`): the same numbers
+            costs = cost.tolist()
+            if added is not None:
+                more = added if isinstance(added, list) else added.tolist()
+                weighted = more if delay == 1.0 else [delay * a for a in more]
+                costs = [c + a for c, a in zip(costs, weighted, strict=True)]
+            least = min(costs)
+            # The floor keeps a zero cost from dividing by zero; above it, it changes nothing and is skipped.
+            return np.array([least / c for c in costs] if least >= 1e-12 else [least / max(c, 1e-12) for c in costs])
+        if added is not None:
             # A new array: a reused prediction is not the scorer's. At weight 1 (the default) without the product.
-            cost = cost + (added if delay == 1.0 else delay * added)
+            cost = cost + (added if delay == 1.0 else delay * np.asarray(added))
         least = cost[cost.argmin()]  # argmin: cheaper than min()
-        # The floor keeps a zero cost from dividing by zero; above it, it changes nothing and is skipped.
         return least / (cost if least >= 1e-12 else np.maximum(cost, 1e-12))
 
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from inferlb.scorer.engine import State
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.inflight import FEW_AS_LIST
 
 
 class ModelFilter:
@@ -40,6 +41,10 @@ class InFlightScorer:
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         load = state.inflight.requests[candidates]
+        if len(load) <= FEW_AS_LIST:
+            values = load.tolist()
+            least = min(values) - 1
+            return np.array([1.0 / (v - least) for v in values])
         # The least by argmin, and 1.0 / rather than np.reciprocal: the same numbers at a third less of the cost.
         return 1.0 / (load - (load[load.argmin()] - 1))
 

@@ -605,8 +605,11 @@ def test_the_default_profile_predicts_once_per_decision_for_its_gap_filter_and_s
     engine = Engine(st.pool, profile, st.inflight, st.signals)
     predictor = next(w.scorer for w in profile.scorers if w.scorer.name == "predicted-ttft").predictor
     calls = []
-    original = st.inflight.prefill_queue
-    st.inflight.prefill_queue = lambda c, r, **kw: calls.append(kw) or original(c, r, **kw)  # type: ignore[method-assign]
+    # Four candidates: the backlog is read as lists (`FEW_AS_LIST`); both readings are watched.
+    for reading in ("prefill_queue", "prefill_queue_few"):
+        original = getattr(st.inflight, reading)
+        spy = lambda c, r, original=original, **kw: calls.append(kw) or original(c, r, **kw)  # noqa: E731
+        setattr(st.inflight, reading, spy)
     request = RequestFeatures(model="m", prompt_tokens=1000, request_id="r1")
     candidates, per_scorer, _ = engine.rank(request)
     assert calls == [{"waiting": True}]  # one reading of the backlog, with the requests waiting in it
