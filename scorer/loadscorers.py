@@ -335,16 +335,14 @@ class TtftPredictor:
         # At least one token stays to prefill: the cached part is at most prompt_tokens - 1, and the prompt at least
         # prompt_tokens, so the difference is at least 1 (no floor needed).
         top = request.prompt_tokens - 1
-        if cached is None:
-            pass
-        elif few:  # on lists (`FEW_AS_LIST`): the same numbers
+        if cached is not None and few:  # on lists (`FEW_AS_LIST`): the same numbers
             held = cached.tolist()
             if any(held):
                 over = state.inflight.overloaded(candidates, self.guard)
                 if over is not None:
                     held = [0 if o else c for c, o in zip(held, over.tolist(), strict=True)]
                 own = [prompt - (c if c < top else top) for c in held]
-        elif np.count_nonzero(cached):  # count_nonzero: any() without its wrapper
+        elif cached is not None and np.count_nonzero(cached):  # count_nonzero: any() without its wrapper
             over = state.inflight.overloaded(candidates, self.guard)
             if over is not None:
                 cached[over] = 0
