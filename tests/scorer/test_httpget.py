@@ -8,6 +8,8 @@ import pytest
 
 from inferlb.scorer.httpget import HttpGetError, HttpGetter
 
+from ..conftest import until
+
 
 class Scripted:
     """Answers each request on a connection with the next scripted response; counts connections and requests.
@@ -88,7 +90,7 @@ async def test_connection_close_and_read_to_end_reconnect():
     [
         pytest.param(b"SPDY/9 200 OK\r\n\r\n", "malformed status line", id="status-line"),
         pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", "exceeds", id="too-big"),
-        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "IncompleteReadError", id="cut-short"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "5 bytes into the body", id="cut-short"),
         pytest.param(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "ValueError", id="bad-chunk"),
     ],
 )
@@ -127,23 +129,22 @@ EXPOSITION = b"".join(
 )  # ~22 KB, about what a vLLM /metrics answers
 
 
-async def close_delimited(body: bytes, pieces: int) -> tuple[asyncio.Server, int]:
-    """A server answering every connection with HTTP/1.0, no Content-Length: ``body`` in ``pieces`` writes with a
-    drain after each, then the close that ends the body."""
+async def in_pieces(response: bytes, pieces: int, *, requests: int = 1) -> tuple[asyncio.Server, int]:
+    """A server answering ``requests`` requests on each connection with ``response`` in ``pieces`` writes, a drain
+    after each, then closing it (which ends a close-delimited body)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n")
-            await writer.drain()
-            step = -(-len(body) // pieces)
-            for start in range(0, len(body), step):
-                writer.write(body[start : start + step])
-                await writer.drain()
-                # Let the client's side of this loop take the piece before the next one comes, as a network's
-                # pieces arrive apart (these are turns of the loop, not waits on a clock).
-                for _ in range(4):
-                    await asyncio.sleep(0)
+            for _ in range(requests):
+                await reader.readuntil(b"\r\n\r\n")
+                step = -(-len(response) // pieces)
+                for start in range(0, len(response), step):
+                    writer.write(response[start : start + step])
+                    await writer.drain()
+                    # Let the client's side of this loop take the piece before the next one comes, as a network's
+                    # pieces arrive apart (these are turns of the loop, not waits on a clock).
+                    for _ in range(4):
+                        await asyncio.sleep(0)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -151,6 +152,53 @@ async def close_delimited(body: bytes, pieces: int) -> tuple[asyncio.Server, int
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1]
+
+
+async def close_delimited(body: bytes, pieces: int) -> tuple[asyncio.Server, int]:
+    """A server answering every connection with HTTP/1.0, no Content-Length: ``body`` in pieces, then the close."""
+    return await in_pieces(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n" + body, pieces)
+
+
+def _chunked(body: bytes, size: int) -> bytes:
+    parts = [b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size]) for i in range(0, len(body), size)]
+    return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(parts) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(EXPOSITION), EXPOSITION), id="length"),
+        pytest.param(_chunked(EXPOSITION, 1000), id="chunked"),
+    ],
+)
+@pytest.mark.parametrize("pieces", [1, 7, 97])
+async def test_a_response_in_pieces_is_read_whole_and_the_connection_kept(response, pieces):
+    """However the bytes arrive (the head, a size line or a chunk cut anywhere), the body comes back whole, and the
+    next request goes on the same connection."""
+    server, port = await in_pieces(response, pieces, requests=2)
+    getter = HttpGetter("127.0.0.1", port, "/metrics")
+    try:
+        assert await getter.get(2.0) == (200, EXPOSITION)
+        transport = getter._transport
+        assert await getter.get(2.0) == (200, EXPOSITION)
+        assert getter._transport is transport
+    finally:
+        getter.close()
+        server.close()
+
+
+async def test_bytes_past_the_body_close_the_connection():
+    """What a server sends past the body's end would be read as the next answer: the connection is not reused."""
+    script = Scripted([OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale", OK])
+    server, port = await serve(script)
+    getter = HttpGetter("127.0.0.1", port, "/m")
+    try:
+        assert await getter.get(2.0) == (200, b"hello")
+        assert await getter.get(2.0) == (200, b"hello")
+    finally:
+        getter.close()
+        server.close()
+    assert script.connections == 2
 
 
 async def test_a_close_delimited_body_is_read_to_its_end():
@@ -194,3 +242,20 @@ async def test_a_status_without_a_body_does_not_wait_for_one(head):
         getter.close()
         server.close()
     assert script.connections == 1
+
+
+async def test_a_get_cancelled_mid_response_closes_the_connection():
+    """The answer to a cancelled request may still come: the next request must not read it as its own."""
+    script = Scripted([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", OK])
+    server, port = await serve(script)
+    getter = HttpGetter("127.0.0.1", port, "/m")
+    try:
+        task = asyncio.create_task(getter.get(5.0))
+        await until(lambda: script.requests, "the request reaching the server")  # its answer stops halfway
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert getter._transport is None
+    finally:
+        getter.close()
+        server.close()
