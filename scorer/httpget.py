@@ -200,6 +200,8 @@ class _Response(asyncio.Protocol):
             name = name.strip().lower()
             if name == "content-length":
                 self._length = int(value.strip())
+                if self._length < 0:
+                    raise ValueError(f"negative Content-Length {self._length}")
                 if self._length > self.max_body:
                     raise ValueError(f"body of {self._length} bytes exceeds {self.max_body}")
             elif name == "transfer-encoding":
