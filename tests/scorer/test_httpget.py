@@ -91,6 +91,11 @@ async def test_connection_close_and_read_to_end_reconnect():
         pytest.param(b"SPDY/9 200 OK\r\n\r\n", "malformed status line", id="status-line"),
         pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", "exceeds", id="too-big"),
         pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\nhello", "negative", id="negative-length"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcX\r\n0\r\n\r\n",
+            "a chunk does not end where its size says",
+            id="chunk-overrun",
+        ),
         pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "5 bytes into the body", id="cut-short"),
         pytest.param(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "ValueError", id="bad-chunk"),
     ],
