@@ -181,7 +181,6 @@ class _Response(asyncio.Protocol):
             return
         length, at = self._length, self._at
         if length is None:  # to the close: eof_received ends it
-            self._keep = False
             if len(data) - at > self.max_body:
                 raise ValueError(f"body exceeds {self.max_body} bytes")
             return
@@ -219,6 +218,8 @@ class _Response(asyncio.Protocol):
                     raise ValueError(f"chunk size line over {_MAX_HEADER} bytes")
                 break
             size = int(data[at:line_end].split(b";", 1)[0].strip(), 16)
+            if size < 0:
+                raise ValueError(f"negative chunk size {size}")
             if size == 0:
                 trailer_end = data.find(b"\r\n", line_end + 2)  # the end of the (empty) trailer
                 if trailer_end < 0:

@@ -96,6 +96,11 @@ async def test_connection_close_and_read_to_end_reconnect():
             "a chunk does not end where its size says",
             id="chunk-overrun",
         ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-3\r\nabc\r\n0\r\n\r\n",
+            "negative chunk size",
+            id="negative-chunk",
+        ),
         pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "5 bytes into the body", id="cut-short"),
         pytest.param(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "ValueError", id="bad-chunk"),
     ],
