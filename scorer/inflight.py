@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -124,6 +125,10 @@ class InFlight:
         self._peer_backlog = False  # whether any peer backlog is set (without one, `pending_prefill` skips it)
         # The last `overloaded` answer: (candidates, guard, decisions, lowered, mask).
         self._overloaded: tuple[np.ndarray, float, int, int, np.ndarray | None] | None = None
+        # The read-only candidates array last found to list every endpoint in order (`whole`), and the last found not
+        # to: a pool hands the same array on every request.
+        self._whole_for: np.ndarray | None = None
+        self._not_whole_for: np.ndarray | None = None
 
     def moved(self, mapping: np.ndarray) -> InFlight:
         """The counters of the next pool after a membership change: endpoint j of the new pool has what endpoint
@@ -171,14 +176,15 @@ class InFlight:
                 self._unprefilled_n[index] += uncached > 0  # as long as the lease holds tokens here
                 unprefilled = uncached
             else:
-                held = float(self._prefill[index])
-                left = max(held - tokens_per_s * DRAIN_SHARE * (now - float(self._prefill_at[index])), 0.0)
-                waiting = float(self._prefill_n[index]) * left / held if held > 0 else 0.0
+                # item(): a Python float, as float() of the element, without the numpy scalar in between.
+                held = self._prefill.item(index)
+                left = max(held - tokens_per_s * DRAIN_SHARE * (now - self._prefill_at.item(index)), 0.0)
+                waiting = self._prefill_n.item(index) * left / held if held > 0 else 0.0
                 self._prefill_n[index] = waiting + (uncached > 0)
                 self._prefill[index] = left + uncached
                 self._prefill_at[index] = now
-        kept = 0.5 ** ((now - float(self._recent_at[index])) / RECENT_HALF_LIFE_S)
-        self._recent[index] = float(self._recent[index]) * kept + work
+        kept = 0.5 ** ((now - self._recent_at.item(index)) / RECENT_HALF_LIFE_S)
+        self._recent[index] = self._recent.item(index) * kept + work
         self._recent_at[index] = now
         return Lease(self, index, tokens, unprefilled)
 
@@ -295,36 +301,67 @@ class InFlight:
         peers = self._peer_prefill[candidates] - drain_per_s * (now - self._peer_prefill_at[candidates])
         return own + np.maximum(peers, 0.0) + self._peer_unprefilled[candidates], counted
 
+    def whole(self, candidates: np.ndarray) -> bool:
+        """Whether ``candidates`` lists every endpoint in order, so that ``counter[candidates]`` is the counter itself
+        and a read needs no indexing (a third of the cost of reading a few). Only a read-only array can be: the
+        answer is kept by identity (the pool's arrays are read-only and the same on every request), and an array
+        that can change is not checked at all."""
+        if candidates is self._whole_for:
+            return True
+        if (
+            candidates is self._not_whole_for
+            or candidates.flags.writeable
+            or len(candidates) != len(self.requests)
+            or candidates.dtype.kind not in "iu"
+        ):
+            return False
+        if not (candidates == np.arange(len(candidates))).all():
+            self._not_whole_for = candidates
+            return False
+        self._whole_for = candidates
+        return True
+
+    def few(self, counter: np.ndarray, candidates: np.ndarray) -> list[Any]:
+        """``counter[candidates].tolist()`` (``counter`` one of these counters), without the indexing where the
+        candidates are every endpoint (`whole`)."""
+        if candidates is self._whole_for or self.whole(candidates):
+            return counter.tolist()
+        return counter[candidates].tolist()
+
     def prefill_queue_few(
         self, candidates: np.ndarray, drain_per_s: list[float], *, waiting: bool = False
     ) -> tuple[list[float], list[float] | None]:
         """`prefill_queue` as Python lists, for at most `FEW_AS_LIST` candidates (``drain_per_s`` a list too): the
         same numbers, without numpy's per-call cost."""
         now = self.clock()
-        held = self._prefill[candidates].tolist()
-        at = self._prefill_at[candidates].tolist()
-        # Conditionals, not max(): the same numbers (NaN passing, as through np.maximum), without a call each.
-        left = [0.0 if (x := h - d * (now - t)) < 0.0 else x for h, d, t in zip(held, drain_per_s, at, strict=True)]
+        # Every endpoint in order (the usual case): the counters are read whole, without indexing.
+        whole = candidates is self._whole_for or self.whole(candidates)
+        held = (self._prefill if whole else self._prefill[candidates]).tolist()
+        at = (self._prefill_at if whole else self._prefill_at[candidates]).tolist()
+        # Indices rather than zip(..., strict=True), whose keyword alone costs more than the arithmetic of a few
+        # candidates (the lists are all the candidates' length); conditionals, not max(): the same numbers (NaN
+        # passing, as through np.maximum), without a call each.
+        span = range(len(held))
+        left = [0.0 if (x := held[i] - drain_per_s[i] * (now - at[i])) < 0.0 else x for i in span]
         counted = None
         if waiting:
-            requests = self._prefill_n[candidates].tolist()
-            counted = [n * x / (_NOTHING if h < _NOTHING else h) for n, x, h in zip(requests, left, held, strict=True)]
+            requests = (self._prefill_n if whole else self._prefill_n[candidates]).tolist()
+            counted = [requests[i] * left[i] / (_NOTHING if held[i] < _NOTHING else held[i]) for i in span]
             if self.first_tokens:
-                counted = [c + n for c, n in zip(counted, self._unprefilled_n[candidates].tolist(), strict=True)]
+                unprefilled_n = self.few(self._unprefilled_n, candidates)
+                counted = [counted[i] + unprefilled_n[i] for i in span]
         own = left
         if self.first_tokens:
-            own = [x + max(u, 0.0) for x, u in zip(left, self._unprefilled[candidates].tolist(), strict=True)]
+            unprefilled = self.few(self._unprefilled, candidates)
+            own = [left[i] + max(unprefilled[i], 0.0) for i in span]
         if not self._peer_backlog:
             return own, counted
-        peers = zip(
-            own,
-            drain_per_s,
-            self._peer_prefill[candidates].tolist(),
-            self._peer_prefill_at[candidates].tolist(),
-            self._peer_unprefilled[candidates].tolist(),
-            strict=True,
-        )
-        return [x + max(p - d * (now - t), 0.0) + u for x, d, p, t, u in peers], counted
+        peer = self.few(self._peer_prefill, candidates)
+        peer_at = self.few(self._peer_prefill_at, candidates)
+        peer_unprefilled = self.few(self._peer_unprefilled, candidates)
+        return [
+            own[i] + max(peer[i] - drain_per_s[i] * (now - peer_at[i]), 0.0) + peer_unprefilled[i] for i in span
+        ], counted
 
 
 _PEER_FIELDS = ("peer_requests", "peer_tokens", "peer_sent", "_peer_prefill", "_peer_prefill_at", "_peer_unprefilled")

@@ -142,12 +142,13 @@ class InFlightTokensScorer:
         self.unit = float(unit)
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        tokens = state.inflight.tokens[candidates]  # integers, never unknown: `fewer_is_better` without the NaNs
+        inflight = state.inflight  # tokens: integers, never unknown (`fewer_is_better` without the NaNs)
         unit = self.unit
-        if len(tokens) <= FEW_AS_LIST:
-            values = tokens.tolist()
+        if len(candidates) <= FEW_AS_LIST:
+            values = inflight.few(inflight.tokens, candidates)
             least = min(values)
             return np.array([1.0 / (1.0 + (v - least) / unit) for v in values])
+        tokens = inflight.tokens[candidates]
         return 1.0 / (1.0 + (tokens - tokens[tokens.argmin()]) / unit)  # argmin: cheaper than min()
 
 
@@ -299,13 +300,26 @@ class TtftPredictor:
         self._last: tuple[RequestFeatures, State, np.ndarray, float | np.ndarray | list[float]] | None = None
         # The last prediction, for reuse (its request and candidates are in _last): snapshot, counters' version,
         # time and seconds.
-        self._recent: tuple[Snapshot, int, float, np.ndarray] | None = None
+        self._recent: tuple[Snapshot, int, float, np.ndarray | list[float]] | None = None
 
     def seconds(
         self, request: RequestFeatures, state: State, candidates: np.ndarray, *, reuse: bool = False
     ) -> np.ndarray:
         """Per candidate, the predicted seconds to the request's first token (a new array, or with ``reuse`` one the
         caller must not change)."""
+        seconds = self._seconds(request, state, candidates, reuse=reuse)
+        if not isinstance(seconds, list):
+            return seconds
+        array = np.array(seconds)
+        recent = self._recent
+        if recent is not None and recent[3] is seconds:  # reused as this array from now on
+            self._recent = (recent[0], recent[1], recent[2], array)
+        return array
+
+    def _seconds(
+        self, request: RequestFeatures, state: State, candidates: np.ndarray, *, reuse: bool = False
+    ) -> np.ndarray | list[float]:
+        """`seconds`, as a list where the candidates are few (`FEW_AS_LIST`): not to be changed by the caller."""
         snapshot = state.signals.snapshot
         if reuse and (reused := self._reused(request, state, candidates)) is not None:
             return reused
@@ -340,7 +354,8 @@ class TtftPredictor:
             if any(held):
                 over = state.inflight.overloaded(candidates, self.guard)
                 if over is not None:
-                    held = [0 if o else c for c, o in zip(held, over.tolist(), strict=True)]
+                    over_few = over.tolist()
+                    held = [0 if over_few[i] else held[i] for i in range(len(held))]
                 own = [prompt - (c if c < top else top) for c in held]
         elif cached is not None and np.count_nonzero(cached):  # count_nonzero: any() without its wrapper
             over = state.inflight.overloaded(candidates, self.guard)
@@ -359,15 +374,23 @@ class TtftPredictor:
             self._rates_few, self._drain_few = self._rates.tolist(), self._drain.tolist()
             self._steps_few = None if self._steps is None else self._steps.tolist()
         inflight = state.inflight
+        seconds: np.ndarray | list[float]
         if few:
             pending, self._waiting = inflight.prefill_queue_few(
                 candidates, self._drain_few, waiting=self.counts_waiting
             )
-            works = own if isinstance(own, list) else [own] * len(pending)
-            times = [(p + w) / r for p, w, r in zip(pending, works, self._rates_few, strict=True)]
-            if self._steps_few is not None:  # the first token also waits for the step that makes it
-                times = [t + step for t, step in zip(times, self._steps_few, strict=True)]
-            seconds = np.array(times)
+            # Indices, not zip(..., strict=True): see `InFlight.prefill_queue_few`. The first token also waits for
+            # the step that makes it, where one is learned: added after the division, as on arrays.
+            rates, steps, span = self._rates_few, self._steps_few, range(len(pending))
+            if isinstance(own, list):
+                if steps is None:
+                    seconds = [(pending[i] + own[i]) / rates[i] for i in span]
+                else:
+                    seconds = [(pending[i] + own[i]) / rates[i] + steps[i] for i in span]
+            elif steps is None:
+                seconds = [(pending[i] + own) / rates[i] for i in span]
+            else:
+                seconds = [(pending[i] + own) / rates[i] + steps[i] for i in span]
         else:
             pending_array, self._waiting = inflight.prefill_queue(candidates, self._drain, waiting=self.counts_waiting)
             seconds = (pending_array + own) / self._rates
@@ -397,14 +420,18 @@ class TtftPredictor:
         if isinstance(waiting, list):
             own = last[3]
             assert not isinstance(own, np.ndarray), "a prediction on lists keeps its work as a list or a number"
-            works = own if isinstance(own, list) else [own] * len(waiting)
-            return [(1.0 if w > 1.0 else w) * x / r for w, x, r in zip(waiting, works, self._rates_few, strict=True)]
+            few, span = self._rates_few, range(len(waiting))
+            if isinstance(own, list):
+                return [(1.0 if waiting[i] > 1.0 else waiting[i]) * own[i] / few[i] for i in span]
+            return [(1.0 if waiting[i] > 1.0 else waiting[i]) * own / few[i] for i in span]
         rates = self._rates
         if waiting is None:  # no plugin said it would ask (`counts_waiting`)
             waiting = state.inflight.waiting_prefill(candidates, rates)
         return np.minimum(waiting, 1.0) * last[3] / rates
 
-    def _reused(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray | None:
+    def _reused(
+        self, request: RequestFeatures, state: State, candidates: np.ndarray
+    ) -> np.ndarray | list[float] | None:
         """The last prediction if it is of this request and candidates in this decision, its prefill estimate not yet
         taken; else None (a subset of the candidates is predicted anew: the imbalance guard weighs their mean load)."""
         last, recent = self._last, self._recent
@@ -529,15 +556,19 @@ class PredictedTTFTScorer(Predicting):
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         predictor = self.predictor
-        cost = predictor.seconds(request, state, candidates, reuse=True)
+        cost = predictor._seconds(request, state, candidates, reuse=True)
         delay = self.delay_to_waiting
         added = predictor._added_delay(request, state, candidates) if delay else None
-        if len(cost) <= FEW_AS_LIST:  # on lists (`FEW_AS_LIST`): the same numbers
-            costs = cost.tolist()
+        if isinstance(cost, list) or len(cost) <= FEW_AS_LIST:
+            # On lists (`FEW_AS_LIST`): the same numbers; indices, not zip (`InFlight.prefill_queue_few`).
+            costs = cost if isinstance(cost, list) else cost.tolist()
             if added is not None:
                 more = added if isinstance(added, list) else added.tolist()
-                weighted = more if delay == 1.0 else [delay * a for a in more]
-                costs = [c + a for c, a in zip(costs, weighted, strict=True)]
+                span = range(len(costs))
+                if delay == 1.0:
+                    costs = [costs[i] + more[i] for i in span]
+                else:
+                    costs = [costs[i] + delay * more[i] for i in span]
             least = min(costs)
             # The floor keeps a zero cost from dividing by zero; above it, it changes nothing and is skipped.
             return np.array([least / c for c in costs] if least >= 1e-12 else [least / max(c, 1e-12) for c in costs])

@@ -40,11 +40,12 @@ class InFlightScorer:
     bounded = True
 
     def score(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
-        load = state.inflight.requests[candidates]
-        if len(load) <= FEW_AS_LIST:
-            values = load.tolist()
+        inflight = state.inflight
+        if len(candidates) <= FEW_AS_LIST:
+            values = inflight.few(inflight.requests, candidates)
             least = min(values) - 1
             return np.array([1.0 / (v - least) for v in values])
+        load = inflight.requests[candidates]
         # The least by argmin, and 1.0 / rather than np.reciprocal: the same numbers at a third less of the cost.
         return 1.0 / (load - (load[load.argmin()] - 1))
 

@@ -351,3 +351,47 @@ def test_without_first_tokens_reported_a_first_token_changes_nothing() -> None:
     now[0] = 100.0 + 1 / DRAIN_SHARE
     lease.first_token()
     assert inflight.pending_prefill(np.arange(1), np.array([1000.0])) == pytest.approx([1000])
+
+
+def _read_only(values: list[int]) -> np.ndarray:
+    array = np.array(values, dtype=np.intp)
+    array.flags.writeable = False
+    return array
+
+
+def test_counters_are_read_whole_only_for_a_read_only_array_of_every_endpoint_in_order() -> None:
+    inflight = InFlight(4)
+    for index, tokens in ((0, 10), (1, 200), (1, 30), (3, 4000)):
+        inflight.acquire(index, tokens)
+    everyone = _read_only([0, 1, 2, 3])  # what a pool hands on every request
+    assert inflight.whole(everyone)
+    assert inflight.whole(everyone)  # now known by identity
+    writable = np.arange(4)  # may change after the check: never taken as whole
+    reversed_ = _read_only([3, 2, 1, 0])
+    some = _read_only([1, 3])
+    assert not inflight.whole(writable)
+    assert not inflight.whole(reversed_)
+    assert not inflight.whole(reversed_)  # known by identity as well
+    assert not inflight.whole(some)
+    for candidates in (everyone, writable, reversed_, some):
+        assert inflight.few(inflight.requests, candidates) == inflight.requests[candidates].tolist()
+        assert inflight.few(inflight.tokens, candidates) == inflight.tokens[candidates].tolist()
+    assert inflight.few(inflight.tokens, reversed_) == [4000, 0, 230, 10]
+
+
+def test_the_backlog_read_whole_is_the_backlog_read_by_index() -> None:
+    now = [0.0]
+    inflight = InFlight(3, clock=lambda: now[0])
+    inflight.acquire(0, 1000, (800.0, 10_000.0))
+    inflight.acquire(2, 5000, (5000.0, 20_000.0))
+    now[0] = 0.01
+    drain = [10_000.0 * DRAIN_SHARE, 10_000.0 * DRAIN_SHARE, 20_000.0 * DRAIN_SHARE]
+    everyone = _read_only([0, 1, 2])
+    whole = inflight.prefill_queue_few(everyone, drain, waiting=True)
+    assert inflight.whole(everyone)
+    assert whole == inflight.prefill_queue_few(np.arange(3), drain, waiting=True)
+    assert whole[0][1] == 0.0 and 0.0 < whole[0][0] < 800.0 and 0.0 < whole[0][2] < 5000.0
+    reversed_ = _read_only([2, 1, 0])
+    pending, counted = inflight.prefill_queue_few(reversed_, drain[::-1], waiting=True)
+    assert pending == whole[0][::-1]
+    assert counted == whole[1][::-1]  # type: ignore[index]
