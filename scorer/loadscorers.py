@@ -334,7 +334,8 @@ class TtftPredictor:
             self._rates_for = None
         # At least one token: a request whose prompt is unknown (a headers-only route) still ranks endpoints by
         # the work queued there, instead of scoring every one 0 when some endpoint is idle.
-        prompt = float(max(request.prompt_tokens, 1))
+        tokens = request.prompt_tokens
+        prompt = float(tokens if tokens > 1 else 1)  # max() without its call
         # The work of the request's tokens to prefill: one number, or per candidate where they differ (a list where
         # the candidates are few, `FEW_AS_LIST`).
         own: float | np.ndarray | list[float] = prompt
@@ -491,7 +492,7 @@ class TtftPredictor:
                     return None
                 position = int(found[0])
             own = float(own[position])
-        return own, float(self._tokens_per_s[endpoint])
+        return own, self._tokens_per_s.item(endpoint)
 
 
 class Predicting:
