@@ -379,18 +379,27 @@ def test_counters_are_read_whole_only_for_a_read_only_array_of_every_endpoint_in
     assert inflight.few(inflight.tokens, reversed_) == [4000, 0, 230, 10]
 
 
-def test_the_backlog_read_whole_is_the_backlog_read_by_index() -> None:
+@pytest.mark.parametrize("busy", [False, True], ids=["own-backlog", "exact-and-peer-backlogs"])
+def test_the_backlog_read_whole_is_the_backlog_read_by_index(busy: bool) -> None:
     now = [0.0]
     inflight = InFlight(3, clock=lambda: now[0])
     inflight.acquire(0, 1000, (800.0, 10_000.0))
     inflight.acquire(2, 5000, (5000.0, 20_000.0))
+    if busy:  # a streamed request's exact backlog, and other replicas' load
+        inflight.first_tokens = True
+        inflight.acquire(1, 300, (300.0, 10_000.0), streamed=True)
+        ints = np.array([1, 0, 2], dtype=np.int64)
+        inflight.set_peers(Load(ints, ints * 100, ints, np.array([50.0, 0.0, 900.0]), np.zeros(3), np.full(3, 7.0)))
     now[0] = 0.01
     drain = [10_000.0 * DRAIN_SHARE, 10_000.0 * DRAIN_SHARE, 20_000.0 * DRAIN_SHARE]
     everyone = _read_only([0, 1, 2])
     whole = inflight.prefill_queue_few(everyone, drain, waiting=True)
     assert inflight.whole(everyone)
     assert whole == inflight.prefill_queue_few(np.arange(3), drain, waiting=True)
-    assert whole[0][1] == 0.0 and 0.0 < whole[0][0] < 800.0 and 0.0 < whole[0][2] < 5000.0
+    if busy:  # endpoint 1: the streamed prompt and the peers' exact backlog, which do not drain
+        assert whole[0][1] == 300.0 + 7.0
+    else:
+        assert whole[0][1] == 0.0 and 0.0 < whole[0][0] < 800.0 and 0.0 < whole[0][2] < 5000.0
     reversed_ = _read_only([2, 1, 0])
     pending, counted = inflight.prefill_queue_few(reversed_, drain[::-1], waiting=True)
     assert pending == whole[0][::-1]
