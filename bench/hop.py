@@ -15,6 +15,7 @@ show where its time goes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -180,7 +181,10 @@ def run(args: argparse.Namespace) -> int:
             stack.start()
         # What each picker spends with no request coming (inferlb scrapes its servers; the floor does nothing): a
         # share of every request's CPU figure below, larger where fewer requests come.
-        idle = {name: _idle_cpu(stacks[name], IDLE_S) for name in ("noop", "inferlb", "inferlb-rr")}
+        idle = {}
+        for name in ("noop", "inferlb", "inferlb-rr"):
+            with _alone(stacks, name):
+                idle[name] = _idle_cpu(stacks[name], IDLE_S)
         print("  picker CPU while idle, ms/s: " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()), flush=True)
         rows = []
         round_rows: list[dict[str, Any]] = []  # every run, with its round
@@ -191,14 +195,18 @@ def run(args: argparse.Namespace) -> int:
                 # Rotate the order between rounds so that drift on a noisy machine does not favour one variant.
                 shift = (r * 2 + concurrency) % len(VARIANTS)
                 for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                    row = _measure(stacks[variant.gateway], variant, concurrency, duration)
+                    with _alone(stacks, variant.gateway):
+                        row = _measure(stacks[variant.gateway], variant, concurrency, duration)
                     print(f"  c={concurrency:<3} {variant.name:<18} {row.rps:8.0f} req/s  p50 {row.p50_ms:.2f} ms")
                     runs[variant.name].append(row)
                     round_rows.append({**asdict(row), "round": r})
             rows += [_combine(runs[v.name]) for v in VARIANTS]
         tier_rounds = 1 if args.quick else args.tier_rounds
         tier_rows = _tier_runs(stacks, args.concurrency, duration / 2 if not args.quick else duration, tier_rounds)
-        profile = None if args.quick else _profile(stacks["inferlb"], workdir, duration=10.0)
+        profile = None
+        if not args.quick:
+            with _alone(stacks, "inferlb"):
+                profile = _profile(stacks["inferlb"], workdir, duration=10.0)
     finally:
         for stack in stacks.values():
             stack.stop()
@@ -233,9 +241,10 @@ def _tier_runs(
         for kind, path, body in KINDS:
             for r in range(rounds):
                 for gateway, name in TIER[r % len(TIER) :] + TIER[: r % len(TIER)]:
-                    row = _measure(
-                        stacks[gateway], Variant(f"{name} {kind}", gateway, path, body), concurrency, duration
-                    )
+                    with _alone(stacks, gateway):
+                        row = _measure(
+                            stacks[gateway], Variant(f"{name} {kind}", gateway, path, body), concurrency, duration
+                        )
                     print(f"  c={concurrency:<3} {row.variant:<24} {row.rps:8.0f} req/s  p50 {row.p50_ms:.2f} ms")
                     out.append({**asdict(row), "round": r})
     return out
@@ -356,6 +365,22 @@ def start_backends(count: int, workdir: Path) -> Backends:
     process = ManagedProcess("backend envoy", argv, workdir / "backends.log").start()
     process.wait_ready(http_ok(f"http://127.0.0.1:{admin}/ready"), 30, "ready")
     return Backends(process, [f"127.0.0.1:{p}" for p in ports])
+
+
+@contextlib.contextmanager
+def _alone(stacks: dict[str, LocalStack], measured: str) -> Iterator[None]:
+    """Every stack but ``measured`` paused (SIGSTOP) meanwhile. Idle, each inferlb picker still scrapes the backends
+    ten times a second (17-22 ms of CPU a second each; `_idle_cpu`), and its Envoy keeps its timers: five of them
+    took about a tenth of a core beside the stack being measured, on its two cores and in its caches. The shared
+    backends keep running."""
+    others = [stack for name, stack in stacks.items() if name != measured]
+    for stack in others:
+        stack.pause()
+    try:
+        yield
+    finally:
+        for stack in others:
+            stack.resume()
 
 
 def _measure(stack: LocalStack, variant: Variant, concurrency: int, duration: float) -> Row:
@@ -638,7 +663,8 @@ def _markdown(results: dict[str, Any]) -> str:
         "",
         "Everything on one machine: wrk (1 thread), the gateway Envoy (1 worker), the picker (1 process), the",
         "backend Envoy (1 worker). Latency is wrk's, client to client; CPU is per request, from /proc. Every",
-        f"inferlb variant runs the `{policy}` preset; noop is the do-nothing picker (the floor).",
+        f"inferlb variant runs the `{policy}` preset; noop is the do-nothing picker (the floor). Each run has the",
+        "machine to its stack and the backends: the other stacks are paused (SIGSTOP) meanwhile.",
         "",
     ]
     head = ["concurrency", "variant", "req/s", "p50 ms", "p90 ms", "p99 ms", "picker CPU µs/req", "Envoy CPU µs/req"]

@@ -162,11 +162,24 @@ class ManagedProcess:
             time.sleep(delay)  # a poll interval, not a wait for readiness: the deadline bounds it
             delay = min(delay * 2, 0.2)
 
+    def pause(self) -> None:
+        """SIGSTOP the process group: it takes no CPU until `resume` (a benchmark measuring one stack stops the
+        others, whose idle work would otherwise share the cores and caches with the one measured)."""
+        if self.running():
+            self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the process group after `pause`; harmless on a process that runs."""
+        if self.running():
+            self._signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the process group, SIGKILL whatever is left after ``timeout`` seconds. Idempotent."""
+        """SIGTERM the process group, SIGKILL whatever is left after ``timeout`` seconds. Idempotent; a paused
+        process is resumed to take the SIGTERM (a stopped one would only hold it pending)."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self._signal(signal.SIGTERM)
+        self._signal(signal.SIGCONT)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -71,6 +71,12 @@ def poll(check: Callable[[], Any], what: str = "condition", timeout: float = 10.
         time.sleep(0.02)
 
 
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc (R running, S sleeping, T stopped by a signal, ...)."""
+    stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    return stat[stat.rindex(")") + 2]
+
+
 class Published:
     """Stands for the picker beside a discovery source: records each membership the source publishes."""
 

@@ -17,6 +17,7 @@ from inferlb.bench.hop import (
     POLICY,
     TIER,
     VARIANTS,
+    _alone,
     _markdown,
     cpu_ratio_rounds,
     cpu_ratio_to_floor,
@@ -26,6 +27,8 @@ from inferlb.bench.hop import (
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.scorer.promtext import SignalReader
 from inferlb.stack import LocalStack, StackOptions
+
+from ..conftest import poll, process_state
 
 RESULTS = Path(__file__).resolve().parents[1] / "fixtures" / "bench" / "hop-2026-11-30.json"
 
@@ -244,10 +247,40 @@ def test_the_floor_gateway_starts_and_routes_through_the_do_nothing_picker(tmp_p
         )
         with LocalStack(options, tmp_path / "noop") as stack:
             replies = [httpx.post(stack.gateway_url + "/v1/completions", content=BODY, timeout=10) for _ in range(4)]
+            # Paused while another stack is measured, then on again (`_alone`): every process stopped, then serving.
+            stack.pause()
+            assert stack.envoy is not None and stack.picker is not None
+            for process in (stack.envoy, stack.picker):
+                poll(lambda p=process: process_state(p.pid) == "T", f"{process.name} stopped")
+            stack.resume()
+            replies.append(httpx.post(stack.gateway_url + "/v1/completions", content=BODY, timeout=10))
     finally:
         backends.process.stop()
-    assert [r.status_code for r in replies] == [200] * 4
+    assert [r.status_code for r in replies] == [200] * 5
     assert {r.json()["id"] for r in replies} == {"cmpl-1"}
+
+
+class _Stack:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def pause(self) -> None:
+        self.log.append(f"pause {self.name}")
+
+    def resume(self) -> None:
+        self.log.append(f"resume {self.name}")
+
+
+def test_each_stack_is_measured_with_the_others_paused_and_they_resume_even_after_a_failure() -> None:
+    log: list[str] = []
+    stacks: dict[str, Any] = {name: _Stack(log, name) for name in ("noop", "inferlb", "envoy")}
+    with _alone(stacks, "inferlb"):
+        log.append("measure")
+    assert log == ["pause noop", "pause envoy", "measure", "resume noop", "resume envoy"]
+    log.clear()
+    with pytest.raises(RuntimeError), _alone(stacks, "noop"):
+        raise RuntimeError("wrk failed")
+    assert log == ["pause inferlb", "pause envoy", "resume inferlb", "resume envoy"]
 
 
 @pytest.mark.envoy
