@@ -304,9 +304,8 @@ class InFlight:
     def whole(self, candidates: np.ndarray) -> bool:
         """Whether ``candidates`` lists every endpoint in order, so that ``counter[candidates]`` is the counter itself
         and a read needs no indexing (reading four values whole costs 40% of indexing them first). Only a read-only
-        array can be: the
-        answer is kept by identity (the pool's arrays are read-only and the same on every request), and an array
-        that can change is not checked at all."""
+        array can be: the answer is kept by identity (the pool's arrays are read-only and the same on every request),
+        and an array that can change is not checked at all."""
         if candidates is self._whole_for:
             return True
         if (
