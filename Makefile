@@ -30,6 +30,7 @@ test-vllm: $(VENV)/.installed-test $(VLLM_VENV)/.installed
 bench: $(VENV)/.installed-bench
 	@command -v wrk >/dev/null || { echo "installing wrk (Debian package)"; apt-get install -y -q wrk >/dev/null; }
 	@command -v valgrind >/dev/null || echo "valgrind not installed: no instruction counts (apt-get install valgrind)"
+	@command -v perf >/dev/null || echo "perf not installed: no split of the pickers' CPU by library (apt-get install linux-perf)"
 	$(BIN)/inferlb bench hop --out bench/results $$(command -v valgrind >/dev/null && echo --instructions)
 
 # Picker replicas: sharing state through Redis (live, and the simulator's replica model), 1 and 2 workers'

@@ -9,7 +9,8 @@ the load is wrk (closed loop, one connection per concurrent client). Per variant
 req/s, latency p50/p90/p99, and the CPU time per request of the picker process and of the gateway Envoy; per
 inferlb variant and concurrency, its picker CPU per request over the floor's (``cpu_ratio_to_floor``). It also
 measures inferlb's own per-request work in process (no gRPC), and samples the picker with py-spy under load to
-show where its time goes.
+show where its time goes, and the floor's, round robin's and the default's pickers with perf (where it may) to split
+their CPU by library: the kernel, gRPC's core, the interpreter, numpy.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import httpx
 import jinja2
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferlb.bench import micro, pyspy
+from inferlb.bench import micro, perfprof, pyspy
 from inferlb.bench.load import LoadResult, cpu_seconds, run_wrk
 from inferlb.bench.report import cpu_model, header, table, write
 from inferlb.bench.stats import median
@@ -204,9 +205,13 @@ def run(args: argparse.Namespace) -> int:
         tier_rounds = 1 if args.quick else args.tier_rounds
         tier_rows = _tier_runs(stacks, args.concurrency, duration / 2 if not args.quick else duration, tier_rounds)
         profile = None
+        native: dict[str, Any] = {"skipped": "--quick"}
         if not args.quick:
             with _alone(stacks, "inferlb"):
                 profile = _profile(stacks["inferlb"], workdir, duration=10.0)
+            native = _native_split(
+                stacks, workdir, NATIVE_AT if NATIVE_AT in args.concurrency else max(args.concurrency)
+            )
     finally:
         for stack in stacks.values():
             stack.stop()
@@ -224,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         "tier_rows": tier_rows,
         "weights_to_envoy": weights_to_envoy(tier_rows),
         "profile": profile,
+        "native_profile": native,
     }
     report = _markdown(results)
     write(args.out, "hop", results, report)
@@ -493,6 +499,44 @@ def _profile(stack: LocalStack, workdir: Path, duration: float) -> dict[str, Any
         print(f"py-spy failed (exit {sampler.returncode}): no profile", flush=True)
         return None
     return pyspy.summarise(raw)
+
+
+NATIVE_AT = 16  # the concurrency at which perf splits the pickers' CPU (body requests), if the run has it
+NATIVE_PICKERS = (("noop", "floor"), ("inferlb-rr", "round robin"), ("inferlb", POLICY))
+NATIVE_S = 6.0  # seconds of load per picker sampled
+
+
+def _native_split(stacks: dict[str, LocalStack], workdir: Path, concurrency: int) -> dict[str, Any]:
+    """The floor's, round robin's and the default's picker CPU per request split by library (`perfprof`), each
+    stack alone under the same load (body requests at ``concurrency``); ``{"skipped": why}`` where perf cannot."""
+    why = perfprof.unavailable()
+    if why is not None:
+        print(f"{why}: no split by library", flush=True)
+        return {"skipped": why}
+    found: dict[str, Any] = {}
+    for name, label in NATIVE_PICKERS:
+        stack = stacks[name]
+        assert stack.picker is not None and stack.picker.pid is not None
+        data = workdir / f"perf-{name}.data"
+        # The record covers the warm-up second of `_measure` and its run: the shares are of the same load.
+        sampler = perfprof.record(stack.picker.pid, NATIVE_S + 1.0, data)
+        with _alone(stacks, name):
+            row = _measure(stack, Variant(f"{name} body", name, "/v1/completions", True), concurrency, NATIVE_S)
+        sampler.wait(NATIVE_S + 60)
+        if sampler.returncode != 0 or not data.exists():
+            why = f"perf record failed for the {label} picker (exit {sampler.returncode})"
+            print(f"{why}: no split by library", flush=True)
+            return {"skipped": why}
+        parts = perfprof.by_part(perfprof.shares(data))
+        cpu = row.picker_cpu_us or 0.0
+        found[name] = {
+            "label": label,
+            "picker_cpu_us": cpu,
+            "requests": row.requests,
+            "share": parts,
+            "us_per_request": {part: share * cpu for part, share in parts.items()},
+        }
+    return {"concurrency": concurrency, "request": "body", "pickers": found}
 
 
 def _machine(command: str, started: datetime) -> dict[str, Any]:
@@ -779,7 +823,37 @@ def _markdown(results: dict[str, Any]) -> str:
         out += [""]
         inclusive = ([f"{v:.1%}", f"`{f}`"] for f, v in profile["top_inferlb_inclusive"])
         out += table(["inclusive", "inferlb function"], inclusive, "rl")
+    out += _native_section(results.get("native_profile"))
     return "\n".join(out) + "\n"
+
+
+def _native_section(native: dict[str, Any] | None) -> list[str]:
+    """The pickers' CPU per request by library (`_native_split`), or why it was skipped."""
+    if not native:
+        return []
+    if "skipped" in native:
+        return ["", f"The split of the pickers' CPU by library (perf) was skipped: {native['skipped']}."]
+    pickers = native["pickers"]
+    names = list(pickers)
+    floor, default = pickers[names[0]], pickers[names[-1]]
+    out = [
+        "",
+        f"## Where each picker's CPU goes, by library (perf, body requests, c={native['concurrency']})",
+        "",
+        "perf samples the CPU wherever it runs (py-spy sees only Python frames): µs of CPU per request in each",
+        "part, each picker alone under the same load, one run each (so its total is not the table's figure above).",
+        "The kernel part is the sockets, epoll and the wake-ups between gRPC's thread and the event loop.",
+        "",
+    ]
+    rows = []
+    for part in floor["us_per_request"]:
+        each = [pickers[n]["us_per_request"][part] for n in names]
+        added = default["us_per_request"][part] - floor["us_per_request"][part]
+        rows.append([part, *(f"{v:.0f}" for v in each), f"{added:+.0f}"])
+    totals = [pickers[n]["picker_cpu_us"] for n in names]
+    rows.append(["all", *(f"{v:.0f}" for v in totals), f"{totals[-1] - totals[0]:+.0f}"])
+    head = ["part", *(f"{pickers[n]['label']} µs" for n in names), f"{default['label']} - {floor['label']} µs"]
+    return out + table(head, rows, "l" + "r" * (len(names) + 1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from inferlb.bench import perfprof
 from inferlb.bench.hop import (
     BODY,
     MODEL,
@@ -214,6 +215,39 @@ def test_the_report_shows_the_handlers_instructions_beside_the_floors(results: d
 
 def test_a_run_without_the_round_robin_variants_has_no_split(results: dict[str, Any]) -> None:
     assert "Where inferlb's picker CPU" not in _markdown(results)
+
+
+def _picker(label: str, cpu: float, kernel: float, interpreter: float) -> dict[str, Any]:
+    share = {part: 0.0 for part, _ in perfprof.PARTS} | {perfprof.OTHER: 0.0}
+    share |= {"kernel": kernel, "Python interpreter": interpreter, perfprof.OTHER: 1.0 - kernel - interpreter}
+    return {
+        "label": label,
+        "picker_cpu_us": cpu,
+        "share": share,
+        "us_per_request": {k: v * cpu for k, v in share.items()},
+    }
+
+
+def test_the_report_splits_each_pickers_cpu_by_library(results: dict[str, Any]) -> None:
+    assert "by library" not in _markdown(results)  # a run from before the split
+    pickers = {
+        "noop": _picker("floor", 400.0, 0.5, 0.25),
+        "inferlb-rr": _picker("round robin", 440.0, 0.5, 0.3),
+        "inferlb": _picker(POLICY, 600.0, 0.4, 0.5),
+    }
+    text = _markdown(dict(results, native_profile={"concurrency": 16, "request": "body", "pickers": pickers}))
+
+    assert "## Where each picker's CPU goes, by library (perf, body requests, c=16)" in text
+    assert f"| part | floor µs | round robin µs | {POLICY} µs | {POLICY} - floor µs |" in text
+    assert "| kernel | 200 | 220 | 240 | +40 |" in text
+    assert "| Python interpreter | 100 | 132 | 300 | +200 |" in text
+    assert "| all | 400 | 440 | 600 | +200 |" in text
+
+
+def test_the_report_says_why_the_split_by_library_was_skipped(results: dict[str, Any]) -> None:
+    text = _markdown(dict(results, native_profile={"skipped": "perf is not installed (Debian package linux-perf)"}))
+
+    assert "split of the pickers' CPU by library (perf) was skipped: perf is not installed" in text
 
 
 @pytest.mark.envoy
