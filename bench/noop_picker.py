@@ -1,7 +1,9 @@
 """A do-nothing ext_proc server: the floor that inferlb's picker is measured against.
 
 It answers every request with a prebuilt reply that names the pool's endpoints in turn, without reading
-headers or body: what remains is the cost of grpc.aio stream handling, which no Python picker can avoid.
+headers or body: what remains is the cost of grpc.aio stream handling, which no Python picker can avoid. Its
+gRPC threads yield to its event loop as inferlb's do (`inferlb.threads`), so that the floor keeps what any Python
+picker can save.
 Run as ``python -m inferlb.bench.noop_picker --config picker.yaml`` (the picker's own config file).
 """
 
@@ -21,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from inferlb.filter.replies import CONTINUE, RouteReplies
 from inferlb.scorer.config import load_config
 from inferlb.scorer.pool import Pool
+from inferlb.threads import batch_other_threads
 
 
 class NoopService(external_processor_pb2_grpc.ExternalProcessorServicer):
@@ -53,6 +56,7 @@ async def _serve(config_path: str) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(config.listen)
     await server.start()
+    batch_other_threads()
     await health_servicer.set("readiness", health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

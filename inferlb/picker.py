@@ -63,6 +63,7 @@ from inferlb.scorer.tokenizer import (
 )
 from inferlb.scorer.weights import endpoint_weights
 from inferlb.serving import serve as serve_asgi
+from inferlb.threads import batch_other_threads
 from inferlb.workers import say_ready, watch_supervisor, worker_config
 
 logger = logging.getLogger(__name__)
@@ -720,6 +721,11 @@ async def serve(
     # the collections that per-request garbage triggers stay cheap.
     gc.collect()
     gc.freeze()
+    # gRPC's threads (its poller, its event engine) are up: from now on they wait for the event loop to block
+    # instead of preempting it (inferlb/threads.py).
+    unbatched = batch_other_threads()
+    if unbatched is not None:
+        logger.info("the picker's helper threads keep the normal scheduling policy: %s", unbatched)
     logger.info(
         "inferlb picker listening on %s%s (policy %s, %d endpoints, metrics scrape %s, admin API %s)",
         config.listen,
