@@ -51,10 +51,14 @@ __all__ = [
     "POLICY",
     "VARIANTS",
     "Backends",
+    "Variant",
     "add_arguments",
+    "alone",
     "backend_metrics",
     "cpu_ratio_rounds",
     "cpu_ratio_to_floor",
+    "machine",
+    "measure",
     "run",
     "start_backends",
     "weights_to_envoy",
@@ -184,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         # share of every request's CPU figure below, larger where fewer requests come.
         idle = {}
         for name in ("noop", "inferlb", "inferlb-rr"):
-            with _alone(stacks, name):
+            with alone(stacks, name):
                 idle[name] = _idle_cpu(stacks[name], IDLE_S)
         print("  picker CPU while idle, ms/s: " + ", ".join(f"{k} {v:.1f}" for k, v in idle.items()), flush=True)
         rows = []
@@ -196,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
                 # Rotate the order between rounds so that drift on a noisy machine does not favour one variant.
                 shift = (r * 2 + concurrency) % len(VARIANTS)
                 for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                    with _alone(stacks, variant.gateway):
-                        row = _measure(stacks[variant.gateway], variant, concurrency, duration)
+                    with alone(stacks, variant.gateway):
+                        row = measure(stacks[variant.gateway], variant, concurrency, duration)
                     print(f"  c={concurrency:<3} {variant.name:<18} {row.rps:8.0f} req/s  p50 {row.p50_ms:.2f} ms")
                     runs[variant.name].append(row)
                     round_rows.append({**asdict(row), "round": r})
@@ -207,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         profile = None
         native: dict[str, Any] = {"skipped": "--quick"}
         if not args.quick:
-            with _alone(stacks, "inferlb"):
+            with alone(stacks, "inferlb"):
                 profile = _profile(stacks["inferlb"], workdir, duration=10.0)
             native = _native_split(
                 stacks, workdir, NATIVE_AT if NATIVE_AT in args.concurrency else max(args.concurrency)
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
 
     table_rows = [asdict(r) for r in rows]
     results = {
-        "meta": _machine(args.command, started),
+        "meta": machine(args.command, started),
         "own_work": own,
         "rows": table_rows,
         "cpu_ratio_to_floor": cpu_ratio_to_floor(table_rows),
@@ -247,8 +251,8 @@ def _tier_runs(
         for kind, path, body in KINDS:
             for r in range(rounds):
                 for gateway, name in TIER[r % len(TIER) :] + TIER[: r % len(TIER)]:
-                    with _alone(stacks, gateway):
-                        row = _measure(
+                    with alone(stacks, gateway):
+                        row = measure(
                             stacks[gateway], Variant(f"{name} {kind}", gateway, path, body), concurrency, duration
                         )
                     print(f"  c={concurrency:<3} {row.variant:<24} {row.rps:8.0f} req/s  p50 {row.p50_ms:.2f} ms")
@@ -374,7 +378,7 @@ def start_backends(count: int, workdir: Path) -> Backends:
 
 
 @contextlib.contextmanager
-def _alone(stacks: dict[str, LocalStack], measured: str) -> Iterator[None]:
+def alone(stacks: dict[str, LocalStack], measured: str) -> Iterator[None]:
     """Every stack but ``measured`` paused (SIGSTOP) meanwhile. Idle, each inferlb picker still scrapes the backends
     ten times a second (17-22 ms of CPU a second each; `_idle_cpu`), and its Envoy keeps its timers: five of them
     took about a tenth of a core beside the stack being measured, on its two cores and in its caches. The shared
@@ -389,7 +393,7 @@ def _alone(stacks: dict[str, LocalStack], measured: str) -> Iterator[None]:
             stack.resume()
 
 
-def _measure(stack: LocalStack, variant: Variant, concurrency: int, duration: float) -> Row:
+def measure(stack: LocalStack, variant: Variant, concurrency: int, duration: float) -> Row:
     url = stack.gateway_url + variant.path
     method, body = ("POST", BODY) if variant.body else ("GET", "")
     run_wrk(url, connections=concurrency, duration_s=1.0, method=method, body=body)  # warm-up
@@ -518,10 +522,10 @@ def _native_split(stacks: dict[str, LocalStack], workdir: Path, concurrency: int
         stack = stacks[name]
         assert stack.picker is not None and stack.picker.pid is not None
         data = workdir / f"perf-{name}.data"
-        # The record covers the warm-up second of `_measure` and its run: the shares are of the same load.
+        # The record covers the warm-up second of `measure` and its run: the shares are of the same load.
         sampler = perfprof.record(stack.picker.pid, NATIVE_S + 1.0, data)
-        with _alone(stacks, name):
-            row = _measure(stack, Variant(f"{name} body", name, "/v1/completions", True), concurrency, NATIVE_S)
+        with alone(stacks, name):
+            row = measure(stack, Variant(f"{name} body", name, "/v1/completions", True), concurrency, NATIVE_S)
         sampler.wait(NATIVE_S + 60)
         if sampler.returncode != 0 or not data.exists():
             why = f"perf record failed for the {label} picker (exit {sampler.returncode})"
@@ -539,7 +543,7 @@ def _native_split(stacks: dict[str, LocalStack], workdir: Path, concurrency: int
     return {"concurrency": concurrency, "request": "body", "pickers": found}
 
 
-def _machine(command: str, started: datetime) -> dict[str, Any]:
+def machine(command: str, started: datetime) -> dict[str, Any]:
     envoy_version = subprocess.run([find_tool("envoy"), "--version"], capture_output=True, text=True).stdout.strip()
     return {
         **header(command, started),

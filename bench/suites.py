@@ -51,6 +51,7 @@ SUITES: Mapping[str, Suite] = MappingProxyType(
         for suite in (
             Suite("quality", "routing quality on real traces: every contender, simulated or live"),
             Suite("hop", "what the picker hop costs: inferlb beside Envoy alone and a do-nothing picker"),
+            Suite("helperthreads", "the picker's helper threads under SCHED_BATCH against the normal policy"),
             Suite("pick", "what a pick costs per preset and pool size, and what the metrics scraper costs"),
             Suite("sim", "what the emulator costs, and how fast the simulator replays a trace"),
             Suite("shift", "how fast traffic leaves a server that turns 5x slower"),

@@ -18,8 +18,8 @@ from inferlb.bench.hop import (
     POLICY,
     TIER,
     VARIANTS,
-    _alone,
     _markdown,
+    alone,
     cpu_ratio_rounds,
     cpu_ratio_to_floor,
     start_backends,
@@ -281,7 +281,7 @@ def test_the_floor_gateway_starts_and_routes_through_the_do_nothing_picker(tmp_p
         )
         with LocalStack(options, tmp_path / "noop") as stack:
             replies = [httpx.post(stack.gateway_url + "/v1/completions", content=BODY, timeout=10) for _ in range(4)]
-            # Paused while another stack is measured, then on again (`_alone`): every process stopped, then serving.
+            # Paused while another stack is measured, then on again (`alone`): every process stopped, then serving.
             stack.pause()
             assert stack.envoy is not None and stack.picker is not None
             for process in (stack.envoy, stack.picker):
@@ -308,11 +308,11 @@ class _Stack:
 def test_each_stack_is_measured_with_the_others_paused_and_they_resume_even_after_a_failure() -> None:
     log: list[str] = []
     stacks: dict[str, Any] = {name: _Stack(log, name) for name in ("noop", "inferlb", "envoy")}
-    with _alone(stacks, "inferlb"):
+    with alone(stacks, "inferlb"):
         log.append("measure")
     assert log == ["pause noop", "pause envoy", "measure", "resume noop", "resume envoy"]
     log.clear()
-    with pytest.raises(RuntimeError), _alone(stacks, "noop"):
+    with pytest.raises(RuntimeError), alone(stacks, "noop"):
         raise RuntimeError("wrk failed")
     assert log == ["pause inferlb", "pause envoy", "resume inferlb", "resume envoy"]
 
