@@ -6,9 +6,9 @@ event loop. Under the normal policy a woken thread preempts the thread running o
 with the event loop, every wake-up interrupts the loop in the middle of a request, only to find the GIL held and
 wait for it, two context switches and a cold cache for nothing. A thread under SCHED_BATCH never preempts on
 wake-up: it runs when the loop blocks (in epoll, letting go of the GIL) or its time slice ends, and it keeps its
-fair share of the CPU. On two cores at concurrency 16 (bench/results/hop.md) the default picker's CPU a body
-request fell by about a fifth and its throughput rose as much, with a lower p50 and p99; at concurrency 1 nothing
-changed.
+fair share of the CPU. On two cores shared with Envoy and the load (bench/results/helperthreads.md, `inferlb bench
+helperthreads`) the default picker's CPU a request fell by 15-28% at concurrency 16 and 64 (8-13% at 1), its
+throughput rose 11-35%, and its p50 and p99 fell or stayed.
 
 Threads inherit their creator's policy (glibc's default), so the threads those threads start later are batched
 too, and those the event loop's thread starts (`asyncio.to_thread`) are not.
