@@ -26,8 +26,9 @@ from inferlb.bench.report import table, write
 from inferlb.bench.stats import median
 from inferlb.envoyconf import EnvoyOptions
 from inferlb.stack import LocalStack, StackOptions
+from inferlb.threads import set_policy
 
-__all__ = ["POLICIES", "add_arguments", "run", "set_policy", "summarise"]
+__all__ = ["POLICIES", "add_arguments", "run", "summarise"]
 
 POLICIES = (("batch", os.SCHED_BATCH), ("normal", os.SCHED_OTHER)) if hasattr(os, "SCHED_BATCH") else ()
 PICKERS = ("noop", "inferlb")
@@ -39,20 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per measured run")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=3, help="runs per picker, policy and concurrency, interleaved")
-
-
-def set_policy(pid: int, policy: int) -> int:
-    """Every thread of process ``pid`` but its first (the event loop's) under ``policy``; how many were set."""
-    count = 0
-    for name in os.listdir(f"/proc/{pid}/task"):
-        if int(name) == pid:
-            continue
-        try:
-            os.sched_setscheduler(int(name), policy, os.sched_param(0))
-        except ProcessLookupError:
-            continue  # the thread ended meanwhile
-        count += 1
-    return count
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                         for name in pickers:
                             stack = stacks[name]
                             assert stack.picker is not None and stack.picker.pid is not None
-                            set_policy(stack.picker.pid, policy)
+                            set_policy(stack.picker.pid, policy, skip=stack.picker.pid)  # all but the event loop's
                             with alone(stacks, name):
                                 row = measure(
                                     stack, Variant(f"{name} {kind}", name, path, body), concurrency, args.duration

@@ -19,26 +19,33 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["batch_other_threads"]
+__all__ = ["batch_other_threads", "set_policy"]
 
 
 def batch_other_threads() -> str | None:
     """Put every thread of this process but the calling one under SCHED_BATCH (nice unchanged); None, or why
     nothing changed (not Linux, or the system refused: lowering one's own threads needs no privilege, but a
     sandbox may forbid the call)."""
-    setter = getattr(os, "sched_setscheduler", None)
-    batch = getattr(os, "SCHED_BATCH", None)
-    if setter is None or batch is None or not os.path.isdir("/proc/self/task"):
+    if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"):
         return "thread scheduling policies are Linux's"
-    me = threading.get_native_id()
-    for name in os.listdir("/proc/self/task"):
+    try:
+        set_policy(os.getpid(), os.SCHED_BATCH, skip=threading.get_native_id())
+    except OSError as exc:
+        return f"SCHED_BATCH refused: {exc.strerror or exc}"
+    return None
+
+
+def set_policy(pid: int, policy: int, *, skip: int) -> int:
+    """Every thread of process ``pid`` but thread ``skip`` under scheduling ``policy`` (Linux); how many were set.
+    Raises ``OSError`` if the system refuses (a thread that ends meanwhile is passed over)."""
+    count = 0
+    for name in os.listdir(f"/proc/{pid}/task"):
         tid = int(name)
-        if tid == me:
+        if tid == skip:
             continue
         try:
-            setter(tid, batch, os.sched_param(0))
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
         except ProcessLookupError:
             continue  # the thread ended meanwhile
-        except OSError as exc:
-            return f"SCHED_BATCH refused for thread {tid}: {exc.strerror or exc}"
-    return None
+        count += 1
+    return count

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from inferlb.bench.helperthreads import _markdown, set_policy, summarise
+from inferlb.bench.helperthreads import _markdown, summarise
+from inferlb.threads import set_policy
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
 
@@ -28,12 +29,12 @@ def test_the_policy_goes_on_every_thread_but_the_first() -> None:
     child = subprocess.Popen([sys.executable, "-c", THREADS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline() == "ready\n"
-        assert set_policy(child.pid, os.SCHED_BATCH) == 3
+        assert set_policy(child.pid, os.SCHED_BATCH, skip=child.pid) == 3
         policies = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{child.pid}/task")}
         assert policies.pop(child.pid) == os.SCHED_OTHER
         assert set(policies.values()) == {os.SCHED_BATCH}
 
-        assert set_policy(child.pid, os.SCHED_OTHER) == 3
+        assert set_policy(child.pid, os.SCHED_OTHER, skip=child.pid) == 3
         assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{child.pid}/task")} == {os.SCHED_OTHER}
     finally:
         child.kill()
