@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,3 +103,39 @@ def envoy_accepts(path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Runs `inferlb serve --config CONFIG` in a fresh interpreter and, once the picker says it is listening, the probe: the
+# body of a function ``probe(out)`` that writes what it finds (JSON) to the file ``out``; then stops the picker with
+# SIGTERM. serve() logs "listening" just before it installs its signal handlers, so the signal is sent from the event
+# loop's next turn, after them.
+_PICKER_PROBE = """
+import asyncio, json, logging, os, signal, sys, threading
+from inferlb.cli import main
+out, config = sys.argv[1], sys.argv[2]
+
+def probe(out):
+{probe}
+
+class Listening(logging.Handler):
+    def emit(self, record):
+        if not str(record.msg).startswith("inferlb picker listening"):
+            return
+        probe(out)
+        asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
+
+logging.getLogger("inferlb.picker").addHandler(Listening())
+sys.exit(main(["serve", "--config", config]))
+"""
+
+
+def probe_running_picker(config: Path, out: Path, probe: str, timeout_s: float = 60.0) -> Any:
+    """What ``probe`` (Python statements, indented by four, that write JSON to the file ``out``) found inside a picker
+    run with ``config`` (`_PICKER_PROBE`), once it listens; the picker must have exited cleanly after."""
+    script = _PICKER_PROBE.format(probe=probe)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(out), str(config)], capture_output=True, text=True, timeout=timeout_s
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert out.exists(), f"the probe wrote nothing; the picker's log:\n{done.stderr[-4000:]}"
+    return json.loads(out.read_text())

@@ -15,6 +15,8 @@ import yaml
 
 from inferlb.procs import free_port
 
+from .conftest import probe_running_picker
+
 RUN_TIMEOUT_S = 60.0
 
 # Runs `inferlb ARGS...` in this interpreter and writes the inferlb.sim and inferlb.bench modules it loaded to OUT.
@@ -31,25 +33,11 @@ with open(out, "w") as f:
     json.dump(loaded, f)
 """
 
-# Runs `inferlb serve --config FILE` and, once the picker says it is listening, writes the inferlb.sim and
-# inferlb.bench modules loaded so far to OUT and stops the picker with SIGTERM. serve() logs "listening" just
-# before it installs its signal handlers, so the signal is sent from the event loop's next turn, after them.
-SERVE = """
-import asyncio, json, logging, os, signal, sys
-from inferlb.cli import main
-out, config = sys.argv[1], sys.argv[2]
-
-class Listening(logging.Handler):
-    def emit(self, record):
-        if not str(record.msg).startswith("inferlb picker listening"):
-            return
-        loaded = sorted(m for m in sys.modules if m.split(".")[:2] in (["inferlb", "sim"], ["inferlb", "bench"]))
-        with open(out, "w") as f:
-            json.dump(loaded, f)
-        asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
-
-logging.getLogger("inferlb.picker").addHandler(Listening())
-sys.exit(main(["serve", "--config", config]))
+# Inside a running picker: the inferlb.sim and inferlb.bench modules loaded so far.
+LOADED = """
+    loaded = sorted(m for m in sys.modules if m.split(".")[:2] in (["inferlb", "sim"], ["inferlb", "bench"]))
+    with open(out, "w") as f:
+        json.dump(loaded, f)
 """
 
 
@@ -99,4 +87,4 @@ def test_a_running_picker_loads_no_simulator_or_benchmark_module(tmp_path: Path)
     }
     path = tmp_path / "picker.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert _loaded(SERVE, tmp_path / "loaded.json", str(path)) == []
+    assert probe_running_picker(path, tmp_path / "loaded.json", LOADED) == []

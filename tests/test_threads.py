@@ -5,10 +5,7 @@ batched while its event-loop thread is not."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +15,8 @@ import yaml
 
 from inferlb import threads
 from inferlb.procs import free_port
+
+from .conftest import probe_running_picker
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
 
@@ -99,27 +98,14 @@ def test_without_scheduling_policies_nothing_is_tried(monkeypatch: pytest.Monkey
     assert threads.batch_other_threads() == "thread scheduling policies are Linux's"
 
 
-# Runs `inferlb serve --config FILE` and, once the picker says it is listening, writes each of its threads' policy
-# (and which is the event loop's) to OUT, then stops the picker with SIGTERM.
-SERVE = """
-import asyncio, json, logging, os, signal, sys, threading
-from inferlb.cli import main
-out, config = sys.argv[1], sys.argv[2]
-
-class Listening(logging.Handler):
-    def emit(self, record):
-        if not str(record.msg).startswith("inferlb picker listening"):
-            return
-        policies = {}
-        for name in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{name}/comm") as comm:
-                policies[name] = [os.sched_getscheduler(int(name)), comm.read().strip()]
-        with open(out, "w") as f:
-            json.dump({"loop": str(threading.get_native_id()), "threads": policies}, f)
-        asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
-
-logging.getLogger("inferlb.picker").addHandler(Listening())
-sys.exit(main(["serve", "--config", config]))
+# Inside a running picker: each thread's policy and name, and which thread is the event loop's (the caller's).
+POLICIES = """
+    policies = {}
+    for name in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{name}/comm") as comm:
+            policies[name] = [os.sched_getscheduler(int(name)), comm.read().strip()]
+    with open(out, "w") as f:
+        json.dump({"loop": str(threading.get_native_id()), "threads": policies}, f)
 """
 
 
@@ -129,13 +115,9 @@ def test_a_running_pickers_grpc_threads_are_batched_and_its_event_loop_is_not(tm
         "drain_s": 0,
         "pool": {"endpoints": [{"address": f"127.0.0.1:{free_port()}"}]},
     }
-    path, out = tmp_path / "picker.yaml", tmp_path / "threads.json"
+    path = tmp_path / "picker.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run(
-        [sys.executable, "-c", SERVE, str(out), str(path)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = json.loads(out.read_text())
+    found = probe_running_picker(path, tmp_path / "threads.json", POLICIES)
     loop = found["loop"]
     others = {tid: policy for tid, (policy, _) in found["threads"].items() if tid != loop}
 
