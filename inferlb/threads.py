@@ -23,9 +23,9 @@ __all__ = ["batch_other_threads", "set_policy"]
 
 
 def batch_other_threads() -> str | None:
-    """Put every thread of this process but the calling one under SCHED_BATCH (nice unchanged); None, or why
-    nothing changed (not Linux, or the system refused: lowering one's own threads needs no privilege, but a
-    sandbox may forbid the call)."""
+    """Put every thread of this process but the calling one under SCHED_BATCH (nice unchanged); None, or why not
+    (not Linux, or the system refused, and the threads not reached yet keep the normal policy: lowering one's own
+    threads needs no privilege, but a sandbox may forbid the call)."""
     if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"):
         return "thread scheduling policies are Linux's"
     try:
