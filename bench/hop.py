@@ -526,12 +526,18 @@ def _native_split(stacks: dict[str, LocalStack], workdir: Path, concurrency: int
         sampler = perfprof.record(stack.picker.pid, NATIVE_S + 1.0, data)
         with alone(stacks, name):
             row = measure(stack, Variant(f"{name} body", name, "/v1/completions", True), concurrency, NATIVE_S)
-        sampler.wait(NATIVE_S + 60)
-        if sampler.returncode != 0 or not data.exists():
-            why = f"perf record failed for the {label} picker (exit {sampler.returncode})"
+        # A perf that fails or hangs costs this section only, not the run's other results.
+        try:
+            sampler.wait(NATIVE_S + 60)
+            if sampler.returncode != 0 or not data.exists():
+                raise RuntimeError(f"perf record exited {sampler.returncode}")
+            parts = perfprof.by_part(perfprof.shares(data))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            sampler.kill()
+            sampler.wait()
+            why = f"perf failed for the {label} picker: {exc}"
             print(f"{why}: no split by library", flush=True)
             return {"skipped": why}
-        parts = perfprof.by_part(perfprof.shares(data))
         cpu = row.picker_cpu_us or 0.0
         found[name] = {
             "label": label,
