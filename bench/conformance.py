@@ -47,8 +47,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from inferlb.bench.metrics import picker_samples
 from inferlb.bench.report import header, table, write
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.procs import free_port
-from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions, start_envoy
+from inferlb.procs import SERVER_HEADER, free_port
+from inferlb.stack import LocalStack, StackOptions, start_envoy
 
 __all__ = ["MODES", "Result", "add_arguments", "picker_scenarios", "run"]
 

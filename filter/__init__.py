@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from inferlb.filter.errors import (
-    MalformedRequestError,
-    ModelNotFoundError,
-    NoEndpointAvailableError,
-    PayloadTooLargeError,
-    RequestError,
-)
-from inferlb.filter.replies import DESTINATION_HEADER, METADATA_NAMESPACE, RouteReplies, error_reply
-from inferlb.filter.request import apply_body, features_from_headers
-from inferlb.filter.server import EXT_PROC_SERVICE, ExtProcService, FilterStats, PickerServer
+from typing import TYPE_CHECKING
+
+from inferlb.scorer.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from inferlb.filter.errors import (
+        MalformedRequestError,
+        ModelNotFoundError,
+        NoEndpointAvailableError,
+        PayloadTooLargeError,
+        RequestError,
+    )
+    from inferlb.filter.replies import DESTINATION_HEADER, METADATA_NAMESPACE, RouteReplies, error_reply
+    from inferlb.filter.request import apply_body, features_from_headers
+    from inferlb.filter.server import EXT_PROC_SERVICE, ExtProcService, FilterStats, PickerServer
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -30,3 +35,6 @@ __all__ = [
     "error_reply",
     "features_from_headers",
 ]
+
+# Each name above is imported when first used (scorer/lazy.py says why).
+__getattr__, __dir__ = lazy_exports(globals())

@@ -25,9 +25,7 @@ from inferlb.envoyconf import (
     EnvoyOptions,
     render_bootstrap,
 )
-from inferlb.scorer.config import load_config
 from inferlb.scorer.errors import ConfigError
-from inferlb.scorer.presets import PRESET_NAMES
 
 # The subcommands that the simulator and the benchmarks serve. The product never imports inferlb.sim or
 # inferlb.bench (DESIGN.md, "Layers"; the import contracts in pyproject.toml hold it), so these modules are named
@@ -35,6 +33,9 @@ from inferlb.scorer.presets import PRESET_NAMES
 # neither. The simulator's has add_arguments(parser) and run(args); the bench harness's main(argv) parses its own.
 SIM_COMMAND = "inferlb.sim.cli"
 BENCH_COMMAND = "inferlb.bench.suites"
+# Likewise the demo's arguments (its presets' names come from the routing core): building the parser imports only
+# what it must, so that every command starts quickly; the config models load with the commands that read a config.
+DEMO_COMMAND = "inferlb.demo"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,23 +184,8 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="Envoy + picker + emulated vLLM servers on loopback: the same traffic through Envoy's round robin and "
         "through inferlb while one server turns slow, a side-by-side table, a heatmap",
+        arguments_from=DEMO_COMMAND,
     )
-    demo.add_argument("--backends", type=int, default=3, help="emulated vLLM servers (default 3)")
-    demo.add_argument(
-        "--policy", default="default", choices=PRESET_NAMES, help="the picker's preset (default: default)"
-    )
-    demo.add_argument("--out", type=Path, default=Path("demo-out"), help="logs and rendered configs go here")
-    demo.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals in each run (default 30)")
-    demo.add_argument("--rate", type=float, default=12.0, help="requests per second, Poisson arrivals (default 12)")
-    demo.add_argument(
-        "--slow-at", type=float, default=10.0, help="seconds into each run a server turns slow (default 10)"
-    )
-    demo.add_argument("--slowdown", type=float, default=10.0, help="how many times slower it turns (default 10)")
-    demo.add_argument("--seed", type=int, default=18, help="seed of the workload (default 18)")
-    quick = demo.add_argument_group("--quick", "the short run: a burst through the picker alone, no comparison")
-    quick.add_argument("--quick", action="store_true", help="the short run (CI)")
-    quick.add_argument("--requests", type=int, default=120, help="requests in the burst (default 120)")
-    quick.add_argument("--concurrency", type=int, default=8, help="workers sending the burst (default 8)")
     demo.set_defaults(run=_demo)
 
     sim = sub.add_parser(
@@ -280,6 +266,7 @@ def _conformance(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from inferlb.picker import serve
     from inferlb.scorer.address import parse_address
+    from inferlb.scorer.config import load_config
 
     config = load_config(args.config)
     if args.listen:
@@ -295,6 +282,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
+    from inferlb.scorer.config import load_config
+
     config = load_config(args.config)
     more_pickers: tuple[str, ...] = ()
     if args.picker_workers != 1:

@@ -10,10 +10,12 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from inferlb.scorer.config import Config, ConfigFile, load_config
 from inferlb.scorer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from inferlb.scorer.config import Config
 
 __all__ = ["add_parser", "check", "main", "schema", "summary"]
 
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def check(path: Path) -> int:
     """Validates ``path``; prints OK and `summary` to stdout (returns 0) or the errors to stderr (returns 2)."""
+    from inferlb.scorer.config import load_config  # not when the CLI builds its parser: see inferlb/cli.py
+
     try:
         config = load_config(path)
     except ConfigError as exc:
@@ -72,6 +76,8 @@ def summary(config: Config) -> str:
 
 def schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of the picker config file; every mapping refuses unknown keys."""
+    from inferlb.scorer.config import ConfigFile
+
     return {"$schema": JSON_SCHEMA_DIALECT, **ConfigFile.model_json_schema()}
 
 

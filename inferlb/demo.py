@@ -13,6 +13,7 @@ its request log) and its prefix-cache hit rate (from its vLLM ``/metrics``).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import sys
@@ -27,14 +28,35 @@ import httpx
 from inferlb.democompare import run_comparison
 from inferlb.demogateway import DemoStack, refusals, save_heatmap, wait_for_access_log
 from inferlb.demoscenario import ScenarioOptions
-from inferlb.procs import ProcessError
+from inferlb.procs import SERVER_HEADER, ProcessError
+from inferlb.scorer.presets import PRESET_NAMES
 from inferlb.scorer.promtext import read_vllm
-from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
+from inferlb.stack import LocalStack, StackOptions
 
 MODEL = "demo-model"
 REQUEST_TIMEOUT_S = 30.0
 BURST_DEADLINE_S = 120.0
 QUICK_HEATMAP_BUCKET_S = 0.5
+
+
+def add_arguments(demo: argparse.ArgumentParser) -> None:
+    """Add ``inferlb demo``'s arguments to its subparser (`inferlb.cli` names this module by string)."""
+    demo.add_argument("--backends", type=int, default=3, help="emulated vLLM servers (default 3)")
+    demo.add_argument(
+        "--policy", default="default", choices=PRESET_NAMES, help="the picker's preset (default: default)"
+    )
+    demo.add_argument("--out", type=Path, default=Path("demo-out"), help="logs and rendered configs go here")
+    demo.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals in each run (default 30)")
+    demo.add_argument("--rate", type=float, default=12.0, help="requests per second, Poisson arrivals (default 12)")
+    demo.add_argument(
+        "--slow-at", type=float, default=10.0, help="seconds into each run a server turns slow (default 10)"
+    )
+    demo.add_argument("--slowdown", type=float, default=10.0, help="how many times slower it turns (default 10)")
+    demo.add_argument("--seed", type=int, default=18, help="seed of the workload (default 18)")
+    quick = demo.add_argument_group("--quick", "the short run: a burst through the picker alone, no comparison")
+    quick.add_argument("--quick", action="store_true", help="the short run (CI)")
+    quick.add_argument("--requests", type=int, default=120, help="requests in the burst (default 120)")
+    quick.add_argument("--concurrency", type=int, default=8, help="workers sending the burst (default 8)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
+from inferlb.procs import SERVER_HEADER
 from inferlb.scorer.promtext import read_vllm
-from inferlb.stack import SERVER_HEADER
 
 MODEL = "demo-model"
 REQUEST_TIMEOUT_S = 60.0

@@ -5,14 +5,14 @@ from __future__ import annotations
 import importlib.resources
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import jinja2
 import yaml
 
-from inferlb.filter.observe import OBSERVED_HEADERS
-from inferlb.filter.request import OBJECTIVE_HEADERS
 from inferlb.scorer.address import parse_address
-from inferlb.scorer.config import Config
+
+if TYPE_CHECKING:
+    from inferlb.scorer.config import Config
 
 TEMPLATE = "bootstrap.yaml.j2"
 # Routes whose JSON body the picker reads; every other /v1/ route is decided from the headers alone.
@@ -149,6 +149,13 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         tracer_host, tracer_port = _address(config.otel.receiver, "otel.receiver")
         if tracer_host in ("0.0.0.0", "::"):
             tracer_host = "127.0.0.1" if tracer_host == "0.0.0.0" else "::1"
+    # Imported here, not with this module: the CLI imports this module for its option names, and `inferlb sim`
+    # (emulated servers) or `inferlb demo` need neither the template engine nor the filter's gRPC modules.
+    import jinja2
+
+    from inferlb.filter.observe import OBSERVED_HEADERS
+    from inferlb.filter.request import OBJECTIVE_HEADERS
+
     template_text = importlib.resources.files("inferlb.envoy").joinpath(TEMPLATE).read_text(encoding="utf-8")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
     text = env.from_string(template_text).render(

@@ -22,6 +22,11 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+SERVER_HEADER = "x-inferlb-sim-server"
+"""The response header in which an emulated server (``inferlb sim``) names itself (``ip:port``). Defined here, on
+the side that starts the servers and reads their answers, so that the demo need not import the simulator, and in
+this small module, so that an emulated server need not import the local stack (Envoy's configs, the picker's)."""
+
 
 class ProcessError(RuntimeError):
     """A managed process failed to start, died, or did not become ready in time."""

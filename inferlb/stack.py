@@ -24,10 +24,6 @@ from inferlb.scorer.config import Config, parse_config
 
 READY_TIMEOUT_S = 30.0
 
-SERVER_HEADER = "x-inferlb-sim-server"
-"""The response header in which an emulated server (``inferlb sim``) names itself (``ip:port``). Defined here, on
-the side that starts the servers and reads their answers, so that the demo need not import the simulator."""
-
 
 @dataclass(frozen=True, slots=True)
 class StackOptions:

@@ -6,11 +6,16 @@ same engine on a virtual clock, driven by traces from `load_trace`. See sim/READ
 
 from __future__ import annotations
 
-from inferlb.sim.des import Arrival, FaultEvent, FleetView, RequestRecord, ServerSnapshot, SimResult, simulate
-from inferlb.sim.engine import EngineModel, EngineOptions, SimRequest
-from inferlb.sim.profiles import PROFILES, ServerProfile, get_profile
-from inferlb.sim.server import EmulatedServer, ServerOptions
-from inferlb.sim.traces import Trace, TraceError, TraceRequest, block_keys, load_trace, prompt_text
+from typing import TYPE_CHECKING
+
+from inferlb.scorer.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from inferlb.sim.des import Arrival, FaultEvent, FleetView, RequestRecord, ServerSnapshot, SimResult, simulate
+    from inferlb.sim.engine import EngineModel, EngineOptions, SimRequest
+    from inferlb.sim.profiles import PROFILES, ServerProfile, get_profile
+    from inferlb.sim.server import EmulatedServer, ServerOptions
+    from inferlb.sim.traces import Trace, TraceError, TraceRequest, block_keys, load_trace, prompt_text
 
 __all__ = [
     "PROFILES",
@@ -35,3 +40,6 @@ __all__ = [
     "prompt_text",
     "simulate",
 ]
+
+# Each name above is imported when first used (scorer/lazy.py says why).
+__getattr__, __dir__ = lazy_exports(globals())

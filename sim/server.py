@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from inferlb.procs import SERVER_HEADER
 from inferlb.scorer.gpustate import GpuInfo, GpuReport
 from inferlb.serving import Message, Receive, Scope, Send
 from inferlb.sim.engine import EngineModel, EngineOptions, RequestState, SimRequest
@@ -59,7 +60,6 @@ from inferlb.sim.openai import (
 from inferlb.sim.profiles import ServerProfile
 from inferlb.sim.spans import RequestSpans
 from inferlb.sim.tokens import token_ids
-from inferlb.stack import SERVER_HEADER
 
 _Parsed = TypeVar("_Parsed")
 

@@ -71,6 +71,42 @@ def test_the_sim_command_loads_its_arguments_from_the_simulator(tmp_path: Path) 
     assert "inferlb.sim.cli" in _loaded(HELP, tmp_path / "loaded.json", "sim", "--help")
 
 
+# Imports MODULE in this interpreter and writes the inferlb modules it loaded to OUT.
+IMPORTS = """
+import importlib, json, sys
+out, module = sys.argv[1], sys.argv[2]
+importlib.import_module(module)
+loaded = sorted(m for m in sys.modules if m.startswith("inferlb."))
+with open(out, "w") as f:
+    json.dump(loaded, f)
+"""
+
+
+def test_the_gpu_agent_loads_only_its_own_small_module_set(tmp_path: Path) -> None:
+    # A daemon on every GPU node: the GPU report's schema and the HTTP server, not the routing core's config models
+    # or the routing unit (the scorer package's names load on first use, scorer/lazy.py).
+    assert _loaded(IMPORTS, tmp_path / "loaded.json", "inferlb.gpuagent") == [
+        "inferlb.gpuagent",
+        "inferlb.scorer",
+        "inferlb.scorer.address",
+        "inferlb.scorer.gpustate",
+        "inferlb.scorer.lazy",
+        "inferlb.serving",
+    ]
+
+
+@pytest.mark.parametrize("module", ["inferlb.cli", "inferlb.sim.cli"])
+def test_the_cli_and_the_emulated_servers_load_neither_the_config_models_nor_the_filter(
+    module: str, tmp_path: Path
+) -> None:
+    # Every `inferlb` command builds the parser first, and `inferlb sim` (a test starts dozens) then the emulator:
+    # neither needs the picker's config models, its routing unit or its filter, which the commands that use them
+    # import.
+    loaded = _loaded(IMPORTS, tmp_path / "loaded.json", module)
+    assert not {"inferlb.scorer.config", "inferlb.scorer.router", "inferlb.scorer.engine"} & set(loaded), loaded
+    assert not [m for m in loaded if m.startswith("inferlb.filter")], loaded
+
+
 def test_a_running_picker_loads_no_simulator_or_benchmark_module(tmp_path: Path) -> None:
     # Every optional part that loads code of its own is on: the admin API, the span receiver (its own process),
     # the OTLP exporter of the route spans, GPU reports. Nothing listens at the endpoint; the picker runs anyway.

@@ -115,3 +115,14 @@ def test_each_public_name_is_importable(package: str, name: str) -> None:
     namespace: dict[str, object] = {}
     exec(f"from {package} import {name}", namespace)
     assert namespace[name] is getattr(importlib.import_module(package), name)
+
+
+@pytest.mark.parametrize(("package", "names"), [pytest.param(p, n, id=p) for p, n in PUBLIC.items()])
+def test_every_public_name_is_the_object_its_module_defines(package: str, names: list[str]) -> None:
+    # The names load on first use (scorer/lazy.py): each must resolve, to the same object as in its module.
+    module = importlib.import_module(package)
+    for name in names:
+        value = getattr(module, name)
+        home = getattr(value, "__module__", None)
+        if home is not None and home.startswith(f"{package}."):
+            assert getattr(importlib.import_module(home), name) is value, name

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
+from inferlb.procs import SERVER_HEADER
+from inferlb.stack import LocalStack, StackOptions
 
 from .conftest import log_entry
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
+from inferlb.procs import SERVER_HEADER
+from inferlb.stack import LocalStack, StackOptions
 
 pytestmark = pytest.mark.envoy
 

@@ -19,8 +19,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.procs import grpc_serving
-from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
+from inferlb.procs import SERVER_HEADER, grpc_serving
+from inferlb.stack import LocalStack, StackOptions
 
 from ..conftest import poll
 from .conftest import Canary, log_entry

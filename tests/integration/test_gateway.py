@@ -19,9 +19,10 @@ import httpx
 import pytest
 
 from inferlb.envoyconf import EnvoyOptions
+from inferlb.procs import SERVER_HEADER
 from inferlb.sim.openai import output_text
 from inferlb.sim.server import SEEN_DEST_HEADER
-from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
+from inferlb.stack import LocalStack, StackOptions
 
 from ..conftest import poll
 from .conftest import Canary, log_entry

@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.envoyconf import EnvoyOptions
-from inferlb.stack import SERVER_HEADER, LocalStack, StackOptions
+from inferlb.procs import SERVER_HEADER
+from inferlb.stack import LocalStack, StackOptions
 
 from .conftest import log_entry
 

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from uvicorn.protocols.http import h11_impl
 
-from inferlb.procs import free_port
+from inferlb.procs import SERVER_HEADER, free_port
 from inferlb.scorer.gpustate import parse_gpu_report
 from inferlb.scorer.promtext import read_vllm
 from inferlb.sim.engine import EngineModel, EngineOptions, SimRequest
@@ -27,7 +27,6 @@ from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import SEEN_DEST_HEADER, EmulatedServer, ServerOptions
 from inferlb.sim.spans import RequestSpans
 from inferlb.sim.tokens import count_tokens
-from inferlb.stack import SERVER_HEADER
 
 from ..conftest import until
 
