@@ -97,6 +97,8 @@ class PickerProcess:
     worker: int | None = None  # which worker of `inferlb serve --workers N` this is (None: the only picker)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _collector_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # (collector, error) for each collector that ended other than by cancellation (a bug): shown in /readyz.
+    collector_failures: list[tuple[str, str]] = field(default_factory=list)
     _started: bool = False
     spans: SpanLoop | None = None
     admin_credential: Credential | None = None
@@ -191,24 +193,43 @@ class PickerProcess:
     def notes(self) -> list[str]:
         """What a ready picker should tell whoever asks (``/readyz``): it routes, but not as it would like to."""
         replicas = self.replicas
-        return [replicas.problem] if replicas is not None and replicas.problem else []
+        notes = [replicas.problem] if replicas is not None and replicas.problem else []
+        return notes + [
+            f"the {name} collector stopped ({error}): its signals are going stale"
+            for name, error in self.collector_failures
+        ]
 
     # ---- collectors ---------------------------------------------------------------------------------------
 
     def _start_collectors(self) -> None:
         loop = asyncio.get_running_loop()
+        runs = []
         if self.collector is not None:
-            self._collector_tasks.append(loop.create_task(self.collector.run(), name="metrics"))
+            runs.append((self.collector.run(), "metrics"))
         if self.gpu_collector is not None:
-            self._collector_tasks.append(loop.create_task(self.gpu_collector.run(), name="gpu"))
+            runs.append((self.gpu_collector.run(), "gpu"))
         if self.kv_collector is not None:
-            self._collector_tasks.append(loop.create_task(self.kv_collector.run(), name="kv-events"))
+            runs.append((self.kv_collector.run(), "kv-events"))
+        for run, name in runs:
+            task = loop.create_task(run, name=name)
+            task.add_done_callback(self._collector_ended)
+            self._collector_tasks.append(task)
+
+    def _collector_ended(self, task: asyncio.Task[None]) -> None:
+        # A collector returns only when cancelled; each one survives its sources' faults. One that ends otherwise
+        # is a bug, and its signals would freeze without a word: say so where the operator looks.
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        self.collector_failures.append((task.get_name(), repr(error)[:200]))
+        logger.error("the %s collector stopped: its signals go stale", task.get_name(), exc_info=error)
 
     async def _stop_collectors(self) -> None:
         for task in self._collector_tasks:
             task.cancel()
         for task in self._collector_tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            # A collector that failed was logged when it did (`_collector_ended`): the rest of the stop must run.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._collector_tasks.clear()
         if self.collector is not None:

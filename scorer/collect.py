@@ -161,7 +161,13 @@ class MetricsCollector:
             now = loop.time()
             if due > now:
                 await asyncio.sleep(due - now)
-            await self._scrape(i)
+            try:
+                await self._scrape(i)
+            except (
+                Exception
+            ):  # a bug, not a server's fault: this loop must outlive it, or the endpoint's signals freeze
+                logger.exception("metrics scrape of %s raised; scraping goes on", self.pool.endpoints[i].address)
+                self._failed(i, "the picker failed to read the scrape (its log has the traceback)")
             self._schedule_publish()
             due += interval
             now = loop.time()
@@ -179,7 +185,10 @@ class MetricsCollector:
             if status != 200:
                 self._failed(i, f"HTTP {status}")
             else:
-                self._read(i, body)
+                try:
+                    self._read(i, body)
+                except (ValueError, OverflowError) as exc:  # the reader bounds what it takes; this is the backstop
+                    self._failed(i, f"unreadable metrics: {str(exc)[:200]}")
         self.stats.scrapes += 1
         self._untried.discard(i)
 

@@ -350,8 +350,10 @@ _SIGNAL_NAMES = {
 _LORA = _SIGNAL_NAMES["lora"]
 # A label of the set (after "{" or ","; blanks allowed around "="). Digits only: a match cannot start inside another
 # label's value, since a quote there is escaped or closes that value.
-_BLOCK_SIZE = re.compile(rb'[{,][ \t]*block_size[ \t]*=[ \t]*"(\d+)"')
-_NUM_BLOCKS = re.compile(rb'[{,][ \t]*num_gpu_blocks[ \t]*=[ \t]*"(\d+)"')
+# At most nine digits each: a label value of more (a server's bug or a forgery) is no reading. An unbounded one
+# overflows the signal arrays' float64 (400 digits) or Python's int parsing (over 4,300).
+_BLOCK_SIZE = re.compile(rb'[{,][ \t]*block_size[ \t]*=[ \t]*"(\d{1,9})"')
+_NUM_BLOCKS = re.compile(rb'[{,][ \t]*num_gpu_blocks[ \t]*=[ \t]*"(\d{1,9})"')
 
 
 def _sample_lines(body: bytes, name: bytes) -> list[bytes]:

@@ -502,3 +502,32 @@ async def test_the_prefill_backlog_is_exact_where_the_picker_times_the_responses
     if replicas:
         relayed = picker.replicas is not None and picker.replicas.first_token is not None
         assert relayed is exact and (picker.service.on_first_token_elsewhere is not None) is exact
+
+
+async def test_a_collector_that_ends_with_an_error_is_logged_shown_in_readyz_and_the_stop_completes(
+    servers, tmp_path: Path, caplog
+):
+    picker = create_picker(load_config(_write(tmp_path, document(servers))))
+
+    async def broken() -> None:
+        raise OverflowError("int too large to convert to float")
+
+    picker.gpu_collector.run = broken  # type: ignore[method-assign]
+    await picker.start()
+    stopped = False
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{picker.config.admin}", timeout=5) as client:
+            await until(lambda: picker.collector_failures, "the failure noticed")
+            await until(lambda: picker.collector.first_round_done, "the metrics round")
+            ready = (await client.get("/readyz")).json()
+        assert ready["status"] == "ready"  # the metrics still come: it routes, on GPU state going stale
+        assert ready["notes"] == [
+            "the gpu collector stopped (OverflowError('int too large to convert to float')): its signals are going "
+            "stale"
+        ]
+        assert "the gpu collector stopped" in caplog.text and "OverflowError" in caplog.text
+        await picker.stop(0.5)  # once, the collector's error came out of here and the rest of the stop was skipped
+        stopped = True
+    finally:
+        if not stopped:
+            await picker.stop(0.5)

@@ -236,3 +236,82 @@ async def test_a_scrape_that_overruns_its_slot_waits_for_the_next_slot_of_the_gr
     # Not at once after the 75 ms scrape (0.075): at the slot after (0.1; ``start`` itself may lag its slot a little).
     assert slow[1] - start >= 0.1 - 0.005
     assert min(abs(slow[1] - t) for t in collector.starts[0]) < 0.005  # back in step with its group
+
+
+def _bad_cache_app(digits: int):
+    """A /metrics with sane gauges and a cache_config_info whose block_size has ``digits`` digits."""
+    body = (
+        'vllm:num_requests_running{model_name="m"} 1\n'
+        'vllm:num_requests_waiting{model_name="m"} 0\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+        f'vllm:cache_config_info{{block_size="{"9" * digits}",num_gpu_blocks="1000"}} 1.0\n'
+    ).encode()
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+@pytest.mark.parametrize("digits", [pytest.param(400, id="overflows-float64"), pytest.param(5000, id="past-int-limit")])
+async def test_a_huge_label_value_is_no_reading_and_every_endpoint_goes_on_being_scraped(digits: int):
+    # Once, a block_size of 400 digits raised OverflowError out of one endpoint's scrape; the collector's gather
+    # then cancelled every endpoint's loop, and all signals froze with nothing logged.
+    emulated = EmulatedServer(f"127.0.0.1:{free_port()}", ServerOptions(profile=TINY, models=("m",), time_scale=1.0))
+    bad = f"127.0.0.1:{free_port()}"
+    async with serving([emulated], extra=[(bad, _bad_cache_app(digits))]):
+        pool = Pool([EndpointConfig(a, None) for a in (emulated.address, bad)])
+        signals = Signals(len(pool), stale_after_s=5)
+        collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.02, timeout_s=1.0))
+        task = asyncio.create_task(collector.run())
+        deadline = asyncio.get_running_loop().time() + 10
+        while collector.stats.scrapes < 10:
+            assert not task.done(), task
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await collector.aclose()
+    snap = signals.snapshot
+    assert list(snap.up) == [True, True]
+    assert snap.running[1] == 1 and math.isnan(snap.kv_tokens[1])  # the gauges read; the cache size not
+    assert collector.last_error == [None, None]
+
+
+async def test_a_reading_that_raises_marks_its_endpoint_down_and_the_loop_goes_on(fleet, caplog):
+    _, addresses = fleet
+    pool = Pool([EndpointConfig(a, None) for a in addresses[:2]])
+    signals = Signals(len(pool), stale_after_s=5)
+    collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.02, timeout_s=1.0))
+    reader = collector._readers[0]
+    real_read, calls = reader.read, []
+
+    def read(body):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise OverflowError("int too large to convert to float")
+        if len(calls) == 2:
+            raise RuntimeError("a bug in the reader")
+        return real_read(body)
+
+    reader.read = read
+    task = asyncio.create_task(collector.run())
+    deadline = asyncio.get_running_loop().time() + 10
+    seen = []
+    while len(calls) < 4:
+        assert not task.done(), task
+        assert asyncio.get_running_loop().time() < deadline
+        seen.append(collector.last_error[0])
+        await asyncio.sleep(0.002)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await collector.aclose()
+    assert "unreadable metrics: int too large to convert to float" in seen
+    assert "the picker failed to read the scrape (its log has the traceback)" in seen
+    assert "RuntimeError: a bug in the reader" in caplog.text
+    assert collector.last_error[0] is None and bool(signals.snapshot.up[0])  # read again once the reader could
