@@ -62,7 +62,10 @@ class GpuCollector:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
-            await self.read_once()
+            try:
+                await self.read_once()
+            except Exception:  # a bug, not a source's fault: the loop must outlive it, or GPU state freezes
+                logger.exception("reading the GPU sources raised; reading goes on")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
     async def read_once(self) -> None:

@@ -62,18 +62,33 @@ class GpuReport:
         }
 
 
+# No GPU figure comes near it: a larger integer is no reading (JSON's integers are unbounded, and one of 400
+# digits would overflow the float64 sums of the collector, or `math.isfinite` itself).
+MAX_INTEGER = 2**63
+
+
 def _number(obj: Mapping[str, object], key: str, where: str) -> float:
     value = obj.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{where}.{key} must be a finite number; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
+        raise ValueError(f"{where}.{key} must be a finite number; got {_short(value)}")
     return value
 
 
 def _count(obj: Mapping[str, object], key: str, where: str) -> int:
     value = obj.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{where}.{key} must be an integer >= 0; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_INTEGER:
+        raise ValueError(f"{where}.{key} must be an integer in [0, 2**63); got {_short(value)}")
     return value
+
+
+def _finite(value: int | float) -> bool:
+    return -MAX_INTEGER < value < MAX_INTEGER if isinstance(value, int) else math.isfinite(value)
+
+
+def _short(value: object) -> str:
+    if isinstance(value, int) and value.bit_length() > 100:  # repr() of one over 4,300 digits raises
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)[:120]
 
 
 def _text(obj: Mapping[str, object], key: str, where: str) -> str:

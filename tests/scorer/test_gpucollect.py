@@ -112,3 +112,44 @@ async def test_a_huge_body_is_refused_without_being_read_whole():
         await server.wait_closed()
     assert collector.errors == {url: 1}
     assert MAX_GPU_REPORT_BYTES <= sum(written) < 64 << 20
+
+
+@pytest.mark.parametrize(
+    "field", [pytest.param('"sampled_at": 1{zeros}', id="sampled-at"), pytest.param("", id="memory-total")]
+)
+@pytest.mark.parametrize("digits", [pytest.param(400, id="overflows-float64"), pytest.param(5000, id="past-int-limit")])
+async def test_a_report_with_a_huge_integer_is_an_error_of_its_source_and_reading_goes_on(field, digits, caplog):
+    # Once, 10**400 raised OverflowError through the report's validation: the collector's task ended, GPU state froze
+    # for every endpoint, and nothing was logged.
+    huge = "1" + "0" * digits
+    total = huge if not field else "80000000000"
+    sampled = field.format(zeros="0" * digits) if field else '"sampled_at": 1.0'
+    gpu = '{"index": 0, "uuid": "u", "name": "n", "utilization_pct": 5, "memory_used_bytes": 1, '
+    gpu += f'"memory_total_bytes": {total}}}'
+    bad = f'{{"source": "nvml", "host": "n", {sampled}, "gpus": [{gpu}]}}'.encode()
+    good = b'{"source": "nvml", "host": "m", "sampled_at": 1.0, "gpus": []}'
+    async with (
+        LoopbackHttp({"/gpu": http_response("200 OK", bad)}) as liar,
+        LoopbackHttp({"/gpu": http_response("200 OK", good)}) as honest,
+    ):
+        signals = Signals(2)
+        collector = GpuCollector(
+            [GpuSource(liar.url("/gpu")), GpuSource(honest.url("/gpu"))], signals, interval_s=0.02, timeout_s=5.0
+        )
+        task = asyncio.create_task(collector.run())
+        deadline = asyncio.get_running_loop().time() + 10
+        try:
+            with caplog.at_level(logging.WARNING, logger="inferlb.scorer.gpucollect"):
+                while collector.rounds < 3:
+                    assert not task.done(), task
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await collector.aclose()
+    assert collector.errors[liar.url("/gpu")] >= 3
+    # Refused as JSON (over Python's 4,300 digits) or as a report (over 2**63), with a short word for the number.
+    assert f"GPU source {liar.url('/gpu')}" in caplog.text and len(caplog.text) < 2000
+    assert math.isnan(signals.snapshot.gpu_util[0])
