@@ -57,10 +57,14 @@ def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, config: str, optio
     envoy_accepts(path)
 
 
-def test_client_destination_header_is_removed_before_routing() -> None:
+def test_client_destination_header_and_request_id_are_removed_before_routing() -> None:
     doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions()))
     (early,) = hcm(doc)["early_header_mutation_extensions"]
-    assert early["typed_config"]["mutations"] == [{"remove": "x-gateway-destination-endpoint"}]
+    assert early["typed_config"]["mutations"] == [
+        {"remove": "x-gateway-destination-endpoint"},
+        {"remove": "x-request-id"},
+    ]
+    assert hcm(doc)["always_set_request_id_in_response"] is True  # Envoy makes the id; the client learns it
 
 
 def test_picker_wiring() -> None:

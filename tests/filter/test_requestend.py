@@ -15,6 +15,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, ProcessingRequest
 from google.protobuf import text_format
 
+from inferlb.filter.request import MAX_REQUEST_ID_CHARS, request_key
 from inferlb.filter.requestend import OpenLeases, _request_ids_message
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.inflight import InFlight
@@ -161,6 +162,23 @@ async def test_the_routing_stream_ends_at_the_decision_and_the_access_log_ends_t
     await _report_ends(picker, "someone-else", "req-1")
     await until(lambda: inflight.total() == 0)
     assert picker.service.leases is not None and picker.service.leases.stats.unknown_entries == 1
+    await envoy.channel.close()
+
+
+async def test_a_long_request_id_is_kept_as_a_digest_and_its_reported_end_still_finds_it(picker: PickerServer) -> None:
+    # Behind a gateway that passes a client's id on, the id may be tens of KB: the picker keeps a digest, and the
+    # access log's copy of the id (whole) comes to the same key.
+    long_id = "x" * 20_000
+    envoy = FakeEnvoy(picker)
+    destination(await envoy.send(_headers(long_id)))
+    inflight = picker.service.engine.inflight
+    leases = picker.service.leases
+    assert leases is not None and inflight.total() == 1
+    (kept,) = leases._by_id
+    assert kept == request_key(long_id) and len(kept) <= MAX_REQUEST_ID_CHARS
+    await _report_ends(picker, "x" * 19_999 + "y", long_id)  # another id of the same length ends nothing of it
+    await until(lambda: inflight.total() == 0)
+    assert leases.stats.unknown_entries == 1
     await envoy.channel.close()
 
 

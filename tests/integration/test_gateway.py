@@ -75,6 +75,24 @@ def test_client_cannot_choose_its_upstream(stack: LocalStack, client: httpx.Clie
     assert canary.connections == before
 
 
+def test_envoy_makes_every_request_id_whatever_the_client_sends(stack: LocalStack, client: httpx.Client) -> None:
+    # The picker keys leases, span joins and experiment outcomes on the request id: a client that chose it could
+    # move another request's in-flight count (by reusing one) or have the picker keep 60 KB ids for minutes.
+    sent = ["mine", "mine", "x" * 20_000]
+    ids = []
+    for chosen in sent:
+        response = client.post("/v1/completions", json=COMPLETION, headers={"x-request-id": chosen})
+        assert response.status_code == 200
+        ids.append(response.headers["x-request-id"])
+    assert len(set(ids)) == len(ids) and not set(ids) & set(sent)
+    assert all(len(i) == 36 for i in ids)  # Envoy's UUIDs
+    decisions = client.get(
+        f"{stack.picker_admin_url}/decisions", params={"limit": 50}, headers=stack.admin_headers
+    ).json()["decisions"]
+    seen = {d["request_id"] for d in decisions}
+    assert set(ids) <= seen and not seen & set(sent)
+
+
 @pytest.mark.parametrize(
     ("path", "content", "status", "words"),
     [
