@@ -49,6 +49,7 @@ def receiver_settings(config: OtelConfig, pool: Pool) -> ReceiverSettings:
         allowed = Networks.of(config.allowed_senders)
     else:
         allowed = networks_of_hosts([e.host for e in pool]).union(LOOPBACK_NETWORKS)
+    allowed = allowed.union(Networks.of(config.relays or ()))  # a relay sends, or it could relay nothing
     token = None
     if config.receiver_auth is not None:
         token = config.receiver_auth.read("otel.receiver_auth").reveal().decode()
@@ -100,6 +101,7 @@ class SpanLoop:
                 ReceiverStats(),
                 heatmap=self.heatmap if self.from_spans else None,
                 by_name=config.join_by_name,
+                relays=Networks.of(config.relays or ()),
             )
             # The token is read at start; until then the settings hold none and nothing runs.
             self.receiver = SpanFeed(_untokened(config, pool), joiner)
@@ -157,6 +159,7 @@ class SpanLoop:
             self.config = config
             if self.receiver is not None:
                 self.receiver.joiner.by_name = config.join_by_name
+                self.receiver.joiner.relays = Networks.of(config.relays or ())
         if not keep:
             self.pool = pool
             self._addresses = [e.address for e in pool]

@@ -4,10 +4,12 @@ The spans arrive as validated `SpanRecord`s from the receiver process (otel/rece
 sender and the span's bounds; otel/spanfeed.py brings the records here in bounded slices). A record moves an
 endpoint's latency only when
 
-(a) its trace id joins a decision this picker made (`TraceJoin`, filled by the filter at each decision), and the
-    join is consumed: one span per decision. A client may choose its own trace id (``traceparent``), so this
-    bounds what a forger can do to one sample per request it really sent; a second span with that trace id is a
-    ``duplicate`` and changes nothing; or
+(a) its trace id joins a decision this picker made (`TraceJoin`, filled by the filter at each decision), it was
+    sent from the host of the endpoint that decision chose or from a relay (``otel.relays``: an OpenTelemetry
+    Collector's network), and the join is consumed: one span per decision. A client may choose its own trace id
+    (``traceparent``), so without the sender's check anything allowed to send spans could give any endpoint the
+    latency of its choice for each request it sent; such a span is ``unverified`` and leaves the decision to
+    its server's span. A second span with a joined trace id is a ``duplicate`` and changes nothing; or
 (b) name joins are on (``otel.join_by_name``, off by default) and it names a pool endpoint (``server.address`` +
     ``server.port`` of the span or its resource, or ``inferlb.endpoint``) and was sent from that endpoint's own
     host: a server may speak for itself, not for its neighbours (``unverified`` otherwise). Where several servers
@@ -28,7 +30,7 @@ import numpy as np
 
 from inferlb.otel.heatmap import LLM_SPAN, HeatmapAggregator
 from inferlb.otel.spanwire import SpanRecord
-from inferlb.scorer.networks import IPAddress, unmapped
+from inferlb.scorer.networks import IPAddress, Networks, unmapped
 
 __all__ = ["CHILD_COUNTERS", "LLM_SPAN", "ReceiverStats", "SpanJoiner", "TraceJoin"]
 
@@ -243,9 +245,13 @@ class SpanJoiner:
         *,
         heatmap: HeatmapAggregator | None = None,
         by_name: bool = False,
+        relays: Networks | None = None,
     ) -> None:
         self.stats, self.heatmap = stats, heatmap
         self.by_name = by_name  # rule (b); a reload may change it
+        self.relays = (
+            relays if relays is not None else Networks(())
+        )  # may speak for any endpoint; a reload may change it
         # Told (request id, record) of each span joined by trace to a decision with a request id (experiments).
         self.outcome: Callable[[str, SpanRecord], None] | None = None
         self.rebind(observe, endpoints, join)
@@ -260,6 +266,11 @@ class SpanJoiner:
     def add(self, sender: IPAddress | None, record: SpanRecord) -> None:
         """One record sent from ``sender`` (None: unknown, so no endpoint's own host)."""
         stats = self.stats
+        if record.trace_id is not None:
+            decided = self.join.get(record.trace_id)
+            if decided is not None and decided < len(self._hosts) and not self._speaks_for(sender, decided):
+                stats.unverified += 1  # the decision stays for its server's own span
+                return
         taken = self.join.take(record.trace_id) if record.trace_id is not None else None
         endpoint = None if taken is None else taken[0]
         if endpoint is not None and endpoint < len(self.addresses):
@@ -268,7 +279,7 @@ class SpanJoiner:
                 self.outcome(taken[1], record)
         else:
             named = self._index.get(record.server) if record.server is not None else None
-            if named is not None and self.by_name and sender is not None and self._hosts[named] == sender:
+            if named is not None and self.by_name and sender is not None and self._hosts[named] == unmapped(sender):
                 stats.joined_by_resource += 1
                 endpoint = named
             elif record.trace_id is not None and self.join.joined(record.trace_id):
@@ -283,3 +294,7 @@ class SpanJoiner:
         self.observe(endpoint, record.ttft_s, record.e2e_s)
         if self.heatmap is not None:
             self.heatmap.add(record.end_s, self.addresses[endpoint], record.ttft_s, record.e2e_s)
+
+    def _speaks_for(self, sender: IPAddress | None, endpoint: int) -> bool:
+        """Whether a span from ``sender`` may report on endpoint ``endpoint``: its own host, or a relay."""
+        return sender is not None and (self._hosts[endpoint] == unmapped(sender) or self.relays.contains(sender))

@@ -216,10 +216,14 @@ class OtelConfig(Section):
     ``receiver_max_spans_per_request`` spans of one export and ``receiver_max_spans_per_s`` latency spans a second
     (a burst of one second or one full export), and drops spans that end more than ``span_max_age_s`` before or
     ``span_max_ahead_s`` after now or whose duration or latencies exceed ``span_max_latency_s``. A decision waits
-    ``join_max_age_s`` for its span (see otel/receiver.py for the join rule). ``join_by_name``: a span without a
-    decision's trace id may still join the endpoint it names when it comes from that endpoint's own host (for
-    servers that do not propagate trace context); off by default, because where several servers share a host
-    (or a client runs on one) anything there could then speak for all of them."""
+    ``join_max_age_s`` for its span (see otel/receiver.py for the join rule), and a span joins a decision only
+    when it comes from the host of the endpoint that decision chose, or from one of ``relays`` (CIDR strings: the
+    networks of senders that pass on other hosts' spans, such as an OpenTelemetry Collector; also allowed to
+    send). A client chooses its own trace id, so without that rule anything allowed to send spans could give any
+    endpoint the latency of its choice for the requests it sent. ``join_by_name``: a span without a decision's
+    trace id may still join the endpoint it names when it comes from that endpoint's own host (for servers that
+    do not propagate trace context); off by default, because where several servers share a host (or a client
+    runs on one) anything there could then speak for all of them."""
 
     receiver: OptionalAddress = None
     latency_source: Annotated[str, one_of(*LATENCY_SOURCES)] = "spans"
@@ -242,25 +246,27 @@ class OtelConfig(Section):
     span_max_latency_s: Annotated[float, number(ge=1, le=86400)] = 3600.0
     join_max_age_s: Annotated[float, number(ge=1, le=3600)] = 300.0
     join_by_name: Annotated[bool, FLAG] = False
+    relays: Annotated[tuple[Network, ...] | None, optional(_NETWORK_LIST)] = None
 
     @model_validator(mode="after")
     def _receiver_settings(self) -> OtelConfig:
-        for i, cidr in enumerate(self.allowed_senders or ()):
-            network = ipaddress.ip_network(cidr)
-            if network.prefixlen == 0:
-                if self.receiver_auth is None:
-                    raise invalid(
-                        f": {network} lets any host send spans, and spans steer routing: set otel.receiver_auth (a "
-                        "bearer token) too, or list the servers' networks",
-                        "allowed_senders",
-                        i,
-                    )
-            elif (problem := unicast_problem(network.network_address)) is not None:
-                raise invalid(f": {network} {problem}; no span sender lives there", "allowed_senders", i)
+        for name, what in (("allowed_senders", "send spans"), ("relays", "speak for every endpoint")):
+            for i, cidr in enumerate(getattr(self, name) or ()):
+                network = ipaddress.ip_network(cidr)
+                if network.prefixlen == 0:
+                    if self.receiver_auth is None:
+                        raise invalid(
+                            f": {network} lets any host {what}, and spans steer routing: set otel.receiver_auth (a "
+                            "bearer token) too, or list the servers' networks",
+                            name,
+                            i,
+                        )
+                elif (problem := unicast_problem(network.network_address)) is not None:
+                    raise invalid(f": {network} {problem}; no span sender lives there", name, i)
         if self.exporter != "none" and self.export_endpoint is None:
             raise invalid(" is required with an otlp exporter (host:port or a URL)", "export_endpoint")
         if self.receiver is None:
-            for name in ("allowed_senders", "receiver_auth"):
+            for name in ("allowed_senders", "receiver_auth", "relays"):
                 if getattr(self, name) is not None:
                     raise invalid(" is set but otel.receiver is not: set otel.receiver or remove it", name)
         return self

@@ -86,6 +86,26 @@ async def test_forged_spans_change_nothing_and_are_counted(allowed, endpoints, c
         assert loop.heatmap.grid()["endpoints"] == []
 
 
+@pytest.mark.parametrize("relayed", [pytest.param(False, id="forged"), pytest.param(True, id="from-a-relay")])
+async def test_a_span_for_a_decision_joins_only_from_its_endpoints_host_or_a_relay(relayed: bool) -> None:
+    # Loopback may send (the default allowlist), and a client chooses its request's trace id: without the sender's
+    # check, a process here could have given the endpoints at 10.0.0.x a latency of 600 s for every request it sent.
+    endpoints = ("10.0.0.1:8000", "10.0.0.2:8000")
+    config = OtelConfig(receiver="127.0.0.1:0", relays=("127.0.0.0/8",) if relayed else None)
+    async with running(config, pool(*endpoints)) as loop:
+        trace = b"\x07" * 16
+        loop.join.record(trace, 0)
+        await export(loop, [span(trace_id=trace, **{TTFT: 600.0, E2E: 700.0})])
+        stats = loop.receiver.stats  # type: ignore[union-attr]
+        if relayed:
+            await until(lambda: stats.joined_by_trace == 1, "the relayed span joined")
+            assert counts(loop) == [1.0, 0.0]
+        else:
+            await until(lambda: stats.unverified == 1, "the forged span counted")
+            assert counts(loop) == [0.0, 0.0] and stats.joined_by_trace == 0
+            assert loop.join.get(trace) == 0  # still waiting for its server's span
+
+
 @pytest.mark.parametrize(
     ("metadata", "accepted"),
     [
@@ -247,6 +267,8 @@ def test_the_default_allowlist_follows_the_pool() -> None:
     assert first.allowed == ("10.0.0.1/32", "10.0.0.2/32", "127.0.0.0/8", "::1/128")
     assert second.allowed == ("10.1.0.1/32", "fd00::5/128", "127.0.0.0/8", "::1/128")
     assert receiver_settings(replace(config, allowed_senders=("10.0.0.0/8",)), pool(*LOCAL)).allowed == ("10.0.0.0/8",)
+    relayed = receiver_settings(replace(config, relays=("10.9.0.0/16",)), pool("10.0.0.1:8000"))
+    assert relayed.allowed == ("10.0.0.1/32", "127.0.0.0/8", "::1/128", "10.9.0.0/16")  # a relay may send
 
 
 async def test_a_pool_change_moves_the_default_allowlist_of_the_running_receiver() -> None:

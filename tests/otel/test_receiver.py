@@ -14,8 +14,10 @@ from inferlb.otel.heatmap import HeatmapAggregator
 from inferlb.otel.latency import EndpointLatency
 from inferlb.otel.receiver import CHILD_COUNTERS, ReceiverStats, SpanJoiner, TraceJoin
 from inferlb.otel.spanwire import SpanRecord
+from inferlb.scorer.networks import Networks
 
 ENDPOINTS = ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000"]
+HOSTS = [ipaddress.ip_address(a) for a in ("10.0.0.1", "10.0.0.2", "fd00::3")]  # where each endpoint's spans come from
 TRACE = b"\x07" * 16
 
 
@@ -28,7 +30,7 @@ class Clock:
 
 
 def make(
-    join: TraceJoin | None = None, *, by_name: bool = True
+    join: TraceJoin | None = None, *, by_name: bool = True, relays: tuple[str, ...] = ()
 ) -> tuple[SpanJoiner, list[tuple[int, float | None, float | None]]]:
     seen: list[tuple[int, float | None, float | None]] = []
     joiner = SpanJoiner(
@@ -37,6 +39,7 @@ def make(
         join if join is not None else TraceJoin(),
         ReceiverStats(),
         by_name=by_name,
+        relays=Networks.of(relays),
     )
     return joiner, seen
 
@@ -49,14 +52,35 @@ def ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ipaddress.ip_address(text)
 
 
-def test_a_trace_id_joins_one_span_and_later_ones_are_duplicates() -> None:
+def test_a_trace_id_joins_one_span_from_its_endpoints_host_and_later_ones_are_duplicates() -> None:
     joiner, seen = make()
     joiner.join.record(TRACE, 1)
-    for _ in range(2000):  # a forger who knows the trace id of a request it sent
-        joiner.add(ip("192.0.2.9"), record(TRACE, ttft=20.0))
-    assert seen == [(1, 20.0, 1.5)]
+    for sender in ("192.0.2.9", "10.0.0.1", "127.0.0.1"):  # a forger who knows the trace id of a request it sent
+        joiner.add(ip(sender), record(TRACE, ttft=600.0))
+    assert seen == [] and joiner.stats.unverified == 3
+    assert joiner.join.get(TRACE) == 1  # the decision waits for its server's span
+    for _ in range(2000):
+        joiner.add(ip("10.0.0.2"), record(TRACE))
+    assert seen == [(1, 0.2, 1.5)]
     assert (joiner.stats.joined_by_trace, joiner.stats.duplicate) == (1, 1999)
     assert len(joiner.join) == 0
+
+
+@pytest.mark.parametrize(
+    ("sender", "joined"),
+    [
+        pytest.param("192.0.2.9", True, id="a-relay"),
+        pytest.param("192.0.3.9", False, id="not-a-relay"),
+        pytest.param(None, False, id="unknown-sender"),
+    ],
+)
+def test_a_relay_may_pass_on_any_endpoints_span(sender: str | None, joined: bool) -> None:
+    # An OpenTelemetry Collector sends the servers' spans from its own address (otel.relays).
+    joiner, seen = make(relays=("192.0.2.0/24",))
+    joiner.join.record(TRACE, 2)
+    joiner.add(ip(sender) if sender else None, record(TRACE))
+    assert seen == ([(2, 0.2, 1.5)] if joined else [])
+    assert (joiner.stats.joined_by_trace, joiner.stats.unverified) == ((1, 0) if joined else (0, 1))
 
 
 @pytest.mark.parametrize(
@@ -96,7 +120,7 @@ def test_ipv6_endpoints_are_verified_by_their_host() -> None:
 def test_the_trace_id_wins_over_the_name_and_a_span_naming_nothing_is_unjoined() -> None:
     joiner, seen = make()
     joiner.join.record(TRACE, 2)
-    joiner.add(ip("10.0.0.1"), record(TRACE, "10.0.0.1:8000"))
+    joiner.add(ip("fd00::3"), record(TRACE, "10.0.0.1:8000"))
     joiner.add(ip("10.0.0.1"), record(os.urandom(16), None))
     joiner.add(ip("10.0.0.1"), record(None, "10.9.9.9:1"))
     assert seen == [(2, 0.2, 1.5)]
@@ -117,8 +141,8 @@ def test_an_envoy_trace_id_recorded_beside_ours_is_consumed_with_it() -> None:
     joiner, seen = make()
     envoy = b"\x08" * 16
     joiner.join.record(TRACE, 1, also=envoy)
-    joiner.add(None, record(envoy))
-    joiner.add(None, record(TRACE))
+    joiner.add(ip("10.0.0.2"), record(envoy))
+    joiner.add(ip("10.0.0.2"), record(TRACE))
     assert seen == [(1, 0.2, 1.5)] and joiner.stats.unjoined == 1
     assert len(joiner.join) == 0
 
@@ -199,7 +223,7 @@ def test_memory_levels_off_when_spans_join() -> None:
             if len(waiting) > lag:
                 back = waiting.pop(0)
                 if back is not None:
-                    joiner.add(None, SpanRecord(back, None, 0.2, 1.5, clock.now))
+                    joiner.add(HOSTS[int.from_bytes(back, "big") % 3], SpanRecord(back, None, 0.2, 1.5, clock.now))
             if n % (rate * 120) == 0:
                 gc.collect()
                 sizes[n // (rate * 60)] = tracemalloc.get_traced_memory()[0]
@@ -221,10 +245,10 @@ def test_a_span_joined_by_trace_tells_its_requests_outcome_and_one_joined_by_nam
     joiner.outcome = lambda rid, record: told.append((rid, record.ttft_s, record.e2e_s))
     join.record(TRACE, 1, request_id="req-1")
     join.record(b"\x08" * 16, 0)  # a decision without a request id
-    joiner.add(None, record(TRACE, ttft=0.3))
-    joiner.add(None, record(b"\x08" * 16))
-    joiner.add(ip("10.0.0.1"), record(None, ENDPOINTS[0]))  # joined by name: no request to tell of
+    joiner.add(HOSTS[1], record(TRACE, ttft=0.3))
+    joiner.add(HOSTS[0], record(b"\x08" * 16))
+    joiner.add(HOSTS[0], record(None, ENDPOINTS[0]))  # joined by name: no request to tell of
     assert told == [("req-1", 0.3, 1.5)]
     assert [e for e, _, _ in seen] == [1, 0, 0]
-    joiner.add(None, record(TRACE))  # a duplicate tells nothing more
+    joiner.add(HOSTS[1], record(TRACE))  # a duplicate tells nothing more
     assert len(told) == 1

@@ -935,6 +935,17 @@ def test_the_receivers_allowlist_token_and_limits_are_read() -> None:
     assert (otel.span_max_latency_s, otel.join_max_age_s) == (600.0, 120.0)
 
 
+def test_relays_are_read_and_may_be_everyone_only_with_a_token() -> None:
+    assert _otel_config().otel.relays is None
+    assert _otel_config(relays=["10.1.0.0/16"]).otel.relays == ("10.1.0.0/16",)
+    with pytest.raises(ConfigError, match=r"^otel\.relays\[0\]: 0\.0\.0\.0/0 lets any host speak for every endpoint"):
+        _otel_config(relays=["0.0.0.0/0"])
+    with pytest.raises(ConfigError, match=r"^otel\.relays\[0\]: .* is a multicast address"):
+        _otel_config(relays=["224.0.0.0/4"])
+    with pytest.raises(ConfigError, match=r"^otel\.relays is set but otel\.receiver is not"):
+        parse_config({"otel": {"relays": ["10.1.0.0/16"]}, "pool": OTEL_POOL})
+
+
 def test_every_address_may_send_only_with_a_token() -> None:
     with pytest.raises(ConfigError, match=r"^otel\.allowed_senders\[0\]: 0\.0\.0\.0/0 lets any host send spans"):
         _otel_config(allowed_senders=["0.0.0.0/0"])
