@@ -28,7 +28,16 @@ from inferlb.scorer.errors import shown
 from inferlb.scorer.networks import Networks, destination_problem
 from inferlb.scorer.validation import config_error
 
-__all__ = ["MAX_MEMBER_BYTES", "DiscoverySource", "Resolver", "SourceHealth", "endpoints_of", "resolve_host"]
+__all__ = [
+    "MAX_MEMBER_BYTES",
+    "MAX_SKIPPED",
+    "DiscoverySource",
+    "Members",
+    "Resolver",
+    "SourceHealth",
+    "endpoints_of",
+    "resolve_host",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +102,66 @@ class Skipped:
     reason: str
 
 
+# Skipped entries kept with their reasons (for the log and /endpoints); the rest are counted in one more line.
+MAX_SKIPPED = 256
+# Entries validated between two yields to the event loop (a few milliseconds of work): a source of tens of
+# thousands of entries never holds the routing loop for long.
+YIELD_EVERY = 32
+
+
+class Members:
+    """Turns a source's entries into endpoints, remembering what each entry's value came to for as long as the value
+    stays in the source. A source publishes its whole membership at each change; validated anew each time, 20,000
+    entries held the routing loop for seconds at every watch event (and skipped entries, compared pairwise, grew
+    that quadratically). An entry whose address names a host is resolved again each time (DNS moves)."""
+
+    def __init__(self) -> None:
+        self._allowed: Networks | None = None
+        self._memo: dict[bytes, list[EndpointConfig] | str | None] = {}
+
+    async def endpoints(
+        self, entries: Mapping[str, bytes], allowed: Networks, *, resolve: Resolver = resolve_host, limit: int = 4096
+    ) -> tuple[tuple[EndpointConfig, ...], tuple[Skipped, ...]]:
+        """The endpoints that ``entries`` (key -> JSON value) describe, in key order, and the entries skipped (at
+        most `MAX_SKIPPED` with their reasons, then one that counts the rest)."""
+        if allowed != self._allowed:
+            self._allowed, self._memo = allowed, {}
+        memo: dict[bytes, list[EndpointConfig] | str | None] = {}
+        endpoints: list[EndpointConfig] = []
+        skipped: list[Skipped] = []
+        more_skipped = 0
+        seen: dict[str, str] = {}
+        for n, key in enumerate(sorted(entries)):
+            if n % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
+            value = entries[key]
+            if value in self._memo:
+                outcome = memo[value] = self._memo[value]  # kept for as long as its value is in the source
+            else:
+                outcome, lasting = await _outcome(value, allowed, resolve)
+                if lasting:
+                    memo[value] = outcome
+            try:
+                if isinstance(outcome, str):
+                    raise ValueError(outcome)
+                for endpoint in outcome or ():
+                    if endpoint.address in seen:
+                        raise ValueError(f"{endpoint.address} is also the address of {shown(seen[endpoint.address])}")
+                    if len(endpoints) >= limit:
+                        raise ValueError(f"more than {limit} endpoints (max_endpoints)")
+                    seen[endpoint.address] = key
+                    endpoints.append(endpoint)
+            except ValueError as exc:
+                if len(skipped) < MAX_SKIPPED:
+                    skipped.append(Skipped(key, str(exc)))
+                else:
+                    more_skipped += 1
+        self._memo = memo
+        if more_skipped:
+            skipped.append(Skipped("...", f"{more_skipped} more entries skipped (the first {MAX_SKIPPED} are listed)"))
+        return tuple(endpoints), tuple(skipped)
+
+
 async def endpoints_of(
     entries: Mapping[str, bytes],
     allowed: Networks,
@@ -100,25 +169,28 @@ async def endpoints_of(
     resolve: Resolver = resolve_host,
     limit: int = 4096,
 ) -> tuple[tuple[EndpointConfig, ...], tuple[Skipped, ...]]:
-    """The endpoints that ``entries`` (key -> JSON value) describe, in key order, and the entries skipped."""
-    endpoints: list[EndpointConfig] = []
-    skipped: list[Skipped] = []
-    seen: dict[str, str] = {}
-    for key in sorted(entries):
-        value = entries[key]
-        try:
-            for endpoint in await _entry(value, allowed, resolve):
-                if endpoint.address in seen:
-                    raise ValueError(f"{endpoint.address} is also the address of {shown(seen[endpoint.address])}")
-                if len(endpoints) >= limit:
-                    raise ValueError(f"more than {limit} endpoints (max_endpoints)")
-                seen[endpoint.address] = key
-                endpoints.append(endpoint)
-        except _NotReady:
-            continue
-        except ValueError as exc:
-            skipped.append(Skipped(key, str(exc)))
-    return tuple(endpoints), tuple(skipped)
+    """The endpoints that ``entries`` (key -> JSON value) describe, in key order, and the entries skipped (`Members`
+    without its memory of earlier calls)."""
+    return await Members().endpoints(entries, allowed, resolve=resolve, limit=limit)
+
+
+async def _outcome(
+    value: bytes, allowed: Networks, resolve: Resolver
+) -> tuple[list[EndpointConfig] | str | None, bool]:
+    """What one entry's value comes to: its endpoints, why it is skipped, or None (not ready); and whether that
+    holds for as long as the value does (False where a host name was resolved)."""
+    resolved: list[bool] = []
+
+    async def resolving(host: str, port: int) -> list[str]:
+        resolved.append(True)
+        return await resolve(host, port)
+
+    try:
+        return await _entry(value, allowed, resolving), not resolved
+    except _NotReady:
+        return None, not resolved
+    except ValueError as exc:
+        return str(exc), not resolved
 
 
 class _NotReady(Exception):

@@ -24,7 +24,7 @@ import httpx
 
 from inferlb.scorer.config import EndpointConfig, EtcdConfig
 from inferlb.scorer.credentials import Credential
-from inferlb.scorer.discovery import Resolver, Skipped, SourceHealth, endpoints_of, resolve_host
+from inferlb.scorer.discovery import Members, Resolver, Skipped, SourceHealth, resolve_host
 from inferlb.scorer.networks import Networks
 
 __all__ = ["EtcdSource"]
@@ -75,6 +75,7 @@ class EtcdSource(SourceHealth):
         super().__init__()
         self.revision = 0
         self.skipped: tuple[Skipped, ...] = ()
+        self._members = Members()
         self.updates = 0  # memberships published
         self._entries: dict[str, bytes] = {}
         self._prefix = config.prefix.encode()
@@ -168,11 +169,12 @@ class EtcdSource(SourceHealth):
         return base64.b64decode(kv.get("key", "")).decode("utf-8", "replace")
 
     async def _publish(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
-        endpoints, skipped = await endpoints_of(
+        endpoints, skipped = await self._members.endpoints(
             self._entries, self.allowed, resolve=self.resolve, limit=self.config.max_endpoints
         )
+        before = set(self.skipped)
         for entry in skipped:
-            if entry not in self.skipped:
+            if entry not in before:
                 logger.error("etcd discovery skips %s: %s", entry.key, entry.reason)
         self.skipped = skipped
         self.updates += 1

@@ -38,7 +38,7 @@ import httpx
 import orjson
 
 from inferlb.scorer.config import EndpointConfig, KubernetesConfig
-from inferlb.scorer.discovery import Skipped, SourceHealth, endpoints_of
+from inferlb.scorer.discovery import Members, Skipped, SourceHealth
 from inferlb.scorer.networks import Networks
 
 __all__ = ["MODELS_ANNOTATION", "SERVICE_LABEL", "KubernetesSource"]
@@ -76,6 +76,7 @@ class KubernetesSource(SourceHealth):
         super().__init__()
         self.revision = ""
         self.skipped: tuple[Skipped, ...] = ()
+        self._members = Members()
         self.updates = 0
         self._objects: dict[str, dict[str, Any]] = {}
         self._transport = transport
@@ -219,9 +220,12 @@ class KubernetesSource(SourceHealth):
                 yield address, entry
 
     async def _publish(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
-        endpoints, skipped = await endpoints_of(self._entries(), self.allowed, limit=self.config.max_endpoints)
+        endpoints, skipped = await self._members.endpoints(
+            self._entries(), self.allowed, limit=self.config.max_endpoints
+        )
+        before = set(self.skipped)
         for entry in skipped:
-            if entry not in self.skipped:
+            if entry not in before:
                 logger.error("kubernetes discovery skips %s: %s", entry.key, entry.reason)
         self.skipped = skipped
         self.updates += 1
