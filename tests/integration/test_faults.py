@@ -200,6 +200,25 @@ def test_a_killed_picker_cuts_no_routed_request(tmp_path: Path, fail_open: bool)
             _decided_by_picker(stack, response)
 
 
+def test_a_picker_that_does_not_answer_in_time_gets_a_504_that_says_so_with_fail_closed(tmp_path: Path) -> None:
+    options = replace(OPTIONS, envoy=replace(OPTIONS.envoy, fail_open=False, message_timeout_ms=300))
+    with LocalStack(options, tmp_path) as stack, httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+        assert stack.picker is not None
+        stack.picker.pause()
+        try:
+            response = client.post("/v1/completions", json=COMPLETION)
+        finally:
+            stack.picker.resume()
+        assert response.status_code == 504 and response.headers["content-type"] == "application/json"
+        error = response.json()["error"]
+        assert error["type"] == "picker_timeout" and int(error["code"]) == 504
+        assert (
+            error["message"]
+            == "the endpoint picker did not answer within 0.300s, and this gateway is set to fail closed"
+        )
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
 def test_sigterm_drains_answering_new_requests_while_not_serving(tmp_path: Path) -> None:
     options = replace(OPTIONS, envoy=replace(OPTIONS.envoy, fail_open=False), picker_drain_s=3.0)
     with LocalStack(options, tmp_path) as stack:
