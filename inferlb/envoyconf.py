@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from inferlb.scorer.config import Config
 
 TEMPLATE = "bootstrap.yaml.j2"
+# What a waiting request's pick needs after its wait, within Envoy's message timeout (a pick takes well under 1 ms).
+WAIT_MARGIN_MS = 100
 # Routes whose JSON body the picker reads; every other /v1/ route is decided from the headers alone.
 BODY_ROUTES = ("/v1/completions", "/v1/chat/completions")
 FALLBACK_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
@@ -117,6 +119,17 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
             f"the request timeout ({options.request_timeout_ms} ms) must exceed the picker's message timeout "
             f"({options.message_timeout_ms} ms)"
         )
+    for request_class in (*(rule.request_class for rule in config.classes), config.default_class):
+        if request_class.on_saturation == "wait" and request_class.max_wait_s * 1000 + WAIT_MARGIN_MS > (
+            options.message_timeout_ms
+        ):
+            # Envoy would cut the wait: a 504 with fail-closed, or the fallback cluster, past admission, with fail-open.
+            raise EnvoyConfigError(
+                f"class {request_class.name!r} waits up to {request_class.max_wait_s:g} s for capacity, but Envoy "
+                f"gives the picker {options.message_timeout_ms} ms to answer: lower its max_wait_s to "
+                f"{(options.message_timeout_ms - WAIT_MARGIN_MS) / 1000:g} s or less, or raise --message-timeout-ms "
+                f"to {request_class.max_wait_s * 1000 + WAIT_MARGIN_MS:g} or more"
+            )
     xds = options.xds if options.xds is not None else config.discovery is not None
     if options.cluster_mode not in CLUSTER_MODES:
         raise EnvoyConfigError(f"cluster_mode must be one of {', '.join(CLUSTER_MODES)}; got {options.cluster_mode!r}")

@@ -320,3 +320,24 @@ def test_more_pickers_are_listed_in_the_picker_cluster_and_only_as_ip_port() -> 
         render_bootstrap(
             CONFIG, EnvoyOptions(picker_address="inferlb-picker.llm.svc:9002", more_pickers=("127.0.0.1:9102",))
         )
+
+
+def test_a_class_that_waits_longer_than_envoy_gives_the_picker_is_refused() -> None:
+    # Envoy would cut the wait at its message timeout: a 504 with fail-closed, or with fail-open the fallback
+    # cluster, past admission control, for every request that waits.
+    doc = {
+        "pool": {"endpoints": [{"address": "127.0.0.1:8000"}]},
+        "classes": [
+            {"name": "batch", "on_saturation": "shed", "max_wait_s": 30},  # never waits
+            {"name": "interactive", "max_wait_s": 3},
+        ],
+    }
+    with pytest.raises(EnvoyConfigError) as info:
+        render_bootstrap(parse_config(doc), EnvoyOptions())
+    assert str(info.value) == (
+        "class 'interactive' waits up to 3 s for capacity, but Envoy gives the picker 1000 ms to answer: lower its "
+        "max_wait_s to 0.9 s or less, or raise --message-timeout-ms to 3100 or more"
+    )
+    render_bootstrap(parse_config(doc), EnvoyOptions(message_timeout_ms=3100))
+    doc["classes"][1]["max_wait_s"] = 0.9
+    render_bootstrap(parse_config(doc), EnvoyOptions())
