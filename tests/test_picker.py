@@ -3,6 +3,7 @@ emulated servers, its admin API, and configuration reloads from the API and from
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ from .conftest import until
 H100 = get_profile("h100-llama3.1-8b")
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
+COLLECTOR = ipaddress.ip_address("127.0.0.1")  # where spans relayed by a collector on this host come from
 YAML = {**AUTH, "content-type": "application/yaml"}
 
 
@@ -281,7 +283,8 @@ async def test_with_span_latency_the_servers_spans_are_the_experiments_outcomes(
     doc = {
         "listen": f"127.0.0.1:{free_port()}",
         "admin": f"127.0.0.1:{free_port()}",
-        "otel": {"receiver": f"127.0.0.1:{free_port()}"},
+        # The servers' spans come through a collector on this host (a relay: the servers are elsewhere).
+        "otel": {"receiver": f"127.0.0.1:{free_port()}", "relays": ["127.0.0.1/32"]},
         "pool": {"endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}, {"address": "10.0.0.2:8000"}]},
         "experiments": [
             {
@@ -304,7 +307,7 @@ async def test_with_span_latency_the_servers_spans_are_the_experiments_outcomes(
         traces.append(bytes.fromhex(trace))
     joiner = picker.spans.receiver.joiner
     for trace in traces:
-        joiner.add(None, SpanRecord(trace, None, 0.25, 1.0, 1_700_000_000.0))
+        joiner.add(COLLECTOR, SpanRecord(trace, None, 0.25, 1.0, 1_700_000_000.0))
     arms = router.experiments.running["ab"].arms
     assert sum(arm.outcomes.ttft.moments.count for arm in arms) == 40
     assert sum(arm.outcomes.finished for arm in arms) == 40 and router.experiments.unattributed == 0
@@ -316,7 +319,7 @@ async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by
     doc = {
         "listen": f"127.0.0.1:{free_port()}",
         "admin": f"127.0.0.1:{free_port()}",
-        "otel": {"receiver": f"127.0.0.1:{free_port()}", "publish_interval_s": 0.01},
+        "otel": {"receiver": f"127.0.0.1:{free_port()}", "publish_interval_s": 0.01, "relays": ["127.0.0.1/32"]},
         "pool": {"endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}, {"address": "10.0.0.2:8000"}]},
     }
     picker = create_picker(load_config(_write(tmp_path, doc)))
@@ -328,7 +331,7 @@ async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by
     features = RequestFeatures(model="m", request_id="routed", prompt_tokens=4000)
     _, lease, _ = picker.service._route(router.admit(features).request, replies)
     lease.release()
-    joiner.add(None, SpanRecord(bytes.fromhex("ab" * 16), "10.0.0.2:8000", 60.0, 61.0, 1_700_000_000.0, 100))
+    joiner.add(COLLECTOR, SpanRecord(bytes.fromhex("ab" * 16), "10.0.0.2:8000", 60.0, 61.0, 1_700_000_000.0, 100))
     assert picker.spans.speeds.timings == 0
     for i in range(40):
         trace = f"{i + 1:032x}"
@@ -341,7 +344,7 @@ async def test_span_timings_teach_the_picker_each_servers_speed_and_it_routes_by
         # Server 2 (index 1) prefills four times slower than server 1; its decode steps are 30 ms, server 1's 6.
         ttft = 4000 / (40_000 if endpoint == 0 else 10_000)
         step = 0.006 if endpoint == 0 else 0.03
-        joiner.add(None, SpanRecord(bytes.fromhex(trace), None, ttft, ttft + 99 * step, 1_700_000_000.0, 100))
+        joiner.add(COLLECTOR, SpanRecord(bytes.fromhex(trace), None, ttft, ttft + 99 * step, 1_700_000_000.0, 100))
     assert picker.spans.speeds.timings == 40
     await picker.spans.start()  # the publisher, which puts what was learned into the snapshot
     try:
