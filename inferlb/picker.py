@@ -489,6 +489,7 @@ def _collectors(
             config.kv_events.replay_timeout_s,
             config.kv_events.ports,
             config.kv_events.replay_ports,
+            config.kv_events.max_bytes_per_s,
         )
         kv = KVEventCollector(pool, signals.kv, options)
     return collector, gpu, kv

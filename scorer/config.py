@@ -667,7 +667,10 @@ class KVEventsConfig(Section):
     or ``pieces`` (the emulator's); requests for other models, and endpoints whose events stop, keep the
     approximate index. ``ports`` and ``replay_ports`` give, by endpoint address, the ports of servers that publish
     elsewhere (several servers on one IP); the host is always the endpoint's own. ``block_size`` must be the
-    servers' KV block size (vLLM's ``--block-size``, 16 by default)."""
+    servers' KV block size (vLLM's ``--block-size``, 16 by default). ``max_bytes_per_s``: what one endpoint may
+    publish a second on average (a batch at the 4 MiB limit as its burst; replays included); a batch beyond it is
+    dropped and the endpoint is unsure for ``resync_s``, since decoding costs the picker's CPU (scorer/kvsubscriber.py).
+    A server that prefills 10,000 tokens a second publishes tens of KB a second."""
 
     port: Annotated[int, integer(ge=1, le=65535, noun="a port number")] = field(
         metadata={
@@ -687,6 +690,7 @@ class KVEventsConfig(Section):
     stale_s: Annotated[float, number(ge=0.1, le=3600)] = 5.0
     resync_s: Annotated[float, number(ge=0, le=3600)] = 30.0
     replay_timeout_s: Annotated[float, number(ge=0.01, le=60)] = 2.0
+    max_bytes_per_s: Annotated[int, integer(ge=64 << 10, le=1 << 30)] = 1 << 20
 
     @model_validator(mode="after")
     def _consistent(self) -> KVEventsConfig:

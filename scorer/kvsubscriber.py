@@ -11,14 +11,21 @@ the index forgets it. The first batch seen from an endpoint whose sequence is pa
 before the picker listened: the start is asked of replay the same way. A batch that cannot be decoded counts as
 missed. Nothing here runs on the routing path: decisions read the index, which this collector updates between
 them.
+
+A publisher is a pool member, but what it sends costs the picker's CPU: a batch at the 4 MiB limit takes about
+0.3 s to decode and 50 ms to apply. So each endpoint has a budget of bytes (``max_bytes_per_s``, with one batch at
+the limit as its burst; replays draw on it too): a batch over it is dropped and the endpoint counted unsure, as
+for a lost one. Batches are decoded in a worker thread (the loop runs meanwhile, but for msgpack's own
+unpacking) and applied in slices of `APPLY_SLICE` events, the loop free between them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import zmq
@@ -45,6 +52,8 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.25
 # At most this many batches are taken from one replay (vLLM buffers 10,000 steps by default).
 MAX_REPLAY_BATCHES = 20_000
+# Events applied to the index between two yields to the event loop (a few milliseconds).
+APPLY_SLICE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +68,8 @@ class KVEventOptions:
     # By endpoint address: ports other than the common ones (several servers on one IP).
     ports: Mapping[str, int] = field(default_factory=dict)
     replay_ports: Mapping[str, int] = field(default_factory=dict)
+    # What one endpoint may send a second, on average (its burst: one batch at MAX_PAYLOAD_BYTES).
+    max_bytes_per_s: int = 1 << 20
 
 
 class KVEventCollector:
@@ -77,6 +88,7 @@ class KVEventCollector:
         self._context = zmq.asyncio.Context()
         self._sequence: dict[int, int] = {}  # endpoint -> last sequence applied
         self._warned: set[tuple[int, str]] = set()
+        self._budget = [_Budget(options.max_bytes_per_s, MAX_PAYLOAD_BYTES) for _ in pool]
 
     async def run(self) -> None:
         tasks = [asyncio.create_task(self._follow(e.index, e.address)) for e in self.pool]
@@ -122,8 +134,19 @@ class KVEventCollector:
             sub.close(linger=0)
 
     async def _received(self, endpoint: int, address: str, frames: list[bytes]) -> None:
+        size = sum(map(len, frames))
+        if not self._budget[endpoint].take(size):
+            self._error(
+                endpoint,
+                "over_budget",
+                f"a batch of {size} bytes over the budget of {self.options.max_bytes_per_s} a second",
+            )
+            self.index.lost(endpoint)
+            if len(frames) == 3 and len(frames[1]) == 8:  # skipped, not replayed: a replay would cost as much
+                self._sequence[endpoint] = int.from_bytes(frames[1], "big", signed=True)
+            return
         try:
-            sequence, batch = decode_frames(frames)
+            sequence, batch = await asyncio.to_thread(decode_frames, frames)
         except KVEventError as exc:
             self._error(endpoint, "undecodable", str(exc))
             self.index.lost(endpoint)
@@ -139,9 +162,21 @@ class KVEventCollector:
             filled = await self._replay(endpoint, address, expected, sequence)
             if not filled:
                 self.index.lost(endpoint)
-        self.index.apply(endpoint, batch)
+        await self._apply(endpoint, batch)
         self.batches += 1
         self._sequence[endpoint] = sequence
+
+    async def _apply(self, endpoint: int, batch: EventBatch) -> None:
+        """Apply ``batch`` in order, in slices of `APPLY_SLICE` events with the event loop free between them."""
+        events = batch.events
+        if len(events) <= APPLY_SLICE:
+            self.index.apply(endpoint, batch)
+            return
+        for start in range(0, len(events), APPLY_SLICE):
+            self.index.apply(
+                endpoint, EventBatch(batch.ts, events[start : start + APPLY_SLICE], batch.data_parallel_rank)
+            )
+            await asyncio.sleep(0)
 
     async def _replay(self, endpoint: int, address: str, start: int, stop: int) -> bool:
         """Apply, in order, what the server's replay socket still holds of the batches ``start`` .. ``stop - 1``;
@@ -165,13 +200,18 @@ class KVEventCollector:
                         break
                     if len(frames) != 4:
                         raise KVEventError(f"a replay reply has 4 frames, not {len(frames)}")
-                    sequence, batch = decode_frames(frames[1:])
+                    size = sum(map(len, frames))
+                    if not self._budget[endpoint].take(size):
+                        raise KVEventError(
+                            f"a replayed batch of {size} bytes, over the budget of {self.options.max_bytes_per_s} B/s"
+                        )
+                    sequence, batch = await asyncio.to_thread(decode_frames, frames[1:])
                     if sequence < wanted:
                         continue
                     if sequence >= stop:
                         break
                     complete = complete and sequence == wanted  # a later start: the buffer lost the first ones
-                    self._apply_replayed(endpoint, batch)
+                    await self._apply_replayed(endpoint, batch)
                     wanted = sequence + 1
         except (TimeoutError, KVEventError, zmq.ZMQError) as exc:
             self._error(endpoint, "replay", f"replay of events {start}..{stop - 1} failed: {exc}")
@@ -181,8 +221,8 @@ class KVEventCollector:
             self._error(endpoint, "replay", f"replay gave events {start}..{wanted - 1} of {start}..{stop - 1}")
         return complete and wanted == stop
 
-    def _apply_replayed(self, endpoint: int, batch: EventBatch) -> None:
-        self.index.apply(endpoint, batch)
+    async def _apply_replayed(self, endpoint: int, batch: EventBatch) -> None:
+        await self._apply(endpoint, batch)
         self.replayed += 1
 
     def _error(self, endpoint: int, kind: str, message: str) -> None:
@@ -190,6 +230,23 @@ class KVEventCollector:
         if (endpoint, kind) not in self._warned:  # once per endpoint and kind: a broken publisher would flood
             self._warned.add((endpoint, kind))
             logger.warning("KV events of endpoint %d: %s", endpoint, message)
+
+
+class _Budget:
+    """A token bucket of bytes: ``rate`` a second, at most ``burst`` saved up (full at the start)."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.level, self.at = burst, clock()
+
+    def take(self, size: int) -> bool:
+        now = self.clock()
+        self.level = min(self.burst, self.level + (now - self.at) * self.rate)
+        self.at = now
+        if size > self.level:
+            return False
+        self.level -= size
+        return True
 
 
 def _bracketed(host: str) -> str:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgpack
 import numpy as np
@@ -18,7 +19,7 @@ import zmq.asyncio
 from inferlb.procs import free_port
 from inferlb.scorer.config import EndpointConfig
 from inferlb.scorer.kvindex import KVBlockIndex
-from inferlb.scorer.kvsubscriber import KVEventCollector, KVEventOptions
+from inferlb.scorer.kvsubscriber import APPLY_SLICE, KVEventCollector, KVEventOptions, _Budget
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.tokenizer import cache_keys
 
@@ -156,3 +157,65 @@ async def test_a_message_that_is_not_a_batch_counts_as_missed(publisher: tuple[P
         await until(lambda: collector.errors["undecodable"] == 1, "the garbage to be counted")
         assert not index.live[0]
         assert np.array_equal(index.match_depth(cache_keys(PROMPT[:4], B))[0], [1])
+
+
+def removed(count: int, hashes_each: int = 8) -> bytes:
+    events = [{"type": "BlockRemoved", "block_hashes": list(range(i, i + hashes_each))} for i in range(count)]
+    return msgpack.packb([0.0, events, 0])
+
+
+async def test_a_publisher_over_its_byte_budget_is_dropped_not_replayed_and_counted(
+    publisher: tuple[Publisher, KVEventOptions],
+) -> None:
+    # A member may send a batch of 4 MiB (about 0.35 s of the picker's CPU) as often as it likes: beyond its
+    # budget a batch is dropped and the endpoint unsure, and the gap it leaves is not asked of replay.
+    server, options = publisher
+    async with following(replace(options, max_bytes_per_s=1)) as (index, collector):
+        await server.send(stored([1, 2], None, PROMPT[:8]))
+        await until(lambda: depth(index) == 2, "the first batch, within the burst")
+        collector._budget[0].level = 0.0  # the burst spent
+        await server.send(removed(2000))
+        await until(lambda: collector.errors["over_budget"] == 1, "the batch over the budget counted")
+        assert not index.live[0] and collector.replayed == 0 and collector.batches == 1
+        assert depth(index) == 2  # nothing of it applied
+
+
+async def test_a_large_batch_is_applied_in_slices_with_the_loop_free_between() -> None:
+    index = KVBlockIndex(1, clock=asyncio.get_running_loop().time, block_size=B)
+    collector = KVEventCollector(Pool([EndpointConfig("127.0.0.1:8000")]), index, KVEventOptions(free_port()))
+    frames = [b"", (0).to_bytes(8, "big"), removed(3 * APPLY_SLICE + 1)]
+    turns = 0
+    slices: list[tuple[int, int]] = []  # (events, turns of the loop before it)
+    real = index.apply
+
+    def apply(endpoint, batch):
+        slices.append((len(batch.events), turns))
+        real(endpoint, batch)
+
+    index.apply = apply  # type: ignore[method-assign]
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    try:
+        await collector._received(0, "127.0.0.1:8000", frames)
+    finally:
+        task.cancel()
+        await collector.aclose()
+    assert collector.batches == 1 and collector.errors.total() == 0
+    assert [n for n, _ in slices] == [APPLY_SLICE] * 3 + [1]
+    assert all(b > a for (_, a), (_, b) in itertools.pairwise(slices))  # the loop ran between slices
+
+
+def test_the_budget_refills_at_its_rate_up_to_its_burst() -> None:
+    now = [0.0]
+    budget = _Budget(100, 300, clock=lambda: now[0])
+    assert budget.take(300) and not budget.take(1)
+    now[0] = 1.0
+    assert budget.take(100) and not budget.take(1)
+    now[0] = 100.0
+    assert not budget.take(301) and budget.take(300)  # saved up to the burst, no more
