@@ -547,6 +547,16 @@ class KubernetesConfig(Section):
         return self
 
 
+def _loopback_host(host: str) -> bool:
+    """Whether ``host`` (a URL's host: a name or an IP literal) is this host's own loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _redis_url(value: Any) -> str:
     if not isinstance(value, str):
         raise invalid(f" must be a Redis URL such as 'redis://10.0.0.5:6379/0'; got {shown(value)}")
@@ -600,6 +610,16 @@ class ReplicasConfig(Section):
         if self.peer_ttl_s <= 1.0:
             raise invalid(
                 " must be more than a second: every replica sends a full snapshot once a second", "peer_ttl_s"
+            )
+        host = urlsplit(self.url).hostname or ""
+        if self.password is None and not _loopback_host(host):
+            # The replicas take each other's counts from the stream as they come: a writer can send every endpoint
+            # but one to the count limit and so route the whole pool to that one.
+            raise invalid(
+                f": Redis at {host} is reachable beyond this host, and whoever can write to its stream steers this "
+                "pool's traffic: set replicas.password (Redis AUTH, from a file or variable), or reach Redis on "
+                "loopback",
+                "url",
             )
         return self
 

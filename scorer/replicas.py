@@ -374,6 +374,10 @@ class Replicas:
         if not replica or kind not in ("full", "changes") or not isinstance(payload, dict):
             self.stats.rejected += 1
             return
+        engine = self._engine()
+        if len(payload) > len(engine.pool):  # more endpoints than this pool has: not a peer of this pool
+            self.stats.rejected += 1
+            return
         peer = self._peers.get(replica)
         if peer is None:
             if len(self._peers) >= MAX_PEERS:
@@ -381,7 +385,6 @@ class Replicas:
                 return
             peer = self._peers[replica] = _Peer(seen)
         counts = {} if kind == "full" else peer.counts
-        engine = self._engine()
         pool, local = engine.pool, engine.inflight.clock()
         refused = False
         for address, value in payload.items():
@@ -424,7 +427,7 @@ class Replicas:
                     "Python build): its prompts do not count in this prefix index; give every replica the same"
                 )
             return
-        if not isinstance(payload, list):
+        if not isinstance(payload, list) or len(payload) > MAX_PREFIXES_PER_ENTRY:  # the sender's own bound
             self.stats.rejected += 1
             return
         engine = self._engine()
@@ -459,8 +462,10 @@ class Replicas:
 
     def _apply_ids(self, payload: Any, seen: float, take: Callable[[str], bool] | None) -> int:
         """``take`` each request id of a peer's list (live ones only, not a replay's); how many it took."""
-        if not isinstance(payload, list) or not all(
-            isinstance(r, str) and len(r) <= MAX_REQUEST_ID_CHARS for r in payload
+        if (
+            not isinstance(payload, list)
+            or len(payload) > MAX_ENDS_PER_ENTRY  # the sender's own bound
+            or not all(isinstance(r, str) and len(r) <= MAX_REQUEST_ID_CHARS for r in payload)
         ):
             self.stats.rejected += 1
             return 0

@@ -1178,12 +1178,30 @@ def test_class_config_parses() -> None:
         ({"url": "redis://10.0.0.5:6379", "peer_ttl_s": 0.5}, r"replicas\.peer_ttl_s must be more than a second"),
         ({"url": "redis://10.0.0.5:6379", "key": "a key"}, r"replicas\.key must be a key name"),
         ({"url": "redis://10.0.0.5:6379", "passwd": "x"}, r"replicas: unknown key 'passwd'"),
+        (
+            {"url": "redis://redis.llm.svc:6379/0"},
+            r"^replicas\.url: Redis at redis\.llm\.svc is reachable beyond this host, and whoever can write to its "
+            r"stream steers this pool's traffic: set replicas\.password",
+        ),
     ],
 )
 def test_a_bad_replicas_section_is_refused_naming_its_field(replicas: dict[str, Any], message: str) -> None:
     """The Redis the replicas share their state through: credentials come from a file or variable, never the URL."""
     with pytest.raises(ConfigError, match=message):
         parse_config(_doc(replicas=replicas))
+
+
+@pytest.mark.parametrize(
+    "replicas",
+    [
+        pytest.param({"url": "redis://127.0.0.1:6379"}, id="loopback"),
+        pytest.param({"url": "redis://localhost:6379/0"}, id="localhost"),
+        pytest.param({"url": "redis://[::1]:6379"}, id="ipv6-loopback"),
+        pytest.param({"url": "rediss://10.0.0.5:6379", "password": {"token_env": "REDIS_PASSWORD"}}, id="with-auth"),
+    ],
+)
+def test_redis_without_a_password_only_on_loopback(replicas: dict[str, Any]) -> None:
+    assert parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:80"}]}, "replicas": replicas}).replicas
 
 
 def test_a_replicas_section_with_its_password_from_a_file() -> None:

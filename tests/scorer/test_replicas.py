@@ -24,7 +24,13 @@ from inferlb.scorer.features import text_block_hashes
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.prefix import PrefixAffinityScorer, PrefixIndex
 from inferlb.scorer.presets import build_profile
-from inferlb.scorer.replicas import Replicas, _load_values, hash_seed_problem
+from inferlb.scorer.replicas import (
+    MAX_ENDS_PER_ENTRY,
+    MAX_PREFIXES_PER_ENTRY,
+    Replicas,
+    _load_values,
+    hash_seed_problem,
+)
 
 from ..conftest import until
 
@@ -139,6 +145,33 @@ async def test_only_well_formed_counts_of_its_own_pool_members_are_applied(
         await forger.aclose()
     # Only the member's well-formed count counts; the address outside the pool steers nothing.
     assert b.inflight.requests.tolist() == [0, 0, 3] and b.inflight.tokens.tolist() == [0, 0, 30]
+
+
+async def test_an_entry_larger_than_any_replica_sends_is_refused_whole(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    # The sender's bounds hold on receipt too: a writer to the stream cannot make a replica apply more than a
+    # replica of this pool ever sends (and so spend its routing loop on it).
+    config = _config(server, tmp_path)
+    b = _engine()
+    rb = running.start(config, b, "b")
+    await until(rb.ready, "b caught up")
+    too_many = {ENDPOINTS[2]: [3, 30], **{f"10.9.{i // 250}.{i % 250}:80": [1, 1] for i in range(len(ENDPOINTS))}}
+    prompts = [[ENDPOINTS[0], [1, 2, 3]]] * (MAX_PREFIXES_PER_ENTRY + 1)
+    ends = ["r"] * (MAX_ENDS_PER_ENTRY + 1)
+    forger = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        for fields in (
+            {"r": "x", "k": "full", "d": orjson.dumps(too_many)},
+            {"r": "y", "k": "tick", "h": rb.fingerprint, "p": orjson.dumps(prompts)},
+            {"r": "z", "k": "tick", "e": orjson.dumps(ends)},
+        ):
+            await forger.xadd(config.key, fields)  # type: ignore[arg-type]
+        refused = 3 if rb.share_prefixes else 2  # prompts are shared only under a fixed hash seed
+        await until(lambda: rb.stats.rejected >= refused, "the entries refused")
+    finally:
+        await forger.aclose()
+    assert b.inflight.requests.tolist() == [0, 0, 0] and rb.stats.prefixes_applied == 0
 
 
 async def test_a_peers_load_counts_only_as_far_as_each_value_is_a_count(
