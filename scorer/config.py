@@ -466,6 +466,18 @@ class EtcdConfig(Section):
             raise invalid(" and password go together: give both or neither", "username")
         if self.ca_file is not None and not any(u.startswith("https://") for u in self.urls):
             raise invalid(" is set but no URL is https://", "ca_file")
+        if self.password is None:
+            for i, url in enumerate(self.urls):
+                host = urlsplit(url).hostname or ""
+                if not _loopback_host(host):
+                    # Whoever can write under the prefix decides the pool (within pool.allowed_networks).
+                    raise invalid(
+                        f": etcd at {host} is reachable beyond this host, and whoever can write under the prefix "
+                        "decides where this pool's traffic goes: turn on etcd's auth and give username and password "
+                        "(from a file or variable), or reach etcd on loopback",
+                        "urls",
+                        i,
+                    )
         return self
 
 

@@ -1204,6 +1204,19 @@ def test_redis_without_a_password_only_on_loopback(replicas: dict[str, Any]) -> 
     assert parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:80"}]}, "replicas": replicas}).replicas
 
 
+def test_etcd_beyond_loopback_needs_its_auth() -> None:
+    def etcd(**more: Any) -> dict[str, Any]:
+        return {"pool": {"discovery": {"etcd": {"prefix": "/inferlb/", **more}}}}
+
+    with pytest.raises(
+        ConfigError, match=r"^pool\.discovery\.etcd\.urls\[1\]: etcd at 10\.0\.0\.5 is reachable beyond"
+    ):
+        parse_config(etcd(urls=["http://127.0.0.1:2379", "http://10.0.0.5:2379"]))
+    assert parse_config(etcd(urls=["http://127.0.0.1:2379", "http://[::1]:2379"])).discovery is not None
+    password = {"token_env": "ETCD_PASSWORD"}
+    assert parse_config(etcd(urls=["https://10.0.0.5:2379"], username="u", password=password)).discovery
+
+
 def test_a_replicas_section_with_its_password_from_a_file() -> None:
     config = parse_config(
         _doc(replicas={"url": "rediss://redis.llm.svc:6380/2", "password": {"token_file": "/run/secrets/redis"}})
