@@ -61,6 +61,31 @@ async def until(check: Callable[[], Any], what: str = "condition", timeout: floa
         await asyncio.sleep(0.005)
 
 
+class LoopTurns:
+    """Counts the turns the event loop gives other tasks while a piece of work runs: ``async with LoopTurns() as
+    turns:`` then ``turns.count`` (how often a task that only yields got to run). Work that never awaits gives
+    none; work that yields every N items gives about one per N."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            self.count += 1
+
+    async def __aenter__(self) -> LoopTurns:
+        self._task = asyncio.create_task(self._tick())
+        await asyncio.sleep(0)  # the ticker starts here
+        self.count = 0
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
 def poll(check: Callable[[], Any], what: str = "condition", timeout: float = 10.0) -> Any:
     """`until` for code without an event loop: the thread sleeps between looks."""
     deadline = time.monotonic() + timeout

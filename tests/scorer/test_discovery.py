@@ -3,14 +3,14 @@ what is kept of the skipped ones, and in slices that leave the event loop to the
 
 from __future__ import annotations
 
-import asyncio
-
 import orjson
 import pytest
 
 from inferlb.scorer import discovery
 from inferlb.scorer.discovery import MAX_SKIPPED, YIELD_EVERY, Members, endpoints_of
 from inferlb.scorer.networks import Networks
+
+from ..conftest import LoopTurns
 
 PRIVATE = Networks.of(["10.0.0.0/8"])
 
@@ -79,20 +79,7 @@ async def test_skipped_entries_are_kept_up_to_a_bound_and_the_rest_counted() -> 
 async def test_a_large_source_leaves_the_event_loop_to_others_as_it_goes() -> None:
     # 20,000 entries validated in one go held the routing loop for over two seconds at every watch event.
     source = {f"bad/{i:05d}": member(f"203.0.113.{i % 250 + 1}:{1000 + i % 60000}") for i in range(2000)}
-    ticks = 0
-    done = False
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while not done:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    start = ticks
-    _, skipped = await Members().endpoints(source, PRIVATE)
-    done = True
-    await task
+    async with LoopTurns() as turns:
+        _, skipped = await Members().endpoints(source, PRIVATE)
     assert len(skipped) == MAX_SKIPPED + 1
-    assert ticks - start >= 2000 // YIELD_EVERY - 1
+    assert turns.count >= 2000 // YIELD_EVERY - 1

@@ -23,7 +23,7 @@ from inferlb.scorer.kvsubscriber import APPLY_SLICE, KVEventCollector, KVEventOp
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.tokenizer import cache_keys
 
-from ..conftest import until
+from ..conftest import LoopTurns, until
 
 B = 4
 END = (-1).to_bytes(8, "big", signed=True)
@@ -184,28 +184,19 @@ async def test_a_large_batch_is_applied_in_slices_with_the_loop_free_between() -
     index = KVBlockIndex(1, clock=asyncio.get_running_loop().time, block_size=B)
     collector = KVEventCollector(Pool([EndpointConfig("127.0.0.1:8000")]), index, KVEventOptions(free_port()))
     frames = [b"", (0).to_bytes(8, "big"), removed(3 * APPLY_SLICE + 1)]
-    turns = 0
     slices: list[tuple[int, int]] = []  # (events, turns of the loop before it)
     real = index.apply
+    async with LoopTurns() as turns:
 
-    def apply(endpoint, batch):
-        slices.append((len(batch.events), turns))
-        real(endpoint, batch)
+        def apply(endpoint, batch):
+            slices.append((len(batch.events), turns.count))
+            real(endpoint, batch)
 
-    index.apply = apply  # type: ignore[method-assign]
-
-    async def ticker() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    try:
-        await collector._received(0, "127.0.0.1:8000", frames)
-    finally:
-        task.cancel()
-        await collector.aclose()
+        index.apply = apply  # type: ignore[method-assign]
+        try:
+            await collector._received(0, "127.0.0.1:8000", frames)
+        finally:
+            await collector.aclose()
     assert collector.batches == 1 and collector.errors.total() == 0
     assert [n for n, _ in slices] == [APPLY_SLICE] * 3 + [1]
     assert all(b > a for (_, a), (_, b) in itertools.pairwise(slices))  # the loop ran between slices
