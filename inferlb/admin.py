@@ -4,7 +4,8 @@
 |---|---|
 | ``GET /healthz`` | 200 while the process runs |
 | ``GET /readyz`` | 200 once the gRPC server serves, the first metrics round is in and (with ``replicas``) |
-|  | the shared state is replayed or Redis is known down (``notes`` then says it routes alone); else 503 |
+|  | the shared state is replayed or Redis is known down (``notes`` then says it routes alone, and names a |
+|  | collector that stopped); else 503 |
 | ``GET /endpoints`` | each endpoint's state (serving, ramping in with its slow start, draining), latest signals, |
 |  | their age, staleness, last scrape error, in-flight counts; where the pool comes from (``membership``: |
 |  | the discovery source, whether it is in touch, entries it skipped and why, changes counted) |
