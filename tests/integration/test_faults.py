@@ -201,7 +201,8 @@ def test_a_killed_picker_cuts_no_routed_request(tmp_path: Path, fail_open: bool)
 
 
 def test_a_picker_that_does_not_answer_in_time_gets_a_504_that_says_so_with_fail_closed(tmp_path: Path) -> None:
-    options = replace(OPTIONS, envoy=replace(OPTIONS.envoy, fail_open=False, message_timeout_ms=300))
+    # 700 ms: the default class waits up to 0.5 s, and the bootstrap leaves the picker 100 ms after that.
+    options = replace(OPTIONS, envoy=replace(OPTIONS.envoy, fail_open=False, message_timeout_ms=700))
     with LocalStack(options, tmp_path) as stack, httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
         assert stack.picker is not None
         stack.picker.pause()
@@ -214,7 +215,7 @@ def test_a_picker_that_does_not_answer_in_time_gets_a_504_that_says_so_with_fail
         assert error["type"] == "picker_timeout" and int(error["code"]) == 504
         assert (
             error["message"]
-            == "the endpoint picker did not answer within 0.300s, and this gateway is set to fail closed"
+            == "the endpoint picker did not answer within 0.700s, and this gateway is set to fail closed"
         )
         assert client.post("/v1/completions", json=COMPLETION).status_code == 200
 
