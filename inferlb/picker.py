@@ -19,7 +19,7 @@ import os
 import signal
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,13 +39,10 @@ from inferlb.scorer.credentials import Credential
 from inferlb.scorer.discovery import DiscoverySource
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
-from inferlb.scorer.etcd import EtcdSource
 from inferlb.scorer.experiments import Experiments, WeightChange
 from inferlb.scorer.gpucollect import GpuCollector
 from inferlb.scorer.inflight import InFlight
-from inferlb.scorer.kubernetes import KubernetesSource
 from inferlb.scorer.kvindex import KVBlockIndex
-from inferlb.scorer.kvsubscriber import KVEventCollector, KVEventOptions
 from inferlb.scorer.membership import REAP_INTERVAL_S, Membership, Plan
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
@@ -65,6 +62,9 @@ from inferlb.scorer.weights import endpoint_weights
 from inferlb.serving import serve as serve_asgi
 from inferlb.threads import batch_other_threads
 from inferlb.workers import say_ready, watch_supervisor, worker_config
+
+if TYPE_CHECKING:
+    from inferlb.scorer.kvsubscriber import KVEventCollector
 
 logger = logging.getLogger(__name__)
 
@@ -482,6 +482,8 @@ def _collectors(
     gpu = GpuCollector(sources, signals, interval_s=config.signals.gpu_interval_s) if any(sources) else None
     kv = None
     if config.kv_events is not None and signals.kv is not None:
+        from inferlb.scorer.kvsubscriber import KVEventCollector, KVEventOptions  # ZMQ loads with KV events only
+
         options = KVEventOptions(
             config.kv_events.port,
             config.kv_events.replay_port,
@@ -661,9 +663,14 @@ def discovery_source(config: Config) -> DiscoverySource | None:
     """The source ``pool.discovery`` names, or None."""
     if config.discovery is None:
         return None
+    # Each source's module (and its HTTP client) loads only where the config names it: a faster start.
     if config.discovery.etcd is not None:
+        from inferlb.scorer.etcd import EtcdSource
+
         return EtcdSource(config.discovery.etcd, config.allowed_networks)
     assert config.discovery.kubernetes is not None  # the config has exactly one
+    from inferlb.scorer.kubernetes import KubernetesSource
+
     return KubernetesSource(config.discovery.kubernetes, config.allowed_networks)
 
 

@@ -34,14 +34,14 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
-
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from typing import TYPE_CHECKING, Literal
 
 from inferlb.scorer.config import QuotasConfig, ReplicasConfig, TenantLimits
 from inferlb.scorer.errors import ConfigError, shown
 from inferlb.scorer.replicas import connect_redis
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 __all__ = ["TAKE", "QuotaRefusal", "QuotaStats", "Quotas"]
 
@@ -234,6 +234,8 @@ class Quotas:
     async def run(self) -> None:
         """Keep the buckets in step with the replicas' shared ones in Redis (cancel to stop)."""
         assert self.replicas is not None, "run() shares buckets through replicas.url"
+        from redis.exceptions import RedisError  # with Redis only: a picker without replicas does not load it
+
         retry = _RETRY_S[0]
         while True:
             client = None
@@ -295,6 +297,8 @@ class Quotas:
             for _, bucket in due:
                 bucket.unsent += bucket.sending
                 bucket.sending = 0.0
+            from redis.exceptions import RedisError
+
             raise RedisError(f"a quota bucket under {prefix!r} holds no finite level")
         for (_, bucket), value in zip(due, values, strict=True):
             bucket.base = value

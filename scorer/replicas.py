@@ -52,18 +52,19 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from inferlb.scorer.config import ReplicasConfig
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.features import MAX_PREFIX_BLOCKS, RequestFeatures
 from inferlb.scorer.inflight import InFlight, Load
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 __all__ = ["FULL_EVERY_S", "STREAM_MAXLEN", "ReplicaStats", "Replicas", "connect_redis", "hash_seed_problem"]
 
@@ -195,6 +196,8 @@ class Replicas:
     # ---- the exchange -----------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        from redis.exceptions import RedisError  # with Redis only: a picker without replicas does not load it
+
         if self.hash_problem is not None:
             logger.warning("replicas: the prefix index is not shared (%s); in-flight counts are", self.hash_problem)
         retry = _RETRY_S[0]
@@ -550,6 +553,8 @@ def _load_values(pool: Any, load: Load, now: float) -> dict[str, tuple[int, ...]
 
 def connect_redis(config: ReplicasConfig) -> aioredis.Redis:
     """A client of the replicas' Redis, with their credentials (read now) and timeouts; it connects on first use."""
+    import redis.asyncio as aioredis  # with Redis only: a picker without replicas does not load it
+
     password = config.password.read("replicas.password").reveal().decode() if config.password else None
     extra: dict[str, Any] = {}
     if config.ca_file is not None:

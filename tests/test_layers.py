@@ -124,3 +124,26 @@ def test_a_running_picker_loads_no_simulator_or_benchmark_module(tmp_path: Path)
     path = tmp_path / "picker.yaml"
     path.write_text(yaml.safe_dump(config))
     assert probe_running_picker(path, tmp_path / "loaded.json", LOADED) == []
+
+
+# Inside a running picker: which of the optional features' modules and libraries it loaded.
+OPTIONAL = """
+    wanted = ("redis", "zmq", "inferlb.scorer.etcd", "inferlb.scorer.kubernetes", "inferlb.scorer.kvsubscriber")
+    with open(out, "w") as f:
+        json.dump([m for m in wanted if m in sys.modules], f)
+"""
+
+
+def test_a_picker_loads_the_modules_of_optional_features_only_when_its_config_uses_them(tmp_path: Path) -> None:
+    # Redis (replicas, shared quotas), ZMQ (KV events), etcd and Kubernetes (discovery): about 0.2 s of imports that
+    # every restart of a picker that uses none of them would pay while Envoy fails open or closed.
+    config = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": f"127.0.0.1:{free_port()}",
+        "drain_s": 0,
+        "quotas": {"header": "x-tenant", "tenants": {"a": {"requests_per_minute": 60}}},
+        "pool": {"endpoints": [{"address": f"127.0.0.1:{free_port()}"}]},
+    }
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert probe_running_picker(path, tmp_path / "loaded.json", OPTIONAL) == []
