@@ -242,6 +242,9 @@ def _read(
     if not isinstance(stream, bool):
         raise MalformedRequestError(f"field 'stream' must be a boolean, not {_json_type(stream)}")
 
+    # Both may be given: servers read max_completion_tokens first on chats (vLLM, SGLang, the emulator), max_tokens
+    # on completions. The larger is what the request may cost: quotas charge it, so that naming one small and
+    # the other large does not buy tokens the quota never saw.
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens"):
         value = doc.get(name)
@@ -249,8 +252,7 @@ def _read(
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise MalformedRequestError(f"field {name!r} must be a non-negative integer, not {shown(value)}")
-        max_tokens = value
-        break
+        max_tokens = value if max_tokens is None else max(max_tokens, value)
 
     chars, prompt_tokens = 0, 0
     hashes: tuple[int, ...] = ()

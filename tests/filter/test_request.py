@@ -186,10 +186,16 @@ BODIES = [
     pytest.param(
         {"model": "m", "max_completion_tokens": 64}, {"model": "m", "max_tokens": 64}, id="max-completion-tokens"
     ),
+    # Both given: the larger counts, whichever the server reads (quotas would otherwise charge 1 for 4,000).
     pytest.param(
-        {"model": "m", "max_tokens": 8, "max_completion_tokens": 64},
-        {"model": "m", "max_tokens": 8},
-        id="max-tokens-wins",
+        {"model": "m", "max_tokens": 1, "max_completion_tokens": 4000},
+        {"model": "m", "max_tokens": 4000},
+        id="both-the-larger-completion",
+    ),
+    pytest.param(
+        {"model": "m", "max_tokens": 64, "max_completion_tokens": 8},
+        {"model": "m", "max_tokens": 64},
+        id="both-the-larger-max-tokens",
     ),
     pytest.param(
         {"model": "m", "max_tokens": None, "max_completion_tokens": 64},
