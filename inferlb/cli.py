@@ -153,7 +153,13 @@ def _parser() -> argparse.ArgumentParser:
         help="how a picked endpoint is reached: any ip:port (original-dst) or only pool members, the picker's list "
         "tried in order with retries (override-host)",
     )
-    envoy.add_argument("--retries", type=int, default=2, help="override-host: retries of a request that never arrived")
+    envoy.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="override-host: retries of a request that never arrived, on the next endpoints the picker listed "
+        "(at most the config's destinations - 1)",
+    )
     envoy.add_argument(
         "--tier",
         default="per-request",

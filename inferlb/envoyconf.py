@@ -179,7 +179,10 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         picker=options.picker,
         xds=xds,
         override_host=options.picker and options.cluster_mode == "override-host",
-        retries=options.retries,
+        # Past the endpoints the picker listed, Override Host falls back to its own balancer over every member:
+        # one that may not serve the model, or that a class, a subset hint or a release arm keeps apart. A
+        # request is retried on the listed endpoints only.
+        retries=min(options.retries, config.destinations - 1),
         merge_window=_duration(options.eds_merge_window_ms),
         weights_tier=options.tier == "weights",
         tracer=options.tracing,
