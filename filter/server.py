@@ -270,7 +270,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         return
                     if features.keying is not None:
                         features = await self._keyed(features)
-                    replies = self.replies.headers  # the headers' reply, held back until the body was in
+                    body_reply = False  # the headers' reply, held back until the body was in
                 elif decided or kind not in ("request_headers", "request_body"):
                     if kind == "response_headers" and lease is not None and message.HasField("metadata_context"):
                         # A gateway that keeps the routing stream to the response reports the endpoint that served.
@@ -304,7 +304,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     if wants_body and features.method == "POST":
                         yield self._refuse(MalformedRequestError("request body is empty; expected a JSON object"))
                         return
-                    replies = self.replies.headers
+                    body_reply = False
                 else:
                     if features is None:
                         features = RequestFeatures()
@@ -323,7 +323,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         return
                     if features.keying is not None:
                         features = await self._keyed(features)
-                    replies = self.replies.body
+                    body_reply = True
                 decided = True
                 quotas = self.quotas
                 charged = None
@@ -332,11 +332,18 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                     if over is not None:
                         yield self._refuse(over)
                         return
-                admit = self.router.admit(features)
+                router, asked = self.router, features
+                admit = router.admit(features)
                 features = admit.request
                 refusal, saturated = None, False
                 if admit.verdict != "go":  # shed, or wait for capacity: the only awaiting on the way
                     refusal, saturated = await self._not_admitted(admit)
+                    if refusal is None and self.router is not router:
+                        # A reload while it waited: its admission (class, candidates, arm) describes the old pool
+                        # and policy. The routing in force admits it again; it has waited its turn already.
+                        admit = self.router.admit(asked)
+                        features = admit.request
+                        saturated = saturated or admit.verdict != "go"
                 if refusal is not None:
                     if self.route_spans is not None:
                         self.route_spans.refused(features, refusal.status, refusal.type, time.time_ns())
@@ -344,6 +351,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         quotas.refund(*charged)  # it never reached a server: its tenant keeps its tokens
                     yield self._refuse(refusal)
                     return  # an ImmediateResponse ends the request: nothing more will come
+                replies = self.replies.body if body_reply else self.replies.headers  # the pool's in force now
                 reply, lease, forwarded = self._route(
                     features, replies, saturated, envoy_trace, raw_body, streamed=duplex is not None
                 )

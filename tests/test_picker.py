@@ -3,6 +3,7 @@ emulated servers, its admin API, and configuration reloads from the API and from
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from pathlib import Path
 
@@ -534,3 +535,56 @@ async def test_a_collector_that_ends_with_an_error_is_logged_shown_in_readyz_and
     finally:
         if not stopped:
             await picker.stop(0.5)
+
+
+@pytest.mark.parametrize(
+    "change", [pytest.param("leaves", id="an-endpoint-leaves"), pytest.param("joins", id="one-joins")]
+)
+async def test_requests_waiting_for_capacity_across_a_membership_change_go_to_members_of_the_new_pool(
+    change: str, tmp_path: Path
+) -> None:
+    # Once, a waiting request was answered from the old pool's reply table at the new pool's index: a departed
+    # endpoint was named (4 of 8 requests), or, with a pool that grew, the old candidate mask failed the stream.
+    from .filter.test_server import FakeEnvoy, destination, headers_message
+
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(4)]
+    listen = f"127.0.0.1:{free_port()}"
+
+    def doc(members: list[str]) -> dict:
+        return {
+            "listen": listen,
+            "admin": None,
+            "policy": "least-request",
+            "signals": {"scrape_metrics": False},
+            "pool": {"endpoints": [{"address": a} for a in members]},
+        }
+
+    before, after = (addresses[:3], addresses[1:3]) if change == "leaves" else (addresses[:3], addresses)
+    picker = create_picker(load_config(_write(tmp_path, doc(before))))
+    await picker.start()
+    try:
+        signals = picker.engine.signals
+        now = signals.clock()
+        n = len(before)
+        signals.publish(  # every endpoint saturated: each request waits for capacity (the default class, 0.5 s)
+            signals.snapshot.with_values(waiting=[50.0] * n, kv_usage=[0.1] * n, scraped_at=[now] * n, up=[True] * n)
+        )
+        envoys, sent = [], []
+        for i in range(8):
+            envoys.append(FakeEnvoy(picker.server))
+            message = headers_message(eos=True)
+            message.request_headers.headers.headers[2].raw_value = f"rid-{i}".encode()
+            sent.append(asyncio.create_task(envoys[-1].send(message)))
+        await until(lambda: len(picker.service.router.queue) == 8, "every request waiting")
+        picker.reload_document(doc(after))
+        destinations = [destination(await reply) for reply in sent]
+        assert set(destinations) <= set(after), destinations
+        counts = picker.engine.inflight.requests
+        assert {e.address: int(counts[e.index]) for e in picker.engine.pool} == {
+            a: destinations.count(a) for a in after
+        }
+        assert picker.service.stats.failed == 0
+        for envoy in envoys:
+            await envoy.channel.close()
+    finally:
+        await picker.stop(0.2)
