@@ -66,6 +66,8 @@ from inferlb.workers import say_ready, watch_supervisor, worker_config
 if TYPE_CHECKING:
     from inferlb.scorer.kvsubscriber import KVEventCollector
 
+    _Collectors = tuple[MetricsCollector | None, GpuCollector | None, KVEventCollector | None]
+
 logger = logging.getLogger(__name__)
 
 # After the drain, how long streams still open get to finish. Routing streams end at their decision, so what is
@@ -97,6 +99,11 @@ class PickerProcess:
     worker: int | None = None  # which worker of `inferlb serve --workers N` this is (None: the only picker)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _collector_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # The collectors a reload wants running next, those it built and a later one replaced, and the one restart
+    # that runs at a time (`_restart_collectors`).
+    _next_collectors: _Collectors | None = None
+    _superseded: list[_Collectors] = field(default_factory=list)
+    _restarting: asyncio.Task[None] | None = None
     # (collector, error) for each collector that ended other than by cancellation (a bug): shown in /readyz.
     collector_failures: list[tuple[str, str]] = field(default_factory=list)
     _started: bool = False
@@ -166,6 +173,14 @@ class PickerProcess:
                 await self.spans.stop()
             if self.service.route_spans is not None:
                 await asyncio.to_thread(self.service.route_spans.shutdown)
+            if self._restarting is not None:
+                self._restarting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._restarting
+            if self._next_collectors is not None:
+                self._superseded.append(self._next_collectors)
+                self._next_collectors = None
+            await self._close_superseded()
             await self._stop_collectors()
             self.service.close()
             for task in self._tasks:
@@ -225,13 +240,13 @@ class PickerProcess:
         logger.error("the %s collector stopped: its signals go stale", task.get_name(), exc_info=error)
 
     async def _stop_collectors(self) -> None:
-        for task in self._collector_tasks:
+        tasks, self._collector_tasks = self._collector_tasks, []
+        for task in tasks:
             task.cancel()
-        for task in self._collector_tasks:
+        for task in tasks:
             # A collector that failed was logged when it did (`_collector_ended`): the rest of the stop must run.
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._collector_tasks.clear()
         if self.collector is not None:
             await self.collector.aclose()
         if self.gpu_collector is not None:
@@ -397,7 +412,7 @@ class PickerProcess:
         if restart:
             collectors = _collectors(config, pool, signals, inflight)
             if self._started:
-                asyncio.get_running_loop().create_task(self._restart_collectors(*collectors))
+                self._restart_collectors(collectors)
             else:
                 self.collector, self.gpu_collector, self.kv_collector = collectors
         self.service.destinations = config.destinations
@@ -406,12 +421,30 @@ class PickerProcess:
             logger.info("config applied (reload %d): policy %s, %d endpoints", self.reloads, config.policy, len(pool))
         _log_membership(plan, pool, inflight, reason)
 
-    async def _restart_collectors(
-        self, collector: MetricsCollector | None, gpu: GpuCollector | None, kv: KVEventCollector | None
-    ) -> None:
-        await self._stop_collectors()
-        self.collector, self.gpu_collector, self.kv_collector = collector, gpu, kv
-        self._start_collectors()
+    def _restart_collectors(self, collectors: _Collectors) -> None:
+        """Run ``collectors`` instead of the running ones, by one restart at a time (`_restarts`): two reloads a
+        few milliseconds apart once restarted concurrently, and the second cleared the list of tasks that the first
+        had just started, which then scraped on past the picker's stop."""
+        if self._next_collectors is not None:
+            self._superseded.append(self._next_collectors)  # never started: only its sockets to close
+        self._next_collectors = collectors
+        if self._restarting is None or self._restarting.done():
+            self._restarting = asyncio.get_running_loop().create_task(self._restarts(), name="collectors restart")
+
+    async def _restarts(self) -> None:
+        while self._next_collectors is not None:
+            collectors, self._next_collectors = self._next_collectors, None
+            await self._close_superseded()
+            await self._stop_collectors()
+            self.collector, self.gpu_collector, self.kv_collector = collectors
+            self._start_collectors()
+        await self._close_superseded()
+
+    async def _close_superseded(self) -> None:
+        while self._superseded:
+            for collector in self._superseded.pop():
+                if collector is not None:
+                    await collector.aclose()
 
     async def _watch(self, path: Path) -> None:
         """Reload when the file's modification time or size changes (checked every WATCH_INTERVAL_S)."""

@@ -588,3 +588,27 @@ async def test_requests_waiting_for_capacity_across_a_membership_change_go_to_me
             await envoy.channel.close()
     finally:
         await picker.stop(0.2)
+
+
+async def test_reloads_a_moment_apart_leave_one_metrics_collector_and_none_after_the_stop(servers, tmp_path: Path):
+    # Once, two reloads a few milliseconds apart restarted the collectors concurrently: the second cleared the list
+    # of tasks the first had just started, which scraped on unseen, past the picker's stop (20 double reloads left
+    # 20 collectors and 40 scrape loops running).
+    doc = document(servers)
+    small = {**doc, "pool": {"endpoints": doc["pool"]["endpoints"][:2]}}
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+
+    def running(prefix: str) -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if t.get_name().startswith(prefix) and not t.done()]
+
+    await picker.start()
+    try:
+        for _ in range(20):
+            picker.reload_document(small)  # one endpoint leaves (idle: at once)
+            picker.reload_document(doc)  # and comes back
+            await asyncio.sleep(0)
+        await until(lambda: len(running("metrics")) == 1 and len(running("scrape ")) == len(servers), "one collector")
+        await until(lambda: picker.collector.stats.scrapes >= len(servers), "the last collector scraping")
+    finally:
+        await picker.stop(0.2)
+    await until(lambda: not running("metrics") and not running("scrape "), "every collector stopped")
