@@ -222,11 +222,18 @@ class _Window:
     ) -> None:
         self._buckets = buckets
         self._slice_s = window_s / slices
+        self._empty(now, slices)
+
+    def _empty(self, now: float, slices: int) -> None:
         self._started = [now - i * self._slice_s for i in range(slices)]  # newest first
         self._moments = [Moments() for _ in range(slices)]
-        self._histograms = [Histogram(buckets) for _ in range(slices)]
+        self._histograms = [Histogram(self._buckets) for _ in range(slices)]
 
     def _rotate(self, now: float) -> None:
+        slices = len(self._started)
+        if now - self._started[0] >= self._slice_s * slices:  # idle for a whole window: nothing in it is recent
+            self._empty(now, slices)
+            return
         while now - self._started[0] >= self._slice_s:
             self._started.insert(0, self._started[0] + self._slice_s)
             self._started.pop()
@@ -234,9 +241,6 @@ class _Window:
             self._moments.pop()
             self._histograms.insert(0, Histogram(self._buckets))
             self._histograms.pop()
-            if now - self._started[0] >= self._slice_s * len(self._started):  # idle for a whole window
-                self._started[0] = now
-                break
 
     def add(self, seconds: float, now: float) -> None:
         self._rotate(now)

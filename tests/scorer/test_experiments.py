@@ -7,7 +7,7 @@ import pytest
 
 from inferlb.scorer.config import ConfigError, parse_config
 from inferlb.scorer.engine import Engine
-from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec, histogram_quantile
+from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec, _Window, histogram_quantile
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.loadscorers import ATTENTION_TOKENS
@@ -320,3 +320,24 @@ def test_a_retry_served_elsewhere_is_learned_by_every_arms_prefix_index() -> Non
     scores = affinity.score(RequestFeatures(**prompt, request_id="again"), treatment.state, np.arange(4))  # type: ignore[arg-type]
     assert scores[elsewhere] == pytest.approx(1.0)
     routed.lease.release()
+
+
+@pytest.mark.parametrize("read_at", [650.0, 1000.0, 10_000.0])
+def test_a_window_idle_for_longer_than_itself_holds_nothing_old(read_at: float) -> None:
+    # Once, a window idle for a whole window length dropped one slice only: 90 of 100 old values stayed in the
+    # window's quantiles and comparisons for nine more slices.
+    window = _Window(300.0, now=0.0)
+    for i in range(100):
+        window.add(0.5, now=i * 3.0)  # 100 values over the first 300 s
+    assert window.moments(299.0).count == 100
+    assert window.moments(read_at).count == 0 and window.histogram(read_at).count == 0
+    window.add(0.25, now=read_at + 1)
+    assert window.moments(read_at + 2).count == 1
+
+
+def test_a_window_keeps_what_is_younger_than_itself() -> None:
+    window = _Window(300.0, now=0.0)
+    for t in (0.0, 100.0, 200.0, 290.0):
+        window.add(0.5, now=t)
+    assert window.moments(350.0).count == 3  # the value at 0 s left with its slice (30 s slices)
+    assert window.moments(450.0).count == 2
