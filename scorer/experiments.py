@@ -418,6 +418,8 @@ class RunningExperiment:
                 raise ValueError("action 'weights' needs the arms' weights")
             self.set_weights(weights, reason="set by the operator")
         elif action in ("pause", "resume", "stop"):
+            if action == "resume" and self.stopped:
+                raise ValueError("a stopped experiment starts again with 'start' (its weights and guard anew)")
             self.paused = action != "resume"
             self.stopped = action == "stop"
             done = {"pause": "paused", "resume": "resumed", "stop": "stopped"}[action]
@@ -506,7 +508,10 @@ class RunningExperiment:
             if breach is not None:
                 self.breaches[arm.name] += 1
                 cut = math.floor(round(weight * guard.cut / WEIGHT_STEP, 6)) * WEIGHT_STEP
-                if self.breaches[arm.name] >= guard.max_breaches or cut < WEIGHT_STEP:
+                # By header, a weight steers nothing (`assign`): the first breach rolls the arm back, whatever
+                # weights the arms were given.
+                header = spec.assign == "header"
+                if header or self.breaches[arm.name] >= guard.max_breaches or cut < WEIGHT_STEP:
                     self.rolled_back = True
                     self._move(arm, 0.0, "rolled-back", f"{breach} (breach {self.breaches[arm.name]})")
                     return

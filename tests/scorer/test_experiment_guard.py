@@ -238,6 +238,46 @@ def test_header_assignment_sends_everyone_to_the_control_once_rolled_back() -> N
     assert {arm for arm, _ in _send(router, 10, 10, headers=headers)} == {"stable"}
 
 
+@pytest.mark.parametrize(
+    "weights", [pytest.param((0.5, 0.5), id="weights-that-sum-to-1"), pytest.param((1.0, 0.0), id="all-on-control")]
+)
+def test_an_arm_assigned_by_header_is_rolled_back_at_its_first_breach_whatever_its_weights(
+    weights: tuple[float, float],
+) -> None:
+    # By header a weight steers nothing: once, with weights that summed to 1, a breach only cut a weight nobody
+    # read, and the canary kept its header's traffic until the third breach.
+    clock = Clock()
+    arms = (
+        ArmSpec("stable", "least-request", weights[0]),
+        ArmSpec("canary", "least-request", weights[1], {"version": "canary"}),
+    )
+    spec = ExperimentSpec(
+        "release",
+        arms,
+        assign="header",
+        header="x-canary",
+        values={"true": "canary"},
+        guard=GuardSpec(min_requests=5, check_s=0.0),  # three breaches to roll back, were it weighted
+    )
+    router = _router(spec, clock=clock)
+    headers = {"x-canary": "true"}
+    _finish(router, _send(router, 10, headers=headers), 0, failing=0.5)
+    experiment = router.experiments.running["release"]  # type: ignore[union-attr]
+    assert experiment.rolled_back and experiment.breaches["canary"] == 1
+    assert {arm for arm, _ in _send(router, 10, 10, headers=headers)} == {"stable"}
+
+
+def test_a_stopped_experiment_starts_again_only_with_start() -> None:
+    router = _router(_canary(0.5))
+    experiment = router.experiments.running["release"]  # type: ignore[union-attr]
+    experiment.control("stop")
+    with pytest.raises(ValueError, match="a stopped experiment starts again with 'start'"):
+        experiment.control("resume")
+    assert experiment.state == "stopped"
+    experiment.control("start")
+    assert experiment.state == "running"
+
+
 def test_a_reload_keeps_the_guards_state() -> None:
     clock = Clock()
     spec = _canary(0.5, guard=GuardSpec(min_requests=20, check_s=0.0))
