@@ -337,7 +337,14 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                 features = admit.request
                 refusal, saturated = None, False
                 if admit.verdict != "go":  # shed, or wait for capacity: the only awaiting on the way
-                    refusal, saturated = await self._not_admitted(admit)
+                    try:
+                        refusal, saturated = await self._not_admitted(admit)
+                    except asyncio.CancelledError:
+                        # The client left while it waited (Envoy's message timeout, which outlasts any wait
+                        # `inferlb envoy-config` allows, is not it): it never reached a server.
+                        if quotas is not None and charged is not None:
+                            quotas.refund(*charged)
+                        raise
                     if refusal is None and self.router is not router:
                         # A reload while it waited: its admission (class, candidates, arm) describes the old pool
                         # and policy. The routing in force admits it again; it has waited its turn already.

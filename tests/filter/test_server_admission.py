@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.classes import Classifier, ClassRule, RequestClass
@@ -20,11 +21,13 @@ from inferlb.scorer.engine import Engine
 from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
+from inferlb.scorer.quotas import Quotas
 from inferlb.scorer.registry import PluginSpec, ProfileSpec
 from inferlb.scorer.router import Router
 from inferlb.scorer.signals import Signals
 
-from .test_server import MODEL, destination, route_buffered
+from ..conftest import until
+from .test_server import MODEL, FakeEnvoy, body_message, destination, headers_message, route_buffered
 
 ENDPOINTS = [("127.0.0.1:9101", "fast"), ("127.0.0.1:9102", "fast"), ("127.0.0.1:9103", "long")]
 BATCH = RequestClass("batch", on_saturation="shed", retry_after_s=7)
@@ -162,3 +165,32 @@ async def test_a_class_with_a_ttft_objective_avoids_endpoints_predicted_to_miss_
         assert ENDPOINTS[1][0] not in chosen  # no objective: the in-flight count weighs as usual
     finally:
         await server.stop(0)
+
+
+async def test_a_request_whose_client_leaves_while_it_waits_gets_its_quota_back(saturated, clock) -> None:
+    # It never reached a server; once, its tenant paid for it all the same (a 60-token bucket then refused 51).
+    server, signals = saturated
+    service = server.service
+    service.experiment_headers = frozenset({"x-tenant"})
+    service.quotas = Quotas(
+        parse_config(
+            {
+                "pool": {"endpoints": [{"address": "127.0.0.1:9101"}]},
+                "quotas": {"header": "x-tenant", "tenants": {"a": {"tokens_per_minute": 600, "burst_s": 6}}},
+            }
+        ).quotas
+    )
+    signals.publish(signals.snapshot.with_values(waiting=[50, 50, 50]))
+    envoy = FakeEnvoy(server)
+    message = headers_message(body_mode=ProcessingMode.BUFFERED)
+    for key, value in (("x-tenant", "a"), ("x-class", "interactive")):
+        header = message.request_headers.headers.headers.add()
+        header.key, header.raw_value = key, value.encode()
+    await envoy.send(message)
+    await envoy.call.write(body_message({"model": MODEL, "prompt": "hi", "max_tokens": 50}))
+    await until(lambda: len(service.router.queue) == 1, "the request waiting")
+    envoy.call.cancel()  # the client went away: Envoy resets the stream
+    await until(lambda: len(service.router.queue) == 0, "the waiter gone")
+    await until(lambda: service.quotas.stats.refunded.get("a"), "the refund")
+    assert service.quotas.charge("a", 60) is None  # the whole burst is there again
+    await envoy.channel.close()
