@@ -416,6 +416,7 @@ class PickerProcess:
             else:
                 self.collector, self.gpu_collector, self.kv_collector = collectors
         self.service.destinations = config.destinations
+        self.service.decisions.forget_endpoints_but(e.address for e in pool)
         self.publish_endpoints()
         if reason == "config":
             logger.info("config applied (reload %d): policy %s, %d endpoints", self.reloads, config.policy, len(pool))

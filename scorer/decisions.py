@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from typing import Any
 
 from inferlb.scorer.engine import Decision
@@ -50,6 +51,13 @@ class DecisionLog:
         self._recent.append((time.time(), request_id[:MAX_KEPT_CHARS], model, decision, 0, pick_s, arm))
         self.by_endpoint[decision.endpoint.address, decision.reason] += 1
         self.pick_s.observe(pick_s)
+
+    def forget_endpoints_but(self, addresses: Iterable[str]) -> None:
+        """Drop the counts of endpoints other than ``addresses`` (the pool after a membership change): with pods
+        that come and go, one series per address ever routed to would grow without end."""
+        keep = set(addresses)
+        for key in [k for k in self.by_endpoint if k[0] not in keep]:
+            del self.by_endpoint[key]
 
     def record_refusal(self, request_id: str, model: str | None, status: int) -> None:
         # A refused request's model and id are the client's: keep a bounded head of each, or a flood of 4 MiB

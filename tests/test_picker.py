@@ -612,3 +612,23 @@ async def test_reloads_a_moment_apart_leave_one_metrics_collector_and_none_after
     finally:
         await picker.stop(0.2)
     await until(lambda: not running("metrics") and not running("scrape "), "every collector stopped")
+
+
+async def test_the_decision_counts_of_an_endpoint_that_left_the_pool_are_dropped(servers, tmp_path: Path):
+    # With pods that come and go, one series per address ever routed to would grow without end (300 membership
+    # changes: 303 entries).
+    doc = document(servers)
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    router, replies = picker.service.router, picker.service.replies.headers
+    leases = []  # held meanwhile: the in-flight counts spread the requests over every endpoint
+    for i in range(12):
+        _, lease, _ = picker.service._route(
+            router.admit(RequestFeatures(model="m", request_id=f"r{i}")).request, replies
+        )
+        leases.append(lease)
+    for lease in leases:
+        lease.release()
+    counted = {address for address, _ in picker.service.decisions.by_endpoint}
+    assert counted == {s.address for s in servers}
+    picker.reload_document({**doc, "pool": {"endpoints": doc["pool"]["endpoints"][1:]}})  # idle: it leaves at once
+    assert {address for address, _ in picker.service.decisions.by_endpoint} == {s.address for s in servers[1:]}
