@@ -37,6 +37,8 @@ __all__ = ["EDS_TYPE", "ControlPlane", "Member", "XdsStats"]
 logger = logging.getLogger(__name__)
 
 EDS_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+# Envoy asks for the bootstrap's two server clusters; a stream that asks for more than this many is refused.
+MAX_RESOURCE_NAMES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,7 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.stats = XdsStats()
         self.version = 0
         self.members: tuple[Member, ...] = ()
-        self._streams: set[asyncio.Queue[str | DiscoveryRequest | None]] = set()
+        self._streams: set[_Stream] = set()
 
     def publish(self, members: Sequence[Member]) -> bool:
         """Make ``members`` every cluster's endpoints; True if that changed anything (then every stream gets it)."""
@@ -81,8 +83,9 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.version += 1
         self.stats.versions += 1
         self.stats.published_at = time.monotonic()
-        for queue in self._streams:
-            queue.put_nowait("changed")
+        for stream in self._streams:
+            stream.changed = True
+            stream.wake.set()
         return True
 
     def assignment(self, cluster: str) -> ClusterLoadAssignment:
@@ -100,15 +103,19 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self, request_iterator: AsyncIterator[DiscoveryRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[DiscoveryResponse]:
         self.stats.streams += 1
-        queue: asyncio.Queue[str | DiscoveryRequest | None] = asyncio.Queue()
-        self._streams.add(queue)
+        stream = _Stream()
+        self._streams.add(stream)
 
         async def read() -> None:
+            # State of the world: a request supersedes the one before it, so only the latest waits. A client that
+            # sends and never reads holds one request here, not all it sent.
             try:
                 async for request in request_iterator:
-                    queue.put_nowait(request)
+                    stream.request = request
+                    stream.wake.set()
             finally:
-                queue.put_nowait(None)
+                stream.ended = True
+                stream.wake.set()
 
         reader = asyncio.get_running_loop().create_task(read())
         subscribed: tuple[str, ...] = ()
@@ -116,47 +123,66 @@ class ControlPlane(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         nonce = 0
         try:
             while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                if isinstance(item, DiscoveryRequest):
-                    if item.type_url != EDS_TYPE:
-                        continue  # only EDS is served; Envoy asks nothing else of a bootstrap that wants only it
-                    names = tuple(item.resource_names)
-                    if item.response_nonce:
-                        if item.HasField("error_detail"):
+                await stream.wake.wait()
+                stream.wake.clear()
+                request, stream.request = stream.request, None
+                respond = stream.changed and sent_version != str(self.version)
+                stream.changed = False
+                if request is not None and request.type_url == EDS_TYPE:  # only EDS is served
+                    if len(request.resource_names) > MAX_RESOURCE_NAMES:
+                        # Each name costs an assignment at every publish, on the routing loop.
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{len(request.resource_names)} clusters asked for; this control plane serves "
+                            f"{', '.join(self.clusters)} and answers at most {MAX_RESOURCE_NAMES} names",
+                        )
+                    names = tuple(dict.fromkeys(request.resource_names))
+                    if request.response_nonce:
+                        if request.HasField("error_detail"):
                             self.stats.nacks += 1
                             logger.error(
-                                "Envoy refused endpoints version %s: %s", sent_version, item.error_detail.message
+                                "Envoy refused endpoints version %s: %s", sent_version, request.error_detail.message
                             )
                         else:
                             self.stats.acks += 1
-                            self.stats.acked_at.setdefault(item.version_info, time.monotonic())
+                            self.stats.acked_at.setdefault(request.version_info, time.monotonic())
                             if len(self.stats.acked_at) > 64:
                                 self.stats.acked_at.pop(next(iter(self.stats.acked_at)))
-                        # An answer to an older response is stale (the newer one is on its way); one to the latest
-                        # needs a response only if it asks for other clusters (a refused version is not resent).
-                        if item.response_nonce != str(nonce) or names == subscribed:
-                            continue
-                    subscribed = names
-                elif sent_version == str(self.version):
-                    continue
-                if not subscribed:
-                    continue
-                nonce += 1
-                sent_version = str(self.version)
-                resources = []
-                for name in subscribed:
-                    message = AnyMessage()
-                    message.Pack(self.assignment(name))
-                    resources.append(message)
-                self.stats.sent += 1
-                yield DiscoveryResponse(
-                    version_info=sent_version, resources=resources, type_url=EDS_TYPE, nonce=str(nonce)
-                )
+                    # An answer to an older response is stale (the newer one is on its way); one to the latest needs a
+                    # response only if it asks for other clusters (a refused version is not resent).
+                    if not request.response_nonce or (request.response_nonce == str(nonce) and names != subscribed):
+                        subscribed = names
+                        respond = True
+                if respond and subscribed:
+                    nonce += 1
+                    sent_version = str(self.version)
+                    resources = []
+                    for name in subscribed:
+                        message = AnyMessage()
+                        message.Pack(self.assignment(name))
+                        resources.append(message)
+                    self.stats.sent += 1
+                    yield DiscoveryResponse(
+                        version_info=sent_version, resources=resources, type_url=EDS_TYPE, nonce=str(nonce)
+                    )
+                if stream.ended and stream.request is None:
+                    return
         finally:
-            self._streams.discard(queue)
+            self._streams.discard(stream)
             reader.cancel()
+
+
+class _Stream:
+    """One ADS stream's state between its reader and its handler: the latest request not yet handled, whether a
+    new version was published meanwhile, whether Envoy closed its side; ``wake`` tells the handler."""
+
+    __slots__ = ("changed", "ended", "request", "wake")
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self.request: DiscoveryRequest | None = None
+        self.changed = False
+        self.ended = False
 
 
 def members_of(addresses: Sequence[tuple[str, int]], weights: Mapping[int, int] | None = None) -> list[Member]:
