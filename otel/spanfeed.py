@@ -163,7 +163,13 @@ class SpanFeed:
             # Later processes bind the same port: the servers' exporters keep their endpoint.
             self.settings = replace(self.settings, bind=_with_port(self.settings.bind, document["port"]))
         elif self.settings != sent:  # update() came while this process was starting
-            writer.write(encode_json(Kind.SETTINGS, self.settings.to_json()))
+            if sent.restart_needed(self.settings):
+                # Settings this process cannot take (a gRPC option such as the message limit): it ends at once,
+                # and the supervisor starts the next with them.
+                self._replacing = True
+                writer.close()
+            else:
+                writer.write(encode_json(Kind.SETTINGS, self.settings.to_json()))
         self._child = child
         return child
 

@@ -18,7 +18,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from inferlb.bench.spanflood import flood
-from inferlb.otel import receiverproc, spancheck
+from inferlb.otel import receiverproc, spancheck, spanfeed
 from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.scorer.config import EndpointConfig, OtelConfig
 from inferlb.scorer.credentials import TokenSource
@@ -251,6 +251,40 @@ async def test_a_reload_hands_the_running_receiver_its_new_settings() -> None:
         await export(loop, [span()], **server(LOCAL[0]))
         await until(lambda: feed.stats.joined_by_resource == 1, "a span through the new process")
         assert feed.stats.restarts == 0
+
+
+async def test_a_message_limit_changed_while_the_receiver_restarts_reaches_the_next_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Once, a second reload that came while the process the first one asked for was starting was recorded as in
+    # force and sent as SETTINGS, which cannot change a gRPC server's limit: the receiver kept the first limit.
+    config = OtelConfig(receiver="127.0.0.1:0", join_by_name=True, receiver_max_message_bytes=1 << 20)
+    async with running(config, pool(*LOCAL)) as loop:
+        feed = loop.receiver
+        assert feed is not None
+        first = feed.pid
+        real_read_frame = spanfeed.read_frame
+        second = replace(config, receiver_max_message_bytes=4 << 20)
+
+        async def read_frame(reader):
+            if feed._child is None:  # the next process has its settings and is starting: reload again now
+                monkeypatch.setattr(spanfeed, "read_frame", real_read_frame)
+                loop.rebind(pool(*LOCAL), Signals(2), keep=True, config=second)
+            return await real_read_frame(reader)
+
+        monkeypatch.setattr(spanfeed, "read_frame", read_frame)
+        loop.rebind(pool(*LOCAL), Signals(2), keep=True, config=replace(config, receiver_max_message_bytes=512 << 10))
+        big = [span(**{"pad": "p" * 1_500_000})]
+        await until(lambda: feed.pid not in (None, first), "a new receiver process")
+        for _ in range(100):  # the process the second reload wants may follow the one the first wanted
+            try:
+                await export(loop, big, **server(LOCAL[0]))
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE), exc
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("a 1.5 MB export was never accepted under a 4 MiB limit")
 
 
 async def until_refused(loop: SpanLoop) -> None:
