@@ -160,7 +160,7 @@ class Waiter:
 
 class WaitQueue:
     """Requests of ``wait`` classes waiting for capacity, let through highest priority first, then in order of
-    arrival.
+    arrival; a newcomer of a ``wait`` class that finds room where such a waiter may go queues behind it (`ahead`).
 
     Every ``poll_s`` the waiters are visited in that order (`release`, one tick): a waiter goes ahead if one of its
     candidates has room (`Admission.room`) and no waiter before it in this tick took that endpoint, so each
@@ -181,6 +181,15 @@ class WaitQueue:
 
     def __len__(self) -> int:
         return len(self._waiters)
+
+    def ahead(self, candidates: np.ndarray, priority: int) -> bool:
+        """Whether a waiter of ``priority`` or higher, still waiting, may use one of ``candidates``: a newcomer that
+        found room there queues behind it, or it would take the room that waiter was waiting for."""
+        key = -priority
+        for waiter in self._waiters:
+            if waiter.key[0] <= key and waiter.outcome is None and np.intersect1d(waiter.candidates, candidates).size:
+                return True
+        return False
 
     def enter(self, candidates: np.ndarray, priority: int, max_wait_s: float) -> Waiter:
         """Queue a request for room among ``candidates``, for at most ``max_wait_s``."""

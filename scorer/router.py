@@ -106,7 +106,10 @@ class Router:
         if request.pool_mask is not None:
             candidates = candidates[request.pool_mask[candidates]]
         if not self.admission.saturated(candidates):
-            return Admit("go", request, request_class)
+            if request_class.on_saturation == "shed" or not self.queue.ahead(candidates, request_class.priority):
+                return Admit("go", request, request_class)
+            # Waiters of its priority or higher were here first: the room that came is theirs, at the next tick.
+            return Admit("wait", request, request_class, candidates)
         if request_class.on_saturation == "shed":
             self.shed[request_class.name] += 1
             if experiments is not None and arm is not None:

@@ -156,3 +156,33 @@ def test_the_default_does_not_leave_a_slow_server_as_the_only_candidate_when_the
     routed = r.route(admit.request)
     assert routed.decision.endpoint.index in (0, 1)
     assert routed.decision.reason == "best-score"
+
+
+def test_room_that_comes_goes_to_the_waiters_before_newcomers_of_their_priority_or_lower(clock) -> None:
+    # Once, newcomers that found room between two ticks of the queue took it at once, and a higher-priority request
+    # that had waited for it waited out its max_wait_s.
+    urgent_class = RequestClass("urgent", priority=10, max_wait_s=0.5)
+    rule = ClassRule(urgent_class, header_values=frozenset({"urgent"}))
+    r = router(clock, "default", waiting=[20, 20, 20], rules=(rule,))
+    urgent = r.admit(RequestFeatures(model="m", request_id="u", class_hint="urgent"))
+    assert urgent.verdict == "wait"
+    waiter = r.queue.enter(urgent.candidates, urgent_class.priority, urgent_class.max_wait_s)
+    signals = r.engine.signals  # a scrape: endpoint 0 has room for two more (max_waiting 16)
+    signals.publish(signals.snapshot.with_values(waiting=[14, 20, 20], scraped_at=[clock()] * 3))
+    newcomers = [r.admit(RequestFeatures(model="m", request_id=f"n{i}")) for i in range(3)]
+    assert [a.verdict for a in newcomers] == ["wait"] * 3  # behind the urgent one
+    clock.advance(0.02)
+    r.queue.release()
+    assert waiter.outcome is True  # the room was the urgent request's
+    assert r.admit(RequestFeatures(model="m", request_id="later")).verdict == "go"  # no one waits any more
+
+
+def test_a_newcomer_of_a_higher_priority_does_not_queue_behind_lower_ones(clock) -> None:
+    urgent_class = RequestClass("urgent", priority=10, max_wait_s=0.5)
+    rule = ClassRule(urgent_class, header_values=frozenset({"urgent"}))
+    r = router(clock, "default", waiting=[20, 20, 20], rules=(rule,))
+    low = r.admit(RequestFeatures(model="m", request_id="low"))
+    r.queue.enter(low.candidates, 0, 0.5)
+    signals = r.engine.signals
+    signals.publish(signals.snapshot.with_values(waiting=[14, 20, 20], scraped_at=[clock()] * 3))
+    assert r.admit(RequestFeatures(model="m", request_id="u", class_hint="urgent")).verdict == "go"
