@@ -218,18 +218,18 @@ def test_the_ramp_steps_up_on_schedule_while_the_guard_finds_nothing() -> None:
     assert [t for t, _ in steps] == [30.0, 60.0]  # each step held ramp_step_s
 
 
+def _by_header(weights: tuple[float, float], guard: GuardSpec) -> ExperimentSpec:
+    """A release whose canary arm takes the requests with ``x-canary: true``."""
+    arms = (
+        ArmSpec("stable", "least-request", weights[0]),
+        ArmSpec("canary", "least-request", weights[1], {"version": "canary"}),
+    )
+    return ExperimentSpec("release", arms, assign="header", header="x-canary", values={"true": "canary"}, guard=guard)
+
+
 def test_header_assignment_sends_everyone_to_the_control_once_rolled_back() -> None:
     clock = Clock()
-    arms = (ArmSpec("stable", "least-request", 0.0), ArmSpec("canary", "least-request", 0.0, {"version": "canary"}))
-    spec = ExperimentSpec(
-        "release",
-        arms,
-        assign="header",
-        header="x-canary",
-        values={"true": "canary"},
-        guard=GuardSpec(min_requests=5, check_s=0.0, max_breaches=1),
-    )
-    router = _router(spec, clock=clock)
+    router = _router(_by_header((0.0, 0.0), GuardSpec(min_requests=5, check_s=0.0, max_breaches=1)), clock=clock)
     headers = {"x-canary": "true"}
     batch = _send(router, 10, headers=headers)
     assert {arm for arm, _ in batch} == {"canary"}
@@ -247,19 +247,8 @@ def test_an_arm_assigned_by_header_is_rolled_back_at_its_first_breach_whatever_i
     # By header a weight steers nothing: once, with weights that summed to 1, a breach only cut a weight nobody
     # read, and the canary kept its header's traffic until the third breach.
     clock = Clock()
-    arms = (
-        ArmSpec("stable", "least-request", weights[0]),
-        ArmSpec("canary", "least-request", weights[1], {"version": "canary"}),
-    )
-    spec = ExperimentSpec(
-        "release",
-        arms,
-        assign="header",
-        header="x-canary",
-        values={"true": "canary"},
-        guard=GuardSpec(min_requests=5, check_s=0.0),  # three breaches to roll back, were it weighted
-    )
-    router = _router(spec, clock=clock)
+    # Three breaches to roll back, were it weighted.
+    router = _router(_by_header(weights, GuardSpec(min_requests=5, check_s=0.0)), clock=clock)
     headers = {"x-canary": "true"}
     _finish(router, _send(router, 10, headers=headers), 0, failing=0.5)
     experiment = router.experiments.running["release"]  # type: ignore[union-attr]
