@@ -28,7 +28,7 @@ from typing import Any
 
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from inferlb.filter.request import header_text, request_key, served_endpoint
+from inferlb.filter.request import client_key, header_text, served_endpoint
 
 __all__ = ["OBSERVED_HEADERS", "ObserveStats", "RequestOutcome", "time_response"]
 
@@ -77,7 +77,7 @@ async def time_response(
     if endpoint not in endpoints:
         stats.unknown_endpoint += 1
         return
-    request_id = request_key(_header(first.request_headers, "x-request-id") or "")
+    request_id = client_key(_header(first.request_headers, "x-request-id") or "")
     streamed = False
     async for message in messages:
         kind = message.WhichOneof("request")

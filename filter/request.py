@@ -74,7 +74,7 @@ def features_from_headers(
         elif key == ":method":
             found["method"] = header_text(header)
         elif key == "x-request-id":
-            found["request_id"] = request_key(header_text(header))
+            found["request_id"] = client_key(header_text(header))
         elif key == "traceparent":
             found["traceparent"] = header_text(header)
         elif objectives and key in OBJECTIVE_HEADERS:
@@ -141,18 +141,20 @@ def header_text(header: Any) -> str:
     return raw.decode("utf-8", "replace") if raw else header.value
 
 
-MAX_REQUEST_ID_CHARS = 128
-"""A request id longer than this is kept as a digest of it (`request_key`)."""
+MAX_CLIENT_KEY_CHARS = 128
+"""A value a client chose (a request id, a tenant name) longer than this is kept as a digest of it (`client_key`)."""
 
 
-def request_key(request_id: str) -> str:
-    """The key the picker keeps for ``request_id`` (its lease, its span's decision, its experiment outcome): the
-    id itself, or for one over `MAX_REQUEST_ID_CHARS` a 32-hex-digit digest of it. Envoy's bootstrap makes a
-    fresh UUID for every request; behind another gateway that passes a client's id on, a 60 KB id would
-    otherwise be held for minutes. Every place that reads an id from Envoy goes through this, so that all agree."""
-    if len(request_id) <= MAX_REQUEST_ID_CHARS:
-        return request_id
-    return "blake2b:" + hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+def client_key(value: str) -> str:
+    """The key the picker keeps for ``value``, which a client may have chosen (a request id: its lease, its span's
+    decision, its experiment outcome; a tenant name: its quota buckets): the value itself, or for one over
+    `MAX_CLIENT_KEY_CHARS` a 32-hex-digit digest of it. Envoy's bootstrap makes a fresh UUID for every request's
+    id; behind another gateway that passes a client's id on, or with a tenant header no one checked, a 60 KB value
+    would otherwise be held for minutes. Every place that reads an id from Envoy goes through this, so that all
+    agree. A configured tenant name is at most as long, so a digest never stands for one."""
+    if len(value) <= MAX_CLIENT_KEY_CHARS:
+        return value
+    return "blake2b:" + hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def apply_body(

@@ -28,7 +28,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
 
-from inferlb.filter.request import request_key
+from inferlb.filter.request import client_key
 from inferlb.scorer.inflight import Lease
 
 __all__ = [
@@ -215,7 +215,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                     tell = self._failures() if self._failures is not None else None
                     elsewhere = self._elsewhere() if self._elsewhere is not None else None
                     for entry in message.http_logs.log_entry:
-                        request_id = request_key(entry.request.request_id)
+                        request_id = client_key(entry.request.request_id)
                         if not leases.finish(request_id) and elsewhere is not None and request_id:
                             elsewhere(request_id)
                         if tell is not None and failed(entry):

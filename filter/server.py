@@ -61,7 +61,14 @@ from inferlb.filter.replies import (
     with_header,
     with_scores,
 )
-from inferlb.filter.request import apply_body, features_from_headers, served_endpoint, subset_hint, with_model
+from inferlb.filter.request import (
+    apply_body,
+    client_key,
+    features_from_headers,
+    served_endpoint,
+    subset_hint,
+    with_model,
+)
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.filter.requestend import add_to_server as add_access_log_service
 from inferlb.filter.xds import ControlPlane
@@ -399,6 +406,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         to be given back if the request is refused later, and never reaches a server)."""
         config = quotas.config
         tenant = features.headers.get(config.header or "") if features.headers else None
+        if tenant is not None:
+            tenant = client_key(tenant)  # up to max_tenants of them are kept
         output = features.max_tokens if features.max_tokens is not None else config.assumed_output_tokens
         tokens = features.prompt_tokens + output
         refusal = quotas.charge(tenant, tokens)

@@ -15,7 +15,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, ProcessingRequest
 from google.protobuf import text_format
 
-from inferlb.filter.request import MAX_REQUEST_ID_CHARS, request_key
+from inferlb.filter.request import MAX_CLIENT_KEY_CHARS, client_key
 from inferlb.filter.requestend import OpenLeases, _request_ids_message
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.inflight import InFlight
@@ -175,7 +175,7 @@ async def test_a_long_request_id_is_kept_as_a_digest_and_its_reported_end_still_
     leases = picker.service.leases
     assert leases is not None and inflight.total() == 1
     (kept,) = leases._by_id
-    assert kept == request_key(long_id) and len(kept) <= MAX_REQUEST_ID_CHARS
+    assert kept == client_key(long_id) and len(kept) <= MAX_CLIENT_KEY_CHARS
     await _report_ends(picker, "x" * 19_999 + "y", long_id)  # another id of the same length ends nothing of it
     await until(lambda: inflight.total() == 0)
     assert leases.stats.unknown_entries == 1

@@ -194,3 +194,24 @@ async def test_a_request_whose_client_leaves_while_it_waits_gets_its_quota_back(
     await until(lambda: service.quotas.stats.refunded.get("a"), "the refund")
     assert service.quotas.charge("a", 60) is None  # the whole burst is there again
     await envoy.channel.close()
+
+
+async def test_a_tenant_name_longer_than_any_configured_one_is_kept_as_a_digest(saturated) -> None:
+    # The tenant header should come from something the operator trusts; where it does not, a client's 20 KB names
+    # would each be kept, up to max_tenants of them.
+    server, _ = saturated
+    service = server.service
+    service.experiment_headers = frozenset({"x-tenant"})
+    document = {
+        "header": "x-tenant",
+        "default": {"requests_per_minute": 60},
+        "tenants": {"a": {"requests_per_minute": 6}},
+    }
+    service.quotas = Quotas(
+        parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:80"}]}, "quotas": document}).quotas
+    )
+    for tenant in ("x" * 20_000, "y" * 20_000, "a"):
+        reply = await route_buffered(server, {"model": MODEL, "prompt": "hi"}, {"x-tenant": tenant})
+        assert destination(reply) in {a for a, _ in ENDPOINTS}
+    kept = list(service.quotas._buckets)
+    assert len(kept) == 3 and max(map(len, kept)) <= 40 and kept[2] == "a"
