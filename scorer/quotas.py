@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Literal
 
 from inferlb.scorer.config import QuotasConfig, ReplicasConfig, TenantLimits
 from inferlb.scorer.errors import ConfigError, shown
-from inferlb.scorer.replicas import connect_redis
+from inferlb.scorer.replicas import _raise_if_cancelled, connect_redis
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -244,6 +244,7 @@ class Quotas:
                 # Loaded on every connection: a Redis that restarted has forgotten it (NOSCRIPT: a new session).
                 sha = await client.script_load(TAKE)
                 while True:
+                    _raise_if_cancelled()  # a stop that redis-py swallowed ends the loop all the same
                     await self._sync(client, sha)
                     if not self.up:
                         self.up = True

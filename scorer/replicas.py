@@ -202,6 +202,7 @@ class Replicas:
             logger.warning("replicas: the prefix index is not shared (%s); in-flight counts are", self.hash_problem)
         retry = _RETRY_S[0]
         while True:
+            _raise_if_cancelled()
             replays = self.stats.caught_up
             try:
                 await self._session()
@@ -225,6 +226,7 @@ class Replicas:
         await self.close()
         client = self._client = connect_redis(self.config)
         last_id = await self._catch_up(client)
+        _raise_if_cancelled()  # a stop that came during the catch-up, which redis-py may have swallowed
         self._sent, self._full_at = {}, -FULL_EVERY_S  # the first entry after a (re)connection is a full one
         self._sent_arrays = None
         tasks = {
