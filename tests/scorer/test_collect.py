@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -18,6 +19,8 @@ from inferlb.scorer.signals import Signals
 from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
+
+from ..conftest import until
 
 H100 = get_profile("h100-llama3.1-8b")
 TINY = dataclasses.replace(H100, max_num_seqs=2)
@@ -125,20 +128,25 @@ async def test_a_server_that_goes_down_keeps_its_values_but_turns_stale(fleet):
     assert collector.last_error[0] == "HTTP 503"
 
 
+async def _scrape_until(collector: MetricsCollector, done: Callable[[], bool], what: str) -> None:
+    """Run ``collector`` until ``done()``, then cancel it (it must still run then: it ends only when cancelled)."""
+    task = asyncio.create_task(collector.run())
+    try:
+        await until(lambda: task.done() or done(), what)
+        assert not task.done(), task
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await collector.aclose()
+
+
 async def test_run_keeps_scraping_until_cancelled(fleet):
     _, addresses = fleet
     pool = Pool([EndpointConfig(addresses[1], None)])
     signals = Signals(1)
     collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.01, timeout_s=0.3))
-    task = asyncio.create_task(collector.run())
-    deadline = asyncio.get_running_loop().time() + 5
-    while signals.published < 3:
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await collector.aclose()
+    await _scrape_until(collector, lambda: signals.published >= 3, "three snapshots published")
     assert collector.stats.scrapes >= 3 and not collector.stats.errors
 
 
@@ -266,16 +274,7 @@ async def test_a_huge_label_value_is_no_reading_and_every_endpoint_goes_on_being
         pool = Pool([EndpointConfig(a, None) for a in (emulated.address, bad)])
         signals = Signals(len(pool), stale_after_s=5)
         collector = MetricsCollector(pool, signals, CollectorOptions(interval_s=0.02, timeout_s=1.0))
-        task = asyncio.create_task(collector.run())
-        deadline = asyncio.get_running_loop().time() + 10
-        while collector.stats.scrapes < 10:
-            assert not task.done(), task
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await collector.aclose()
+        await _scrape_until(collector, lambda: collector.stats.scrapes >= 10, "ten scrapes")
     snap = signals.snapshot
     assert list(snap.up) == [True, True]
     assert snap.running[1] == 1 and math.isnan(snap.kv_tokens[1])  # the gauges read; the cache size not

@@ -10,6 +10,7 @@ import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -123,6 +124,16 @@ async def test_a_replica_that_starts_late_is_caught_up_when_it_reports_ready(
     assert late.inflight.requests.tolist() == [0, 1, 0] and late.inflight.tokens.tolist() == [0, 30, 0]
 
 
+async def _forge(server: RedisServer, config: ReplicasConfig, entries: list[dict[str, Any]]) -> None:
+    """Append ``entries`` to the replicas' stream as someone who can write to Redis, not a replica."""
+    forger = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        for fields in entries:
+            await forger.xadd(config.key, fields)
+    finally:
+        await forger.aclose()
+
+
 async def test_only_well_formed_counts_of_its_own_pool_members_are_applied(
     server: RedisServer, tmp_path: Path, running: Running
 ) -> None:
@@ -130,19 +141,14 @@ async def test_only_well_formed_counts_of_its_own_pool_members_are_applied(
     b = _engine()
     rb = running.start(config, b, "b")
     await until(rb.ready, "b caught up")
-    forger = aioredis.Redis.from_url(server.url, password=server.password)
-    try:
-        entries = [
-            {"r": "x", "k": "full", "d": orjson.dumps({"10.9.9.9:80": [50, 5000], ENDPOINTS[2]: [3, 30]})},
-            {"r": "y", "k": "full", "d": orjson.dumps({ENDPOINTS[0]: [-4, 1], ENDPOINTS[1]: ["9", 1]})},
-            {"r": "z", "k": "full", "d": b"not json"},
-            {"r": "w", "k": "orders", "d": orjson.dumps({ENDPOINTS[0]: [1, 1]})},
-        ]
-        for fields in entries:
-            await forger.xadd(config.key, fields)  # type: ignore[arg-type]
-        await until(lambda: rb.stats.rejected >= 4, "the bad entries refused")
-    finally:
-        await forger.aclose()
+    entries = [
+        {"r": "x", "k": "full", "d": orjson.dumps({"10.9.9.9:80": [50, 5000], ENDPOINTS[2]: [3, 30]})},
+        {"r": "y", "k": "full", "d": orjson.dumps({ENDPOINTS[0]: [-4, 1], ENDPOINTS[1]: ["9", 1]})},
+        {"r": "z", "k": "full", "d": b"not json"},
+        {"r": "w", "k": "orders", "d": orjson.dumps({ENDPOINTS[0]: [1, 1]})},
+    ]
+    await _forge(server, config, entries)
+    await until(lambda: rb.stats.rejected >= 4, "the bad entries refused")
     # Only the member's well-formed count counts; the address outside the pool steers nothing.
     assert b.inflight.requests.tolist() == [0, 0, 3] and b.inflight.tokens.tolist() == [0, 0, 30]
 
@@ -159,18 +165,14 @@ async def test_an_entry_larger_than_any_replica_sends_is_refused_whole(
     too_many = {ENDPOINTS[2]: [3, 30], **{f"10.9.{i // 250}.{i % 250}:80": [1, 1] for i in range(len(ENDPOINTS))}}
     prompts = [[ENDPOINTS[0], [1, 2, 3]]] * (MAX_PREFIXES_PER_ENTRY + 1)
     ends = ["r"] * (MAX_ENDS_PER_ENTRY + 1)
-    forger = aioredis.Redis.from_url(server.url, password=server.password)
-    try:
-        for fields in (
-            {"r": "x", "k": "full", "d": orjson.dumps(too_many)},
-            {"r": "y", "k": "tick", "h": rb.fingerprint, "p": orjson.dumps(prompts)},
-            {"r": "z", "k": "tick", "e": orjson.dumps(ends)},
-        ):
-            await forger.xadd(config.key, fields)  # type: ignore[arg-type]
-        refused = 3 if rb.share_prefixes else 2  # prompts are shared only under a fixed hash seed
-        await until(lambda: rb.stats.rejected >= refused, "the entries refused")
-    finally:
-        await forger.aclose()
+    entries = [
+        {"r": "x", "k": "full", "d": orjson.dumps(too_many)},
+        {"r": "y", "k": "tick", "h": rb.fingerprint, "p": orjson.dumps(prompts)},
+        {"r": "z", "k": "tick", "e": orjson.dumps(ends)},
+    ]
+    await _forge(server, config, entries)
+    refused = 3 if rb.share_prefixes else 2  # prompts are shared only under a fixed hash seed
+    await until(lambda: rb.stats.rejected >= refused, "the entries refused")
     assert b.inflight.requests.tolist() == [0, 0, 0] and rb.stats.prefixes_applied == 0
 
 
