@@ -1,12 +1,13 @@
 """Turning what Envoy sends (headers, buffered body) into ``RequestFeatures``.
 
 A body is parsed once, here. Only the fields routing needs are read (``model``, ``stream``, ``max_tokens``,
-the prompt or messages); the inference server validates the rest. A field the picker reads must have the
-right type, or the client gets a 400 that names it.
+the prompt or messages, or the ``input`` of the embeddings and Responses APIs); the inference server validates
+the rest. A field the picker reads must have the right type, or the client gets a 400 that names it.
 
 The prompt's prefix block hashes (``RequestFeatures.prefix_hashes``) are computed from the text the server will
-see first: a completions ``prompt`` (a string, token ids, or a one-element list of either; a batch of several
-prompts gets none), or chat ``messages`` rendered in order as role and text parts (images and other parts are
+see first: a completions ``prompt`` or an embeddings ``input`` (a string, token ids, or a one-element list of
+either; a batch of several prompts gets none), or chat ``messages`` (and a Responses API request's
+``instructions`` and ``input`` items) rendered in order as role and text parts (images and other parts are
 skipped). The rendering is not the server's chat template; it only has to be the same for equal conversations
 and differ for different ones. The chain is seeded with the model name, as servers cache prefixes per model.
 
@@ -48,6 +49,10 @@ _BOM = b"\xef\xbb\xbf"
 # From this size the document of a body may be many thousand objects: the collector is paused while it exists.
 _GC_PAUSE_MIN_BYTES = 64 * 1024
 _NONE = type(None)
+# The Responses API: its ``input`` is a string or a list of items (messages, tool calls and their outputs).
+RESPONSES_PATH = "/v1/responses"
+# What a request may generate, by each API's name for it: chat and completions, the Responses API.
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def features_from_headers(
@@ -174,13 +179,13 @@ def apply_body(
         raise MalformedRequestError("request body is empty; expected a JSON object")
     body = _without_bom(body)
     if len(body) < _GC_PAUSE_MIN_BYTES:
-        return features.with_body(*_read(body, keyer))
+        return features.with_body(*_read(body, keyer, features.path))
     # The document must be gone before the collector runs again: an error's traceback holds the frames that hold
     # the document, so it is dropped here.
     refused = None
     with _collector_paused():
         try:
-            found = _read(body, keyer)
+            found = _read(body, keyer, features.path)
         except RequestError as exc:
             refused = exc.with_traceback(None)
     if refused is not None:
@@ -225,10 +230,10 @@ def with_model(body: bytes, model: str) -> bytes:
 
 
 def _read(
-    body: bytes, keyer: CacheKeyer | None = None
+    body: bytes, keyer: CacheKeyer | None = None, path: str = ""
 ) -> tuple[str, bool, int | None, int, int, tuple[int, ...], tuple[int, ...], Any]:
-    """``apply_body`` on a body within its size limit: the features the body gives, in the order of
-    `RequestFeatures.with_body` (model, stream, max_tokens, prompt_chars, prompt_tokens, prefix_hashes,
+    """``apply_body`` on a body within its size limit, sent to ``path``: the features the body gives, in the order
+    of `RequestFeatures.with_body` (model, stream, max_tokens, prompt_chars, prompt_tokens, prefix_hashes,
     cache_keys, keying)."""
     doc, tokens = parse_body(body)
     if not isinstance(doc, dict):
@@ -248,7 +253,7 @@ def _read(
     # on completions. The larger is what the request may cost: quotas charge it, so that naming one small and
     # the other large does not buy tokens the quota never saw.
     max_tokens = None
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in _MAX_TOKENS_FIELDS:
         value = doc.get(name)
         if value is None:
             continue
@@ -270,6 +275,8 @@ def _read(
         chars, token_ids = _prompt_size(prompt)
         prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
         hashes = _prompt_hashes(prompt, seed=hash(model))
+    elif "input" in doc:
+        chars, prompt_tokens, hashes = _input_size(doc, path, seed=hash(model))
     keys: tuple[int, ...] = ()
     keying = None
     if keyer is not None:
@@ -277,8 +284,31 @@ def _read(
     return model, stream, max_tokens, chars, prompt_tokens, hashes, keys, keying
 
 
-def _prompt_size(prompt: Any) -> tuple[int, int | None]:
-    """(characters, exact token count or None) of an OpenAI completions ``prompt``.
+def _input_size(doc: dict[str, Any], path: str, *, seed: int) -> tuple[int, int, tuple[int, ...]]:
+    """(characters, prompt tokens, prefix block hashes) of a body whose prompt is its ``input``: a Responses API
+    request's (a string or a list of input items, after its ``instructions``), read as the chat messages it becomes;
+    any other route's (embeddings: a string, strings or token ids), read as a completions prompt."""
+    value = doc["input"]
+    if path == RESPONSES_PATH:
+        if isinstance(value, str):
+            items: list[Any] = [{"role": "user", "content": value}]
+        elif isinstance(value, list):
+            items = value
+        else:
+            raise MalformedRequestError(f"field 'input' must be a string or a list of items, not {_json_type(value)}")
+        chars, rendered = _messages_text(items, "input")
+        instructions = doc.get("instructions")
+        if isinstance(instructions, str):  # rendered as the system message it is to the server
+            chars += len(instructions)
+            rendered = f"system\n{instructions}\n{rendered}"
+        return chars, estimate_tokens(chars), text_block_hashes(rendered, seed=seed)
+    chars, token_ids = _prompt_size(value, "input")
+    return chars, token_ids if token_ids is not None else estimate_tokens(chars), _prompt_hashes(value, seed=seed)
+
+
+def _prompt_size(prompt: Any, field: str = "prompt") -> tuple[int, int | None]:
+    """(characters, exact token count or None) of an OpenAI completions ``prompt`` (or of another ``field`` of the
+    same shapes, as the embeddings' ``input``).
 
     It may be a string, a list of strings, a list of token ids, or a list of lists of token ids.
     """
@@ -295,7 +325,7 @@ def _prompt_size(prompt: Any) -> tuple[int, int | None]:
         if kinds == {list} and set(map(type, chain.from_iterable(prompt))) <= {int}:
             return 0, sum(map(len, prompt))
     raise MalformedRequestError(
-        "field 'prompt' must be a string, a list of strings, or a list of token ids (or of lists of them)"
+        f"field {field!r} must be a string, a list of strings, or a list of token ids (or of lists of them)"
     )
 
 
@@ -314,10 +344,11 @@ def _prompt_hashes(prompt: Any, *, seed: int) -> tuple[int, ...]:
     return ()
 
 
-def _messages_text(messages: Any) -> tuple[int, str]:
-    """(characters of content text, the conversation rendered for prefix hashing) of chat ``messages``."""
+def _messages_text(messages: Any, field: str = "messages") -> tuple[int, str]:
+    """(characters of content text, the conversation rendered for prefix hashing) of chat ``messages`` (or of
+    another ``field`` of their shape, as a Responses API request's input items)."""
     if not isinstance(messages, list):
-        raise MalformedRequestError(f"field 'messages' must be a list, not {_json_type(messages)}")
+        raise MalformedRequestError(f"field {field!r} must be a list, not {_json_type(messages)}")
     # The common shape, every message an object with a string (or no) content, is read by map, set and join, in C;
     # a conversation may be 100k messages. Anything else (parts, errors) takes the loop below, message by message.
     try:
@@ -329,16 +360,16 @@ def _messages_text(messages: Any) -> tuple[int, str]:
         if kinds <= {str, _NONE}:
             chars = sum(map(len, filter(None, contents) if _NONE in kinds else contents))
             return chars, _rendered_head(messages, contents, _NONE in kinds)
-    return _messages_loop(messages)
+    return _messages_loop(messages, field)
 
 
-def _messages_loop(messages: list[Any]) -> tuple[int, str]:
+def _messages_loop(messages: list[Any], field: str = "messages") -> tuple[int, str]:
     """``_messages_text`` message by message, for any shape: what it renders defines the rendering."""
     chars = 0
     pieces: list[str] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise MalformedRequestError(f"messages[{i}] must be an object, not {_json_type(message)}")
+            raise MalformedRequestError(f"{field}[{i}] must be an object, not {_json_type(message)}")
         role = message.get("role")
         # Role and a separator before the text, so that moving text from one message to the next changes it.
         pieces.append(role if isinstance(role, str) else "")
@@ -360,7 +391,7 @@ def _messages_loop(messages: list[Any]) -> tuple[int, str]:
                         pieces.append(text)
         elif content is not None:
             raise MalformedRequestError(
-                f"messages[{i}].content must be a string or a list of parts, not {_json_type(content)}"
+                f"{field}[{i}].content must be a string or a list of parts, not {_json_type(content)}"
             )
         pieces.append("\n")
     return chars, "".join(pieces)

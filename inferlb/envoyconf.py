@@ -17,8 +17,16 @@ if TYPE_CHECKING:
 TEMPLATE = "bootstrap.yaml.j2"
 # What a waiting request's pick needs after its wait, within Envoy's message timeout (a pick takes well under 1 ms).
 WAIT_MARGIN_MS = 100
-# Routes whose JSON body the picker reads; every other /v1/ route is decided from the headers alone.
-BODY_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Routes whose JSON body the picker reads (its model, on a pool of several models, decides which servers may take
+# the request); every other /v1/ route is decided from the headers alone (a transcription's multipart upload, say).
+BODY_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/rerank",
+    "/v1/score",
+)
 FALLBACK_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
 CLUSTER_MODES = ("original-dst", "override-host")
 TIERS = ("per-request", "weights")

@@ -62,6 +62,8 @@ class StackOptions:
     # picker follows them (config kv_events, the emulator's tokenizer); None: no events.
     kv_events: str | None = None
     endpoint_labels: tuple[Mapping[str, str], ...] = ()  # the pool's endpoints' labels, in order (default none)
+    # The models the picker is told each endpoint serves, in order (default: all of ``models``, which they do).
+    endpoint_models: tuple[tuple[str, ...], ...] = ()
     speeds: Mapping[str, Any] | None = None  # the picker's pool.speeds (relative speeds by an endpoint label)
 
 
@@ -206,9 +208,10 @@ class LocalStack:
         return otel
 
     def _endpoint(self, address: str) -> dict[str, Any]:
-        entry: dict[str, Any] = {"address": address, "models": list(self.options.models)}
-        labels = self.options.endpoint_labels
         index = self.endpoints.index(address)
+        models = self.options.endpoint_models[index] if index < len(self.options.endpoint_models) else None
+        entry: dict[str, Any] = {"address": address, "models": list(models or self.options.models)}
+        labels = self.options.endpoint_labels
         if index < len(labels) and labels[index]:
             entry["labels"] = dict(labels[index])
         if not self.options.servers:  # emulated servers show their GPUs at /gpu, in the GPU agent's schema

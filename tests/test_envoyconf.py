@@ -107,14 +107,16 @@ def test_routes_opt_in_and_out_of_the_picker() -> None:
     assert routes["models"]["route"]["cluster"] == "inferlb_fallback"
     assert routes["picked"]["match"]["headers"] == [{"name": "x-gateway-destination-endpoint", "present_match": True}]
     assert routes["picked"]["route"]["cluster"] == "inferlb_picked"
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    # Every JSON API whose body names a model: on a pool of several models the model decides who may serve.
+    body_routes = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses")
+    for path in body_routes:
         mode = routes[path]["typed_per_filter_config"][per_route]["overrides"]["processing_mode"]
         # BUFFERED, not BUFFERED_PARTIAL: with a partial buffer Envoy may route before the picker's answer.
         assert mode["request_body_mode"] == "BUFFERED"
     # Full duplex streams the body (its trailers end it, when there are any: Envoy requires them sent).
     doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions(body_mode="full-duplex")))
     duplex = {r["name"]: r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]}
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in body_routes:
         mode = duplex[path]["typed_per_filter_config"][per_route]["overrides"]["processing_mode"]
         assert (mode["request_body_mode"], mode["request_trailer_mode"]) == ("FULL_DUPLEX_STREAMED", "SEND")
     # Order matters: "picked" must be matched before the fallback routes once the picker set the header.

@@ -230,6 +230,92 @@ def test_apply_body(doc: dict[str, Any], fields: dict[str, Any]) -> None:
     assert features == expected
 
 
+def _apply_to(path: str, doc: Any) -> RequestFeatures:
+    return apply_body(RequestFeatures(path=path, method="POST"), _json(doc), complete=True, max_bytes=MAX)
+
+
+@pytest.mark.parametrize(
+    ("doc", "chars", "tokens"),
+    [
+        pytest.param({"model": "e", "input": "x" * 400}, 400, 100, id="string"),
+        pytest.param({"model": "e", "input": ["ab", "cde"]}, 5, 2, id="strings"),
+        pytest.param({"model": "e", "input": [1, 2, 3]}, 0, 3, id="token-ids"),
+        pytest.param({"model": "e", "input": [[1, 2], [3]]}, 0, 3, id="lists-of-token-ids"),
+    ],
+)
+def test_an_embeddings_input_is_read_as_a_completions_prompt(doc: dict[str, Any], chars: int, tokens: int) -> None:
+    features = _apply_to("/v1/embeddings", doc)
+    prompt = _apply_to("/v1/completions", {"model": "e", "prompt": doc["input"]})
+    assert (features.model, features.prompt_chars, features.prompt_tokens) == ("e", chars, tokens)
+    assert features.prefix_hashes == prompt.prefix_hashes
+
+
+def test_a_responses_request_is_read_as_the_chat_it_becomes() -> None:
+    text = "tell me about the weather " * 40
+    features = _apply_to(
+        "/v1/responses",
+        {"model": "r", "instructions": "be brief", "input": text, "stream": True, "max_output_tokens": 300},
+    )
+    chat = _apply_to(
+        "/v1/chat/completions",
+        {"model": "r", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]},
+    )
+    assert (features.model, features.stream, features.max_tokens) == ("r", True, 300)
+    assert (features.prompt_chars, features.prefix_hashes) == (chat.prompt_chars, chat.prefix_hashes)
+    assert features.prompt_chars == len(text) + len("be brief")
+    # Input items: messages with parts, tool calls and their outputs (no role, no content) are all accepted.
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "abc"}, {"type": "input_image", "image_url": "u"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+    ]
+    assert _apply_to("/v1/responses", {"model": "r", "input": items}).prompt_chars == 3
+    # The largest of the names a request may give its output budget is the one counted (and charged).
+    both = {"model": "r", "input": "x", "max_tokens": 5, "max_output_tokens": 900}
+    assert _apply_to("/v1/responses", both).max_tokens == 900
+
+
+@pytest.mark.parametrize(
+    ("path", "doc", "pattern"),
+    [
+        pytest.param("/v1/embeddings", {"input": "x"}, r"^missing required field 'model'$", id="no-model"),
+        pytest.param(
+            "/v1/embeddings",
+            {"model": "e", "input": {"text": "x"}},
+            r"^field 'input' must be a string, a list of strings, or a list of token ids",
+            id="embeddings-object",
+        ),
+        pytest.param(
+            "/v1/responses",
+            {"model": "r", "input": 7},
+            r"^field 'input' must be a string or a list of items, not a number$",
+            id="responses-number",
+        ),
+        pytest.param(
+            "/v1/responses",
+            {"model": "r", "input": ["hi"]},
+            r"^input\[0\] must be an object, not a string$",
+            id="responses-item-string",
+        ),
+        pytest.param(
+            "/v1/responses",
+            {"model": "r", "instructions": "i", "input": [{"role": "user", "content": 3}]},
+            r"^input\[0\]\.content must be a string or a list of parts, not a number$",
+            id="responses-content-number",
+        ),
+        pytest.param(
+            "/v1/responses",
+            {"model": "r", "input": "x", "max_output_tokens": -1},
+            r"^field 'max_output_tokens' must be a non-negative integer",
+            id="responses-negative-budget",
+        ),
+    ],
+)
+def test_an_input_of_the_wrong_shape_is_refused_by_name(path: str, doc: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(MalformedRequestError, match=pattern):
+        _apply_to(path, doc)
+
+
 def test_apply_body_accepts_a_body_of_exactly_max_bytes() -> None:
     body = _json({"model": "m", "prompt": "x" * 1000})
     assert _apply(body, max_bytes=len(body)).prompt_chars == 1000

@@ -30,8 +30,9 @@ from .conftest import Canary, log_entry
 pytestmark = pytest.mark.envoy
 
 MODEL = "m1"
+OTHER = "m2"  # served by the last endpoint alone, as far as the picker knows (the emulators all answer to it)
 # Emulated H100s in real time: a 500-token stream stays open ~3 s while the test sends other requests.
-OPTIONS = StackOptions(backends=3, models=(MODEL,))
+OPTIONS = StackOptions(backends=3, models=(MODEL, OTHER), endpoint_models=((MODEL,), (MODEL,), (MODEL, OTHER)))
 COMPLETION = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4}
 
 
@@ -55,7 +56,7 @@ def test_each_request_reaches_the_endpoint_the_picker_chose(stack: LocalStack, c
             assert response.status_code == 200
         else:
             # A route the picker decides from the headers alone; the emulator has no such API and says 404.
-            response = client.get("/v1/embeddings")
+            response = client.get("/v1/audio/transcriptions")
         backend = response.headers[SERVER_HEADER]
         assert response.headers[SEEN_DEST_HEADER] == backend, "the server got a destination other than itself"
         entry = log_entry(stack, response.headers["x-request-id"])
@@ -67,7 +68,7 @@ def test_each_request_reaches_the_endpoint_the_picker_chose(stack: LocalStack, c
 
 def test_client_cannot_choose_its_upstream(stack: LocalStack, client: httpx.Client, canary: Canary) -> None:
     before = canary.connections
-    for path in ("/v1/completions", "/v1/embeddings"):
+    for path in ("/v1/completions", "/v1/embeddings", "/v1/audio/transcriptions"):
         for _ in range(5):
             response = client.post(path, json=COMPLETION, headers={"x-gateway-destination-endpoint": canary.address})
             assert response.headers[SERVER_HEADER] in stack.endpoints
@@ -91,6 +92,32 @@ def test_envoy_makes_every_request_id_whatever_the_client_sends(stack: LocalStac
     ).json()["decisions"]
     seen = {d["request_id"] for d in decisions}
     assert set(ids) <= seen and not seen & set(sent)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        pytest.param("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, id="chat"),
+        pytest.param("/v1/embeddings", {"input": ["one", "two"]}, id="embeddings"),
+        pytest.param("/v1/responses", {"input": "hi", "instructions": "be brief"}, id="responses"),
+        pytest.param("/v1/rerank", {"query": "q", "documents": ["a", "b"]}, id="rerank"),
+    ],
+)
+def test_every_json_api_goes_to_a_server_of_its_model(
+    stack: LocalStack, client: httpx.Client, path: str, body: dict[str, Any]
+) -> None:
+    """On a pool of several models the picker reads the model of every JSON API, not only of the two it scores
+    prompts for: a request for a model only one server has goes there (the emulator answers the chat and says
+    404 to the APIs it lacks; a real server of that model would answer them)."""
+    served_by = stack.endpoints[-1]
+    for _ in range(6):
+        response = client.post(path, json={"model": OTHER, **body})
+        assert response.headers[SERVER_HEADER] == served_by, response.text
+        assert log_entry(stack, response.headers["x-request-id"])["picked"] == served_by
+    # A model no server has is refused by the picker, naming it, on these routes too.
+    response = client.post(path, json={"model": "nope", **body})
+    assert response.status_code == 404 and "'nope'" in response.json()["error"]["message"]
+    assert SERVER_HEADER not in response.headers
 
 
 @pytest.mark.parametrize(
