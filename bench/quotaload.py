@@ -118,7 +118,11 @@ def quota_rows(folder: Path, *, phase_s: float = PHASE_S) -> tuple[list[dict[str
             picker_env={"PYTHONHASHSEED": "1"},
             picker_config={
                 "replicas": {"url": redis.url, "password": {"token_file": str(secret)}},
-                "quotas": {"header": "x-tenant", "tenants": {"probe": {"requests_per_minute": 1e6}}},
+                "quotas": {
+                    "header": "x-tenant",
+                    "source": "gateway",
+                    "tenants": {"probe": {"requests_per_minute": 1e6}},
+                },
             },
         )
         with LocalStack(options, folder / "probe") as stack:
@@ -127,6 +131,7 @@ def quota_rows(folder: Path, *, phase_s: float = PHASE_S) -> tuple[list[dict[str
         limit = A_LIMIT_RPS * cost * 60  # tokens a minute
         quotas = {
             "header": "x-tenant",
+            "source": "gateway",
             "tenants": {"a": {"tokens_per_minute": limit, "burst_s": BURST_S}, "b": {"tokens_per_minute": limit * 100}},
         }
         options = replace(options, picker_config={**options.picker_config, "quotas": quotas})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.resources
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -214,6 +214,7 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         max_requests=options.max_requests,
         access_log_path=options.access_log_path,
         body_routes=BODY_ROUTES,
+        tenant_jwt=_tenant_jwt(config),
         full_duplex=options.body_mode == "full-duplex",
         debug_scores=config.debug_scores,
         observe=options.picker and config.otel.latency_source == "stream",
@@ -231,6 +232,23 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
     )
     yaml.safe_load(text)  # a template bug shows here, not as an Envoy start-up failure
     return text
+
+
+def _tenant_jwt(config: Config) -> dict[str, Any] | None:
+    """What the bootstrap's JWT filter needs when the quotas' tenant comes from a JWT claim (``quotas.source:
+    jwt``), or None."""
+    quotas = config.quotas
+    if quotas is None or quotas.jwt is None:
+        return None
+    jwt = quotas.jwt
+    return {
+        "header": quotas.header,
+        "issuer": jwt.issuer,
+        "audiences": jwt.audiences,
+        "jwks_file": jwt.jwks_file,
+        "claim": jwt.claim,
+        "forward": jwt.forward,
+    }
 
 
 def _picker_address(config: Config, address: str | None) -> tuple[str, int, bool]:

@@ -95,6 +95,7 @@ MAX_TENANT_CHARS = 128
 DEFAULT_DRAIN_S = 5.0
 LATENCY_SOURCES = ("spans", "stream")
 REQUEST_ENDS = ("access-log", "stream")
+TENANT_SOURCES = ("jwt", "gateway")
 
 
 def _address(value: Any) -> str:
@@ -664,17 +665,39 @@ TenantName = Annotated[str, Parsed(_tenant_name)]
 
 
 @dataclass(frozen=True, slots=True)
+class TenantJwtConfig(Section):
+    """``quotas.jwt``: Envoy checks every request's JWT (``Authorization: Bearer <token>``; none, or one that fails
+    the checks: 401) against ``issuer``, ``audiences`` (one of them must be the token's; empty: not checked) and
+    the public keys of ``jwks_file`` (a JWKS file where Envoy runs; HMAC keys work too), and names the tenant by
+    the token's claim ``claim`` (``a.b`` for a nested one). Whatever header of that name the client sent is
+    removed first. The token reaches the servers only with ``forward``."""
+
+    issuer: Annotated[str, TEXT] = field(metadata={"description": "the tokens' iss, e.g. https://auth.example.com"})
+    jwks_file: Annotated[str, TEXT] = field(metadata={"description": "the JWKS file, on Envoy's machine"})
+    claim: Annotated[str, TEXT] = field(metadata={"description": "the claim that names the tenant, e.g. tenant"})
+    audiences: tuple[Annotated[str, TEXT], ...] = ()
+    forward: Annotated[bool, FLAG] = False
+
+
+@dataclass(frozen=True, slots=True)
 class QuotasConfig(Section):
-    """``quotas``: per-tenant limits. The tenant is the value of the request header ``header``, which must be set
-    by something the operator trusts (Envoy's JWT filter, an API gateway in front), never taken from clients as
-    they send it. ``tenants`` names the limits of each tenant; ``default`` those of any other tenant (and of a
-    request without the header, the tenant ``""``); without ``default`` they are not limited. A request over its
-    tenant's quota gets 429 with ``retry-after`` and a JSON reason. With ``replicas`` the limits hold across all
-    the replicas (scorer/quotas.py says how closely)."""
+    """``quotas``: per-tenant limits. The tenant is the value of the request header ``header``, which a client
+    must not be able to set, since it could spend another tenant's quota, or escape its own under a new name each
+    time. ``source`` says who sets it: ``jwt`` (Envoy, from a claim of the request's JWT, as ``jwt`` says; the
+    bootstrap `inferlb envoy-config` renders checks the token and removes any copy the client sent) or ``gateway``
+    (a gateway in front that authenticates clients and sets it, the only way clients reach Envoy: the operator
+    vouches for that). ``tenants`` names the limits of each tenant; ``default`` those of any other tenant (and of
+    a request without the header, the tenant ``""``); without ``default`` they are not limited. A request over
+    its tenant's quota gets 429 with ``retry-after`` and a JSON reason. With ``replicas`` the limits hold across
+    all the replicas (scorer/quotas.py says how closely)."""
 
     header: Annotated[str | None, Parsed(_header_name)] = field(
         default=None, metadata={"description": "the request header that names the tenant, e.g. x-tenant-id"}
     )
+    source: Annotated[str | None, optional(one_of(*TENANT_SOURCES))] = field(
+        default=None, metadata={"description": "who sets the header: jwt (Envoy, from a JWT claim) or gateway"}
+    )
+    jwt: TenantJwtConfig | None = None
     tenants: dict[TenantName, TenantLimits] = field(default_factory=dict)
     default: TenantLimits | None = None
     assumed_output_tokens: Annotated[int, integer(ge=0, le=1 << 24)] = 256
@@ -685,6 +708,19 @@ class QuotasConfig(Section):
     def _consistent(self) -> QuotasConfig:
         if self.header is None:
             raise invalid(" is needed: the request header that names the tenant", "header")
+        if self.source is None:
+            raise invalid(
+                " is needed: who sets the tenant header, so that no client can: 'jwt' (Envoy, from a claim of each"
+                " request's JWT; give quotas.jwt) or 'gateway' (a gateway in front that authenticates clients)",
+                "source",
+            )
+        if (self.source == "jwt") != (self.jwt is not None):
+            raise invalid(
+                " is needed with source 'jwt' (issuer, jwks_file, claim)"
+                if self.jwt is None
+                else " is for source 'jwt' only: with 'gateway' the gateway in front checks clients",
+                "jwt",
+            )
         if not self.tenants and self.default is None:
             raise invalid(" limits nothing: give tenants, default, or both")
         return self

@@ -57,6 +57,34 @@ def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, config: str, optio
     envoy_accepts(path)
 
 
+@pytest.mark.envoy
+def test_quotas_named_by_a_jwt_claim_put_envoys_jwt_filter_first(tmp_path: Path) -> None:
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text('{"keys": [{"kty": "oct", "alg": "HS256", "k": "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0"}]}')
+    jwt = {"issuer": "https://auth.test", "audiences": ["inferlb"], "jwks_file": str(jwks), "claim": "org.tenant"}
+    quotas = {"header": "x-tenant", "source": "jwt", "jwt": jwt, "default": {"requests_per_minute": 60}}
+    config = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}, "quotas": quotas})
+    text = render_bootstrap(config, EnvoyOptions())
+    doc = yaml.safe_load(text)
+    filters = hcm(doc)["http_filters"]
+    assert [f["name"] for f in filters][:2] == ["envoy.filters.http.jwt_authn", "envoy.filters.http.ext_proc"]
+    provider = filters[0]["typed_config"]["providers"]["tenant"]
+    assert provider["claim_to_headers"] == [{"header_name": "x-tenant", "claim_name": "org.tenant"}]
+    assert (provider["issuer"], provider["audiences"], provider["forward"]) == ("https://auth.test", ["inferlb"], False)
+    assert filters[0]["typed_config"]["rules"] == [{"match": {"prefix": "/"}, "requires": {"provider_name": "tenant"}}]
+    early = hcm(doc)["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert {"remove": "x-tenant"} in early
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    envoy_accepts(path)
+    # With a gateway in front that sets the header, Envoy forwards it as it comes and checks no token.
+    gateway = parse_config(
+        {"pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}, "quotas": {**quotas, "source": "gateway", "jwt": None}}
+    )
+    doc = yaml.safe_load(render_bootstrap(gateway, EnvoyOptions()))
+    assert "envoy.filters.http.jwt_authn" not in [f["name"] for f in hcm(doc)["http_filters"]]
+
+
 def test_client_destination_header_and_request_id_are_removed_before_routing() -> None:
     doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions()))
     (early,) = hcm(doc)["early_header_mutation_extensions"]

@@ -141,7 +141,7 @@ def test_a_picker_loads_the_modules_of_optional_features_only_when_its_config_us
         "listen": f"127.0.0.1:{free_port()}",
         "admin": f"127.0.0.1:{free_port()}",
         "drain_s": 0,
-        "quotas": {"header": "x-tenant", "tenants": {"a": {"requests_per_minute": 60}}},
+        "quotas": {"header": "x-tenant", "source": "gateway", "tenants": {"a": {"requests_per_minute": 60}}},
         "pool": {"endpoints": [{"address": f"127.0.0.1:{free_port()}"}]},
     }
     path = tmp_path / "picker.yaml"

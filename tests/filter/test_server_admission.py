@@ -176,7 +176,11 @@ async def test_a_request_whose_client_leaves_while_it_waits_gets_its_quota_back(
         parse_config(
             {
                 "pool": {"endpoints": [{"address": "127.0.0.1:9101"}]},
-                "quotas": {"header": "x-tenant", "tenants": {"a": {"tokens_per_minute": 600, "burst_s": 6}}},
+                "quotas": {
+                    "header": "x-tenant",
+                    "source": "gateway",
+                    "tenants": {"a": {"tokens_per_minute": 600, "burst_s": 6}},
+                },
             }
         ).quotas
     )
@@ -204,6 +208,7 @@ async def test_a_tenant_name_longer_than_any_configured_one_is_kept_as_a_digest(
     service.experiment_headers = frozenset({"x-tenant"})
     document = {
         "header": "x-tenant",
+        "source": "gateway",
         "default": {"requests_per_minute": 60},
         "tenants": {"a": {"requests_per_minute": 6}},
     }

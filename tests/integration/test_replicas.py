@@ -124,7 +124,7 @@ def test_a_tenant_over_its_quota_gets_429s_across_two_replicas_and_another_tenan
             pickers=2,
             picker_config={
                 "replicas": _shared(redis, tmp_path),
-                "quotas": {"header": "x-tenant", "tenants": limits},
+                "quotas": {"header": "x-tenant", "source": "gateway", "tenants": limits},
             },
         )
         with LocalStack(options, tmp_path / "stack") as stack:

@@ -22,7 +22,7 @@ needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not inst
 
 
 def _configs(quotas: dict, replicas: dict | None = None) -> tuple[QuotasConfig, ReplicasConfig | None]:
-    document: dict = {"pool": {"endpoints": [{"address": "127.0.0.1:9101"}]}, "quotas": quotas}
+    document: dict = {"pool": {"endpoints": [{"address": "127.0.0.1:9101"}]}, "quotas": {"source": "gateway", **quotas}}
     if replicas is not None:
         document["replicas"] = replicas
     config = parse_config(document)
@@ -119,6 +119,29 @@ def test_at_most_max_tenants_buckets_are_kept(clock: ManualClock) -> None:
     [
         ({"tenants": {"a": {"requests_per_minute": 1}}}, "quotas.header is needed"),
         ({"header": "x-t"}, "quotas limits nothing"),
+        ({"header": "x-t", "source": None, "default": {"tokens_per_minute": 5}}, "quotas.source is needed: who sets"),
+        (
+            {"header": "x-t", "source": "client", "default": {"tokens_per_minute": 5}},
+            "quotas.source must be jwt or gateway",
+        ),
+        ({"header": "x-t", "source": "jwt", "default": {"tokens_per_minute": 5}}, "quotas.jwt is needed with source"),
+        (
+            {
+                "header": "x-t",
+                "default": {"tokens_per_minute": 5},
+                "jwt": {"issuer": "i", "jwks_file": "f", "claim": "c"},
+            },
+            "quotas.jwt is for source 'jwt' only",
+        ),
+        (
+            {
+                "header": "x-t",
+                "source": "jwt",
+                "default": {"tokens_per_minute": 5},
+                "jwt": {"issuer": "i", "claim": "c"},
+            },
+            "quotas.jwt.jwks_file",
+        ),
         ({"header": "x-t", "tenants": {"a": {}}}, "quotas.tenants.a needs requests_per_minute or tokens_per_minute"),
         ({"header": "x-t", "default": {"tokens_per_minute": 0}}, "quotas.default.tokens_per_minute"),
         ({"header": "x-t", "default": {"tokens_per_minute": 5, "burst_s": 0.5}}, "quotas.default.burst_s"),
