@@ -297,7 +297,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
         if args.picker_address is not None:
             raise EnvoyConfigError("--picker-workers names the workers' ports on this host: not with --picker-address")
-        check_workers(config, args.picker_workers)
+        check_workers(config, args.picker_workers, "--picker-workers")
         more_pickers = tuple(worker_addresses(config, args.picker_workers)[1:])
     options = EnvoyOptions(
         listen=args.listen,

@@ -86,20 +86,20 @@ def worker_addresses(config: Config, workers: int) -> list[str]:
     return [worker_config(config, i).listen for i in range(workers)]
 
 
-def check_workers(config: Config, workers: int) -> None:
-    """ConfigError unless ``config`` can run as ``workers`` workers."""
+def check_workers(config: Config, workers: int, flag: str = "--workers") -> None:
+    """ConfigError unless ``config`` can run as ``workers`` workers (given by the command-line option ``flag``)."""
     if not 1 <= workers <= MAX_WORKERS:
-        raise ConfigError(f"--workers: {workers} is not between 1 and {MAX_WORKERS}")
+        raise ConfigError(f"{flag}: {workers} is not between 1 and {MAX_WORKERS}")
     if workers == 1:
         return
     if config.replicas is None:
         raise ConfigError(
-            f"--workers {workers}: the workers share routing state through Redis; set replicas.url in the config "
+            f"{flag} {workers}: the workers share routing state through Redis; set replicas.url in the config "
             "(README, 'Replicas'), or run one worker"
         )
     if config.otel.receiver is not None:
         raise ConfigError(
-            f"--workers {workers}: otel.receiver takes the servers' spans at one address, which one worker of "
+            f"{flag} {workers}: otel.receiver takes the servers' spans at one address, which one worker of "
             f"{workers} would hold; set otel.latency_source: stream (each worker times the responses it sees) "
             "and remove otel.receiver, or run one worker"
         )
@@ -110,9 +110,12 @@ def check_workers(config: Config, workers: int) -> None:
             if address is None:
                 continue
             if address in ports:
+                host, port = parse_address(config.listen)
+                admin_host = host if config.admin is None else parse_address(config.admin)[0]
                 raise ConfigError(
-                    f"--workers {workers}: worker {index}'s {name} {address} is also {ports[address]}; "
-                    "listen and admin need ports at least the worker count apart"
+                    f"{flag} {workers}: worker {index}'s {name} {address} is also {ports[address]}; "
+                    "listen and admin need ports at least the worker count apart (for example admin: "
+                    f"{format_address(admin_host, port + workers)})"
                 )
             ports[address] = f"worker {index}'s {name}"
 

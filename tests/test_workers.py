@@ -5,6 +5,7 @@ that cannot start stopping the group, and workers that stop when their superviso
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 from pathlib import Path
@@ -50,14 +51,19 @@ def test_each_worker_listens_and_serves_its_admin_api_on_the_ports_plus_its_inde
     [
         ({**_document(), "replicas": None}, 2, "share routing state through Redis; set replicas.url"),
         (_document(otel={"receiver": "127.0.0.1:4317"}), 2, "set otel.latency_source: stream"),
-        (_document(admin="127.0.0.1:9003"), 2, "worker 1's listen 127.0.0.1:9003 is also worker 0's admin"),
+        (
+            _document(admin="127.0.0.1:9003"),
+            2,
+            "worker 1's listen 127.0.0.1:9003 is also worker 0's admin; listen and admin need ports at least the "
+            "worker count apart (for example admin: 127.0.0.1:9004)",
+        ),
         (_document(listen="127.0.0.1:65535"), 2, "goes past port 65535"),
         (_document(), 0, "not between 1 and 64"),
         (_document(), 65, "not between 1 and 64"),
     ],
 )
 def test_a_config_the_workers_cannot_run_is_refused_with_the_fix(document: dict, workers: int, says: str) -> None:
-    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(says)):
         check_workers(parse_config(document), workers)
 
 
@@ -65,7 +71,7 @@ def test_one_worker_needs_no_redis() -> None:
     check_workers(parse_config({**_document(), "replicas": None}), 1)
 
 
-def test_envoy_config_spreads_streams_over_every_worker(tmp_path: Path) -> None:
+def test_envoy_config_spreads_streams_over_every_worker(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "picker.yaml"
     path.write_text(yaml.safe_dump(_document()))
     out = tmp_path / "envoy.yaml"
@@ -77,6 +83,7 @@ def test_envoy_config_spreads_streams_over_every_worker(tmp_path: Path) -> None:
     assert main(["envoy-config", "--config", str(path), "--picker-workers", "2", "--picker-address", "p:9002"]) == 2
     path.write_text(yaml.safe_dump({**_document(), "replicas": None}))
     assert main(["envoy-config", "--config", str(path), "--picker-workers", "2"]) == 2
+    assert "--picker-workers 2: the workers share routing state" in capsys.readouterr().err
 
 
 def _write_config(tmp_path: Path, redis: RedisServer, listen_port: int, admin_port: int) -> Path:

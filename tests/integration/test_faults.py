@@ -200,6 +200,27 @@ def test_a_killed_picker_cuts_no_routed_request(tmp_path: Path, fail_open: bool)
             _decided_by_picker(stack, response)
 
 
+def test_when_one_of_two_pickers_hangs_the_other_takes_every_stream(tmp_path: Path) -> None:
+    # A picker that hangs (stopped here; a stuck loop alike) still accepts connections, so without a health check
+    # Envoy would go on giving it its share of the streams, each one a timeout. Fail-closed, so that such a stream
+    # shows (504). The health check marks it down within about a second; from then on the other decides them all.
+    envoy = replace(OPTIONS.envoy, fail_open=False, message_timeout_ms=700)
+    with LocalStack(replace(OPTIONS, pickers=2, envoy=envoy), tmp_path) as stack:
+        assert stack.picker is not None
+        stack.picker.pause()
+        try:
+            with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+                results: list[int] = []
+
+                def twenty_in_a_row() -> bool:
+                    results.append(client.post("/v1/completions", json=COMPLETION).status_code)
+                    return results[-20:] == [200] * 20
+
+                poll(twenty_in_a_row, "20 requests in a row answered while one picker hangs", 20.0)
+        finally:
+            stack.picker.resume()
+
+
 def test_a_picker_that_does_not_answer_in_time_gets_a_504_that_says_so_with_fail_closed(tmp_path: Path) -> None:
     # 700 ms: the default class waits up to 0.5 s, and the bootstrap leaves the picker 100 ms after that.
     options = replace(OPTIONS, envoy=replace(OPTIONS.envoy, fail_open=False, message_timeout_ms=700))
