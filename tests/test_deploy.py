@@ -407,6 +407,82 @@ def test_a_name_prefix_renames_the_inferencepools_reference_too(tmp_path: Path) 
     one(objects, "Service", ref)
 
 
+def admitted(objects: list[dict[str, Any]], labels: dict[str, str], port: int) -> list[dict[str, Any]] | None:
+    """The sources the NetworkPolicies among ``objects`` admit to ``port`` of the Pods labelled ``labels``: None when
+    no policy isolates those Pods' ingress (then any Pod may connect), else the peers of every rule that covers the
+    port, a rule without ``from`` counting as the peer {} (anyone)."""
+    policies = [
+        o["spec"]
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+        and all(labels.get(k) == v for k, v in o["spec"]["podSelector"].get("matchLabels", {}).items())
+        and not o["spec"]["podSelector"].get("matchExpressions")
+        and "Ingress" in o["spec"].get("policyTypes", ["Ingress"])
+    ]
+    if not policies:
+        return None
+    return [
+        peer
+        for policy in policies
+        for rule in policy.get("ingress", ())
+        if not rule.get("ports") or port in [p.get("port") for p in rule["ports"]]
+        for peer in rule.get("from") or [{}]
+    ]
+
+
+def admits_anyone(peer: dict[str, Any]) -> bool:
+    """A NetworkPolicy peer that lets in more than chosen Pods: anyone ({}), every Pod of the namespace (an empty
+    podSelector alone), every namespace (an empty namespaceSelector, with or without a podSelector: anyone may
+    label a Pod of their own), or an ipBlock of the whole address space."""
+
+    def empty(selector: dict[str, Any] | None) -> bool:
+        return selector is not None and not selector.get("matchLabels") and not selector.get("matchExpressions")
+
+    if not peer:
+        return True
+    if "ipBlock" in peer:
+        return peer["ipBlock"]["cidr"].endswith("/0")
+    if "namespaceSelector" in peer:
+        return empty(peer["namespaceSelector"])
+    return empty(peer.get("podSelector"))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_only_the_gateway_reaches_the_pickers_grpc_port_and_only_prometheus_their_admin_port(
+    manifests: dict[str, list[dict[str, Any]]], variant: str, tmp_path: Path
+) -> None:
+    objects = manifests[variant]
+    _, config = picker_config(objects, tmp_path)
+    grpc_port, admin_port = parse_address(config.listen)[1], parse_address(config.admin or "")[1]
+    labels = one(objects, "Deployment", "inferlb-picker")["spec"]["template"]["metadata"]["labels"]
+    for port in (grpc_port, admin_port):
+        sources = admitted(objects, labels, port)
+        assert sources is not None, f"{variant}: no NetworkPolicy selects the pickers: any Pod reaches port {port}"
+        assert sources, f"{variant}: nothing reaches port {port}, Prometheus or the gateway included"
+        assert not [s for s in sources if admits_anyone(s)], f"{variant}: port {port} is open to anyone: {sources}"
+    # No other port: every rule names its ports, and they are these two.
+    policy = one(objects, "NetworkPolicy", "inferlb-picker")["spec"]
+    assert matches(policy["podSelector"]["matchLabels"], labels)
+    for rule in policy["ingress"]:
+        assert rule.get("ports") and {p["port"] for p in rule["ports"]} <= {grpc_port, admin_port}
+    # The gateway: the operator's (Pods chosen by their labels), or the standalone variants' own Envoy.
+    gateway = admitted(objects, labels, grpc_port) or []
+    if variant in ("standalone", "shared"):
+        envoy = one(objects, "Deployment", "inferlb-envoy")["spec"]["template"]["metadata"]["labels"]
+        assert [set(s) for s in gateway] == [{"podSelector"}]
+        assert matches(gateway[0]["podSelector"]["matchLabels"], envoy)
+    else:
+        assert all(s.get("podSelector", {}).get("matchLabels") for s in gateway)
+        assert not [s for s in gateway if matches(s["podSelector"]["matchLabels"], labels)]
+    # Prometheus: the same Pods, of a namespace chosen by its labels, in every variant.
+    prometheus = admitted(objects, labels, admin_port) or []
+    assert prometheus == admitted(manifests["base"], labels, admin_port)
+    for source in prometheus:
+        assert source["namespaceSelector"]["matchLabels"] and source["podSelector"]["matchLabels"]
+        assert source not in gateway
+
+
 def render_standalone_bootstrap(picker_file: Path) -> str:
     return render_bootstrap(load_config(picker_file), STANDALONE_ENVOY)
 
@@ -456,10 +532,8 @@ def test_the_standalone_envoy_reaches_every_picker_and_only_it_reaches_their_grp
     entry = one(objects, "Service", "inferlb-envoy")
     assert matches(entry["spec"]["selector"], envoy["metadata"]["labels"])
 
-    policy = one(objects, "NetworkPolicy")["spec"]
-    assert matches(policy["podSelector"]["matchLabels"], picker_labels)
-    grpc_rule = next(r for r in policy["ingress"] if {"port": int(port), "protocol": "TCP"} in r["ports"])
-    (source,) = grpc_rule["from"]
+    (source,) = admitted(objects, picker_labels, int(port)) or [{}]
+    assert set(source) == {"podSelector"}  # Envoy's Pods, of this namespace
     assert matches(source["podSelector"]["matchLabels"], envoy["metadata"]["labels"])
 
 
