@@ -448,14 +448,14 @@ class PickerProcess:
                     await collector.aclose()
 
     async def _watch(self, path: Path) -> None:
-        """Reload when the file's modification time or size changes (checked every WATCH_INTERVAL_S)."""
+        """Reload when the modification time or size of the file, or of a token file the config in force names (the
+        admin API's, the span receiver's), changes: checked every WATCH_INTERVAL_S. So a rotated Secret takes
+        effect without a restart, and without a call that the old token would have to make."""
 
-        def stamp() -> tuple[int, int] | None:
-            try:
-                st = os.stat(path)
-            except OSError:
-                return None
-            return st.st_mtime_ns, st.st_size
+        def stamp() -> tuple[tuple[int, int] | None, ...] | None:
+            files = (path, *_token_files(self.config))
+            stamps = tuple(map(_file_stamp, files))
+            return None if stamps[0] is None else stamps
 
         seen = stamp()
         while True:
@@ -471,6 +471,21 @@ class PickerProcess:
                 logger.error("config file changed but was refused; the old config stays in force: %s", exc)
 
     # ---- admin API ----------------------------------------------------------------------------------------
+
+
+def _file_stamp(path: Path) -> tuple[int, int] | None:
+    """A file's modification time and size (following links, as a Secret volume's are), or None if it is absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _token_files(config: Config) -> tuple[Path, ...]:
+    """The token files ``config`` reads on each reload: the admin API's and the span receiver's."""
+    sources = (config.admin_auth.token, config.otel.receiver_auth)
+    return tuple(Path(source.file) for source in sources if source is not None and source.file is not None)
 
 
 def _addressed(config: Config, listen_override: str | None, worker: int | None) -> Config:

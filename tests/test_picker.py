@@ -168,6 +168,24 @@ async def test_the_config_file_is_watched(picker, servers):
     assert picker.engine.signals.snapshot.inflight_at_scrape.tolist() == [0, 0]
 
 
+async def test_a_rotated_admin_token_file_takes_effect_without_a_call_or_a_restart(servers, tmp_path: Path):
+    secret = tmp_path / "admin-token"
+    secret.write_text(TOKEN + "\n")
+    path = _write(tmp_path, document(servers, admin_auth={"token_file": str(secret)}))
+    picker = create_picker(load_config(path), config_path=path)
+    await picker.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{picker.config.admin}", timeout=5) as client:
+            assert (await client.get("/config", headers=AUTH)).status_code == 200
+            rotated = "rotated-admin-token-9876543210"
+            secret.write_text(rotated + "\n")  # as a Secret volume's update: the config file stays as it was
+            await until(lambda: picker.reloads == 1)
+            assert (await client.get("/config", headers=AUTH)).status_code == 401
+            assert (await client.get("/config", headers={"authorization": f"Bearer {rotated}"})).status_code == 200
+    finally:
+        await picker.stop()
+
+
 async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(servers, tmp_path: Path):
     # No receiver: the filter's response timings are the only latency source.
     doc = document(servers, otel={"latency_source": "stream", "publish_interval_s": 0.05})
