@@ -694,7 +694,7 @@ class QuotasConfig(Section):
     header: Annotated[str | None, Parsed(_header_name)] = field(
         default=None, metadata={"description": "the request header that names the tenant, e.g. x-tenant-id"}
     )
-    source: Annotated[str | None, optional(one_of(*TENANT_SOURCES))] = field(
+    source: Annotated[str | None, one_of(*TENANT_SOURCES)] = field(
         default=None, metadata={"description": "who sets the header: jwt (Envoy, from a JWT claim) or gateway"}
     )
     jwt: TenantJwtConfig | None = None
@@ -751,7 +751,8 @@ class KVEventsConfig(Section):
     replay_ports: dict[Address, Annotated[int, integer(ge=1, le=65535, noun="a port number")]] = field(
         default_factory=dict
     )
-    topic: Text = ""
+    # The ZMQ topic prefix to subscribe to: "" (vLLM's default) takes every topic.
+    topic: Annotated[str, must("a string", lambda value: isinstance(value, str))] = ""
     tokenizers: dict[Text, Text] = field(default_factory=dict)
     block_size: Annotated[int, integer(ge=1, le=4096)] = 16
     pending_s: Annotated[float, number(ge=0, le=60)] = 2.0
@@ -939,7 +940,7 @@ class GuardFile(Model):
     weight cut, and is rolled back at the ``max_breaches``-th breach."""
 
     max_error_rate: Annotated[float, number(ge=0, le=1)] = _GUARD.max_error_rate
-    max_ttft_p99_ratio: Annotated[float | None, number(ge=1, le=1000)] = _GUARD.max_ttft_p99_ratio
+    max_ttft_p99_ratio: Annotated[float | None, optional(number(ge=1, le=1000))] = _GUARD.max_ttft_p99_ratio
     min_requests: Annotated[int, integer(ge=1, le=1_000_000)] = _GUARD.min_requests
     cut: Annotated[float, number(ge=0, le=0.99)] = _GUARD.cut
     max_breaches: Annotated[int, integer(ge=1, le=100)] = _GUARD.max_breaches

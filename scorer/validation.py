@@ -63,6 +63,8 @@ class Parsed:
     parse: Callable[[Any], Any]
     schema: tuple[tuple[str, Any], ...] = ()
     input: Any = None
+    # Whether ``parse`` takes None (`optional`): if not, the JSON Schema offers no null (unless ``input`` says).
+    nullable: bool = False
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
         described = None if self.input is None else handler.generate_schema(self.input)
@@ -71,7 +73,12 @@ class Parsed:
         )
 
     def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
-        return {**handler(schema), **{k: list(v) if isinstance(v, tuple) else v for k, v in self.schema}}
+        described = handler(schema)
+        if not self.nullable and self.input is None and "anyOf" in described:
+            # The field's type allows None (its default: not set), but a null written in the file is refused.
+            branches = [b for b in described["anyOf"] if b != {"type": "null"}]
+            described = {**{k: v for k, v in described.items() if k != "anyOf"}, **_one_of(branches)}
+        return {**described, **{k: list(v) if isinstance(v, tuple) else v for k, v in self.schema}}
 
     def _run(self, value: Any) -> Any:
         try:
@@ -95,7 +102,11 @@ def must(what: str, test: Callable[[Any], bool], **schema: Any) -> Parsed:
 
 def optional(rule: Parsed) -> Parsed:
     """``rule``, with None (YAML's ``null``) let through."""
-    return Parsed(lambda value: None if value is None else rule.parse(value), rule.schema)
+    return Parsed(lambda value: None if value is None else rule.parse(value), rule.schema, nullable=True)
+
+
+def _one_of(branches: list[JsonSchemaValue]) -> JsonSchemaValue:
+    return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
 def non_empty_list(what: str) -> Parsed:

@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from inferlb.cli import main
+from inferlb.scorer.config import parse_config
+from inferlb.scorer.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,6 +152,46 @@ def test_the_schema_accepts_the_example_configs(capsys: pytest.CaptureFixture[st
     assert _conforms(document, schema, schema["$defs"])
     document["pool"]["endpoints"][0]["wieght"] = 2
     assert not _conforms(document, schema, schema["$defs"])
+
+
+def _key_paths(node: Any, path: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
+    """Every key of a document, nested ones and those of objects in lists included, as paths."""
+    found: list[tuple[str | int, ...]] = []
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if isinstance(node, dict):
+            found.append((*path, key))
+        found += _key_paths(value, (*path, key))
+    return found
+
+
+@pytest.mark.parametrize("text", EXAMPLES)
+def test_a_null_is_refused_by_the_schema_exactly_where_config_check_refuses_the_field(
+    capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    """An editor that follows the schema must not be told a null is fine where ``config check`` then says the field
+    must be something else, nor refuse one the check takes. (Rules between fields are the check's alone: a null
+    the schema allows may still be refused by one of those, naming another field or the rule.)"""
+    schema = _schema(capsys)
+    mismatches = []
+    for path in _key_paths(yaml.safe_load(text)):
+        document = yaml.safe_load(text)
+        node = document
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = None
+        allowed = _conforms(document, schema, schema["$defs"])
+        try:
+            parse_config(document)
+            refusal = None
+        except ConfigError as exc:
+            refusal = str(exc)
+        name = ".".join(f"[{k}]" if isinstance(k, int) else k for k in path).replace(".[", "[")
+        if allowed and refusal is not None and f"{name} must be" in refusal:
+            mismatches.append(f"{name}: the schema allows null, the check says {refusal}")
+        if not allowed and refusal is None:
+            mismatches.append(f"{name}: the schema refuses null, the check takes it")
+    assert not mismatches, mismatches
 
 
 @pytest.mark.parametrize(

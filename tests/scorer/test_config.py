@@ -1253,3 +1253,11 @@ def test_pool_speeds_refuses_what_cannot_be_a_speed(speeds: dict[str, Any], erro
     doc["pool"]["speeds"] = speeds
     with pytest.raises(ConfigError, match=error):
         parse_config(doc)
+
+
+def test_the_kv_events_topic_may_be_empty_as_its_default_and_vllms_is() -> None:
+    kv_events = {"port": 5557, "tokenizers": {"m": "pieces"}}
+    pool = {"endpoints": [{"address": "10.0.0.1:80"}]}
+    assert parse_config({"pool": pool, "kv_events": {**kv_events, "topic": ""}}).kv_events.topic == ""  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"kv_events\.topic must be a string; got 3"):
+        parse_config({"pool": pool, "kv_events": {**kv_events, "topic": 3}})

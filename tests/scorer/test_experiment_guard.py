@@ -297,6 +297,9 @@ def test_ramps_and_guards_in_the_config() -> None:
     assert spec.ramp == (0.01, 0.05, 0.25) and spec.ramp_step_s == 120
     assert spec.guard == GuardSpec(max_error_rate=0.05, min_requests=30)
     assert spec.starting_weights == {"stable": 0.99, "canary": 0.01}
+    # The TTFT p99 bound may be turned off (null: not judged), as the README shows.
+    unjudged = {**experiment, "guard": {"max_ttft_p99_ratio": None}}
+    assert parse_config({"pool": POOL, "experiments": [unjudged]}).experiments[0].guard.max_ttft_p99_ratio is None
     bad = {**experiment, "ramp": [0.05, 0.01]}
     with pytest.raises(ConfigError, match="must increase"):
         parse_config({"pool": POOL, "experiments": [bad]})

@@ -119,7 +119,7 @@ def test_at_most_max_tenants_buckets_are_kept(clock: ManualClock) -> None:
     [
         ({"tenants": {"a": {"requests_per_minute": 1}}}, "quotas.header is needed"),
         ({"header": "x-t"}, "quotas limits nothing"),
-        ({"header": "x-t", "source": None, "default": {"tokens_per_minute": 5}}, "quotas.source is needed: who sets"),
+        ({"header": "x-t", "source": None, "default": {"tokens_per_minute": 5}}, "quotas.source must be jwt or"),
         (
             {"header": "x-t", "source": "client", "default": {"tokens_per_minute": 5}},
             "quotas.source must be jwt or gateway",
@@ -151,6 +151,12 @@ def test_at_most_max_tenants_buckets_are_kept(clock: ManualClock) -> None:
 def test_a_bad_quotas_section_is_refused_naming_the_field(quotas: dict, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         _configs(quotas)
+
+
+def test_quotas_without_a_source_are_refused_with_the_choices() -> None:
+    quotas = {"header": "x-t", "default": {"tokens_per_minute": 5}}
+    with pytest.raises(ConfigError, match="quotas.source is needed: who sets the tenant header, so that no client can"):
+        parse_config({"pool": {"endpoints": [{"address": "127.0.0.1:9101"}]}, "quotas": quotas})
 
 
 @pytest.fixture
