@@ -5,10 +5,13 @@ No Kubernetes API server can run on these machines, so the source is tested agai
 of the API the source uses, the way the real one does: ``GET /api/v1/namespaces/NS/pods`` (or
 ``/apis/discovery.k8s.io/v1/namespaces/NS/endpointslices``) with an equality ``labelSelector`` lists (a
 ``PodList`` or ``EndpointSliceList`` with its ``resourceVersion``, one version counter for both, as etcd keeps);
-with ``watch=true&resourceVersion=RV`` it streams the changes after RV, one JSON event per line (ADDED, MODIFIED,
-DELETED), until ``timeoutSeconds``; a version older than what it keeps (`compact` forgets history) answers 410
-Gone. ``POST``, ``PUT`` and ``DELETE`` on the same paths change objects (what a kubelet or a controller would),
-and a bearer ``token`` is checked when set.
+``limit`` pages the list (``metadata.continue`` names the next page; a token from before a `compact` answers 410
+Gone); with ``watch=true&resourceVersion=RV`` it streams the changes after RV, one JSON event per line (ADDED,
+MODIFIED, DELETED), until ``timeoutSeconds``, then a BOOKMARK with the current version when the watch asked for
+them (``allowWatchBookmarks``); a version older than what it keeps (`compact` forgets history) answers 410 Gone.
+``POST``, ``PUT`` and ``DELETE`` on the same paths change objects (what a kubelet or a controller would), and a
+bearer ``token`` is checked when set. A test can make it misbehave the way API servers and networks do (the
+attributes under "faults").
 
     python -m inferlb.bench.kubeapi --listen 127.0.0.1:6443
 
@@ -19,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import sys
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 __all__ = ["KubeApi", "endpoint_slice", "pod"]
@@ -56,15 +61,21 @@ def endpoint_slice(
     *,
     terminating: tuple[str, ...] = (),
     zone: str | None = None,
+    address_type: str = "IPv4",
+    pods: Sequence[str | None] | None = None,
 ) -> dict[str, Any]:
-    """An EndpointSlice of ``service`` (the fields the source reads): one endpoint per (ip, ready)."""
+    """An EndpointSlice of ``service`` (the fields the source reads): one endpoint per (ip, ready), backed by the
+    Pod of the same place in ``pods`` (default ``pod-IP``; None: no Pod, no ``targetRef``). A dual-stack Service
+    has a slice of each ``address_type`` (IPv4, IPv6) listing the same Pods."""
     listed = []
-    for ip, ready in endpoints:
+    for i, (ip, ready) in enumerate(endpoints):
         endpoint: dict[str, Any] = {
             "addresses": [ip],
             "conditions": {"ready": ready, "serving": ready, "terminating": ip in terminating},
-            "targetRef": {"kind": "Pod", "namespace": "default", "name": f"pod-{ip}"},
         }
+        backing = f"pod-{ip}" if pods is None else pods[i]
+        if backing is not None:
+            endpoint["targetRef"] = {"kind": "Pod", "namespace": "default", "name": backing, "uid": f"uid-{backing}"}
         if zone:
             endpoint["zone"] = zone
         listed.append(endpoint)
@@ -72,7 +83,7 @@ def endpoint_slice(
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
         "metadata": {"name": name, "namespace": "default", "labels": {"kubernetes.io/service-name": service}},
-        "addressType": "IPv4",
+        "addressType": address_type,
         "endpoints": listed,
         "ports": [{"name": f"p{port}", "port": port, "protocol": "TCP"} for port in ports],
     }
@@ -89,6 +100,13 @@ class KubeApi:
         self.oldest = 1  # the first version a watch may start after
         self.watches = 0
         self.lists = 0
+        self.requests: list[tuple[float, dict[str, str]]] = []  # (time.monotonic(), query) of each list and watch
+        # ---- faults: what API servers and networks do to a client
+        self.hang_lists = False  # a list is taken and never answered
+        self.hang_watches = False  # a watch answers 200, then nothing more (a peer gone without FIN or RST)
+        self.end_watches = False  # a watch answers 200 and ends at once with nothing (a server shutting down)
+        self.refuse_watches: tuple[int, str | None] | None = None  # (status, Retry-After) for every watch
+        self.after_page: Callable[[], None] | None = None  # called after each page of a paged list
         self._changed = asyncio.Event()
         self.app = self._build()
 
@@ -147,24 +165,33 @@ class KubeApi:
             watch: str = "",
             resourceVersion: str = "",
             timeoutSeconds: int = 300,
+            allowWatchBookmarks: str = "",
+            limit: int = 0,
+            continue_: str = Query("", alias="continue"),
         ) -> Response:
             if (no := refused(request)) is not None:
                 return no
+            self.requests.append((time.monotonic(), dict(request.query_params)))
             wanted = _selector(labelSelector)
             if watch not in ("true", "1"):
                 self.lists += 1
-                items = [
-                    obj
-                    for (k, ns, _), obj in sorted(self.objects.items())
-                    if k == kind and ns == namespace and _matches(obj, wanted)
-                ]
-                metadata = {"resourceVersion": str(self.version)}
-                return JSONResponse({"kind": list_kind, "apiVersion": "v1", "metadata": metadata, "items": items})
+                if self.hang_lists:
+                    await _until_gone(request)
+                return self._list(kind, namespace, wanted, list_kind, limit, continue_)
             since = int(resourceVersion or self.version)
             if since < self.oldest:
                 return _status(410, f"too old resource version: {since} ({self.oldest})")
             self.watches += 1
-            stream = self._stream(kind, namespace, wanted, since, min(timeoutSeconds, 3600))
+            if self.refuse_watches is not None:
+                status, retry_after = self.refuse_watches
+                refusal = _status(status, "refused")
+                if retry_after is not None:
+                    refusal.headers["retry-after"] = retry_after
+                return refusal
+            if self.hang_watches or self.end_watches:
+                return StreamingResponse(_silent(None if self.end_watches else request), media_type="application/json")
+            bookmarks = allowWatchBookmarks in ("true", "1")
+            stream = self._stream(kind, namespace, wanted, since, min(timeoutSeconds, 3600), bookmarks)
             return StreamingResponse(stream, media_type="application/json")
 
         @app.post(path)
@@ -192,8 +219,33 @@ class KubeApi:
             gone = self.delete(namespace, name, kind)
             return _status(404, "not found") if gone is None else JSONResponse(gone)
 
+    def _list(
+        self, kind: str, namespace: str, wanted: dict[str, str], list_kind: str, limit: int, token: str
+    ) -> Response:
+        """A page of the list: ``limit`` objects (0: all) after the name that ``token`` carries. The real server
+        serves every page from the snapshot of the first; this one serves the current objects under the first
+        page's version (a watch from there replays what changed since, which the client applies again)."""
+        version, after = self.version, ""
+        if token:
+            number, _, after = token.partition("/")
+            version = int(number)
+            if version < self.oldest:
+                return _status(410, "The provided continue parameter is too old to display a consistent list result")
+        items = [
+            obj
+            for (k, ns, name), obj in sorted(self.objects.items())
+            if k == kind and ns == namespace and name > after and _matches(obj, wanted)
+        ]
+        metadata = {"resourceVersion": str(version)}
+        if 0 < limit < len(items):
+            items = items[:limit]
+            metadata["continue"] = f"{version}/{items[-1]['metadata']['name']}"
+        if limit and self.after_page is not None:
+            self.after_page()
+        return JSONResponse({"kind": list_kind, "apiVersion": "v1", "metadata": metadata, "items": items})
+
     async def _stream(
-        self, kind: str, namespace: str, wanted: dict[str, str], since: int, timeout_s: float
+        self, kind: str, namespace: str, wanted: dict[str, str], since: int, timeout_s: float, bookmarks: bool
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -209,12 +261,30 @@ class KubeApi:
                 if obj["kind"] == kind and obj["metadata"].get("namespace") == namespace and _matches(obj, wanted):
                     yield (json.dumps({"type": change, "object": obj}) + "\n").encode()
             left = deadline - loop.time()
-            if left <= 0:
-                return
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                return
+            if left > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+                    continue
+            if bookmarks:  # where the next watch may start, even when nothing here changed
+                bookmark = {"kind": kind, "metadata": {"resourceVersion": str(self.version)}}
+                yield (json.dumps({"type": "BOOKMARK", "object": bookmark}) + "\n").encode()
+            return
+
+
+async def _until_gone(request: Request) -> None:
+    """Wait, answering nothing, until the client goes away (at most an hour)."""
+    for _ in range(36_000):
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _silent(request: Request | None) -> AsyncIterator[bytes]:
+    """A watch's body that says nothing: ends at once (no request), or stays open until the client goes away."""
+    if request is not None:
+        await _until_gone(request)
+    return
+    yield b""  # an async generator
 
 
 def _selector(text: str) -> dict[str, str]:

@@ -10,26 +10,40 @@ Pod's labels become the endpoint's labels, and the annotation ``inferlb.io/model
 EndpointSlices: ``service`` names a Service; its slices (label ``kubernetes.io/service-name``) list the serving
 addresses with their readiness, which Kubernetes itself keeps from the Pods' probes. Each endpoint of a slice
 gives one endpoint per TCP port of the slice (those of ``target_ports`` only, when it is set) at its first
-address; one that is not ready or is terminating leaves the pool and drains. An address listed by two slices
-(a Pod moving between them) counts once, as ready if either says so. The slice's labels (the Service's) become
-the endpoint's, with the endpoint's zone as ``topology.kubernetes.io/zone``.
+address; one that is not ready or is terminating leaves the pool and drains. A Pod (the endpoint's ``targetRef``)
+counts once however many slices list it: a Pod moving between two slices counts as ready if either says so, and
+a dual-stack Service, which lists every Pod in a slice of each address family, gives one endpoint per Pod, in the
+family that ``pool.allowed_networks`` admits (IPv4 where it admits both). Endpoints with no ``targetRef`` are
+taken in that family only, where the Service has slices of both. The slice's labels (the Service's) become the
+endpoint's, with the endpoint's zone as ``topology.kubernetes.io/zone``.
 
-It speaks the API's list-then-watch protocol over plain HTTP (httpx): ``GET .../pods?labelSelector=...`` (or
-``.../endpointslices``) for the state and its ``resourceVersion``, then ``...&watch=true&resourceVersion=RV`` for
-the events, one JSON object per line (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR). An expired version (410 Gone,
-or an ERROR event saying so), a dropped connection or any error starts over from a fresh list after a backoff;
-meanwhile the last membership stays in force. In a cluster it authenticates with the Pod's service-account token
-(re-read at each connection: it is rotated) and trusts the cluster's CA; RBAC needs ``list`` and ``watch`` on
-``pods`` (or on ``endpointslices`` of the API group ``discovery.k8s.io``) in the namespace.
+It speaks the API's list-then-watch protocol over HTTP (httpx): ``GET .../pods?labelSelector=...&limit=100`` (or
+``.../endpointslices``), page after page (``continue``), for the state and its ``resourceVersion``, then
+``...&watch=true&resourceVersion=RV&allowWatchBookmarks=true&timeoutSeconds=300`` for the events, one JSON object
+per line (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR). A list page's body is parsed off the event loop and may not
+exceed a bound. A watch the server ends (its ``timeoutSeconds``) is followed by the next from the last version
+seen. The source never waits without a deadline: a list unanswered for ``timeout_s``, or a watch with no byte for
+``timeout_s`` past its ``timeoutSeconds``, is a failure. Every failure (a refusal, an error, a lost connection)
+starts over from a fresh list after a backoff (`Pacing`) that only a watch that delivered something or lasted
+resets, and never shorter than a ``Retry-After``; an expired version (410 Gone, or an ERROR event saying so) lists
+again at once, and after a backoff when it recurs before anything was delivered. Meanwhile the last membership
+stays in force. Health says whether a watch is established; each change of it is logged once.
+
+In a cluster it authenticates with the Pod's service-account token (re-read at each request: it is rotated) and
+trusts the cluster's CA; RBAC needs ``list`` and ``watch`` on ``pods`` (or on ``endpointslices`` of the API group
+``discovery.k8s.io``) in the namespace.
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import logging
+import math
 import os
+import random
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -41,17 +55,37 @@ from inferlb.scorer.config import EndpointConfig, KubernetesConfig
 from inferlb.scorer.discovery import Members, Skipped, SourceHealth
 from inferlb.scorer.networks import Networks
 
-__all__ = ["MODELS_ANNOTATION", "SERVICE_LABEL", "KubernetesSource"]
+__all__ = ["MODELS_ANNOTATION", "SERVICE_LABEL", "KubernetesSource", "Pacing"]
 
 logger = logging.getLogger(__name__)
 
 MODELS_ANNOTATION = "inferlb.io/models"
 SERVICE_LABEL = "kubernetes.io/service-name"  # the label that ties an EndpointSlice to its Service
 ZONE_LABEL = "topology.kubernetes.io/zone"
-RETRY_S = 0.25
-MAX_RETRY_S = 5.0
 MAX_LINE_BYTES = 4 << 20  # one watch event is one object; a Pod is a few KB
-WATCH_TIMEOUT_S = 300  # the server ends a watch after this long; the source starts the next from where it was
+PARSE_ON_LOOP_BYTES = 64 << 10  # a watch event longer than this is parsed off the event loop
+MAX_ERROR_BYTES = 64 << 10  # what is read of a refusal's body (for its message)
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """How the source paces its requests to the API server (the defaults suit a real one; tests shorten them).
+
+    After a failure it waits ``retry_s``, doubling to ``max_retry_s`` while failures go on, each wait drawn
+    between half and all of that (so that replicas spread out), and never less than a ``Retry-After`` (up to
+    ``max_retry_after_s``). A watch that delivered an event (a bookmark too) or stayed open ``settled_s`` (or half
+    of ``watch_s``, if less) resets the backoff. ``watch_s``: how long the server is asked to keep a watch open
+    (``timeoutSeconds``, whole seconds). ``page``: the objects per list request (a page is parsed on a worker
+    thread, but orjson holds the GIL while it parses: the page's size bounds how long the event loop waits, and
+    500 Pods with their managedFields make it tens of milliseconds); ``max_page_bytes``: the largest page read."""
+
+    retry_s: float = 0.25
+    max_retry_s: float = 30.0
+    max_retry_after_s: float = 60.0
+    watch_s: int = 300
+    settled_s: float = 10.0
+    page: int = 100
+    max_page_bytes: int = 64 << 20
 
 
 class KubernetesError(Exception):
@@ -59,27 +93,61 @@ class KubernetesError(Exception):
 
 
 class _Expired(KubernetesError):
-    """The watch's resourceVersion is too old: list again."""
+    """The watch's resourceVersion (or the list's continue token) is too old: list again."""
+
+
+class _Refused(KubernetesError):
+    """The API server refused a request; ``retry_after``: the seconds it asked the client to wait (or None)."""
+
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class _Member:
+    """One endpoint an object gives: its key (one per Pod and port), its discovery entry (scorer.discovery's JSON),
+    whether it is ready, and for a slice's endpoint its address family and whether it names its Pod."""
+
+    key: str
+    entry: bytes
+    ready: bool
+    family: str = ""
+    anonymous: bool = False
 
 
 class KubernetesSource(SourceHealth):
     """Watches the Pods of ``config.selector`` (or the EndpointSlices of ``config.service``) in
-    ``config.namespace`` and publishes their endpoints."""
+    ``config.namespace`` and publishes their endpoints (all of them, at each change) from `run`, on the event loop
+    that runs it; list bodies are parsed on a worker thread. `run` returns only by cancellation."""
 
     name = "kubernetes"
 
     def __init__(
-        self, config: KubernetesConfig, allowed: Networks, *, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        config: KubernetesConfig,
+        allowed: Networks,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        pacing: Pacing | None = None,
     ) -> None:
         self.config = config
         self.allowed = allowed
+        self.pacing = pacing or Pacing()
         super().__init__()
         self.revision = ""
         self.skipped: tuple[Skipped, ...] = ()
         self._members = Members()
         self.updates = 0
-        self._objects: dict[str, dict[str, Any]] = {}
+        self._found: dict[str, tuple[str, tuple[_Member, ...]]] = {}  # object -> (address family, its endpoints)
         self._transport = transport
+        self._random = random.Random()
+        self._delay = self.pacing.retry_s  # the next wait after a failure
+        self._expired = 0  # watches in a row that expired before delivering anything
+        self._ending = False  # watches end at once with nothing (logged once)
+        # A dual-stack Service's endpoints are taken in the family that the pool admits: IPv4 unless only IPv6.
+        versions = {network.version for network in allowed.networks}
+        self._family = "IPv6" if versions == {6} else "IPv4"
         namespace = quote(config.namespace, safe="")
         if config.service is not None:
             self._what = "endpointslices"
@@ -108,89 +176,196 @@ class KubernetesSource(SourceHealth):
             raise KubernetesError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
         return {"authorization": f"Bearer {token}"} if token else {}
 
+    async def _client(self, base: str) -> httpx.AsyncClient:
+        """A client for one list and the watches after it (the CA file read again, off the event loop: it may have
+        been rotated)."""
+        verify: ssl.SSLContext | bool = False  # plain http: no TLS to verify, no trust store to load
+        if base.startswith("https://"):
+            verify = await asyncio.to_thread(self._trust)
+        # A list is answered within timeout_s; a watch sets its own read deadline.
+        return httpx.AsyncClient(timeout=self.config.timeout_s, verify=verify, transport=self._transport)
+
+    def _trust(self) -> ssl.SSLContext:
+        """The CAs that sign the API server's certificate: ``ca_file``'s, or the system's where it is None."""
+        try:
+            return ssl.create_default_context(cafile=self.config.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise KubernetesError(f"cannot read the CA file {self.config.ca_file}: {reason}") from None
+
     async def run(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
-        delay = RETRY_S
-        verify: Any = self.config.ca_file if self.config.ca_file is not None else True
-        timeout = httpx.Timeout(self.config.timeout_s, read=None)
-        async with httpx.AsyncClient(timeout=timeout, verify=verify, transport=self._transport) as client:
-            while True:
-                try:
-                    base = self._base_url()
+        while True:
+            retry_after: float | None = None
+            try:
+                base = self._base_url()
+                async with await self._client(base) as client:
                     await self._list(client, base, publish)
-                    self._up(f"{self.config.namespace}, {self._selector}")
-                    delay = RETRY_S
                     while True:  # watch after watch from the last version seen, until it expires or fails
-                        await self._watch(client, base, publish)
-                except _Expired:
-                    continue  # list again at once: the events in between are gone, the state is not
-                except (httpx.HTTPError, KubernetesError, ValueError, OSError) as exc:
-                    self._down(str(exc) or type(exc).__name__)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, MAX_RETRY_S)
+                        if not await self._watch(client, base, publish):
+                            await self._ended_at_once()
+            except _Expired as exc:
+                self._expired += 1
+                if self._expired == 1:
+                    logger.debug("kubernetes discovery lists again: %s", exc)
+                    continue  # the events in between are gone, the state is not
+                problem = f"{exc}, again before anything was delivered"
+            except _Refused as exc:
+                problem, retry_after = str(exc), exc.retry_after
+            except (httpx.HTTPError, KubernetesError, ValueError, OSError) as exc:
+                problem = str(exc) or type(exc).__name__
+            self._down(problem)
+            await asyncio.sleep(self._wait(retry_after))
+
+    def _wait(self, retry_after: float | None) -> float:
+        """The wait before the next try (and the backoff doubled for the one after)."""
+        wait = self._delay * self._random.uniform(0.5, 1.0)
+        self._delay = min(self._delay * 2, self.pacing.max_retry_s)
+        if retry_after is not None:
+            wait = max(wait, min(retry_after, self.pacing.max_retry_after_s))
+        return wait
+
+    def _settle(self) -> None:
+        """A watch delivered something or lasted: the next failure starts the backoff afresh."""
+        self._delay, self._expired, self._ending = self.pacing.retry_s, 0, False
+
+    async def _ended_at_once(self) -> None:
+        # Not an error (a server shutting down ends its watches so), but no reason to ask again at once either.
+        if not self._ending:
+            logger.warning("kubernetes discovery: watches of %s end at once with nothing; backing off", self._what)
+            self._ending = True
+        await asyncio.sleep(self._wait(None))
 
     async def _list(
         self, client: httpx.AsyncClient, base: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
     ) -> None:
-        response = await client.get(
-            base + self._path, params={"labelSelector": self._selector}, headers=self._headers()
-        )
-        if response.status_code != 200:
-            raise KubernetesError(f"listing {self._what}: HTTP {response.status_code}: {response.text[:200]}")
-        document = response.json()
-        self.revision = str(document.get("metadata", {}).get("resourceVersion", ""))
-        self._objects = {_name(obj): obj for obj in document.get("items") or ()}
+        """Every object, a page at a time, then one publish of the whole membership."""
+        found: dict[str, tuple[str, tuple[_Member, ...]]] = {}
+        params = {"labelSelector": self._selector, "limit": str(self.pacing.page)}
+        while True:
+            body = await self._page(client, base + self._path, params)
+            version, token, page = await asyncio.to_thread(self._read_page, body)
+            found.update(page)
+            if not token:
+                break
+            params["continue"] = token
+        self.revision = version
+        self._found = found
         await self._publish(publish)
+
+    async def _page(self, client: httpx.AsyncClient, url: str, params: dict[str, str]) -> bytes:
+        """The body of one list request."""
+        what = f"listing {self._what}"
+        try:
+            async with client.stream("GET", url, params=params, headers=self._headers()) as response:
+                if response.status_code == 410:  # the list took longer than the server keeps its snapshot
+                    raise _Expired(f"{what}: the continue token expired (HTTP 410)")
+                if response.status_code != 200:
+                    raise await _refusal(what, response)
+                body = await _read(response, self.pacing.max_page_bytes)
+        except httpx.ReadTimeout:
+            raise KubernetesError(f"{what}: no answer within {self.config.timeout_s:g} s") from None
+        if body is None:
+            raise KubernetesError(
+                f"{what}: a page of {self.pacing.page} is over {self.pacing.max_page_bytes} bytes (the API server "
+                "ignores limit, or its objects are unusually large)"
+            )
+        return body
+
+    def _read_page(self, body: bytes) -> tuple[str, str, dict[str, tuple[str, tuple[_Member, ...]]]]:
+        """A list page's version, continue token and the endpoints of its objects (on a worker thread: it only
+        reads the config)."""
+        document = orjson.loads(body)
+        if not isinstance(document, dict):
+            raise KubernetesError(f"listing {self._what}: not a JSON object")
+        metadata = document.get("metadata") or {}
+        found = {_name(obj): self._found_in(obj) for obj in document.get("items") or () if isinstance(obj, dict)}
+        return str(metadata.get("resourceVersion", "")), str(metadata.get("continue") or ""), found
 
     async def _watch(
         self, client: httpx.AsyncClient, base: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
-    ) -> None:
+    ) -> bool:
+        """One watch from ``self.revision``, until the server ends it; whether it delivered something or lasted."""
         params = {
             "labelSelector": self._selector,
             "watch": "true",
             "resourceVersion": self.revision,
             "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(WATCH_TIMEOUT_S),
+            "timeoutSeconds": str(self.pacing.watch_s),
         }
-        async with client.stream("GET", base + self._path, params=params, headers=self._headers()) as response:
-            if response.status_code == 410:
-                raise _Expired("resourceVersion expired")
-            if response.status_code != 200:
-                raise KubernetesError(f"watching {self._what}: HTTP {response.status_code}")
-            async for event in _lines(response.aiter_bytes()):
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise _Expired(obj.get("message", "resourceVersion expired"))
-                    raise KubernetesError(f"watch error: {obj.get('message', obj)}")
-                version = obj.get("metadata", {}).get("resourceVersion")
-                if version:
-                    self.revision = str(version)
-                if kind == "BOOKMARK":
-                    continue
-                if kind == "DELETED":
-                    self._objects.pop(_name(obj), None)
-                elif kind in ("ADDED", "MODIFIED"):
-                    self._objects[_name(obj)] = obj
-                else:
-                    continue
-                await self._publish(publish)
+        # The server ends the watch after watch_s (and meanwhile sends events and bookmarks): a connection silent
+        # for longer is gone (a lost peer, a dropped NAT entry), whether or not the kernel knows it.
+        silent_s = self.pacing.watch_s + self.config.timeout_s
+        timeout = httpx.Timeout(self.config.timeout_s, read=silent_s)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        delivered = False
+        try:
+            async with client.stream(
+                "GET", base + self._path, params=params, headers=self._headers(), timeout=timeout
+            ) as response:
+                if response.status_code == 410:
+                    raise _Expired(f"watching {self._what}: the resourceVersion expired (HTTP 410)")
+                if response.status_code != 200:
+                    raise await _refusal(f"watching {self._what}", response)
+                self._up(f"{self.config.namespace}, {self._selector}")
+                async for event in _events(response.aiter_bytes()):
+                    kind, obj = event.get("type"), event.get("object") or {}
+                    if kind == "ERROR":
+                        if obj.get("code") == 410:
+                            raise _Expired(f"watching {self._what}: {obj.get('message', 'the version expired')}")
+                        raise KubernetesError(f"watching {self._what}: error: {obj.get('message', obj)}")
+                    if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
+                        continue
+                    if not delivered:
+                        delivered = True
+                        self._settle()
+                    version = obj.get("metadata", {}).get("resourceVersion")
+                    if version:
+                        self.revision = str(version)
+                    if kind == "BOOKMARK":
+                        continue
+                    if kind == "DELETED":
+                        self._found.pop(_name(obj), None)
+                    else:
+                        self._found[_name(obj)] = self._found_in(obj)
+                    await self._publish(publish)
+        except httpx.ReadTimeout:
+            raise KubernetesError(f"watching {self._what}: nothing from the API server for {silent_s:g} s") from None
+        finally:
+            lasted = loop.time() - started >= min(self.pacing.settled_s, self.pacing.watch_s / 2)
+            if lasted and not delivered:
+                self._settle()
+        return delivered or lasted
+
+    def _found_in(self, obj: dict[str, Any]) -> tuple[str, tuple[_Member, ...]]:
+        """An object's address family (a slice's ``addressType``) and its endpoints."""
+        if self.config.service is None:
+            return "", tuple(self._pod_members(_name(obj), obj))
+        return str(obj.get("addressType", "")), tuple(self._slice_members(obj))
 
     def _entries(self) -> dict[str, bytes]:
-        """The discovery entries (scorer.discovery's JSON) of the objects watched, by key."""
-        found: dict[str, dict[str, Any]] = {}
-        for name, obj in self._objects.items():
-            members = self._slice_members(obj) if self.config.service else self._pod_members(name, obj)
-            for key, entry in members:
-                if key not in found or (entry["ready"] and not found[key]["ready"]):
-                    found[key] = entry
-        return {key: orjson.dumps(entry) for key, entry in found.items()}
+        """The discovery entries of the objects watched, by key: one per Pod and port, ready if any slice of the
+        pool's family says so."""
+        dual = {"IPv4", "IPv6"} <= {family for family, _ in self._found.values()}
+        found: dict[str, _Member] = {}
+        for family, members in self._found.values():
+            ours = family == self._family
+            for member in members:
+                if dual and member.anonymous and not ours:
+                    continue  # nothing says which Pod it is, and the other family's slice lists it too
+                held = found.get(member.key)
+                if held is None or (ours, member.ready) > (held.family == self._family, held.ready):
+                    found[member.key] = member
+        return {key: member.entry for key, member in found.items()}
 
-    def _pod_members(self, name: str, pod: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _pod_members(self, name: str, pod: dict[str, Any]) -> Iterator[_Member]:
         for port in self.config.target_ports or ():
-            yield f"{name}:{port}", _pod_entry(pod, port, self.config.models)
+            entry = _pod_entry(pod, port, self.config.models)
+            yield _Member(f"{name}:{port}", orjson.dumps(entry), entry["ready"])
 
-    def _slice_members(self, endpoint_slice: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-        """One entry per endpoint and port, keyed by its address (a Pod listed by two slices counts once)."""
+    def _slice_members(self, endpoint_slice: dict[str, Any]) -> Iterator[_Member]:
+        """One per endpoint and port, keyed by its Pod (by its address where it names none)."""
+        family = str(endpoint_slice.get("addressType", ""))
         ports = [
             p["port"]
             for p in endpoint_slice.get("ports") or ()
@@ -208,6 +383,8 @@ class KubernetesSource(SourceHealth):
             # A ready condition that is absent means ready (the API's own rule); a terminating endpoint drains.
             ready = conditions.get("ready") is not False and not conditions.get("terminating")
             zone = endpoint.get("zone")
+            ref = endpoint.get("targetRef") or {}
+            pod = ref.get("uid") or (f"{ref.get('namespace', '')}/{ref['name']}" if ref.get("name") else None)
             for port in ports:
                 address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
                 entry: dict[str, Any] = {
@@ -217,7 +394,8 @@ class KubernetesSource(SourceHealth):
                 }
                 if self.config.models is not None:
                     entry["models"] = sorted(self.config.models)
-                yield address, entry
+                key = address if pod is None else f"{pod}:{port}"
+                yield _Member(key, orjson.dumps(entry), ready, family, pod is None)
 
     async def _publish(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
         endpoints, skipped = await self._members.endpoints(
@@ -232,8 +410,8 @@ class KubernetesSource(SourceHealth):
         publish(endpoints)
 
 
-def _name(pod: dict[str, Any]) -> str:
-    metadata = pod.get("metadata", {})
+def _name(obj: dict[str, Any]) -> str:
+    metadata = obj.get("metadata", {})
     return f"{metadata.get('namespace', '')}/{metadata.get('name', '')}"
 
 
@@ -263,17 +441,54 @@ def _pod_entry(pod: dict[str, Any], port: int, models: frozenset[str] | None) ->
     return entry
 
 
-async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON objects of a watch stream, one per line."""
-    text = codecs.getincrementaldecoder("utf-8")()
-    buffer = ""
+async def _read(response: httpx.Response, limit: int) -> bytes | None:
+    """A response's body, or None once it is over ``limit`` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _refusal(what: str, response: httpx.Response) -> _Refused:
+    """The error for an answer other than 200, with the server's message (a Status object's) and Retry-After."""
+    body = await _read(response, MAX_ERROR_BYTES) or b""
+    try:
+        status = orjson.loads(body)
+        message = str(status["message"]) if isinstance(status, dict) and "message" in status else ""
+    except ValueError:
+        message = ""
+    message = message or body[:200].decode("utf-8", "replace")
+    try:
+        retry_after: float | None = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        retry_after = None  # absent, or an HTTP date (the API server sends seconds)
+    if retry_after is not None and not (math.isfinite(retry_after) and retry_after >= 0):
+        retry_after = None
+    return _Refused(f"{what}: HTTP {response.status_code}: {message[:200]}", retry_after)
+
+
+async def _events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a watch stream, one per line (a long one parsed off the event loop)."""
+    pending = bytearray()
     async for chunk in chunks:
-        buffer += text.decode(chunk)
-        if len(buffer) > MAX_LINE_BYTES:
-            raise KubernetesError(f"a watch event over {MAX_LINE_BYTES} bytes")
-        *lines, buffer = buffer.split("\n")
+        pending += chunk
+        if b"\n" not in chunk:
+            if len(pending) > MAX_LINE_BYTES:
+                raise KubernetesError(f"a watch event over {MAX_LINE_BYTES} bytes")
+            continue
+        *lines, rest = bytes(pending).split(b"\n")
+        pending = bytearray(rest)
         for line in lines:
-            if line.strip():
-                event = orjson.loads(line)
-                if isinstance(event, dict):
-                    yield event
+            if len(line) > MAX_LINE_BYTES:
+                raise KubernetesError(f"a watch event over {MAX_LINE_BYTES} bytes")
+            if not line.strip():
+                continue
+            event = (
+                orjson.loads(line) if len(line) < PARSE_ON_LOOP_BYTES else await asyncio.to_thread(orjson.loads, line)
+            )
+            if isinstance(event, dict):
+                yield event

@@ -14,7 +14,7 @@ import pytest
 from inferlb.bench.kubeapi import KubeApi, endpoint_slice, pod
 from inferlb.procs import free_port
 from inferlb.scorer.config import parse_config
-from inferlb.scorer.kubernetes import KubernetesSource
+from inferlb.scorer.kubernetes import KubernetesSource, Pacing
 from inferlb.serving import serve
 
 from ..conftest import Published, until
@@ -36,14 +36,17 @@ async def api():
         await task
 
 
-def source(url: str, **extra) -> KubernetesSource:
+def source(
+    url: str, *, allowed: tuple[str, ...] = ("10.0.0.0/8",), pacing: Pacing | None = None, **extra
+) -> KubernetesSource:
+    """A source of the Pods of `SELECTOR` (or of the Service ``service=``) at ``url``, no token, no CA."""
     kubernetes = {"namespace": "default", "selector": SELECTOR, "target_ports": [8000], "api_url": url}
     if "service" in extra:
         del kubernetes["selector"], kubernetes["target_ports"]
     kubernetes.update({"token_file": None, "ca_file": None, **extra})
-    config = parse_config({"pool": {"allowed_networks": ["10.0.0.0/8"], "discovery": {"kubernetes": kubernetes}}})
+    config = parse_config({"pool": {"allowed_networks": list(allowed), "discovery": {"kubernetes": kubernetes}}})
     assert config.discovery is not None and config.discovery.kubernetes is not None
-    return KubernetesSource(config.discovery.kubernetes, config.allowed_networks)
+    return KubernetesSource(config.discovery.kubernetes, config.allowed_networks, pacing=pacing)
 
 
 async def test_ready_pods_of_the_selector_are_the_endpoints_and_changes_follow(api) -> None:
@@ -54,8 +57,8 @@ async def test_ready_pods_of_the_selector_are_the_endpoints_and_changes_follow(a
     kube = source(api.url, target_ports=[8000, 8001])
     task = asyncio.create_task(kube.run(seen))
     try:
-        await until(lambda: seen.lists, "the first membership")
-        assert seen.addresses == ["10.0.0.1:8000", "10.0.0.1:8001"] and kube.healthy
+        await until(lambda: kube.healthy, "a watch")  # healthy once a watch is established
+        assert seen.addresses == ["10.0.0.1:8000", "10.0.0.1:8001"]
         first = seen.lists[-1][0]
         assert first.models == frozenset({"m1", "m2"}) and dict(first.labels) == {"app": "vllm", "zone": "x"}
         api.apply(pod("starting", "10.0.0.2", {"app": "vllm"}))  # became ready
@@ -79,8 +82,8 @@ async def test_the_ready_endpoints_of_a_services_slices_are_the_endpoints_and_ch
     kube = source(api.url, service="vllm", target_ports=[8000], models=["m1"])
     task = asyncio.create_task(kube.run(seen))
     try:
-        await until(lambda: seen.lists, "the first membership")
-        assert seen.addresses == ["10.0.0.1:8000"] and kube.healthy  # 9090 is not a target port; .2 is not ready
+        await until(lambda: kube.healthy, "a watch")
+        assert seen.addresses == ["10.0.0.1:8000"]  # 9090 is not a target port; .2 is not ready
         first = seen.lists[-1][0]
         assert first.models == frozenset({"m1"})
         assert dict(first.labels) == {"kubernetes.io/service-name": "vllm", "topology.kubernetes.io/zone": "z1"}
