@@ -527,8 +527,9 @@ class KubernetesConfig(Section):
     endpoints of the EndpointSlices of the Service ``service``, at the ports the slices list (only
     ``target_ports`` among them when it is set). ``models``: the models of every endpoint found (the Pod
     annotation ``inferlb.io/models`` overrides it; None: any model). ``api_url``: the API server (default: the
-    cluster's own, from the Pod's environment); ``token_file`` and ``ca_file``: the Pod's service account by
-    default (None for an API server that needs neither, such as the tests')."""
+    cluster's own, from the Pod's environment; plain http:// with a token only on loopback); ``token_file`` and
+    ``ca_file``: the Pod's service account by default (None for an API server that needs neither, such as the
+    tests')."""
 
     namespace: Annotated[str, Parsed(_label_value)] = field(metadata={"description": "the Pods' namespace"})
     selector: Annotated[
@@ -557,6 +558,18 @@ class KubernetesConfig(Section):
             raise invalid(" needs exactly one of selector (Pods) and service (its EndpointSlices)")
         if self.selector is not None and self.target_ports is None:
             raise invalid(" is needed with a selector: the ports of each Pod to send to", "target_ports")
+        if self.api_url is not None and self.token_file is not None:
+            parts = urlsplit(self.api_url)
+            host = parts.hostname or ""
+            if parts.scheme == "http" and not _loopback_host(host):
+                # The token is the picker's service account: whoever reads it lists and watches as the picker.
+                raise invalid(
+                    f": the API server at {host} is reached over plain http:// beyond this host, and the "
+                    "service-account token (token_file) would cross the network in clear text: use https:// (with "
+                    "ca_file), set token_file to null for an API server that takes no token, or reach it on "
+                    "loopback (kubectl proxy)",
+                    "api_url",
+                )
         return self
 
 

@@ -167,3 +167,23 @@ def test_the_config_names_one_source_and_a_valid_selector() -> None:
         parse_config({"pool": {"discovery": {"kubernetes": {"namespace": "default", "selector": {"app": "a"}}}}})
     with pytest.raises(Exception, match="Service name"):
         parse_config({"pool": {"discovery": {"kubernetes": {"namespace": "default", "service": "Not_A_Name"}}}})
+
+
+@pytest.mark.parametrize(
+    ("api_url", "token_file", "refused"),
+    [
+        pytest.param("http://10.0.0.5:8001", "/var/run/secrets/token", True, id="http-beyond-loopback"),
+        pytest.param("http://api.example:8001", "/var/run/secrets/token", True, id="http-to-a-name"),
+        pytest.param("http://10.0.0.5:8001", None, False, id="http-without-a-token"),
+        pytest.param("http://127.0.0.1:8001", "/var/run/secrets/token", False, id="http-on-loopback"),
+        pytest.param("https://10.0.0.5:6443", "/var/run/secrets/token", False, id="https"),
+    ],
+)
+def test_the_token_never_goes_out_over_plain_http(api_url: str, token_file: str | None, refused: bool) -> None:
+    kubernetes = {"namespace": "default", "selector": SELECTOR, "target_ports": [8000], "api_url": api_url}
+    config = {"pool": {"discovery": {"kubernetes": {**kubernetes, "token_file": token_file}}}}
+    if refused:
+        with pytest.raises(Exception, match=r"api_url.*plain http://.*token_file.*https://.*null.*loopback"):
+            parse_config(config)
+    else:
+        parse_config(config)
