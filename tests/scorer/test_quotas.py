@@ -155,7 +155,9 @@ def test_a_bad_quotas_section_is_refused_naming_the_field(quotas: dict, says: st
 
 def test_quotas_without_a_source_are_refused_with_the_choices() -> None:
     quotas = {"header": "x-t", "default": {"tokens_per_minute": 5}}
-    with pytest.raises(ConfigError, match="quotas.source is needed: who sets the tenant header, so that no client can"):
+    with pytest.raises(
+        ConfigError, match=r"quotas\.source is needed: who sets the tenant header, so that no client can"
+    ):
         parse_config({"pool": {"endpoints": [{"address": "127.0.0.1:9101"}]}, "quotas": quotas})
 
 
