@@ -105,6 +105,7 @@ def test_a_request_that_went_another_way_than_its_run_meant_is_a_failure() -> No
     assert route_failures(rr, ours, log[:1], printed.append)[0].startswith("round robin: only 1 of 2")
 
 
+@pytest.mark.slow  # 45 s on two cores; CI runs it (make test-slow)
 @pytest.mark.envoy
 def test_the_scenario_in_short_form_shows_the_slowed_server_losing_its_share_under_inferlb(tmp_path: Path) -> None:
     out = io.StringIO()

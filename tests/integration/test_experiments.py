@@ -17,6 +17,7 @@ from inferlb.stack import LocalStack, StackOptions
 pytestmark = pytest.mark.envoy
 
 
+@pytest.mark.slow  # 44 s on two cores; CI runs it (make test-slow)
 @pytest.mark.timeout(300)
 def test_default_beats_round_robin_on_ttft_and_an_a_a_finds_nothing() -> None:
     result = ab_through_envoy(quick=True, alpha=0.01)

@@ -40,6 +40,7 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+@pytest.mark.slow  # 27 s on two cores; CI runs it (make test-slow)
 def test_a_slowed_server_gets_less_traffic_and_the_tail_is_shorter(tmp_path: Path) -> None:
     rng = random.Random(7)
     workload = []
