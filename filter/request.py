@@ -51,6 +51,8 @@ _GC_PAUSE_MIN_BYTES = 64 * 1024
 _NONE = type(None)
 # The Responses API: its ``input`` is a string or a list of items (messages, tool calls and their outputs).
 RESPONSES_PATH = "/v1/responses"
+# The embeddings API: its ``input`` has a completions prompt's shapes (a string, strings, token ids, lists of them).
+EMBEDDINGS_PATH = "/v1/embeddings"
 # What a request may generate, by each API's name for it: chat and completions, the Responses API.
 _MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
@@ -235,7 +237,8 @@ def _read(
     """``apply_body`` on a body within its size limit, sent to ``path``: the features the body gives, in the order
     of `RequestFeatures.with_body` (model, stream, max_tokens, prompt_chars, prompt_tokens, prefix_hashes,
     cache_keys, keying)."""
-    doc, tokens = parse_body(body)
+    field = "input" if path == EMBEDDINGS_PATH else "prompt"  # where a prompt of token ids may be
+    doc, tokens = parse_body(body, field)
     if not isinstance(doc, dict):
         raise MalformedRequestError(f"request body must be a JSON object, not {_json_type(doc)}")
 
@@ -267,7 +270,7 @@ def _read(
         chars, rendered = _messages_text(doc["messages"])
         prompt_tokens = estimate_tokens(chars)
         hashes = text_block_hashes(rendered, seed=hash(model))
-    elif tokens is not None:  # doc["prompt"] is the placeholder of the ids _parse counted
+    elif tokens is not None:  # doc[field] is the placeholder of the ids parse_body counted
         prompt_tokens = tokens.count
         hashes = () if tokens.head is None else token_block_hashes(tokens.head, seed=hash(model))
     elif "prompt" in doc:

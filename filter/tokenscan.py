@@ -1,5 +1,6 @@
-"""A completions prompt of token ids, read from the raw body: found, checked and counted without making a Python
-int per id, because a 4 MiB body of ids is a million of them and the full JSON parse would dominate its cost.
+"""A completions prompt (or an embeddings input) of token ids, read from the raw body: found, checked and counted
+without making a Python int per id, because a 4 MiB body of ids is a million of them and the full JSON parse would
+dominate its cost.
 
 A JSON array of integers (or of arrays of them) is checked and counted by bytes methods and numpy operations,
 each a pass over its bytes in C; only the ids that are hashed (MAX_PREFIX_BLOCKS blocks) are converted, to
@@ -26,10 +27,11 @@ __all__ = ["SCAN_MIN_BYTES", "TokenIds", "find_prompt_array", "parse_body", "sca
 _WS = b" \t\n\r"  # JSON's whitespace (not \v or \f)
 
 
-def parse_body(body: bytes) -> tuple[Any, TokenIds | None]:
-    """The body's document, and the ids of its prompt when ``scan_tokens`` counted them in the raw bytes; then
-    ``doc["prompt"]`` is a placeholder, and the rest of the document is what the full parse would give."""
-    found = find_prompt_array(body, SCAN_MIN_BYTES)
+def parse_body(body: bytes, field: str = "prompt") -> tuple[Any, TokenIds | None]:
+    """The body's document, and the ids of its prompt (the top-level ``field``: ``prompt``, or an embeddings
+    request's ``input``) when ``scan_tokens`` counted them in the raw bytes; then ``doc[field]`` is a placeholder,
+    and the rest of the document is what the full parse would give."""
+    found = find_prompt_array(body, SCAN_MIN_BYTES, field)
     if found is not None:
         start, value, nested = found
         tokens = scan_tokens(value, nested)
@@ -43,7 +45,7 @@ def parse_body(body: bytes) -> tuple[Any, TokenIds | None]:
                 doc = None  # the full parse below tells the error, with its position in the body as sent
             # Anything but the top-level prompt (a nested "prompt", ids inside a string, a repeated key) leaves the
             # placeholder elsewhere, or breaks the document.
-            if isinstance(doc, dict) and doc.get("prompt") == {key: 0}:
+            if isinstance(doc, dict) and doc.get(field) == {key: 0}:
                 return doc, tokens
     try:
         # orjson: several times faster than the json module on prompts, strict UTF-8, nesting capped at 1024.
@@ -57,7 +59,7 @@ _MAX_DIGITS = 18
 _ZERO, _COMMA, _MINUS, _OPEN, _CLOSE = b"0,-[]"
 # Every byte that cannot be in an array of integers becomes "#" (whitespace is deleted besides).
 _ARRAY_BYTES = bytes(c if chr(c) in "0123456789,-[]" else ord("#") for c in range(256))
-_PROMPT_KEY = re.compile(rb'"prompt"[ \t\n\r]*:[ \t\n\r]*')
+_FIELD_KEYS = {name: re.compile(rb'"%s"[ \t\n\r]*:[ \t\n\r]*' % name.encode()) for name in ("prompt", "input")}
 _NESTED = re.compile(rb"\[[ \t\n\r]*+\[")
 _SPACE = re.compile(rb"[ \t\n\r]*+")
 _ARRAY_RUN = re.compile(rb"[0-9,\[\] \t\n\r-]*+")
@@ -79,19 +81,20 @@ class TokenIds:
     head: np.ndarray | None
 
 
-def find_prompt_array(body: bytes, min_bytes: int) -> tuple[int, bytes, bool] | None:
-    """(offset, bytes, whether it is an array of arrays) of the array the first ``"prompt":`` key holds, as far
-    as it may be one, when it has at least ``min_bytes``; None otherwise."""
+def find_prompt_array(body: bytes, min_bytes: int, field: str = "prompt") -> tuple[int, bytes, bool] | None:
+    """(offset, bytes, whether it is an array of arrays) of the array the first ``"<field>":`` key holds
+    (``prompt`` or ``input``), as far as it may be one, when it has at least ``min_bytes``; None otherwise."""
     if len(body) < min_bytes or b"[" not in body:
         return None
-    at = body.find(b'"prompt"')
+    pattern, quoted = _FIELD_KEYS[field], b'"%s"' % field.encode()
+    at = body.find(quoted)
     for _ in range(_PROMPT_STRINGS_TRIED):
         if at < 0:
             return None
-        key = _PROMPT_KEY.match(body, at)
+        key = pattern.match(body, at)
         if key is not None:
             break
-        at = body.find(b'"prompt"', at + 1)
+        at = body.find(quoted, at + 1)
     else:
         return None
     start = key.end()

@@ -596,6 +596,33 @@ def test_apply_body_counts_a_big_token_prompt_without_parsing_it(
     assert (features.model, features.max_tokens, features.stream) == ("m", 5, True)
 
 
+@pytest.mark.parametrize(
+    "ids",
+    [
+        pytest.param([i % 50_000 for i in range(700_000)], id="flat-4-mib"),
+        pytest.param([[i % 50_000 for i in range(200_000)]], id="one-list"),
+        pytest.param([list(range(50_000)), [], [1, 2, 3]], id="batch-of-lists"),
+    ],
+)
+def test_an_embeddings_input_of_token_ids_is_counted_without_parsing_it_as_a_prompt_is(
+    ids: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = orjson.dumps({"model": "m", "input": ids, "encoding_format": "float"})
+    with patch.object(tokenscan, "SCAN_MIN_BYTES", len(body) + 1):  # the full parse
+        expected = apply_body(RequestFeatures(path="/v1/embeddings"), body, complete=True, max_bytes=BIG)
+    spy = ParseSpy()
+    monkeypatch.setattr(orjson, "loads", spy)
+    features = apply_body(RequestFeatures(path="/v1/embeddings"), body, complete=True, max_bytes=BIG)
+    assert max(spy.sizes) < 200  # the ids never became Python objects
+    count, hashes = _expected_tokens(ids)
+    assert (features.prompt_tokens, features.prefix_hashes) == (count, hashes)
+    assert features == expected
+    # On any other route "input" is not where a prompt of ids is looked for: the body is parsed whole.
+    spy.documents.clear()
+    apply_body(RequestFeatures(path="/v1/completions"), body, complete=True, max_bytes=BIG)
+    assert max(spy.sizes) == len(body)
+
+
 def _outcome(body: bytes) -> RequestFeatures | tuple[type[RequestError], str]:
     try:
         return apply_body(RequestFeatures(), body, complete=True, max_bytes=BIG)
