@@ -200,14 +200,17 @@ def test_a_killed_picker_cuts_no_routed_request(tmp_path: Path, fail_open: bool)
             _decided_by_picker(stack, response)
 
 
-def test_when_one_of_two_pickers_hangs_the_other_takes_every_stream(tmp_path: Path) -> None:
+def test_when_two_of_three_pickers_hang_the_third_takes_every_stream(tmp_path: Path) -> None:
     # A picker that hangs (stopped here; a stuck loop alike) still accepts connections, so without a health check
     # Envoy would go on giving it its share of the streams, each one a timeout. Fail-closed, so that such a stream
-    # shows (504). The health check marks it down within about a second; from then on the other decides them all.
+    # shows (504). The health check marks them down within about a second; from then on the third decides them
+    # all (with one of three healthy, Envoy's default panic routing would still send two thirds to the others).
     envoy = replace(OPTIONS.envoy, fail_open=False, message_timeout_ms=700)
-    with LocalStack(replace(OPTIONS, pickers=2, envoy=envoy), tmp_path) as stack:
+    with LocalStack(replace(OPTIONS, pickers=3, envoy=envoy), tmp_path) as stack:
         assert stack.picker is not None
-        stack.picker.pause()
+        hung = [stack.picker, stack.replicas[0]]
+        for picker in hung:
+            picker.pause()
         try:
             with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
                 results: list[int] = []
@@ -216,9 +219,10 @@ def test_when_one_of_two_pickers_hangs_the_other_takes_every_stream(tmp_path: Pa
                     results.append(client.post("/v1/completions", json=COMPLETION).status_code)
                     return results[-20:] == [200] * 20
 
-                poll(twenty_in_a_row, "20 requests in a row answered while one picker hangs", 20.0)
+                poll(twenty_in_a_row, "20 requests in a row answered while two pickers hang", 20.0)
         finally:
-            stack.picker.resume()
+            for picker in hung:
+                picker.resume()
 
 
 def test_a_picker_that_does_not_answer_in_time_gets_a_504_that_says_so_with_fail_closed(tmp_path: Path) -> None:
