@@ -53,6 +53,12 @@ _NONE = type(None)
 RESPONSES_PATH = "/v1/responses"
 # The embeddings API: its ``input`` has a completions prompt's shapes (a string, strings, token ids, lists of them).
 EMBEDDINGS_PATH = "/v1/embeddings"
+# Scoring APIs (vLLM's): texts to compare, in these fields (a string or a list of strings each), no prompt to follow.
+_SCORING_FIELDS = {"/v1/rerank": ("query", "documents"), "/v1/score": ("text_1", "text_2", "queries", "documents")}
+# APIs that generate no output: a request charges its prompt alone.
+_NO_OUTPUT_PATHS = frozenset({EMBEDDINGS_PATH, *_SCORING_FIELDS})
+# A Responses API input item's own text besides a message's content: a tool call's arguments and its output.
+_ITEM_TEXT_FIELDS = ("arguments", "output")
 # What a request may generate, by each API's name for it: chat and completions, the Responses API.
 _MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
@@ -264,9 +270,18 @@ def _read(
             raise MalformedRequestError(f"field {name!r} must be a non-negative integer, not {shown(value)}")
         max_tokens = value if max_tokens is None else max(max_tokens, value)
 
+    if max_tokens is None and path in _NO_OUTPUT_PATHS:
+        max_tokens = 0
+
     chars, prompt_tokens = 0, 0
     hashes: tuple[int, ...] = ()
-    if "messages" in doc:
+    if path == RESPONSES_PATH:  # its input and instructions only ("prompt" names a stored prompt template there)
+        if "input" in doc:
+            chars, prompt_tokens, hashes = _responses_size(doc, seed=hash(model))
+    elif path in _SCORING_FIELDS:
+        chars = sum(_string_chars(doc.get(name)) for name in _SCORING_FIELDS[path])
+        prompt_tokens = estimate_tokens(chars)
+    elif "messages" in doc:
         chars, rendered = _messages_text(doc["messages"])
         prompt_tokens = estimate_tokens(chars)
         hashes = text_block_hashes(rendered, seed=hash(model))
@@ -279,7 +294,9 @@ def _read(
         prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
         hashes = _prompt_hashes(prompt, seed=hash(model))
     elif "input" in doc:
-        chars, prompt_tokens, hashes = _input_size(doc, path, seed=hash(model))
+        chars, token_ids = _prompt_size(doc["input"], "input")
+        prompt_tokens = token_ids if token_ids is not None else estimate_tokens(chars)
+        hashes = _prompt_hashes(doc["input"], seed=hash(model))
     keys: tuple[int, ...] = ()
     keying = None
     if keyer is not None:
@@ -287,26 +304,38 @@ def _read(
     return model, stream, max_tokens, chars, prompt_tokens, hashes, keys, keying
 
 
-def _input_size(doc: dict[str, Any], path: str, *, seed: int) -> tuple[int, int, tuple[int, ...]]:
-    """(characters, prompt tokens, prefix block hashes) of a body whose prompt is its ``input``: a Responses API
-    request's (a string or a list of input items, after its ``instructions``), read as the chat messages it becomes;
-    any other route's (embeddings: a string, strings or token ids), read as a completions prompt."""
+def _responses_size(doc: dict[str, Any], *, seed: int) -> tuple[int, int, tuple[int, ...]]:
+    """(characters, prompt tokens, prefix block hashes) of a Responses API request: its ``input`` (a string, or a
+    list of items: messages, tool calls and their outputs) after its ``instructions``, read as the chat it becomes
+    (a tool call's arguments and output count as text too)."""
     value = doc["input"]
-    if path == RESPONSES_PATH:
-        if isinstance(value, str):
-            items: list[Any] = [{"role": "user", "content": value}]
-        elif isinstance(value, list):
-            items = value
-        else:
-            raise MalformedRequestError(f"field 'input' must be a string or a list of items, not {_json_type(value)}")
-        chars, rendered = _messages_text(items, "input")
-        instructions = doc.get("instructions")
-        if isinstance(instructions, str):  # rendered as the system message it is to the server
-            chars += len(instructions)
-            rendered = f"system\n{instructions}\n{rendered}"
-        return chars, estimate_tokens(chars), text_block_hashes(rendered, seed=seed)
-    chars, token_ids = _prompt_size(value, "input")
-    return chars, token_ids if token_ids is not None else estimate_tokens(chars), _prompt_hashes(value, seed=seed)
+    if isinstance(value, str):
+        items: list[Any] = [{"role": "user", "content": value}]
+    elif isinstance(value, list):
+        items = value
+    elif value is None:
+        items = []
+    else:
+        raise MalformedRequestError(f"field 'input' must be a string or a list of items, not {_json_type(value)}")
+    chars, rendered = _messages_text(items, "input")
+    chars += sum(
+        len(text) for item in items if type(item) is dict for name in _ITEM_TEXT_FIELDS
+        if type(text := item.get(name)) is str
+    )  # fmt: skip
+    instructions = doc.get("instructions")
+    if isinstance(instructions, str):  # rendered as the system message it is to the server
+        chars += len(instructions)
+        rendered = f"system\n{instructions}\n{rendered}"
+    return chars, estimate_tokens(chars), text_block_hashes(rendered, seed=seed)
+
+
+def _string_chars(value: Any) -> int:
+    """The characters of a string, or of the strings of a list (anything else: none, and the server judges it)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(map(len, [v for v in value if type(v) is str]))
+    return 0
 
 
 def _prompt_size(prompt: Any, field: str = "prompt") -> tuple[int, int | None]:

@@ -263,16 +263,40 @@ def test_a_responses_request_is_read_as_the_chat_it_becomes() -> None:
     assert (features.model, features.stream, features.max_tokens) == ("r", True, 300)
     assert (features.prompt_chars, features.prefix_hashes) == (chat.prompt_chars, chat.prefix_hashes)
     assert features.prompt_chars == len(text) + len("be brief")
-    # Input items: messages with parts, tool calls and their outputs (no role, no content) are all accepted.
+    # Input items: messages with parts, tool calls and their outputs (no role, no content) are all accepted, and a
+    # call's arguments and output are text the server reads (3 + 2 + 40,000 characters).
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "abc"}, {"type": "input_image", "image_url": "u"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"type": "function_call_output", "call_id": "c1", "output": "4" * 40_000},
     ]
-    assert _apply_to("/v1/responses", {"model": "r", "input": items}).prompt_chars == 3
+    read = _apply_to("/v1/responses", {"model": "r", "input": items})
+    assert (read.prompt_chars, read.prompt_tokens) == (40_005, 10_002)
+    # "prompt" there names a stored prompt template (an object, or null): not a completions prompt.
+    template = {"model": "r", "input": "hi", "prompt": {"id": "pmpt_1", "variables": {"x": "y"}}, "instructions": None}
+    assert _apply_to("/v1/responses", template).prompt_chars == 2
+    assert _apply_to("/v1/responses", {**template, "prompt": None}).prompt_chars == 2
     # The largest of the names a request may give its output budget is the one counted (and charged).
     both = {"model": "r", "input": "x", "max_tokens": 5, "max_output_tokens": 900}
     assert _apply_to("/v1/responses", both).max_tokens == 900
+
+
+@pytest.mark.parametrize(
+    ("path", "doc", "chars"),
+    [
+        pytest.param("/v1/rerank", {"query": "q" * 10, "documents": ["d" * 400_000, "e" * 5]}, 400_015, id="rerank"),
+        pytest.param("/v1/score", {"text_1": "a" * 7, "text_2": ["b" * 400_000]}, 400_007, id="score"),
+        pytest.param("/v1/rerank", {"query": {"content": []}, "documents": [1, "ab"]}, 2, id="other-shapes"),
+        pytest.param("/v1/embeddings", {"input": "x" * 12}, 12, id="embeddings"),
+    ],
+)
+def test_apis_that_generate_nothing_charge_their_texts_and_no_output(
+    path: str, doc: dict[str, Any], chars: int
+) -> None:
+    """Quotas charge a request its prompt's tokens plus its output budget: on the scoring and embeddings APIs the
+    texts are the prompt, and no output is generated (not the quotas' assumed output tokens)."""
+    read = _apply_to(path, {"model": "s", **doc})
+    assert (read.prompt_chars, read.prompt_tokens, read.max_tokens) == (chars, (chars + 3) // 4, 0)
 
 
 @pytest.mark.parametrize(
