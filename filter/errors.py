@@ -81,6 +81,14 @@ class QuotaExceededError(RequestError):
         }
 
 
+class TenantRefusedError(RequestError):
+    """Quotas name the tenant from the request's JWT (``quotas.source: jwt``) and this request's token names none,
+    or names one that is no usable name (HTTP 403)."""
+
+    status = 403
+    type = "tenant_refused"
+
+
 class NoEndpointAvailableError(RequestError):
     """Every endpoint that could serve the request is unavailable (HTTP 503)."""
 

@@ -47,6 +47,7 @@ from inferlb.filter.errors import (
     PayloadTooLargeError,
     QuotaExceededError,
     RequestError,
+    TenantRefusedError,
     from_routing_error,
 )
 from inferlb.filter.observe import ObserveStats, time_response
@@ -401,11 +402,16 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
 
     def _over_quota(
         self, quotas: Quotas, features: RequestFeatures
-    ) -> tuple[QuotaExceededError | None, tuple[str | None, int] | None]:
-        """Charge the request to its tenant's quota: the 429 that refuses it, or what was charged (tenant, tokens:
-        to be given back if the request is refused later, and never reaches a server)."""
+    ) -> tuple[RequestError | None, tuple[str | None, int] | None]:
+        """Charge the request to its tenant's quota: the 429 that refuses it (or the 403 of a token that names no
+        usable tenant), or what was charged (tenant, tokens: to be given back if the request is refused later, and
+        never reaches a server)."""
         config = quotas.config
         tenant = features.headers.get(config.header or "") if features.headers else None
+        if config.jwt is not None:
+            problem = _tenant_problem(tenant, config.jwt.claim)
+            if problem is not None:
+                return TenantRefusedError(problem), None
         if tenant is not None:
             tenant = client_key(tenant)  # up to max_tenants of them are kept
         output = features.max_tokens if features.max_tokens is not None else config.assumed_output_tokens
@@ -660,3 +666,14 @@ class PickerServer:
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()
+
+
+def _tenant_problem(tenant: str | None, claim: str) -> str | None:
+    """Why a tenant that Envoy took from the token's ``claim`` cannot be charged (None: it can). A token without the
+    claim would share one unnamed tenant with every other such token; a name with control characters or spaces
+    around it is one Envoy would not forward as sent."""
+    if not tenant:
+        return f"the request's token names no tenant: its claim {claim!r} is missing or empty"
+    if not tenant.isprintable() or tenant != tenant.strip():
+        return f"the tenant the request's token names ({shown(tenant)}) has control characters or spaces around it"
+    return None
