@@ -96,6 +96,10 @@ DEFAULT_DRAIN_S = 5.0
 LATENCY_SOURCES = ("spans", "stream")
 REQUEST_ENDS = ("access-log", "stream")
 TENANT_SOURCES = ("jwt", "gateway")
+# Headers that cannot name a tenant: credentials, and those Envoy's bootstrap sets or removes itself.
+_NOT_TENANT_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "cookie", "host", "x-request-id", "x-gateway-destination-endpoint"}
+)
 
 
 def _address(value: Any) -> str:
@@ -534,14 +538,14 @@ class KubernetesConfig(Section):
     namespace: Annotated[str, Parsed(_label_value)] = field(metadata={"description": "the Pods' namespace"})
     selector: Annotated[
         dict[Annotated[str, Parsed(_label_key)], Annotated[str, Parsed(_label_value)]] | None,
-        must("a non-empty mapping of labels", lambda v: v is None or (isinstance(v, dict) and bool(v))),
+        optional(must("a non-empty mapping of labels", lambda v: isinstance(v, dict) and bool(v))),
     ] = field(default=None, metadata={"description": "a non-empty mapping of labels, e.g. {app: vllm}"})
-    service: Annotated[str | None, Parsed(lambda v: None if v is None else _service_name(v))] = field(
+    service: Annotated[str | None, optional(Parsed(_service_name))] = field(
         default=None, metadata={"description": "a Service whose EndpointSlices are the pool, e.g. vllm"}
     )
     target_ports: Annotated[
         tuple[Annotated[int, integer(ge=1, le=65535)], ...] | None,
-        must("a non-empty list of ports", lambda v: v is None or (isinstance(v, list) and bool(v)), minItems=1),
+        optional(must("a non-empty list of ports", lambda v: isinstance(v, list) and bool(v), minItems=1)),
     ] = field(default=None, metadata={"description": "a non-empty list of ports, e.g. [8000]"})
     models: Annotated[
         frozenset[Text] | None, non_empty_list("a non-empty list of model names (omit it to accept any)")
@@ -721,6 +725,12 @@ class QuotasConfig(Section):
     def _consistent(self) -> QuotasConfig:
         if self.header is None:
             raise invalid(" is needed: the request header that names the tenant", "header")
+        if self.header in _NOT_TENANT_HEADERS:
+            raise invalid(
+                f" cannot be {self.header!r}: Envoy uses it for something else (or it holds credentials, which would"
+                " become metric labels); name the tenant in a header of its own, e.g. x-tenant-id",
+                "header",
+            )
         if self.source is None:
             raise invalid(
                 " is needed: who sets the tenant header, so that no client can: 'jwt' (Envoy, from a claim of each"

@@ -194,6 +194,14 @@ def test_a_null_is_refused_by_the_schema_exactly_where_config_check_refuses_the_
     assert not mismatches, mismatches
 
 
+def test_the_schema_takes_the_nulls_the_kubernetes_source_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    schema = _schema(capsys)
+    source = {"namespace": "llm", "selector": None, "service": "vllm", "target_ports": None}
+    document = {"pool": {"discovery": {"kubernetes": source}}}
+    parse_config(document)
+    assert _conforms(document, schema, schema["$defs"])
+
+
 @pytest.mark.parametrize(
     "entry",
     [

@@ -119,6 +119,8 @@ def test_at_most_max_tenants_buckets_are_kept(clock: ManualClock) -> None:
     [
         ({"tenants": {"a": {"requests_per_minute": 1}}}, "quotas.header is needed"),
         ({"header": "x-t"}, "quotas limits nothing"),
+        ({"header": "Authorization", "default": {"tokens_per_minute": 5}}, "quotas.header cannot be 'authorization'"),
+        ({"header": "x-request-id", "default": {"tokens_per_minute": 5}}, "quotas.header cannot be 'x-request-id'"),
         ({"header": "x-t", "source": None, "default": {"tokens_per_minute": 5}}, "quotas.source must be jwt or"),
         (
             {"header": "x-t", "source": "client", "default": {"tokens_per_minute": 5}},
