@@ -452,7 +452,7 @@ class PickerProcess:
         admin API's, the span receiver's), changes: checked every WATCH_INTERVAL_S. So a rotated Secret takes
         effect without a restart, and without a call that the old token would have to make."""
 
-        def stamp() -> tuple[tuple[int, int] | None, ...] | None:
+        def stamp() -> tuple[tuple[int, int, int, int] | None, ...] | None:
             files = (path, *_token_files(self.config))
             stamps = tuple(map(_file_stamp, files))
             return None if stamps[0] is None else stamps
@@ -468,18 +468,23 @@ class PickerProcess:
                 self.reload_file()
             except ConfigError as exc:
                 self.config_refusals += 1
-                logger.error("config file changed but was refused; the old config stays in force: %s", exc)
+                logger.error(
+                    "the config file or a token file it names changed, and the reload was refused; the old config"
+                    " (and token) stays in force: %s",
+                    exc,
+                )
 
     # ---- admin API ----------------------------------------------------------------------------------------
 
 
-def _file_stamp(path: Path) -> tuple[int, int] | None:
-    """A file's modification time and size (following links, as a Secret volume's are), or None if it is absent."""
+def _file_stamp(path: Path) -> tuple[int, int, int, int] | None:
+    """A file's identity (device and inode: a file put in its place, even with the same size and time, is new),
+    modification time and size, following links as a Secret volume's are; None if it is absent."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _token_files(config: Config) -> tuple[Path, ...]:

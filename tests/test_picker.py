@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 from pathlib import Path
 
 import httpx
@@ -182,6 +183,15 @@ async def test_a_rotated_admin_token_file_takes_effect_without_a_call_or_a_resta
             await until(lambda: picker.reloads == 1)
             assert (await client.get("/config", headers=AUTH)).status_code == 401
             assert (await client.get("/config", headers={"authorization": f"Bearer {rotated}"})).status_code == 200
+            # A file of the same size put in its place with the old one's time (cp -p, rsync -t) is new too.
+            again = "rotated-admin-token-0123456789"
+            fresh = tmp_path / "admin-token.new"
+            fresh.write_text(again + "\n")
+            times = secret.stat()
+            os.utime(fresh, ns=(times.st_atime_ns, times.st_mtime_ns))
+            os.replace(fresh, secret)
+            await until(lambda: picker.reloads == 2)
+            assert (await client.get("/config", headers={"authorization": f"Bearer {again}"})).status_code == 200
     finally:
         await picker.stop()
 
