@@ -147,6 +147,11 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         raise EnvoyConfigError(f"tier must be one of {', '.join(TIERS)}; got {options.tier!r}")
     if options.tier == "weights" and not (xds and options.picker):
         raise EnvoyConfigError("the weights tier needs the picker as Envoy's control plane (xds) to push weights")
+    if options.tier == "weights" and config.quotas is not None:
+        raise EnvoyConfigError(
+            "the weights tier routes no request through the picker, so quotas would never be charged: render the "
+            "per-request tier, or remove quotas"
+        )
     if options.cluster_mode == "original-dst" and config.destinations > 1:
         raise EnvoyConfigError(
             f"the picker names {config.destinations} endpoints per request (destinations), which ORIGINAL_DST "

@@ -77,6 +77,9 @@ def test_quotas_named_by_a_jwt_claim_put_envoys_jwt_filter_first(tmp_path: Path)
     path = tmp_path / "envoy.yaml"
     path.write_text(text)
     envoy_accepts(path)
+    # The weights tier sends no request to the picker: no quota would ever be charged.
+    with pytest.raises(EnvoyConfigError, match="quotas would never be charged"):
+        render_bootstrap(config, EnvoyOptions(xds=True, tier="weights"))
     # With a gateway in front that sets the header, Envoy forwards it as it comes and checks no token.
     gateway = parse_config(
         {"pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}, "quotas": {**quotas, "source": "gateway", "jwt": None}}
