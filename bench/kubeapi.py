@@ -28,7 +28,7 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -105,6 +105,11 @@ class KubeApi:
         self.hang_lists = False  # a list is taken and never answered
         self.hang_watches = False  # a watch answers 200, then nothing more (a peer gone without FIN or RST)
         self.end_watches = False  # a watch answers 200 and ends at once with nothing (a server shutting down)
+        # A watch answers 200 and a BOOKMARK at the current version, then ends ("end") or says the version expired
+        # ("expire": a 410 ERROR event), every time.
+        self.bookmark_watches: Literal["end", "expire"] | None = None
+        self.trickle_lists = 0.0  # seconds between the bytes of a list's body (a server or proxy dribbling it)
+        self.repeat_continue = False  # a paged list's every page names the same next page (its token never ends)
         self.refuse_watches: tuple[int, str | None] | None = None  # (status, Retry-After) for every watch
         self.after_page: Callable[[], None] | None = None  # called after each page of a paged list
         self._changed = asyncio.Event()
@@ -177,7 +182,11 @@ class KubeApi:
                 self.lists += 1
                 if self.hang_lists:
                     await _until_gone(request)
-                return self._list(kind, namespace, wanted, list_kind, limit, continue_)
+                page = self._list(kind, namespace, wanted, list_kind, limit, continue_)
+                if self.trickle_lists:
+                    body = _trickle(bytes(page.body), self.trickle_lists)
+                    return StreamingResponse(body, status_code=page.status_code, media_type="application/json")
+                return page
             since = int(resourceVersion or self.version)
             if since < self.oldest:
                 return _status(410, f"too old resource version: {since} ({self.oldest})")
@@ -190,6 +199,14 @@ class KubeApi:
                 return refusal
             if self.hang_watches or self.end_watches:
                 return StreamingResponse(_silent(None if self.end_watches else request), media_type="application/json")
+            if self.bookmark_watches is not None:
+                events = [
+                    {"type": "BOOKMARK", "object": {"kind": kind, "metadata": {"resourceVersion": str(self.version)}}}
+                ]
+                if self.bookmark_watches == "expire":
+                    events.append({"type": "ERROR", "object": _gone("too old resource version")})
+                lines = b"".join((json.dumps(event) + "\n").encode() for event in events)
+                return Response(lines, media_type="application/json")
             bookmarks = allowWatchBookmarks in ("true", "1")
             stream = self._stream(kind, namespace, wanted, since, min(timeoutSeconds, 3600), bookmarks)
             return StreamingResponse(stream, media_type="application/json")
@@ -240,6 +257,8 @@ class KubeApi:
         if 0 < limit < len(items):
             items = items[:limit]
             metadata["continue"] = f"{version}/{items[-1]['metadata']['name']}"
+            if self.repeat_continue and token:
+                metadata["continue"] = token
         if limit and self.after_page is not None:
             self.after_page()
         return JSONResponse({"kind": list_kind, "apiVersion": "v1", "metadata": metadata, "items": items})
@@ -251,8 +270,7 @@ class KubeApi:
         deadline = loop.time() + timeout_s
         while True:
             if since < self.oldest:
-                gone = {"kind": "Status", "status": "Failure", "code": 410, "message": "too old resource version"}
-                yield (json.dumps({"type": "ERROR", "object": gone}) + "\n").encode()
+                yield (json.dumps({"type": "ERROR", "object": _gone("too old resource version")}) + "\n").encode()
                 return
             for version, change, obj in list(self.events):
                 if version <= since:
@@ -285,6 +303,19 @@ async def _silent(request: Request | None) -> AsyncIterator[bytes]:
         await _until_gone(request)
     return
     yield b""  # an async generator
+
+
+async def _trickle(body: bytes, every_s: float) -> AsyncIterator[bytes]:
+    """A body a byte at a time, ``every_s`` apart."""
+    for i in range(len(body)):
+        if i:
+            await asyncio.sleep(every_s)
+        yield body[i : i + 1]
+
+
+def _gone(message: str) -> dict[str, Any]:
+    """The Status of a watch's 410 ERROR event."""
+    return {"kind": "Status", "status": "Failure", "code": 410, "message": message}
 
 
 def _selector(text: str) -> dict[str, str]:

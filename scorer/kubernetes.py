@@ -22,21 +22,25 @@ It speaks the API's list-then-watch protocol over HTTP (httpx): ``GET .../pods?l
 ``...&watch=true&resourceVersion=RV&allowWatchBookmarks=true&timeoutSeconds=300`` for the events, one JSON object
 per line (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR). A list page's body is parsed off the event loop and may not
 exceed a bound. A watch the server ends (its ``timeoutSeconds``) is followed by the next from the last version
-seen. The source never waits without a deadline: a list unanswered for ``timeout_s``, or a watch with no byte for
-``timeout_s`` past its ``timeoutSeconds``, is a failure. Every failure (a refusal, an error, a lost connection)
-starts over from a fresh list after a backoff (`Pacing`) that only a watch that delivered something or lasted
-resets, and never shorter than a ``Retry-After``; an expired version (410 Gone, or an ERROR event saying so) lists
-again at once, and after a backoff when it recurs before anything was delivered. Meanwhile the last membership
-stays in force. Health says whether a watch is established; each change of it is logged once.
+seen. The source never waits without a deadline: a list page not whole within ``timeout_s`` (however its bytes
+trickle in: httpx's own timeout is per read), or a watch with no byte for ``timeout_s`` past its
+``timeoutSeconds``, is a failure; so is a list whose pages do not end (a continue token given twice, or more pages
+than `Pacing` allows). Every failure (a refusal, an error, a lost connection) starts over from a fresh list after a
+backoff (`Pacing`) that only a watch that delivered a change (a bookmark is not one) or lasted resets, and never
+shorter than a ``Retry-After`` (in seconds or an HTTP date); an expired version (410 Gone, or an ERROR event saying
+so) lists again at once, and after a backoff when it recurs before anything was delivered. Meanwhile the last
+membership stays in force. Health says whether a watch is established; each change of it is logged once.
 
 In a cluster it authenticates with the Pod's service-account token (re-read at each request: it is rotated) and
-trusts the cluster's CA; RBAC needs ``list`` and ``watch`` on ``pods`` (or on ``endpointslices`` of the API group
+trusts the cluster's CA (the certificate of any API server not reached over plain ``http://`` is verified, however
+the scheme is spelt); RBAC needs ``list`` and ``watch`` on ``pods`` (or on ``endpointslices`` of the API group
 ``discovery.k8s.io``) in the namespace.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import logging
 import math
 import os
@@ -44,9 +48,10 @@ import random
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import orjson
@@ -73,11 +78,14 @@ class Pacing:
 
     After a failure it waits ``retry_s``, doubling to ``max_retry_s`` while failures go on, each wait drawn
     between half and all of that (so that replicas spread out), and never less than a ``Retry-After`` (up to
-    ``max_retry_after_s``). A watch that delivered an event (a bookmark too) or stayed open ``settled_s`` (or half
-    of ``watch_s``, if less) resets the backoff. ``watch_s``: how long the server is asked to keep a watch open
+    ``max_retry_after_s``). A watch that delivered a change (ADDED, MODIFIED or DELETED: a bookmark alone is no
+    sign that watching works, a server may send one and fail each time) or stayed open ``settled_s`` (or half of
+    ``watch_s``, if less) resets the backoff. ``watch_s``: how long the server is asked to keep a watch open
     (``timeoutSeconds``, whole seconds). ``page``: the objects per list request (a page is parsed on a worker
     thread, but orjson holds the GIL while it parses: the page's size bounds how long the event loop waits, and
-    500 Pods with their managedFields make it tens of milliseconds); ``max_page_bytes``: the largest page read."""
+    500 Pods with their managedFields make it tens of milliseconds); ``max_page_bytes``: the largest page read;
+    ``max_pages``: the most pages of one list (a server whose continue tokens never end fails the list instead of
+    holding it forever)."""
 
     retry_s: float = 0.25
     max_retry_s: float = 30.0
@@ -86,6 +94,7 @@ class Pacing:
     settled_s: float = 10.0
     page: int = 100
     max_page_bytes: int = 64 << 20
+    max_pages: int = 10_000
 
 
 class KubernetesError(Exception):
@@ -180,9 +189,9 @@ class KubernetesSource(SourceHealth):
         """A client for one list and the watches after it (the CA file read again, off the event loop: it may have
         been rotated)."""
         verify: ssl.SSLContext | bool = False  # plain http: no TLS to verify, no trust store to load
-        if base.startswith("https://"):
+        if urlsplit(base).scheme.lower() != "http":  # HTTPS:// is TLS too (httpx reads schemes in any case)
             verify = await asyncio.to_thread(self._trust)
-        # A list is answered within timeout_s; a watch sets its own read deadline.
+        # A list's page is whole within timeout_s (see _page); a watch sets its own read deadline.
         return httpx.AsyncClient(timeout=self.config.timeout_s, verify=verify, transport=self._transport)
 
     def _trust(self) -> ssl.SSLContext:
@@ -225,7 +234,7 @@ class KubernetesSource(SourceHealth):
         return wait
 
     def _settle(self) -> None:
-        """A watch delivered something or lasted: the next failure starts the backoff afresh."""
+        """A watch delivered a change or lasted: the next failure starts the backoff afresh."""
         self._delay, self._expired, self._ending = self.pacing.retry_s, 0, False
 
     async def _ended_at_once(self) -> None:
@@ -241,28 +250,38 @@ class KubernetesSource(SourceHealth):
         """Every object, a page at a time, then one publish of the whole membership."""
         found: dict[str, tuple[str, tuple[_Member, ...]]] = {}
         params = {"labelSelector": self._selector, "limit": str(self.pacing.page)}
+        tokens: set[str] = set()
         while True:
             body = await self._page(client, base + self._path, params)
             version, token, page = await asyncio.to_thread(self._read_page, body)
             found.update(page)
             if not token:
                 break
+            if token in tokens:
+                raise KubernetesError(f"listing {self._what}: the API server gave a continue token twice")
+            if len(tokens) + 1 >= self.pacing.max_pages:
+                raise KubernetesError(f"listing {self._what}: more than {self.pacing.max_pages} pages")
+            tokens.add(token)
             params["continue"] = token
         self.revision = version
         self._found = found
         await self._publish(publish)
 
     async def _page(self, client: httpx.AsyncClient, url: str, params: dict[str, str]) -> bytes:
-        """The body of one list request."""
+        """The body of one list request, whole within ``timeout_s`` (httpx's timeout bounds each read, not a body
+        that comes a byte at a time)."""
         what = f"listing {self._what}"
         try:
-            async with client.stream("GET", url, params=params, headers=self._headers()) as response:
+            async with (
+                asyncio.timeout(self.config.timeout_s),
+                client.stream("GET", url, params=params, headers=self._headers()) as response,
+            ):
                 if response.status_code == 410:  # the list took longer than the server keeps its snapshot
                     raise _Expired(f"{what}: the continue token expired (HTTP 410)")
                 if response.status_code != 200:
                     raise await _refusal(what, response)
                 body = await _read(response, self.pacing.max_page_bytes)
-        except httpx.ReadTimeout:
+        except (httpx.ReadTimeout, TimeoutError):
             raise KubernetesError(f"{what}: no answer within {self.config.timeout_s:g} s") from None
         if body is None:
             raise KubernetesError(
@@ -316,14 +335,14 @@ class KubernetesSource(SourceHealth):
                         raise KubernetesError(f"watching {self._what}: error: {obj.get('message', obj)}")
                     if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
                         continue
-                    if not delivered:
-                        delivered = True
-                        self._settle()
                     version = obj.get("metadata", {}).get("resourceVersion")
                     if version:
                         self.revision = str(version)
-                    if kind == "BOOKMARK":
+                    if kind == "BOOKMARK":  # where to watch from; no sign that watching works
                         continue
+                    if not delivered:
+                        delivered = True
+                        self._settle()
                     if kind == "DELETED":
                         self._found.pop(_name(obj), None)
                     else:
@@ -462,13 +481,26 @@ async def _refusal(what: str, response: httpx.Response) -> _Refused:
     except ValueError:
         message = ""
     message = message or body[:200].decode("utf-8", "replace")
+    return _Refused(f"{what}: HTTP {response.status_code}: {message[:200]}", _retry_after(response.headers))
+
+
+def _retry_after(headers: httpx.Headers, now: datetime | None = None) -> float | None:
+    """The seconds a ``Retry-After`` asks for: a number (what the API server sends) or an HTTP date (what a proxy
+    in front of it may send; one already past is 0). None when absent or unreadable."""
+    value = headers.get("retry-after", "").strip()
+    if not value:
+        return None
     try:
-        retry_after: float | None = float(response.headers.get("retry-after", ""))
+        seconds = float(value)
     except ValueError:
-        retry_after = None  # absent, or an HTTP date (the API server sends seconds)
-    if retry_after is not None and not (math.isfinite(retry_after) and retry_after >= 0):
-        retry_after = None
-    return _Refused(f"{what}: HTTP {response.status_code}: {message[:200]}", retry_after)
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # "-0000": UTC, the only zone HTTP dates use
+            when = when.replace(tzinfo=UTC)
+        seconds = max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 async def _events(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:

@@ -1,23 +1,29 @@
 """The Kubernetes discovery source (scorer/kubernetes.py) when the API server or the network misbehaves, against
-the in-repo API server's faults (bench/kubeapi.py): a connection gone silent and a list never answered are
-failures with a deadline; a refused, empty or expired watch backs off (and Retry-After is waited) instead of
-asking again at once; each change of health is logged once. Also: the list comes in pages, a dual-stack
-Service gives one endpoint per Pod, and the CA file makes an SSL context."""
+the in-repo API server's faults (bench/kubeapi.py): a connection gone silent and a list never answered or
+trickled are failures with a deadline, and so are pages that never end; a refused, empty or expired watch backs
+off (and Retry-After is waited, in seconds or as a date), a bookmark before it notwithstanding, instead of asking
+again at once; each change of health is logged once. Also: the list comes in pages, a dual-stack Service gives
+one endpoint per Pod, the CA file makes an SSL context, and an https API server (however the scheme is spelt)
+whose certificate it does not sign never sees the token."""
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import itertools
 import logging
+import ssl
 import subprocess
 import warnings
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 
 from inferlb.bench.kubeapi import KubeApi, endpoint_slice, pod
 from inferlb.procs import free_port
-from inferlb.scorer.kubernetes import KubernetesSource, Pacing
+from inferlb.scorer.kubernetes import KubernetesSource, Pacing, _retry_after
 
 from ..conftest import Published, until
 from .test_kubernetes import SELECTOR, api, source
@@ -99,9 +105,15 @@ async def test_a_watch_refused_after_a_good_list_backs_off_from_list_to_list(api
         task.cancel()
 
 
-async def test_retry_after_is_waited_up_to_a_bound(api) -> None:
+def http_date(from_now_s: float) -> str:
+    return email.utils.format_datetime(datetime.now(UTC) + timedelta(seconds=from_now_s), usegmt=True)
+
+
+@pytest.mark.parametrize("form", [pytest.param("seconds", id="seconds"), pytest.param("date", id="http-date")])
+async def test_retry_after_is_waited_up_to_a_bound(api, form: str) -> None:
     api.apply(pod("a", "10.0.0.1", SELECTOR))
-    api.refuse_watches = (429, "3600")  # API Priority and Fairness: too many requests, come back in an hour
+    # API Priority and Fairness: too many requests, come back in an hour (a proxy in front may say it as a date).
+    api.refuse_watches = (429, "3600" if form == "seconds" else http_date(3600))
     kube = source(api.url, pacing=Pacing(retry_s=0.01, max_retry_after_s=0.5, watch_s=1))
     task = asyncio.create_task(kube.run(Published()))
     try:
@@ -110,6 +122,28 @@ async def test_retry_after_is_waited_up_to_a_bound(api) -> None:
         assert 0.5 <= second - first < 2.0
     finally:
         task.cancel()
+
+
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param("120", 120.0, id="seconds"),
+        pytest.param("0.5", 0.5, id="a-fraction"),
+        pytest.param("Sun, 01 Mar 2026 12:02:00 GMT", 120.0, id="a-date-to-come"),
+        pytest.param("Sun, 01 Mar 2026 14:02:00 +0200", 120.0, id="a-date-in-another-zone"),
+        pytest.param("Sun, 01 Mar 2026 11:00:00 GMT", 0.0, id="a-date-past"),
+        pytest.param(None, None, id="absent"),
+        pytest.param("-5", None, id="negative"),
+        pytest.param("nan", None, id="not-a-number"),
+        pytest.param("soon", None, id="neither"),
+    ],
+)
+def test_retry_after_is_read_in_seconds_or_as_an_http_date(value: str | None, expected: float | None) -> None:
+    headers = httpx.Headers({} if value is None else {"retry-after": value})
+    assert _retry_after(headers, NOW) == expected
 
 
 async def test_watches_that_end_at_once_back_off(api, caplog) -> None:
@@ -141,6 +175,73 @@ async def test_a_watch_expired_right_after_every_list_backs_off(api, caplog) -> 
         assert at[4] - at[0] >= 0.025 + 0.05 + 0.1  # the first relist at once, the next ones after a backoff
         assert not kube.healthy and "expired" in (kube.problem or "")
         assert len([line for line in health_lines(caplog) if "out of touch" in line]) == 1
+    finally:
+        task.cancel()
+
+
+@pytest.mark.parametrize("then", [pytest.param("expire", id="then-410"), pytest.param("end", id="then-the-end")])
+async def test_a_bookmark_does_not_reset_the_backoff_of_watches_that_fail(api, then: str) -> None:
+    api.apply(pod("a", "10.0.0.1", SELECTOR))
+    api.bookmark_watches = then  # a bookmark at once, then a 410 ERROR event or the end of the stream, every time
+    kube = source(api.url, pacing=FAST)
+    task = asyncio.create_task(kube.run(Published()))
+    try:
+        # Expired: the first relist at once, then waits of 25-50, 50-100, 100-200, 200-400 ms between lists.
+        # Ended: the same waits between watches, from the one list. Reset by each bookmark: hundreds a second.
+        kind, count = ("list", 6) if then == "expire" else ("watch", 5)
+        await until(lambda: len(times(api, kind)) >= count, f"{count} requests", timeout=5)
+        at = times(api, kind)
+        assert at[count - 1] - at[0] >= 0.025 + 0.05 + 0.1 + 0.2, [b - a for a, b in itertools.pairwise(at)]
+        if then == "end":
+            assert api.lists == 1
+    finally:
+        task.cancel()
+
+
+async def test_a_list_trickled_past_its_deadline_is_a_failure(api) -> None:
+    api.apply(pod("a", "10.0.0.1", SELECTOR))
+    api.trickle_lists = 0.05  # a byte every 50 ms: each read is well within timeout_s, the page some 15 s long
+    seen = Published()
+    kube = source(api.url, timeout_s=0.2, pacing=FAST)
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: kube.failures, "the list given up", timeout=3)
+        assert kube.problem == "listing pods: no answer within 0.2 s" and not seen.lists
+        api.trickle_lists = 0
+        await until(lambda: seen.addresses == ["10.0.0.1:8000"], "the membership once lists come whole", 5)
+    finally:
+        task.cancel()
+
+
+async def test_a_list_whose_pages_never_end_is_a_failure_that_backs_off(api) -> None:
+    for i in range(5):
+        api.apply(pod(f"p{i}", f"10.0.0.{i + 1}", SELECTOR))
+    api.repeat_continue = True  # the second page names itself as the next one, forever
+    seen = Published()
+    kube = source(api.url, pacing=Pacing(retry_s=0.05, max_retry_s=1.0, watch_s=1, page=2))
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: api.lists >= 8, "four lists of two pages", timeout=5)
+        assert kube.problem == "listing pods: the API server gave a continue token twice" and not seen.lists
+        starts = times(api, "list")[0:8:2]
+        assert starts[3] - starts[0] >= 0.025 + 0.05 + 0.1, starts  # backing off, not at once
+        api.repeat_continue = False
+        await until(lambda: len(seen.addresses) == 5, "the membership once the pages end", timeout=5)
+    finally:
+        task.cancel()
+
+
+async def test_a_list_of_more_pages_than_the_bound_is_a_failure(api) -> None:
+    for i in range(4):
+        api.apply(pod(f"p{i}", f"10.0.0.{i + 1}", SELECTOR))
+    seen = Published()
+    kube = source(api.url, pacing=Pacing(retry_s=0.01, max_retry_s=0.05, watch_s=1, page=1, max_pages=3))
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: kube.failures, "a failure", timeout=5)
+        assert kube.problem == "listing pods: more than 3 pages" and not seen.lists
+        api.delete("default", "p3")  # three pages: as many as allowed
+        await until(lambda: len(seen.addresses) == 3, "the membership in three pages", timeout=5)
     finally:
         task.cancel()
 
@@ -221,9 +322,11 @@ async def test_a_dual_stack_service_gives_one_endpoint_per_pod(
 
 
 def make_ca(folder: Path) -> Path:
+    """A self-signed certificate for 127.0.0.1 (``ca.crt``, its key ``ca.key``): a cluster's CA, or a server's."""
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=a cluster CA"],
+         "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
         cwd=folder, check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     return folder / "ca.crt"
@@ -243,3 +346,41 @@ async def test_the_ca_file_makes_an_ssl_context_and_a_missing_one_is_a_failure(t
                 assert ("cannot read the CA file" in (kube.problem or "")) == missing, kube.problem
             finally:
                 task.cancel()
+
+
+@pytest.mark.parametrize("trusted", [pytest.param(False, id="untrusted"), pytest.param(True, id="trusted")])
+async def test_an_https_api_url_in_capitals_verifies_the_certificate_before_sending_the_token(
+    tmp_path: Path, trusted: bool
+) -> None:
+    (tmp_path / "server").mkdir()
+    (tmp_path / "cluster").mkdir()
+    certificate = make_ca(tmp_path / "server")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certificate, tmp_path / "server" / "ca.key")
+    heads: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=context)
+    token = tmp_path / "token"
+    token.write_text("the-service-account-token\n")
+    port = server.sockets[0].getsockname()[1]
+    ca_file = certificate if trusted else make_ca(tmp_path / "cluster")  # the cluster's CA did not sign it
+    kube = source(f"HTTPS://127.0.0.1:{port}", token_file=str(token), ca_file=str(ca_file), pacing=FAST)
+    task = asyncio.create_task(kube.run(Published()))
+    try:
+        await until(lambda: kube.failures, "a failure", timeout=5)
+        if trusted:  # the same server, its certificate trusted: it is reached, and sees the token
+            assert kube.problem == "listing pods: HTTP 401: " and b"the-service-account-token" in heads[0]
+        else:
+            assert "CERTIFICATE_VERIFY_FAILED" in (kube.problem or ""), kube.problem
+            assert heads == []
+    finally:
+        task.cancel()
+        server.close()
