@@ -72,6 +72,7 @@ from inferlb.filter.request import (
 )
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.filter.requestend import add_to_server as add_access_log_service
+from inferlb.filter.tls import CertificateFiles, server_credentials
 from inferlb.filter.xds import ControlPlane
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
@@ -574,30 +575,57 @@ def _trace_id(traceparent: str | None) -> bytes | None:
     return raw if any(raw) else None
 
 
-async def _listen(server: grpc.aio.Server, listen: str) -> int:
-    """Bind ``server`` to ``listen`` and start it; the port bound. OSError naming the address if it cannot."""
+async def _listen(server: grpc.aio.Server, listen: str, tls: CertificateFiles | None = None) -> int:
+    """Bind ``server`` to ``listen`` (with TLS, given its files) and start it; the port bound. OSError naming the
+    address if it cannot."""
     try:
-        port = server.add_insecure_port(listen)
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, server_credentials(tls))
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {listen}: {exc}") from exc
     await server.start()
     return port
 
 
-class WaitingHealth:
-    """The picker's gRPC port while it waits for its discovery source's first member, before it can route: gRPC
-    health only, ``liveness`` SERVING (the process is fine: a kubelet must not restart it) and the rest
-    NOT_SERVING (it takes no request yet). ``stop`` frees the port for the `PickerServer`."""
+class HealthListener:
+    """gRPC health alone, in plaintext, at ``listen`` (config ``tls.health_listen``): what a kubelet's gRPC probe,
+    which cannot speak TLS, asks when the picker's own port serves TLS. It answers from ``health``, the servicer of
+    the picker's port, so both say the same."""
 
-    def __init__(self, listen: str) -> None:
+    def __init__(self, listen: str, servicer: health.aio.HealthServicer) -> None:
         self.listen = listen
-        self.health = health.aio.HealthServicer()
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, self._server)
         self.port: int | None = None
 
     async def start(self) -> None:
         self.port = await _listen(self._server, self.listen)
+
+    async def stop(self, grace: float | None = 0) -> None:
+        await self._server.stop(grace)
+
+
+class WaitingHealth:
+    """The picker's gRPC port while it waits for its discovery source's first member, before it can route: gRPC
+    health only, ``liveness`` SERVING (the process is fine: a kubelet must not restart it) and the rest
+    NOT_SERVING (it takes no request yet). ``stop`` frees the port (and ``health_listen``'s) for the
+    `PickerServer`."""
+
+    def __init__(self, listen: str, *, tls: CertificateFiles | None = None, health_listen: str | None = None) -> None:
+        self.listen = listen
+        self.tls = tls
+        self.health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._plain = None if health_listen is None else HealthListener(health_listen, self.health)
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        self.port = await _listen(self._server, self.listen, self.tls)
+        if self._plain is not None:
+            await self._plain.start()
         for name in HEALTH_SERVICES:
             alive = name == "liveness"
             await self.health.set(
@@ -605,6 +633,8 @@ class WaitingHealth:
             )
 
     async def stop(self) -> None:
+        if self._plain is not None:
+            await self._plain.stop()
         await self._server.stop(0)
 
 
@@ -624,10 +654,13 @@ class PickerServer:
         *,
         max_message_bytes: int = 4 << 20,
         control_plane: ControlPlane | None = None,
+        tls: CertificateFiles | None = None,
+        health_listen: str | None = None,
     ) -> None:
         self.service = service
         self.control_plane = control_plane
         self.listen = listen
+        self.tls = tls
         self.max_message_bytes = max_message_bytes
         self.health = health.aio.HealthServicer()
         self._server = grpc.aio.server(
@@ -646,10 +679,13 @@ class PickerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if control_plane is not None:  # Envoy's endpoints over ADS (filter/xds.py)
             ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(control_plane, self._server)
+        self._plain = None if health_listen is None else HealthListener(health_listen, self.health)
         self.port: int | None = None
 
     async def start(self) -> None:
-        self.port = await _listen(self._server, self.listen)
+        self.port = await _listen(self._server, self.listen, self.tls)
+        if self._plain is not None:
+            await self._plain.start()
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -662,6 +698,8 @@ class PickerServer:
     async def stop(self, grace: float | None = 5.0) -> None:
         await self.drain()
         self._access_logs.close()  # Envoy's access-log streams never end on their own
+        if self._plain is not None:
+            await self._plain.stop()
         await self._server.stop(grace)
 
     async def wait_for_termination(self) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 from inferlb.admin import create_admin_app
 from inferlb.filter.requestend import OpenLeases
 from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer, WaitingHealth
+from inferlb.filter.tls import CertificateFiles
 from inferlb.filter.xds import ControlPlane, Member
 from inferlb.otel.loop import SpanLoop, receiver_settings
 from inferlb.otel.receiver import TraceJoin
@@ -329,6 +330,8 @@ class PickerProcess:
             raise ConfigError("replicas cannot change while the picker runs; restart it")
         if config.kv_events != old.kv_events:
             raise ConfigError("kv_events cannot change while the picker runs; restart it")
+        if config.tls != old.tls:
+            raise ConfigError("tls cannot change while the picker runs (its files may: they are read again); restart")
         if (config.quotas is None) != (old.quotas is None):
             raise ConfigError("quotas cannot be turned on or off while the picker runs (their limits can); restart it")
         if config.inflight.end != old.inflight.end:
@@ -677,6 +680,8 @@ def create_picker(
             config.listen,
             max_message_bytes=config.max_body_bytes + GRPC_ENVELOPE_BYTES,
             control_plane=ControlPlane(XDS_CLUSTERS),
+            tls=_certificates(config),
+            health_listen=None if config.tls is None else config.tls.health_listen,
         ),
         rng=rng,
         config_path=config_path,
@@ -763,6 +768,11 @@ async def _expire_leases(leases: OpenLeases) -> None:
         leases.expire()
 
 
+def _certificates(config: Config) -> CertificateFiles | None:
+    """The gRPC listener's certificate files (config ``tls``), read and checked now; ConfigError."""
+    return None if config.tls is None else CertificateFiles(config.tls.cert_file, config.tls.key_file)
+
+
 def _admin_credential(config: Config) -> Credential | None:
     """The admin API's token, read now (a rotated Secret file takes effect on the next reload); ConfigError."""
     source = config.admin_auth.token
@@ -787,7 +797,8 @@ async def serve(
         source = discovery_source(config)
         assert source is not None
         # Meanwhile the gRPC port answers health checks: alive, not ready.
-        waiting = WaitingHealth(config.listen)
+        health_listen = None if config.tls is None else config.tls.health_listen
+        waiting = WaitingHealth(config.listen, tls=_certificates(config), health_listen=health_listen)
         await waiting.start()
         try:
             discovered = await first_membership(source)

@@ -214,11 +214,18 @@ def http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
-def grpc_serving(address: str, service: str = "readiness") -> Callable[[], bool]:
-    """A readiness check: the gRPC health service at ``address`` reports ``service`` SERVING."""
+def grpc_serving(
+    address: str, service: str = "readiness", *, root_certificates: bytes | None = None
+) -> Callable[[], bool]:
+    """A readiness check: the gRPC health service at ``address`` reports ``service`` SERVING (over TLS, trusting
+    ``root_certificates``, where they are given)."""
 
     def check() -> bool:
-        with grpc.insecure_channel(address) as channel:
+        if root_certificates is None:
+            opened = grpc.insecure_channel(address)
+        else:
+            opened = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
+        with opened as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -265,6 +265,13 @@ class LocalStack:
             args += ["--model", model]
         self.backends = start_sim(self.endpoints, self.workdir / "backends.log", *args)
 
+    def picker_serving(self, listen: str) -> Callable[[], bool]:
+        """The readiness check of the picker at ``listen`` (over TLS, trusting what Envoy trusts, with ``tls``)."""
+        tls = self.config.tls
+        if tls is None:
+            return grpc_serving(listen)
+        return grpc_serving(listen, root_certificates=Path(tls.ca_file or tls.cert_file).read_bytes())
+
     def start_picker(self) -> None:
         argv = list(self.options.picker_command) or [
             find_tool("inferlb"),
@@ -279,14 +286,14 @@ class LocalStack:
         )
         self.picker.start()
         for listen, _ in self.worker_addresses:
-            self.picker.wait_ready(grpc_serving(listen), READY_TIMEOUT_S, f"serving on {listen}")
+            self.picker.wait_ready(self.picker_serving(listen), READY_TIMEOUT_S, f"serving on {listen}")
         for i, (listen, _) in enumerate(self.replica_addresses, 1):
             config = self.workdir / f"picker-{i}.yaml"
             replica = ManagedProcess(
                 f"picker-{i}", [*argv, "--config", str(config)], self.workdir / f"picker-{i}.log", env
             )
             self.replicas.append(replica)
-            replica.start().wait_ready(grpc_serving(listen), READY_TIMEOUT_S, "serving")
+            replica.start().wait_ready(self.picker_serving(listen), READY_TIMEOUT_S, "serving")
         if self.options.picker_command:
             return  # another picker (the hop benchmark's do-nothing one) serves gRPC only
         # The admin API comes up after the gRPC server (after the span receiver's process, where there is one).

@@ -74,11 +74,15 @@ def _shifted(address: str, by: int, name: str) -> str:
 
 
 def worker_config(config: Config, index: int) -> Config:
-    """The config worker ``index`` runs: ``listen`` and ``admin`` on their ports plus ``index``."""
+    """The config worker ``index`` runs: ``listen``, ``admin`` (and ``tls.health_listen``) on their ports plus
+    ``index``."""
     if index == 0:
         return config
     admin = None if config.admin is None else _shifted(config.admin, index, "admin")
-    return replace(config, listen=_shifted(config.listen, index, "listen"), admin=admin)
+    tls = config.tls
+    if tls is not None and tls.health_listen is not None:
+        tls = replace(tls, health_listen=_shifted(tls.health_listen, index, "tls.health_listen"))
+    return replace(config, listen=_shifted(config.listen, index, "listen"), admin=admin, tls=tls)
 
 
 def worker_addresses(config: Config, workers: int) -> list[str]:
@@ -106,7 +110,8 @@ def check_workers(config: Config, workers: int, flag: str = "--workers") -> None
     ports: dict[str, str] = {}
     for index in range(workers):
         worker = worker_config(config, index)
-        for name, address in (("listen", worker.listen), ("admin", worker.admin)):
+        health = None if worker.tls is None else worker.tls.health_listen
+        for name, address in (("listen", worker.listen), ("admin", worker.admin), ("tls.health_listen", health)):
             if address is None:
                 continue
             if address in ports:

@@ -682,6 +682,20 @@ TenantName = Annotated[str, Parsed(_tenant_name)]
 
 
 @dataclass(frozen=True, slots=True)
+class TlsConfig(Section):
+    """``tls``: the picker's gRPC listener (``listen``: ext_proc, the request ends, ADS, gRPC health) serves TLS
+    with ``cert_file`` and ``key_file`` (PEM, read again for new connections when they change), as gateways that
+    speak TLS to an endpoint picker expect. ``ca_file``: what Envoy's bootstrap (`inferlb envoy-config`) trusts for
+    it, a path where Envoy runs (default: ``cert_file`` itself, for a self-signed certificate). ``health_listen``:
+    a plaintext listener of gRPC health alone, for probes that cannot speak TLS (a kubelet's)."""
+
+    cert_file: Annotated[str, TEXT] = field(metadata={"description": "the certificate chain (PEM)"})
+    key_file: Annotated[str, TEXT] = field(metadata={"description": "its private key (PEM)"})
+    ca_file: Annotated[str | None, optional(TEXT)] = None
+    health_listen: Annotated[str | None, optional(Parsed(_address))] = None
+
+
+@dataclass(frozen=True, slots=True)
 class TenantJwtConfig(Section):
     """``quotas.jwt``: Envoy checks every request's JWT (``Authorization: Bearer <token>``; none, or one that fails
     the checks: 401) against ``issuer``, ``audiences`` (one of them must be the token's; empty: not checked) and
@@ -1059,6 +1073,7 @@ class ConfigFile(Model):
     replicas: ReplicasConfig | None = None
     quotas: QuotasConfig | None = None
     kv_events: KVEventsConfig | None = None
+    tls: TlsConfig | None = None
     pool: PoolFile = Field(description="a mapping with a list 'endpoints'")
 
     @model_validator(mode="after")
@@ -1067,6 +1082,9 @@ class ConfigFile(Model):
             raise invalid(f" must differ from listen; both are {self.admin!r}", "admin")
         if self.otel.receiver is not None and self.otel.receiver in (self.listen, self.admin):
             raise invalid(f" must differ from listen and admin; got {self.otel.receiver!r}", "otel", "receiver")
+        health = None if self.tls is None else self.tls.health_listen
+        if health is not None and health in (self.listen, self.admin, self.otel.receiver):
+            raise invalid(f" must differ from listen, admin and otel.receiver; got {health!r}", "tls", "health_listen")
         if self.policy not in PRESET_NAMES and self.policy not in self.profiles:
             known = ", ".join([*PRESET_NAMES, *self.profiles])
             raise invalid(f" must be a preset or a profile of this file ({known}); got {shown(self.policy)}", "policy")
@@ -1168,6 +1186,7 @@ class Config:
     replicas: ReplicasConfig | None = None  # several pickers share routing state through Redis
     quotas: QuotasConfig | None = None  # per-tenant limits (across the replicas, with replicas)
     kv_events: KVEventsConfig | None = None  # the servers' own account of their prefix caches
+    tls: TlsConfig | None = None  # TLS on the gRPC listener
 
     def profile_spec(self, name: str | None = None) -> ProfileSpec | str:
         """The spec of the chosen policy (or of the profile ``name``): a profile of this file, else the preset's
@@ -1255,4 +1274,5 @@ def parse_config(data: Any) -> Config:
         replicas=doc.replicas,
         quotas=doc.quotas,
         kv_events=doc.kv_events,
+        tls=doc.tls,
     )

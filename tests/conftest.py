@@ -164,3 +164,16 @@ def probe_running_picker(config: Path, out: Path, probe: str, timeout_s: float =
     assert done.returncode == 0, done.stderr[-4000:]
     assert out.exists(), f"the probe wrote nothing; the picker's log:\n{done.stderr[-4000:]}"
     return json.loads(out.read_text())
+
+
+def self_signed(folder: Path, name: str = "ca") -> Path:
+    """A self-signed certificate for 127.0.0.1 (``<name>.crt``, its key ``<name>.key``, made by openssl in
+    ``folder``): a cluster's CA, or a server's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        cwd=folder, check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return folder / f"{name}.crt"

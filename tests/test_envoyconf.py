@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import yaml
 from inferlb.envoyconf import EnvoyConfigError, EnvoyOptions, render_bootstrap
 from inferlb.scorer.config import parse_config
 
-from .conftest import envoy_accepts
+from .conftest import envoy_accepts, self_signed
 
 CONFIG = parse_config(
     {
@@ -86,6 +87,25 @@ def test_quotas_named_by_a_jwt_claim_put_envoys_jwt_filter_first(tmp_path: Path)
     )
     doc = yaml.safe_load(render_bootstrap(gateway, EnvoyOptions()))
     assert "envoy.filters.http.jwt_authn" not in [f["name"] for f in hcm(doc)["http_filters"]]
+
+
+@pytest.mark.envoy
+def test_a_picker_that_serves_tls_is_reached_over_tls_trusting_its_ca(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl (.ci/run installs it)")
+    ca = self_signed(tmp_path)  # Envoy checks that the CA file is a certificate
+    tls = {"cert_file": "/etc/inferlb/tls.crt", "key_file": "/etc/inferlb/tls.key", "ca_file": str(ca)}
+    config = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}, "tls": tls})
+    text = render_bootstrap(config, EnvoyOptions())
+    socket = clusters(yaml.safe_load(text))["inferlb_picker"]["transport_socket"]["typed_config"]
+    assert socket["common_tls_context"]["validation_context"] == {"trusted_ca": {"filename": str(ca)}}
+    assert socket["common_tls_context"]["alpn_protocols"] == ["h2"]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    envoy_accepts(path)
+    assert (
+        "transport_socket" not in clusters(yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions())))["inferlb_picker"]
+    )
 
 
 def test_client_destination_header_and_request_id_are_removed_before_routing() -> None:

@@ -13,7 +13,6 @@ import email.utils
 import itertools
 import logging
 import ssl
-import subprocess
 import warnings
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -25,7 +24,7 @@ from inferlb.bench.kubeapi import KubeApi, endpoint_slice, pod
 from inferlb.procs import free_port
 from inferlb.scorer.kubernetes import KubernetesSource, Pacing, _retry_after
 
-from ..conftest import Published, until
+from ..conftest import Published, self_signed, until
 from .test_kubernetes import SELECTOR, api, source
 
 __all__ = ["api"]  # the API server fixture, shared with test_kubernetes.py
@@ -321,20 +320,9 @@ async def test_a_dual_stack_service_gives_one_endpoint_per_pod(
         task.cancel()
 
 
-def make_ca(folder: Path) -> Path:
-    """A self-signed certificate for 127.0.0.1 (``ca.crt``, its key ``ca.key``): a cluster's CA, or a server's."""
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        cwd=folder, check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return folder / "ca.crt"
-
-
 async def test_the_ca_file_makes_an_ssl_context_and_a_missing_one_is_a_failure(tmp_path: Path) -> None:
     url = f"https://127.0.0.1:{free_port()}"  # nothing listens: the source gets as far as connecting
-    for ca_file, missing in ((make_ca(tmp_path), False), (tmp_path / "missing.crt", True)):
+    for ca_file, missing in ((self_signed(tmp_path), False), (tmp_path / "missing.crt", True)):
         kube = source(url, ca_file=str(ca_file), pacing=FAST)
         assert isinstance(kube, KubernetesSource)
         with warnings.catch_warnings():
@@ -354,7 +342,7 @@ async def test_an_https_api_url_in_capitals_verifies_the_certificate_before_send
 ) -> None:
     (tmp_path / "server").mkdir()
     (tmp_path / "cluster").mkdir()
-    certificate = make_ca(tmp_path / "server")
+    certificate = self_signed(tmp_path / "server")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(certificate, tmp_path / "server" / "ca.key")
     heads: list[bytes] = []
@@ -371,7 +359,7 @@ async def test_an_https_api_url_in_capitals_verifies_the_certificate_before_send
     token = tmp_path / "token"
     token.write_text("the-service-account-token\n")
     port = server.sockets[0].getsockname()[1]
-    ca_file = certificate if trusted else make_ca(tmp_path / "cluster")  # the cluster's CA did not sign it
+    ca_file = certificate if trusted else self_signed(tmp_path / "cluster")  # the cluster's CA did not sign it
     kube = source(f"HTTPS://127.0.0.1:{port}", token_file=str(token), ca_file=str(ca_file), pacing=FAST)
     task = asyncio.create_task(kube.run(Published()))
     try:

@@ -1,0 +1,89 @@
+"""TLS on the picker's gRPC listener (config ``tls``): the credentials of its certificate files, read again for new
+connections once the files change, as cert-manager renews a Secret in place.
+
+Gateways that speak TLS to an endpoint picker by default (NGINX Gateway Fabric; Istio with a TLS DestinationRule)
+need it; so does any path between gateway and picker that a NetworkPolicy alone does not keep private. gRPC reads
+the files through `CertificateFiles.fetch` at each TLS handshake: a stat of each file, and a read only after a
+change. Envoy keeps its few HTTP/2 connections to the picker for long, so handshakes are rare. A renewal caught
+half-written (a key that does not match its certificate yet) leaves the certificate in force until the next
+handshake finds the pair whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from pathlib import Path
+
+import grpc
+
+from inferlb.scorer.errors import ConfigError
+
+__all__ = ["CertificateFiles", "server_credentials"]
+
+logger = logging.getLogger(__name__)
+
+
+class CertificateFiles:
+    """A certificate chain and its private key (PEM files), checked to be a pair when read."""
+
+    def __init__(self, cert_file: str, key_file: str) -> None:
+        self.cert_file = Path(cert_file)
+        self.key_file = Path(key_file)
+        self.reads = 0
+        self._stamp = self._stamps()
+        self._current = self._read()  # ConfigError at start-up: nothing to serve with
+
+    def _stamps(self) -> tuple[tuple[int, int, int, int] | None, ...]:
+        stamps: list[tuple[int, int, int, int] | None] = []
+        for path in (self.cert_file, self.key_file):
+            try:
+                st = os.stat(path)
+            except OSError:
+                stamps.append(None)
+            else:
+                stamps.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+        return tuple(stamps)
+
+    def _read(self) -> grpc.ServerCertificateConfiguration:
+        """The files' pair, checked with the ssl module (a key of another certificate is refused here, not at a
+        client's handshake); ConfigError naming the file."""
+        pair: list[bytes] = []
+        for name, path in (("tls.cert_file", self.cert_file), ("tls.key_file", self.key_file)):
+            try:
+                pair.append(path.read_bytes())
+            except OSError as exc:
+                raise ConfigError(f"{name}: cannot read {path}: {exc.strerror or exc}") from None
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert_file, self.key_file)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(
+                f"tls: {self.cert_file} and {self.key_file} are not a PEM certificate chain and its private key ({exc})"
+            ) from None
+        self.reads += 1
+        chain, key = pair
+        return grpc.ssl_server_certificate_configuration([(key, chain)])
+
+    def initial(self) -> grpc.ServerCertificateConfiguration:
+        return self._current
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """What gRPC asks at each handshake: the pair read again if either file changed (None: keep the one in
+        force)."""
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return None
+        try:
+            current = self._read()
+        except ConfigError as exc:
+            logger.warning("tls: the certificate files changed but cannot be used yet; the old pair stays: %s", exc)
+            return None  # read again at the next handshake
+        self._stamp = stamp
+        logger.info("tls: serving the renewed certificate of %s", self.cert_file)
+        return current
+
+
+def server_credentials(files: CertificateFiles) -> grpc.ServerCredentials:
+    """TLS credentials for a gRPC server that follow ``files``."""
+    return grpc.dynamic_ssl_server_credentials(files.initial(), files.fetch)
