@@ -412,6 +412,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if config.jwt is not None:
             problem = _tenant_problem(tenant, config.jwt.claim)
             if problem is not None:
+                if self.route_spans is not None:
+                    self.route_spans.refused(features, 403, TenantRefusedError.type, time.time_ns())
                 return TenantRefusedError(problem), None
         if tenant is not None:
             tenant = client_key(tenant)  # up to max_tenants of them are kept

@@ -27,7 +27,7 @@ from inferlb.scorer.router import Router
 from inferlb.scorer.signals import Signals
 
 from ..conftest import until
-from .test_server import MODEL, FakeEnvoy, body_message, destination, headers_message, route_buffered
+from .test_server import MODEL, FakeEnvoy, body_message, destination, headers_message, immediate, route_buffered
 
 ENDPOINTS = [("127.0.0.1:9101", "fast"), ("127.0.0.1:9102", "fast"), ("127.0.0.1:9103", "long")]
 BATCH = RequestClass("batch", on_saturation="shed", retry_after_s=7)
@@ -220,3 +220,21 @@ async def test_a_tenant_name_longer_than_any_configured_one_is_kept_as_a_digest(
         assert destination(reply) in {a for a, _ in ENDPOINTS}
     kept = list(service.quotas._buckets)
     assert len(kept) == 3 and max(map(len, kept)) <= 40 and kept[2] == "a"
+
+
+async def test_with_jwt_tenants_a_request_naming_no_usable_tenant_is_refused_before_any_charge(saturated) -> None:
+    server, _ = saturated
+    service = server.service
+    service.experiment_headers = frozenset({"x-tenant"})
+    jwt = {"issuer": "https://auth.test", "jwks_file": "/etc/jwks.json", "claim": "org"}
+    document = {"header": "x-tenant", "source": "jwt", "jwt": jwt, "default": {"requests_per_minute": 60}}
+    service.quotas = Quotas(
+        parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:80"}]}, "quotas": document}).quotas
+    )
+    for headers, says in (({}, "its claim 'org' is missing or empty"), ({"x-tenant": "a\tb"}, "control characters")):
+        status, body = immediate(await route_buffered(server, {"model": MODEL, "prompt": "hi"}, headers))
+        assert status == 403 and body["error"]["type"] == "tenant_refused" and says in body["error"]["message"]
+    assert not service.quotas._buckets  # nothing charged
+    assert service.stats.refused[403] == 2
+    reply = await route_buffered(server, {"model": MODEL, "prompt": "hi"}, {"x-tenant": "a"})
+    assert destination(reply) in {a for a, _ in ENDPOINTS}
