@@ -187,18 +187,23 @@ def apply_body(
         raise MalformedRequestError("request body is empty; expected a JSON object")
     body = _without_bom(body)
     if len(body) < _GC_PAUSE_MIN_BYTES:
-        return features.with_body(*_read(body, keyer, features.path))
+        return features.with_body(*_read(body, keyer, _route_path(features.path)))
     # The document must be gone before the collector runs again: an error's traceback holds the frames that hold
     # the document, so it is dropped here.
     refused = None
     with _collector_paused():
         try:
-            found = _read(body, keyer, features.path)
+            found = _read(body, keyer, _route_path(features.path))
         except RequestError as exc:
             refused = exc.with_traceback(None)
     if refused is not None:
         raise refused
     return features.with_body(*found)
+
+
+def _route_path(path: str) -> str:
+    """The path Envoy's routes match, ``:path`` without its query string (``/v1/responses?api-version=1``)."""
+    return path.partition("?")[0]
 
 
 def _without_bom(body: bytes) -> bytes:

@@ -276,6 +276,8 @@ def test_a_responses_request_is_read_as_the_chat_it_becomes() -> None:
     template = {"model": "r", "input": "hi", "prompt": {"id": "pmpt_1", "variables": {"x": "y"}}, "instructions": None}
     assert _apply_to("/v1/responses", template).prompt_chars == 2
     assert _apply_to("/v1/responses", {**template, "prompt": None}).prompt_chars == 2
+    # Envoy's routes match the path without its query string, and so does the reading of the body.
+    assert _apply_to("/v1/responses?api-version=2025-03-01-preview", template).prompt_chars == 2
     # The largest of the names a request may give its output budget is the one counted (and charged).
     both = {"model": "r", "input": "x", "max_tokens": 5, "max_output_tokens": 900}
     assert _apply_to("/v1/responses", both).max_tokens == 900
@@ -295,8 +297,9 @@ def test_apis_that_generate_nothing_charge_their_texts_and_no_output(
 ) -> None:
     """Quotas charge a request its prompt's tokens plus its output budget: on the scoring and embeddings APIs the
     texts are the prompt, and no output is generated (not the quotas' assumed output tokens)."""
-    read = _apply_to(path, {"model": "s", **doc})
-    assert (read.prompt_chars, read.prompt_tokens, read.max_tokens) == (chars, (chars + 3) // 4, 0)
+    for sent in (path, f"{path}?x=1"):
+        read = _apply_to(sent, {"model": "s", **doc})
+        assert (read.prompt_chars, read.prompt_tokens, read.max_tokens) == (chars, (chars + 3) // 4, 0)
 
 
 @pytest.mark.parametrize(
