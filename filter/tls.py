@@ -47,23 +47,33 @@ class CertificateFiles:
         return tuple(stamps)
 
     def _read(self) -> grpc.ServerCertificateConfiguration:
-        """The files' pair, checked with the ssl module (a key of another certificate is refused here, not at a
-        client's handshake); ConfigError naming the file."""
+        """The files' pair, checked with the ssl module (a key of another certificate, or one with a pass phrase,
+        is refused here, not at a client's handshake); ConfigError naming the files. The bytes served are those
+        checked: a file rewritten between the reads is refused (and read again at the next handshake)."""
+        pair = self._bytes()
+        try:
+            # No pass phrase: without it OpenSSL would ask for one on the terminal (and wait there, if there is one).
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.cert_file, self.key_file, password=_no_passphrase)
+        except (ssl.SSLError, ValueError, OSError, _EncryptedError) as exc:
+            why = "the key is encrypted: give it without a pass phrase" if isinstance(exc, _EncryptedError) else exc
+            raise ConfigError(
+                f"tls: {self.cert_file} and {self.key_file} are not a PEM certificate chain and its private key ({why})"
+            ) from None
+        if self._bytes() != pair:
+            raise ConfigError(f"tls: {self.cert_file} or {self.key_file} changed while being read")
+        self.reads += 1
+        chain, key = pair
+        return grpc.ssl_server_certificate_configuration([(key, chain)])
+
+    def _bytes(self) -> tuple[bytes, bytes]:
         pair: list[bytes] = []
         for name, path in (("tls.cert_file", self.cert_file), ("tls.key_file", self.key_file)):
             try:
                 pair.append(path.read_bytes())
             except OSError as exc:
                 raise ConfigError(f"{name}: cannot read {path}: {exc.strerror or exc}") from None
-        try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert_file, self.key_file)
-        except (ssl.SSLError, ValueError) as exc:
-            raise ConfigError(
-                f"tls: {self.cert_file} and {self.key_file} are not a PEM certificate chain and its private key ({exc})"
-            ) from None
-        self.reads += 1
-        chain, key = pair
-        return grpc.ssl_server_certificate_configuration([(key, chain)])
+        return pair[0], pair[1]
 
     def initial(self) -> grpc.ServerCertificateConfiguration:
         return self._current
@@ -79,9 +89,20 @@ class CertificateFiles:
         except ConfigError as exc:
             logger.warning("tls: the certificate files changed but cannot be used yet; the old pair stays: %s", exc)
             return None  # read again at the next handshake
+        except Exception:  # gRPC would drop it with a line of its own: say what happened, keep the pair in force
+            logger.exception("tls: reading the renewed certificate files failed; the old pair stays")
+            return None
         self._stamp = stamp
         logger.info("tls: serving the renewed certificate of %s", self.cert_file)
         return current
+
+
+class _EncryptedError(Exception):
+    """The private key asks for a pass phrase."""
+
+
+def _no_passphrase() -> bytes:
+    raise _EncryptedError
 
 
 def server_credentials(files: CertificateFiles) -> grpc.ServerCredentials:

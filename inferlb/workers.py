@@ -107,22 +107,40 @@ def check_workers(config: Config, workers: int, flag: str = "--workers") -> None
             f"{workers} would hold; set otel.latency_source: stream (each worker times the responses it sees) "
             "and remove otel.receiver, or run one worker"
         )
-    ports: dict[str, str] = {}
+    taken: dict[int, list[tuple[str, str]]] = {}  # port -> (host, whose) of each listener on it
     for index in range(workers):
         worker = worker_config(config, index)
         health = None if worker.tls is None else worker.tls.health_listen
         for name, address in (("listen", worker.listen), ("admin", worker.admin), ("tls.health_listen", health)):
             if address is None:
                 continue
-            if address in ports:
-                host, port = parse_address(config.listen)
-                admin_host = host if config.admin is None else parse_address(config.admin)[0]
-                raise ConfigError(
-                    f"{flag} {workers}: worker {index}'s {name} {address} is also {ports[address]}; "
-                    "listen and admin need ports at least the worker count apart (for example admin: "
-                    f"{format_address(admin_host, port + workers)})"
-                )
-            ports[address] = f"worker {index}'s {name}"
+            host, port = parse_address(address)
+            for other, whose in taken.get(port, ()):
+                if host == other or _WILDCARDS & {host, other}:  # one on every address takes the port on each
+                    raise ConfigError(
+                        f"{flag} {workers}: worker {index}'s {name} {address} is also {whose}'s port; "
+                        f"{_spread(config, workers)}"
+                    )
+            taken.setdefault(port, []).append((host, f"worker {index}'s {name}"))
+
+
+_WILDCARDS = frozenset({"0.0.0.0", "::"})
+
+
+def _spread(config: Config, workers: int) -> str:
+    """How to space the ports of ``config``'s listeners so that ``workers`` workers fit: an example."""
+    port = parse_address(config.listen)[1]
+    fields = [("admin", config.admin)]
+    if config.tls is not None and config.tls.health_listen is not None:
+        fields.append(("tls.health_listen", config.tls.health_listen))
+    listed = ["listen", *(name for name, address in fields if address is not None)]
+    names = " and ".join([", ".join(listed[:-1]), listed[-1]])
+    examples = ", ".join(
+        f"{name}: {format_address(parse_address(address)[0], port + workers * i)}"
+        for i, (name, address) in enumerate(fields, 1)
+        if address is not None
+    )
+    return f"{names} need ports at least the worker count apart (for example {examples})"
 
 
 def say_ready() -> None:

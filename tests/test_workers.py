@@ -54,8 +54,16 @@ def test_each_worker_listens_and_serves_its_admin_api_on_the_ports_plus_its_inde
         (
             _document(admin="127.0.0.1:9003"),
             2,
-            "worker 1's listen 127.0.0.1:9003 is also worker 0's admin; listen and admin need ports at least the "
-            "worker count apart (for example admin: 127.0.0.1:9004)",
+            "worker 1's listen 127.0.0.1:9003 is also worker 0's admin's port; listen and admin need ports at least "
+            "the worker count apart (for example admin: 127.0.0.1:9004)",
+        ),
+        (
+            _document(admin="127.0.0.1:9010", tls={"cert_file": "c", "key_file": "k", "health_listen": "0.0.0.0:9003"}),
+            2,
+            "worker 1's listen 127.0.0.1:9003 is also worker 0's tls.health_listen's port; listen, admin and "
+            "tls.health_listen "
+            "need ports at least the worker count apart (for example admin: 127.0.0.1:9004, tls.health_listen: "
+            "0.0.0.0:9006)",
         ),
         (_document(listen="127.0.0.1:65535"), 2, "goes past port 65535"),
         (_document(), 0, "not between 1 and 64"),

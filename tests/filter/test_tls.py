@@ -4,6 +4,7 @@ files change, keeping the pair in force while a renewal is half-written."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,14 @@ def test_a_key_of_another_certificate_is_refused_naming_the_files(tmp_path: Path
         CertificateFiles(str(cert), str(tmp_path / "b.key"))
     with pytest.raises(ConfigError, match=r"^tls\.key_file: cannot read .*missing\.key"):
         CertificateFiles(str(cert), str(tmp_path / "missing.key"))
+    # A key with a pass phrase: refused with the reason, never a prompt on the terminal (or a wait at one).
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-keyout", "e.key",
+         "-out", "e.crt", "-days", "1", "-subj", "/CN=127.0.0.1", "-passout", "pass:secret"],
+        cwd=tmp_path, check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="the key is encrypted: give it without a pass phrase"):
+        CertificateFiles(str(tmp_path / "e.crt"), str(tmp_path / "e.key"))
 
 
 def test_the_files_are_read_again_only_when_they_change_and_only_as_a_pair(tmp_path: Path) -> None:
