@@ -220,7 +220,9 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         access_log_path=options.access_log_path,
         body_routes=BODY_ROUTES,
         tenant_jwt=_tenant_jwt(config),
-        picker_tls=None if config.tls is None else {"ca_file": config.tls.ca_file or config.tls.cert_file},
+        picker_tls=None
+        if config.tls is None
+        else {"ca_file": config.tls.ca_file or config.tls.cert_file, "server_name": config.tls.server_name},
         full_duplex=options.body_mode == "full-duplex",
         debug_scores=config.debug_scores,
         observe=options.picker and config.otel.latency_source == "stream",

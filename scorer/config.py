@@ -686,12 +686,15 @@ class TlsConfig(Section):
     """``tls``: the picker's gRPC listener (``listen``: ext_proc, the request ends, ADS, gRPC health) serves TLS
     with ``cert_file`` and ``key_file`` (PEM, read again for new connections when they change), as gateways that
     speak TLS to an endpoint picker expect. ``ca_file``: what Envoy's bootstrap (`inferlb envoy-config`) trusts for
-    it, a path where Envoy runs (default: ``cert_file`` itself, for a self-signed certificate). ``health_listen``:
-    a plaintext listener of gRPC health alone, for probes that cannot speak TLS (a kubelet's)."""
+    it, a path where Envoy runs (default: ``cert_file`` itself, for a self-signed certificate); ``server_name``: a
+    DNS name the certificate must hold, which that Envoy checks and sends (SNI), so that no other certificate of
+    the same CA passes for the picker (default: any the CA signed). ``health_listen``: a plaintext listener of
+    gRPC health alone, for probes that cannot speak TLS (a kubelet's)."""
 
     cert_file: Annotated[str, TEXT] = field(metadata={"description": "the certificate chain (PEM)"})
     key_file: Annotated[str, TEXT] = field(metadata={"description": "its private key (PEM)"})
     ca_file: Annotated[str | None, optional(TEXT)] = None
+    server_name: Annotated[str | None, optional(Parsed(_host_name))] = None
     health_listen: Annotated[str | None, optional(Parsed(_address))] = None
 
 

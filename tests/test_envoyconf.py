@@ -95,17 +95,28 @@ def test_a_picker_that_serves_tls_is_reached_over_tls_trusting_its_ca(tmp_path: 
         pytest.skip("needs openssl (.ci/run installs it)")
     ca = self_signed(tmp_path)  # Envoy checks that the CA file is a certificate
     tls = {"cert_file": "/etc/inferlb/tls.crt", "key_file": "/etc/inferlb/tls.key", "ca_file": str(ca)}
-    config = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}, "tls": tls})
-    text = render_bootstrap(config, EnvoyOptions())
+    pool = {"endpoints": [{"address": "10.0.0.1:8000"}]}
+    text = render_bootstrap(parse_config({"pool": pool, "tls": tls}), EnvoyOptions())
     socket = clusters(yaml.safe_load(text))["inferlb_picker"]["transport_socket"]["typed_config"]
     assert socket["common_tls_context"]["validation_context"] == {"trusted_ca": {"filename": str(ca)}}
-    assert socket["common_tls_context"]["alpn_protocols"] == ["h2"]
+    assert socket["common_tls_context"]["alpn_protocols"] == ["h2"] and "sni" not in socket
     path = tmp_path / "envoy.yaml"
     path.write_text(text)
     envoy_accepts(path)
     assert (
         "transport_socket" not in clusters(yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions())))["inferlb_picker"]
     )
+    # A name the picker's certificate must hold: checked, and sent as SNI.
+    text = render_bootstrap(
+        parse_config({"pool": pool, "tls": {**tls, "server_name": "picker.llm.svc"}}), EnvoyOptions()
+    )
+    socket = clusters(yaml.safe_load(text))["inferlb_picker"]["transport_socket"]["typed_config"]
+    assert socket["sni"] == "picker.llm.svc"
+    assert socket["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"] == [
+        {"san_type": "DNS", "matcher": {"exact": "picker.llm.svc"}}
+    ]
+    path.write_text(text)
+    envoy_accepts(path)
 
 
 def test_client_destination_header_and_request_id_are_removed_before_routing() -> None:
