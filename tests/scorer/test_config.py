@@ -121,7 +121,7 @@ ERRORS = [
         _doc(polcy="round-robin"),
         r"^config: unknown key 'polcy' \(allowed: admin, admin_auth, admission, class_header, classes, debug_scores, "
         r"default_class, destinations, drain_s, experiments, inference_objectives, inflight, kv_events, listen, "
-        r"max_body_bytes, otel, policy, pool, profiles, quotas, replicas, session_header, signals, "
+        r"max_body_bytes, otel, policy, pool, profiles, quotas, replicas, session_header, signals, tls, "
         r"weights_interval_s\)$",
         id="unknown-top-key",
     ),
@@ -1026,7 +1026,7 @@ def _at(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
             "config",
             "admin, admin_auth, admission, class_header, classes, debug_scores, default_class, destinations, drain_s, "
             "experiments, inference_objectives, inflight, kv_events, listen, max_body_bytes, otel, policy, pool, "
-            "profiles, quotas, replicas, session_header, signals, weights_interval_s",
+            "profiles, quotas, replicas, session_header, signals, tls, weights_interval_s",
             id="top",
         ),
         pytest.param(("pool",), "pool", "allowed_networks, discovery, endpoints, slow_start, speeds", id="pool"),
