@@ -11,6 +11,8 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inferlb.procs import free_port, grpc_serving
@@ -43,6 +45,10 @@ def test_envoy_reaches_the_picker_over_tls_and_a_renewed_certificate_is_served(t
         with pytest.raises(grpc.RpcError), grpc.insecure_channel(stack.picker_address) as channel:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=2)
         assert grpc_serving(health_listen, "liveness")() and grpc_serving(health_listen)()
+        # The plaintext port serves health alone: no routing stream, no request end, no ADS there.
+        with grpc.insecure_channel(health_listen) as channel, pytest.raises(grpc.RpcError) as refused:
+            next(iter(ExternalProcessorStub(channel).Process(iter([ProcessingRequest()]), timeout=2)))
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
         # A renewed certificate (as cert-manager writes it): new connections get it, no restart.
         renewed = self_signed(tmp_path / "renewed", "picker")
         shutil.copy(renewed.with_suffix(".key"), key)
