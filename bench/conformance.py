@@ -1,7 +1,8 @@
 """An Endpoint Picker against the Gateway API Inference Extension's protocol (its proposal 004): our own
 conformance suite, modelled on the extension's gateway conformance scenarios, for any picker.
 
-    inferlb conformance [--picker HOST:PORT --model NAME] [--body-mode buffered|full-duplex ...] [--out DIR]
+    inferlb conformance [--picker HOST:PORT [--picker-ca FILE] --model NAME] [--body-mode buffered|full-duplex ...]
+                        [--out DIR]
 
 With ``--picker`` it plays the data plane to that picker over ext_proc, message by message as Envoy sends
 them, in each body mode: a pick names ``ip:port`` endpoints in the destination header and the same value in
@@ -76,6 +77,9 @@ class Failed(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--picker", help="HOST:PORT of the picker to check (default: start inferlb and check it)")
+    parser.add_argument(
+        "--picker-ca", type=Path, help="the picker serves TLS: the CA (PEM) its certificate chains to, to trust"
+    )
     parser.add_argument("--model", default="m1", help="a model the picker's pool serves")
     parser.add_argument("--body-mode", action="append", choices=MODES, help="the body modes to check (default: both)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -87,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     if args.picker:
         for mode in modes:
-            results += asyncio.run(picker_scenarios(args.picker, args.model, mode))
+            roots = None if args.picker_ca is None else args.picker_ca.read_bytes()
+            results += asyncio.run(picker_scenarios(args.picker, args.model, mode, roots=roots))
         target = args.picker
     else:
         target = "inferlb (started here: emulated servers, real Envoy)"
@@ -166,10 +171,17 @@ class Exchange:
         return b"".join(parts)
 
 
-async def _exchange(target: str, mode: str, body: bytes | None, *, subset: Any = None, path: str = "") -> Exchange:
+async def _exchange(
+    target: str, mode: str, body: bytes | None, *, subset: Any = None, path: str = "", roots: bytes | None = None
+) -> Exchange:
     """One request on its own stream: headers, then the body (two chunks in full-duplex mode); the replies until
-    the picker has answered all it owes (or ends the stream)."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    the picker has answered all it owes (or ends the stream). Over TLS trusting ``roots``, where they are given."""
+    opened = (
+        grpc.aio.insecure_channel(target)
+        if roots is None
+        else grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(roots))
+    )
+    async with opened as channel:
         call = external_processor_pb2_grpc.ExternalProcessorStub(channel).Process(timeout=TIMEOUT_S)
         path = path or "/v1/completions"
         await call.write(_headers(path, mode, eos=body is None, subset=subset))
@@ -211,11 +223,15 @@ def _ip_port(value: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
-async def picker_scenarios(target: str, model: str, mode: str) -> list[Result]:
-    """The scenarios any picker must pass over ext_proc, in body mode ``mode``."""
+async def picker_scenarios(target: str, model: str, mode: str, *, roots: bytes | None = None) -> list[Result]:
+    """The scenarios any picker must pass over ext_proc, in body mode ``mode`` (over TLS trusting ``roots``, for a
+    picker that serves TLS)."""
     body = json.dumps({"model": model, "prompt": "conformance " * 200, "max_tokens": 4}).encode()
     results: list[Result] = []
     seen: set[str] = set()
+
+    async def exchange(sent: bytes | None, *, subset: Any = None) -> Exchange:
+        return await _exchange(target, mode, sent, subset=subset, roots=roots)
 
     async def check(name: str, level: str, scenario: Callable[[], Any]) -> None:
         try:
@@ -226,7 +242,7 @@ async def picker_scenarios(target: str, model: str, mode: str) -> list[Result]:
 
     async def routes() -> str:
         for _ in range(12):
-            got = await _exchange(target, mode, body)
+            got = await exchange(body)
             header_value, metadata = got.destination()
             listed = header_value.split(",")
             if header_value != metadata:
@@ -241,14 +257,14 @@ async def picker_scenarios(target: str, model: str, mode: str) -> list[Result]:
             raise Failed("no endpoint was picked before")
         chosen = sorted(seen)[-1]
         for _ in range(6):
-            header_value, _ = (await _exchange(target, mode, body, subset=[chosen, OUTSIDE])).destination()
+            header_value, _ = (await exchange(body, subset=[chosen, OUTSIDE])).destination()
             if header_value.split(",")[0] != chosen:
                 raise Failed(f"hint [{chosen}, {OUTSIDE}]: picked {header_value}")
         return f"6 picks with the hint [{chosen}, an address in no pool]: all {chosen}"
 
     def refused(subset: Any, what: str) -> Callable[[], Any]:
         async def scenario() -> str:
-            got = await _exchange(target, mode, body, subset=subset)
+            got = await exchange(body, subset=subset)
             if got.immediate != 503:
                 raise Failed(f"{what}: expected an immediate 503, got {got.immediate or 'a pick'}")
             return f"{what}: 503"
@@ -256,13 +272,13 @@ async def picker_scenarios(target: str, model: str, mode: str) -> list[Result]:
         return scenario
 
     async def malformed() -> str:
-        got = await _exchange(target, mode, b'{"model": "m", "prompt": ')
+        got = await exchange(b'{"model": "m", "prompt": ')
         if got.immediate is None or not 400 <= got.immediate < 500:
             raise Failed(f"a body that is not JSON: expected a 4xx, got {got.immediate or 'a pick'}")
         return f"a body that is not JSON: {got.immediate}"
 
     async def returned() -> str:
-        got = await _exchange(target, mode, body)
+        got = await exchange(body)
         got.destination()
         kinds = [r.WhichOneof("response") for r in got.replies]
         if kinds[0] != "request_headers":

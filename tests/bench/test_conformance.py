@@ -3,6 +3,7 @@ scenario in both body modes, and a picker that ignores the subset hint fails the
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,10 +13,13 @@ import pytest
 from inferlb.bench import conformance
 from inferlb.filter import server as filter_server
 from inferlb.filter.server import ExtProcService, PickerServer
+from inferlb.filter.tls import CertificateFiles
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
+
+from ..conftest import self_signed
 
 ENDPOINTS = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
 
@@ -35,6 +39,26 @@ async def test_inferlb_passes_every_scenario(picker: str, mode: str) -> None:
     results = await conformance.picker_scenarios(picker, "m1", mode)
     assert results and all(r.passed for r in results), [r for r in results if not r.passed]
     assert ("full-duplex-body-returned" in {r.scenario for r in results}) == (mode == "full-duplex")
+
+
+async def test_a_picker_that_serves_tls_is_checked_over_tls(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl (.ci/run installs it)")
+    cert = self_signed(tmp_path, "picker")
+    config = parse_config({"pool": {"endpoints": [{"address": a, "models": ["m1"]} for a in ENDPOINTS]}})
+    engine = Engine(Pool(config.endpoints), build_profile("least-request", np.random.default_rng(1)))
+    tls = CertificateFiles(str(cert), str(cert.with_suffix(".key")))
+    server = PickerServer(ExtProcService(engine, max_body_bytes=1 << 20), "127.0.0.1:0", tls=tls)
+    await server.start()
+    try:
+        results = await conformance.picker_scenarios(
+            f"127.0.0.1:{server.port}", "m1", "buffered", roots=cert.read_bytes()
+        )
+        assert results and all(r.passed for r in results), [r for r in results if not r.passed]
+        plain = await conformance.picker_scenarios(f"127.0.0.1:{server.port}", "m1", "buffered")
+        assert not any(r.passed for r in plain)  # a TLS picker says nothing to a plaintext data plane
+    finally:
+        await server.stop(0)
 
 
 async def test_a_picker_that_ignores_the_subset_hint_fails_its_musts(
