@@ -12,12 +12,12 @@ handshake finds the pair whole.
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 from pathlib import Path
 
 import grpc
 
+from inferlb.scorer.credentials import FileStamp, file_stamp
 from inferlb.scorer.errors import ConfigError
 
 __all__ = ["CertificateFiles", "server_credentials"]
@@ -35,16 +35,8 @@ class CertificateFiles:
         self._stamp = self._stamps()
         self._current = self._read()  # ConfigError at start-up: nothing to serve with
 
-    def _stamps(self) -> tuple[tuple[int, int, int, int] | None, ...]:
-        stamps: list[tuple[int, int, int, int] | None] = []
-        for path in (self.cert_file, self.key_file):
-            try:
-                st = os.stat(path)
-            except OSError:
-                stamps.append(None)
-            else:
-                stamps.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
-        return tuple(stamps)
+    def _stamps(self) -> tuple[FileStamp | None, FileStamp | None]:
+        return file_stamp(self.cert_file), file_stamp(self.key_file)
 
     def _read(self) -> grpc.ServerCertificateConfiguration:
         """The files' pair, checked with the ssl module (a key of another certificate, or one with a pass phrase,

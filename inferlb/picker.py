@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import signal
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,7 +35,7 @@ from inferlb.otel.tracing import create_tracer_provider
 from inferlb.scorer.classes import Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
 from inferlb.scorer.config import Config, EndpointConfig, load_config, parse_config
-from inferlb.scorer.credentials import Credential
+from inferlb.scorer.credentials import Credential, FileStamp, file_stamp
 from inferlb.scorer.discovery import DiscoverySource
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import ConfigError
@@ -455,9 +454,9 @@ class PickerProcess:
         admin API's, the span receiver's), changes: checked every WATCH_INTERVAL_S. So a rotated Secret takes
         effect without a restart, and without a call that the old token would have to make."""
 
-        def stamp() -> tuple[tuple[int, int, int, int] | None, ...] | None:
+        def stamp() -> tuple[FileStamp | None, ...] | None:
             files = (path, *_token_files(self.config))
-            stamps = tuple(map(_file_stamp, files))
+            stamps = tuple(map(file_stamp, files))
             return None if stamps[0] is None else stamps
 
         seen = stamp()
@@ -478,16 +477,6 @@ class PickerProcess:
                 )
 
     # ---- admin API ----------------------------------------------------------------------------------------
-
-
-def _file_stamp(path: Path) -> tuple[int, int, int, int] | None:
-    """A file's identity (device and inode: a file put in its place, even with the same size and time, is new),
-    modification time and size, following links as a Secret volume's are; None if it is absent."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _token_files(config: Config) -> tuple[Path, ...]:

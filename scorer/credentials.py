@@ -14,11 +14,24 @@ from pathlib import Path
 
 from inferlb.scorer.errors import ConfigError
 
-__all__ = ["MIN_TOKEN_CHARS", "Credential", "TokenSource"]
+__all__ = ["MIN_TOKEN_CHARS", "Credential", "FileStamp", "TokenSource", "file_stamp"]
 
 MIN_TOKEN_CHARS = 16
 """A shorter token is refused: it could be guessed."""
 _MAX_TOKEN_BYTES = 4096
+
+FileStamp = tuple[int, int, int, int]
+
+
+def file_stamp(path: str | Path) -> FileStamp | None:
+    """What tells that a credential file changed: its identity (device and inode: a file put in its place, even with
+    the same size and time, is new), modification time and size, following links as a Secret volume's are; None if
+    it is absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 @dataclass(frozen=True, slots=True)
