@@ -51,7 +51,7 @@ from inferlb.scorer.address import format_address, parse_address, parse_authorit
 from inferlb.scorer.classes import ClassRule, RequestClass
 from inferlb.scorer.credentials import TokenSource
 from inferlb.scorer.errors import ConfigError, shown
-from inferlb.scorer.experiments import ArmSpec, ExperimentSpec, GuardSpec, endpoint_masks
+from inferlb.scorer.experiments import ArmSpec, ExperimentSpec, GuardSpec, arm_masks, endpoint_masks
 from inferlb.scorer.membership import SlowStart
 from inferlb.scorer.networks import (
     DEFAULT_ALLOWED_NETWORKS,
@@ -1148,6 +1148,11 @@ class ConfigFile(Model):
                     endpoint_masks(experiment.spec().arms, [e.labels for e in self.pool.endpoints])
             except ValueError as exc:
                 raise invalid(f": {exc}", "experiments", i) from None
+        if listed_only and len(self.experiments) > 1:
+            try:  # one experiment's release endpoints serve none of the others' requests
+                arm_masks([e.spec() for e in self.experiments], [e.labels for e in self.pool.endpoints])
+            except ValueError as exc:
+                raise invalid(f": {exc}", "experiments") from None
         return self
 
 

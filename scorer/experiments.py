@@ -12,8 +12,9 @@ which requests it covers (models, request classes, path prefixes; empty: all). A
 
 An arm is a *policy arm* (a scheduling profile over the same endpoints) or a *release arm*: ``endpoints``, a label
 selector, gives it the endpoints whose labels match (another server build, a new model version: a grey release).
-While an experiment with release arms runs, the endpoints they select serve only their arms' requests: its other
-arms, and every request it does not cover, route among the rest. A release arm may instead (or as well) name
+While an experiment with release arms is configured (running, paused, stopped or rolled back), the endpoints they
+select serve only their arms' requests: its other arms, other experiments' arms, and every request it does not
+cover, route among the rest. A release arm may instead (or as well) name
 another ``model`` the servers serve: its requests route among the endpoints that serve that model, and the filter
 rewrites the ``model`` of the body it forwards. Only requests whose body the picker read can be rewritten, so an
 experiment with such an arm must scope itself to models (a request without a body has none).
@@ -69,6 +70,7 @@ __all__ = [
     "GuardSpec",
     "RunningExperiment",
     "WeightChange",
+    "arm_masks",
     "comparison_json",
     "endpoint_masks",
 ]
@@ -353,9 +355,53 @@ def endpoint_masks(arms: Sequence[ArmSpec], labels: Sequence[Mapping[str, str]])
     return [rest if m is None else m for m in selected]
 
 
+def arm_masks(specs: Sequence[ExperimentSpec], labels: Sequence[Mapping[str, str]]) -> list[list[np.ndarray | None]]:
+    """Per experiment, per arm, the endpoints the arm routes to (None: any): its own (`endpoint_masks`) less those
+    the other experiments' release arms reserve. A release's endpoints serve its own arms only, for as long as it is
+    configured (also paused, stopped or rolled back: a canary the guard rolled back takes no one's traffic). ValueError
+    when a selector matches nothing, two experiments reserve one endpoint, or an arm is left with none."""
+    own: list[list[np.ndarray | None]] = []
+    for spec in specs:
+        try:
+            release = any(a.endpoints for a in spec.arms)
+            own.append(endpoint_masks(spec.arms, labels) if release else [None] * len(spec.arms))
+        except ValueError as exc:
+            raise ValueError(f"experiment {spec.name!r}: {exc}") from None
+    reserved = [_reserved(spec.arms, masks) for spec, masks in zip(specs, own, strict=True)]
+    for (a, mine), (b, theirs) in itertools.combinations(zip(specs, reserved, strict=True), 2):
+        if mine is not None and theirs is not None and (mine & theirs).any():
+            raise ValueError(
+                f"experiments {a.name!r} and {b.name!r} both reserve endpoints for release arms (their labels select"
+                " the same servers): a release's endpoints serve one experiment"
+            )
+    out = []
+    for i, (spec, masks) in enumerate(zip(specs, own, strict=True)):
+        others = [r for j, r in enumerate(reserved) if j != i and r is not None]
+        if not others:
+            out.append(masks)
+            continue
+        free = ~np.logical_or.reduce(others)
+        combined = [free if m is None else m & free for m in masks]
+        for arm, mask in zip(spec.arms, combined, strict=True):
+            if not mask.any():
+                raise ValueError(
+                    f"experiment {spec.name!r}: arm {arm.name!r} has no endpoint left: other experiments' release arms"
+                    " reserve them all"
+                )
+        out.append(list(combined))
+    return out
+
+
+def _reserved(arms: Sequence[ArmSpec], masks: Sequence[np.ndarray | None]) -> np.ndarray | None:
+    """The endpoints an experiment's release arms select (None: it has none)."""
+    release = [m for arm, m in zip(arms, masks, strict=True) if arm.endpoints and m is not None]
+    return np.logical_or.reduce(release) if release else None
+
+
 class RunningExperiment:
     """One experiment with its arms' engines and outcomes; `assign` says which arm a request goes to, and `check`
-    runs the guard rail and the ramp. ``labels``: the pool's endpoints' labels, for release arms."""
+    runs the guard rail and the ramp. ``labels``: the pool's endpoints' labels, for release arms; ``masks``: each
+    arm's endpoints as `arm_masks` gives them with the other experiments (default: from ``labels`` alone)."""
 
     def __init__(
         self,
@@ -365,6 +411,7 @@ class RunningExperiment:
         clock: Callable[[], float],
         labels: Sequence[Mapping[str, str]] = (),
         tell: Callable[[WeightChange], None] | None = None,
+        masks: Sequence[np.ndarray | None] | None = None,
     ) -> None:
         self.spec = spec
         self.clock = clock
@@ -372,19 +419,14 @@ class RunningExperiment:
         self.paused = False
         self.stopped = False
         self.rolled_back = False
-        masks: list[np.ndarray | None] = [None] * len(spec.arms)
-        if any(a.endpoints for a in spec.arms):
-            try:
-                masks = endpoint_masks(spec.arms, labels)
-            except ValueError as exc:
-                raise ValueError(f"experiment {spec.name!r}: {exc}") from None
+        if masks is None:
+            masks = arm_masks([spec], labels)[0]
         self.arms = tuple(
             Arm(spec.name, a, engines[a.profile], ArmOutcomes(spec.window_s, self.started_at), mask)
             for a, mask in zip(spec.arms, masks, strict=True)
         )
-        # The endpoints only this experiment's release arms may use, while it runs.
-        release = [arm.mask for arm in self.arms if arm.spec.endpoints and arm.mask is not None]
-        self.reserved = np.logical_or.reduce(release) if release else None
+        # The endpoints only this experiment's release arms may use, while it is configured.
+        self.reserved = _reserved(spec.arms, masks)
         self._by_name = {a.name: a for a in self.arms}
         self._rng = rng
         self._draws = np.empty(0)
@@ -741,18 +783,22 @@ class Experiments:
         # Told of every change of weight after the start (the picker: a metric and a span event); must not raise.
         self.listeners: list[Callable[[WeightChange], None]] = []
         self.running: dict[str, RunningExperiment] = {}
-        for spec in specs:
-            if spec.name in self.running:
-                raise ValueError(f"experiment {spec.name!r} is configured twice")
+        specs = list(specs)
+        names = [spec.name for spec in specs]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"experiment {name!r} is configured twice")
+        for spec, masks in zip(specs, arm_masks(specs, labels), strict=True):
             engines = {a.profile: engine_for(a.profile) for a in spec.arms}
-            self.running[spec.name] = RunningExperiment(spec, engines, rng, clock, labels, self._tell)
+            self.running[spec.name] = RunningExperiment(spec, engines, rng, clock, labels, self._tell, masks)
         # Every arm's engine, each once: the requests of all arms share the servers, so each engine's state of them
         # (its prefix index) learns where the others' requests went (`Router.route`).
         self.engines: tuple[Engine, ...] = tuple(
             {id(arm.engine): arm.engine for e in self.running.values() for arm in e.arms}.values()
         )
         reserved = [e.reserved for e in self.running.values() if e.reserved is not None]
-        # The endpoints a request no experiment assigns may use (None: any): all but the release arms'.
+        # The endpoints a request no experiment assigns may use (None: any): all but the release arms' (whatever
+        # their experiments' state: see `arm_masks`).
         self.outside: np.ndarray | None = ~np.logical_or.reduce(reserved) if reserved else None
         self.capacity = capacity
         self.max_age_s = max_age_s

@@ -114,6 +114,36 @@ def test_a_release_arm_routes_to_its_labelled_endpoints_and_nothing_else_does() 
     assert {arm for arm, _ in outside} == {None} and {endpoint for _, endpoint in outside} == {0, 1, 2}
 
 
+@pytest.mark.parametrize("action", [None, "stop", "pause", "rolled back"])
+def test_another_experiments_arms_stay_off_a_releases_endpoints_whatever_its_state(action: str | None) -> None:
+    other = ExperimentSpec("ab", (ArmSpec("a", "round-robin", 0.5), ArmSpec("b", "default", 0.5)), paths=("/v1/x",))
+    router = _router(ExperimentSpec("release", _canary().arms, paths=("/v1/chat",)), other)
+    release = router.experiments.running["release"]  # type: ignore[union-attr]
+    if action == "rolled back":  # what the guard's last breach does
+        release.rolled_back = True
+        release._move(release.arms[1], 0.0, "rolled-back", "a test")
+    elif action is not None:
+        release.control(action)
+    ab = _send(router, 400, path="/v1/x")
+    assert {arm for arm, _ in ab} == {"a", "b"}
+    assert {endpoint for _, endpoint in ab} == {0, 1, 2}
+
+
+def test_two_experiments_cannot_reserve_the_same_endpoints() -> None:
+    twin = ExperimentSpec("twin", _canary().arms, models=frozenset({"x"}))
+    with pytest.raises(ValueError, match="'release' and 'twin' both reserve endpoints"):
+        _router(_canary(), twin)
+    experiment = {
+        "arms": [
+            {"name": "a", "profile": "default", "weight": 0.5},
+            {"name": "b", "profile": "default", "weight": 0.5, "endpoints": {"version": "canary"}},
+        ]
+    }
+    both = [{**experiment, "name": "one"}, {**experiment, "name": "two"}]
+    with pytest.raises(ConfigError, match=r"^experiments: experiments 'one' and 'two' both reserve"):
+        parse_config({"pool": POOL, "experiments": both})
+
+
 def test_selectors_are_checked_against_the_pool() -> None:
     with pytest.raises(ValueError, match="no endpoint of the pool has the labels"):
         endpoint_masks([ArmSpec("a", "default", 0.5), ArmSpec("b", "default", 0.5, {"version": "v9"})], LABELS)
