@@ -75,6 +75,10 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.25  # a stat of the config file this often
 LEASE_EXPIRY_INTERVAL_S = 1.0
+# A second SIGTERM/SIGINT cuts the drain short only this long after the first: one stop often arrives twice at once
+# (systemd's default KillMode and Ctrl-C signal the whole process group, and the supervisor of `--workers` passes
+# its own on to each worker), and the copy must not end the drain it started.
+SECOND_SIGNAL_AFTER_S = 1.0
 # The Envoy clusters whose endpoints the picker serves over ADS (envoy/bootstrap.yaml.j2 names them).
 XDS_CLUSTERS = ("inferlb_fallback", "inferlb_picked")
 
@@ -373,11 +377,16 @@ class PickerProcess:
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool), speeds=_declared(config, pool))
         engine = Engine(pool, profile, inflight, signals, _saturation(config, pool))
         experiments = _experiments(config, engine, self.rng)
-        if experiments is not None:
-            experiments.adopt(self.service.router.experiments)
         router = Router(engine, Classifier(config.classes, config.default_class), experiments=experiments)
         # From here on nothing can fail: swap everything between two requests.
-        engine.adopt(engine_before, plan.mapping, plan.restarted)
+        experiments_before = self.service.router.experiments
+        # The pool's engine learns from the engine before of its profile (an arm's, when the policy became it).
+        learned = engine_before
+        if experiments_before is not None:
+            learned = next((e for e in experiments_before.engines if e.profile.name == profile.name), engine_before)
+        engine.adopt(learned, plan.mapping, plan.restarted)
+        if experiments is not None:
+            experiments.adopt(experiments_before, plan.mapping, plan.restarted, taken=(learned,))
         if inflight is not engine_before.inflight:
             engine_before.inflight.hand_over(inflight, plan.mapping)
         self.membership.commit(plan)
@@ -777,8 +786,9 @@ async def serve(
     config: Config, config_path: Path | None = None, *, listen_override: str | None = None, worker: int | None = None
 ) -> None:
     """Run a picker until SIGTERM or SIGINT, then drain: readiness goes NOT_SERVING while the picker goes on
-    answering for ``config.drain_s`` seconds (a second signal cuts that short), then streams still open get
-    ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the file is watched and reloaded on change.
+    answering for ``config.drain_s`` seconds (a second signal, `SECOND_SIGNAL_AFTER_S` or more after the first,
+    cuts that short), then streams still open get ``SHUTDOWN_GRACE_S`` seconds to finish. With ``config_path`` the
+    file is watched and reloaded on change.
     ``worker``: this picker is that worker of ``inferlb serve --workers N`` (its ports follow; inferlb/workers.py)."""
     config = _addressed(config, listen_override, worker)
     discovered = None
@@ -825,16 +835,27 @@ async def serve(
     try:
         await signalled.wait()
         signalled.clear()
+        first_at = loop.time()
         drain_s = picker.config.drain_s
         logger.info("inferlb picker draining: NOT_SERVING, still answering for %.1f s", drain_s)
         draining = asyncio.create_task(picker.drain(drain_s))
-        again = asyncio.create_task(signalled.wait())
+        again = asyncio.create_task(_signal_again(signalled, loop, first_at + SECOND_SIGNAL_AFTER_S))
         await asyncio.wait([draining, again], return_when=asyncio.FIRST_COMPLETED)
         for task in (draining, again):
             task.cancel()
     finally:
         logger.info("inferlb picker stopping: open streams get up to %.0f s", SHUTDOWN_GRACE_S)
         await picker.stop(SHUTDOWN_GRACE_S)
+
+
+async def _signal_again(signalled: asyncio.Event, loop: asyncio.AbstractEventLoop, not_before: float) -> None:
+    """Return at the first signal from the loop's time ``not_before`` on; one before it is the first one's copy."""
+    while True:
+        await signalled.wait()
+        signalled.clear()
+        if loop.time() >= not_before:
+            return
+        logger.info("a second stop signal right after the first: the same stop (send another to cut the drain short)")
 
 
 __all__ = ["PickerProcess", "create_picker", "discovery_source", "first_membership", "serve"]

@@ -4,6 +4,7 @@ that cannot start stopping the group, and workers that stop when their superviso
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import yaml
 
 from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
 from inferlb.cli import main
+from inferlb.picker import _signal_again
 from inferlb.procs import ManagedProcess, find_tool, free_ports
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.errors import ConfigError
@@ -94,13 +96,13 @@ def test_envoy_config_spreads_streams_over_every_worker(tmp_path: Path, capsys: 
     assert "--picker-workers 2: the workers share routing state" in capsys.readouterr().err
 
 
-def _write_config(tmp_path: Path, redis: RedisServer, listen_port: int, admin_port: int) -> Path:
+def _write_config(tmp_path: Path, redis: RedisServer, listen_port: int, admin_port: int, drain_s: float = 0) -> Path:
     secret = tmp_path / "redis-password"
     secret.write_text(redis.password)
     document = _document(
         listen=f"127.0.0.1:{listen_port}",
         admin=f"127.0.0.1:{admin_port}",
-        drain_s=0,
+        drain_s=drain_s,
         replicas={"url": redis.url, "password": {"token_file": str(secret)}},
         signals={"scrape_metrics": False},
     )
@@ -186,3 +188,45 @@ def test_a_worker_that_cannot_start_stops_the_whole_group_with_its_status(tmp_pa
         log = (tmp_path / "supervisor.log").read_text()
         assert f"cannot bind 127.0.0.1:{admin + 1}" in log
         assert "worker 1 exited (status 2) before it served; stopping the other workers" in log
+
+
+def _readyz(url: str) -> int | None:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@needs_redis
+def test_a_sigterm_to_the_whole_process_group_drains_the_workers(tmp_path: Path) -> None:
+    # Ctrl-C, and systemd's default KillMode, signal every process of the group: each worker gets the signal
+    # itself and again from the supervisor, at once. The copy must not cut the drain short.
+    with redis_server(tmp_path / "redis") as redis:
+        listen, admin = free_ports(2), free_ports(2)
+        config = _write_config(tmp_path, redis, listen, admin, drain_s=30)
+        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
+        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
+        try:
+            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
+            poll(lambda: all(_readyz(u) == 200 for u in admins), "both workers ready", 30.0)
+            assert supervisor.proc is not None
+            os.killpg(supervisor.proc.pid, signal.SIGTERM)
+            # Draining: not ready, still answering (before, both had stopped within half a second).
+            poll(lambda: all(_readyz(u) == 503 for u in admins), "both workers draining", 30.0)
+            assert supervisor.proc.poll() is None
+        finally:
+            supervisor.stop()
+
+
+async def test_a_second_signal_cuts_the_drain_short_unless_it_is_the_first_ones_copy() -> None:
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    copy = asyncio.create_task(_signal_again(signalled, loop, loop.time() + 1000))
+    signalled.set()  # within the window: the first signal's copy
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not copy.done() and not signalled.is_set()
+    copy.cancel()
+    later = asyncio.create_task(_signal_again(signalled, loop, loop.time()))
+    signalled.set()  # after the window: an operator's second stop
+    await asyncio.wait_for(later, 5)
