@@ -804,6 +804,8 @@ class Experiments:
         self.max_age_s = max_age_s
         self._open: OrderedDict[str, tuple[float, Arm]] = OrderedDict()
         self.unattributed = 0  # outcomes for request ids not (or no longer) remembered
+        # The pool's own engine when built `over` it (its owner carries its learned state across a reload).
+        self.pool_engine: Engine | None = None
 
     @classmethod
     def over(
@@ -827,17 +829,36 @@ class Experiments:
             return built[name]
 
         labels = [endpoint.labels for endpoint in engine.pool.endpoints]
-        return cls(specs, engine_for, rng=rng, clock=engine.signals.clock, labels=labels)
+        experiments = cls(specs, engine_for, rng=rng, clock=engine.signals.clock, labels=labels)
+        experiments.pool_engine = engine
+        return experiments
 
     def _tell(self, change: WeightChange) -> None:
         for listener in self.listeners:
             listener(change)
 
-    def adopt(self, previous: Experiments | None) -> None:
+    def adopt(
+        self,
+        previous: Experiments | None,
+        mapping: np.ndarray | None = None,
+        restarted: Sequence[int] = (),
+        *,
+        taken: Sequence[Engine] = (),
+    ) -> None:
         """Carry over from ``previous`` (the experiments before a config reload) every experiment configured the same
-        way: its outcomes, weights, state and history continue; the arms route with the new engines."""
+        way: its outcomes, weights, state and history continue; the arms route with the new engines. Given the
+        membership's ``mapping`` (and ``restarted``, as `Engine.adopt` takes them), each arm's engine other than the
+        pool's also takes over the learned state (the prefix index) of the engine before of the same profile, unless
+        that one is ``taken`` (the caller's pool engine adopted it: an old index goes to one new engine only). Call
+        it before the first decision."""
         if previous is None:
             return
+        if mapping is not None:
+            before = {e.profile.name: e for e in previous.engines if all(e is not t for t in taken)}
+            for engine in self.engines:
+                old = before.get(engine.profile.name)
+                if engine is not self.pool_engine and old is not None:
+                    engine.adopt(old, mapping, restarted)
         for name, experiment in self.running.items():
             old = previous.running.get(name)
             if old is None or old.spec != experiment.spec:
