@@ -27,8 +27,13 @@ through one Redis stream per pool (``replicas.key``), off the hot path:
   which each entry's fingerprint checks; without it, only in-flight counts are shared (`hash_seed_problem`).
 * **Following.** A background task reads the others' entries as they come (``XREAD BLOCK``) and sets what each
   peer has per endpoint; the sum over peers goes into the engine's counters (`InFlight.set_peers`), which every
-  scorer reads as one view. A replica that starts late, restarts or comes back after an outage first replays the
-  stream (bounded: the newest ``STREAM_MAXLEN`` entries), so it is caught up before it reports ready.
+  scorer reads as one view. A replica that starts late or restarts first replays the stream (bounded: the newest
+  ``STREAM_MAXLEN`` entries), its warm start, so it is caught up before it reports ready. One that reconnects (a
+  blip, a failover, a timeout) reads only the entries after the last one it applied, if the stream still holds
+  that one; if not (trimmed, or Redis lost the stream), it replays what the stream holds. Each entry is aged by
+  Redis's clock, and ends and first tokens in a replay older than ``peer_ttl_s`` are ignored. A replay reads
+  ``CATCH_UP_COUNT`` entries at a time and gives the event loop a turn after each such slice, so that a long
+  one (entries with prompts cost the most to apply) delays routing by one slice at most, never by the whole.
 
 Consistency: each replica's counts are its own truth, sent as absolute values, so an entry lost or applied twice
 costs nothing once the next one (at most a second later) arrives; a replica sees its peers' counts as they were
@@ -71,6 +76,7 @@ __all__ = ["FULL_EVERY_S", "STREAM_MAXLEN", "ReplicaStats", "Replicas", "connect
 logger = logging.getLogger(__name__)
 
 STREAM_MAXLEN = 20_000  # entries kept in the stream (trimmed approximately): the replay of a replica that starts
+CATCH_UP_COUNT = 100  # entries a replay reads (and applies) between two turns of the event loop
 FULL_EVERY_S = 1.0  # a full snapshot (and heartbeat) this often
 MAX_PEERS = 1024  # more writers than this are refused: no real fleet has them, and each costs memory
 MAX_COUNT = 1 << 40  # a count beyond this is not a count (sent: cumulative)
@@ -136,6 +142,7 @@ class Replicas:
         self.problem: str | None = None
         self._peers: dict[str, _Peer] = {}
         self._applied_to: InFlight | None = None  # the counters the peers' sum was last put into
+        self._last_id: str | None = None  # the newest stream entry read (a peer's or its own), across sessions
         self._dirty = False
         self._sent: dict[str, tuple[int, ...]] = {}
         # (pool, requests, sent, backlog) last read
@@ -243,20 +250,44 @@ class Replicas:
             task.result()  # the error that ended the session
 
     async def _catch_up(self, client: aioredis.Redis) -> str:
-        """Replay the stream: every peer's newest counts, aged by Redis's clock. The id to follow from."""
+        """Replay the stream from just after the entry last read, or from its start (`_replay_from`): every peer's
+        newest counts, aged by Redis's clock, ``CATCH_UP_COUNT`` entries at a time with a turn of the event loop
+        after each (a serving replica routes meanwhile). The id to follow from."""
         now_s, now_us = await client.time()
-        now_ms = int(now_s) * 1000 + int(now_us) // 1000
-        entries: Any = await client.xrange(self.config.key, "-", "+")
-        local = self._clock()
-        for entry_id, fields in entries:
-            age_s = max(now_ms - _entry_ms(entry_id), 0) / 1000
-            self._apply(fields, local - age_s)
+        redis_ms = int(now_s) * 1000 + int(now_us) // 1000
+        local = self._clock()  # this replica's clock when Redis's read redis_ms, give or take a round trip
+        start = await self._replay_from(client)
+        while True:
+            _raise_if_cancelled()
+            entries: Any = await client.xrange(self.config.key, start, "+", count=CATCH_UP_COUNT)
+            now = self._clock()
+            now_ms = redis_ms + (now - local) * 1000  # Redis's clock now, as far as this one tells
+            for entry_id, fields in entries:
+                last = self._last_id = _text(entry_id)
+                age_s = max(now_ms - _entry_ms(entry_id), 0) / 1000
+                self._apply(fields, now - age_s)
+            if len(entries) < CATCH_UP_COUNT:
+                break
+            start = _after(last)
+            await asyncio.sleep(0)  # routing goes on between slices
         self._expire()
         self._put()
         self.stats.caught_up += 1
         self.caught_up = True
         self._up()
-        return _text(entries[-1][0]) if entries else "0-0"
+        return self._last_id or "0-0"
+
+    async def _replay_from(self, client: aioredis.Redis) -> str:
+        """Where a replay starts: just after the entry last read, if the stream still holds it (a reconnection);
+        else its start (a fresh replica, or the entry is gone: trimmed away, so all the stream holds is newer, or
+        Redis lost the stream and its new ids may be behind this one's, which following from it would skip)."""
+        last = self._last_id
+        if last is not None:
+            held: Any = await client.xrange(self.config.key, last, last, count=1)
+            if held:
+                return _after(last)
+            self._last_id = None
+        return "-"
 
     async def _publish(self, client: aioredis.Redis) -> None:
         interval = self.config.publish_interval_s
@@ -350,7 +381,7 @@ class Replicas:
             now = self._clock()
             for _, entries in reply or ():
                 for entry_id, fields in entries:
-                    last_id = _text(entry_id)
+                    last_id = self._last_id = _text(entry_id)
                     self._apply(fields, now)
             self._expire()  # and puts the peers' sum into the counters, if anything changed
 
@@ -383,6 +414,20 @@ class Replicas:
         if len(payload) > len(engine.pool):  # more endpoints than this pool has: not a peer of this pool
             self.stats.rejected += 1
             return
+        pool, local = engine.pool, engine.inflight.clock()
+        # Only members of this pool, with counts, count: this replica's pool is its own. A writer that names none (a
+        # picker of another pool under the same key) is no peer: it would count in `peers`, which divides quotas.
+        members = {
+            address: value
+            for address, value in payload.items()
+            if pool.find(address) is not None
+            and isinstance(value, list)
+            and len(value) in (2, 5, 6)
+            and all(isinstance(v, int) and 0 <= v <= MAX_COUNT for v in value)
+        }
+        if not members:
+            self.stats.rejected += 1
+            return
         peer = self._peers.get(replica)
         if peer is None:
             if len(self._peers) >= MAX_PEERS:
@@ -390,17 +435,7 @@ class Replicas:
                 return
             peer = self._peers[replica] = _Peer(seen)
         counts = {} if kind == "full" else peer.counts
-        pool, local = engine.pool, engine.inflight.clock()
-        refused = False
-        for address, value in payload.items():
-            if (
-                pool.find(address) is None
-                or not isinstance(value, list)
-                or len(value) not in (2, 5, 6)
-                or not all(isinstance(v, int) and 0 <= v <= MAX_COUNT for v in value)
-            ):
-                refused = True  # not a member of this pool (or not counts): this replica's pool is its own
-                continue
+        for address, value in members.items():
             if len(value) == 2:  # in flight only (an older replica)
                 counts[address] = (value[0], value[1], 0, 0, 0.0, 0)
             else:
@@ -415,7 +450,7 @@ class Replicas:
         peer.counts = counts
         peer.seen = max(peer.seen, seen)
         self.stats.applied += 1
-        self.stats.rejected += refused
+        self.stats.rejected += len(members) < len(payload)
         self._dirty = True
 
     def _apply_prefixes(self, fingerprint: str, payload: Any) -> None:
@@ -612,3 +647,10 @@ def _text(value: Any) -> str:
 def _entry_ms(entry_id: Any) -> int:
     head = _text(entry_id).partition("-")[0]
     return int(head) if head.isdigit() else 0
+
+
+def _after(entry_id: str) -> str:
+    """The smallest stream id after ``entry_id`` (``ms-seq``): where a read that must not repeat it starts (Redis
+    before 6.2 knows no exclusive ranges)."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq) + 1}" if int(seq) < (1 << 64) - 1 else f"{int(ms) + 1}-0"

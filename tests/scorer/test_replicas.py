@@ -26,6 +26,7 @@ from inferlb.scorer.pool import Pool
 from inferlb.scorer.prefix import PrefixAffinityScorer, PrefixIndex
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.replicas import (
+    CATCH_UP_COUNT,
     MAX_ENDS_PER_ENTRY,
     MAX_PREFIXES_PER_ENTRY,
     Replicas,
@@ -125,13 +126,97 @@ async def test_a_replica_that_starts_late_is_caught_up_when_it_reports_ready(
 
 
 async def _forge(server: RedisServer, config: ReplicasConfig, entries: list[dict[str, Any]]) -> None:
-    """Append ``entries`` to the replicas' stream as someone who can write to Redis, not a replica."""
+    """Append ``entries`` to the replicas' stream as someone who can write to Redis, not a replica (in order, in one
+    round trip)."""
     forger = aioredis.Redis.from_url(server.url, password=server.password)
     try:
+        pipe = forger.pipeline(transaction=False)
         for fields in entries:
-            await forger.xadd(config.key, fields)
+            pipe.xadd(config.key, fields)
+        await pipe.execute()
     finally:
         await forger.aclose()
+
+
+def _history(writer: str, count: int) -> list[dict[str, Any]]:
+    """``count`` full entries of a peer ``writer`` whose load on the first endpoint changes: i % 5 requests."""
+    return [{"r": writer, "k": "full", "d": orjson.dumps({ENDPOINTS[0]: [i % 5, 10 * (i % 5)]})} for i in range(count)]
+
+
+async def test_a_replica_that_reconnects_reads_only_the_entries_after_the_last_it_read(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """A blip (here CLIENT KILL; a failover or a timeout does the same) does not replay the whole stream again on
+    the routing loop: the replica resumes after the last entry it read."""
+    config = _config(server, tmp_path)
+    b = _engine()
+    history = _history("x", 3 * CATCH_UP_COUNT + 7)
+    await _forge(server, config, history)
+    rb = running.start(config, b, "b")
+    await until(rb.ready, "b caught up")
+    assert rb.stats.applied == len(history) and rb.stats.caught_up == 1
+    killer = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        await killer.client_kill_filter(_type="normal", skipme=True)
+    finally:
+        await killer.aclose()
+    news = [{"r": "x", "k": "full", "d": orjson.dumps({ENDPOINTS[1]: [4, 40]})}] * 5  # read once (catch-up or follow)
+    await _forge(server, config, news)
+    await until(lambda: rb.stats.caught_up == 2, "b reconnected")
+    await until(lambda: rb.stats.applied >= len(history) + len(news), "b read the new entries")
+    assert rb.stats.applied == len(history) + len(news)  # the new ones only, once each
+    assert b.inflight.requests.tolist() == [0, 4, 0] and rb.peers() == 1
+
+
+async def test_a_replay_gives_the_event_loop_a_turn_after_each_slice(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """A fresh replica replays the stream (its warm start) a slice at a time: other tasks on its loop (the routing,
+    the health checks) run between slices instead of waiting for the whole stream."""
+    config = _config(server, tmp_path)
+    b = _engine()
+    history = _history("x", 5 * CATCH_UP_COUNT)
+    await _forge(server, config, history)
+    rb = running.start(config, b, "b")
+    between: set[int] = set()  # how far the replay was each time another task ran
+
+    async def watch() -> None:
+        while True:
+            between.add(rb.stats.applied)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await until(rb.ready, "b caught up")
+    finally:
+        watcher.cancel()
+    assert rb.stats.applied == len(history)
+    assert {CATCH_UP_COUNT * k for k in range(1, 5)} <= between
+
+
+async def test_a_replica_replays_from_the_start_a_stream_that_redis_lost(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """Redis lost the stream and began it again with ids behind the last one a replica read (another clock, a
+    failover to a replica without it): resuming after that id would skip every new entry, so it replays the stream
+    from its start."""
+    config = _config(server, tmp_path)
+    b = _engine()
+    rb = running.start(config, b, "b")
+    await until(rb.ready, "b caught up")
+    writer = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        ahead = {"r": "x", "k": "full", "d": orjson.dumps({ENDPOINTS[0]: [1, 10]})}
+        await writer.xadd(config.key, ahead, id="9999999999999-0")  # type: ignore[arg-type]
+        await until(lambda: b.inflight.requests[0] == 1, "b read the entry ahead")
+        await writer.delete(config.key)
+        behind = {"r": "y", "k": "full", "d": orjson.dumps({ENDPOINTS[1]: [2, 20]})}
+        await writer.xadd(config.key, behind)  # type: ignore[arg-type]
+        await writer.client_kill_filter(_type="normal", skipme=True)
+    finally:
+        await writer.aclose()
+    await until(lambda: b.inflight.requests[1] == 2, "b replayed the new stream")
+    assert rb.stats.caught_up == 2
 
 
 async def test_only_well_formed_counts_of_its_own_pool_members_are_applied(
@@ -151,6 +236,20 @@ async def test_only_well_formed_counts_of_its_own_pool_members_are_applied(
     await until(lambda: rb.stats.rejected >= 4, "the bad entries refused")
     # Only the member's well-formed count counts; the address outside the pool steers nothing.
     assert b.inflight.requests.tolist() == [0, 0, 3] and b.inflight.tokens.tolist() == [0, 0, 30]
+
+
+async def test_a_picker_of_another_pool_under_the_same_key_is_no_peer(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    """Two pools share one Redis under the default key: every entry of the other pool's picker names no member of
+    this pool, so it changes nothing here, not even the number of peers (which divides the tenants' quotas)."""
+    config = _config(server, tmp_path)
+    a, other = _engine(), _engine(["10.1.0.1:8000", "10.1.0.2:8000"])
+    ra, ro = running.start(config, a, "a"), running.start(config, other, "other")
+    other.inflight.acquire(0, 10)
+    await until(lambda: ra.stats.rejected >= 2, "a refused the other pool's entries")
+    assert ra.peers() == 0 and ra.stats.applied == 0 and a.inflight.requests.tolist() == [0, 0, 0]
+    assert ro.peers() == 0
 
 
 async def test_an_entry_larger_than_any_replica_sends_is_refused_whole(
