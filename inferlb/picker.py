@@ -376,7 +376,10 @@ class PickerProcess:
             signals = self.engine.signals.moved(plan.mapping, stale_after_s=config.signals.stale_after_s)
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool), speeds=_declared(config, pool))
         engine = Engine(pool, profile, inflight, signals, _saturation(config, pool))
-        experiments = _experiments(config, engine, self.rng)
+        try:
+            experiments = _experiments(config, engine, self.rng)
+        except ValueError as exc:  # a release arm's labels match no endpoint of this membership, for one
+            raise ConfigError(f"experiments: {exc}") from None
         router = Router(engine, Classifier(config.classes, config.default_class), experiments=experiments)
         # From here on nothing can fail: swap everything between two requests.
         experiments_before = self.service.router.experiments

@@ -51,7 +51,7 @@ from inferlb.scorer.address import format_address, parse_address, parse_authorit
 from inferlb.scorer.classes import ClassRule, RequestClass
 from inferlb.scorer.credentials import TokenSource
 from inferlb.scorer.errors import ConfigError, shown
-from inferlb.scorer.experiments import ArmSpec, ExperimentSpec, GuardSpec, arm_masks, endpoint_masks
+from inferlb.scorer.experiments import ArmSpec, ExperimentSpec, GuardSpec, SpecError, arm_masks, endpoint_masks
 from inferlb.scorer.membership import SlowStart
 from inferlb.scorer.networks import (
     DEFAULT_ALLOWED_NETWORKS,
@@ -1023,6 +1023,14 @@ class ExperimentFile(Model):
     ramp: tuple[Annotated[float, number(ge=0.001, le=1)], ...] = ()
     ramp_step_s: Annotated[float, number(ge=1, le=86400)] = _EXPERIMENT.ramp_step_s
 
+    @model_validator(mode="after")
+    def _valid(self) -> ExperimentFile:
+        try:
+            self.spec()
+        except SpecError as exc:
+            raise invalid(f": {exc}", *exc.field) from None
+        return self
+
     def spec(self) -> ExperimentSpec:
         return ExperimentSpec(
             self.name,
@@ -1143,6 +1151,18 @@ class ConfigFile(Model):
             for k, name in enumerate(experiment.scope.classes):
                 if name not in names and name != "default":
                     raise invalid(f" {name!r} is not a request class", "experiments", i, "scope", "classes", k)
+            for k, model in enumerate(experiment.scope.models):
+                if listed_only and not any(e.models is None or model in e.models for e in self.pool.endpoints):
+                    served = sorted({m for e in self.pool.endpoints for m in e.models or ()})
+                    raise invalid(
+                        f" {shown(model)}: no endpoint of the pool serves it, so the experiment covers no request"
+                        f" (served: {', '.join(served)})",
+                        "experiments",
+                        i,
+                        "scope",
+                        "models",
+                        k,
+                    )
             try:
                 if listed_only:
                     endpoint_masks(experiment.spec().arms, [e.labels for e in self.pool.endpoints])

@@ -69,6 +69,7 @@ __all__ = [
     "Experiments",
     "GuardSpec",
     "RunningExperiment",
+    "SpecError",
     "WeightChange",
     "arm_masks",
     "comparison_json",
@@ -169,31 +170,52 @@ class ExperimentSpec:
     ramp_step_s: float = 60.0  # at least this long at each step, and as long as the guard needs to judge it
 
     def __post_init__(self) -> None:
+        name = f"experiment {self.name!r}"
         if len(self.arms) < 2:
-            raise ValueError(f"experiment {self.name!r} needs at least two arms (a control and a treatment)")
+            raise SpecError(f"{name} needs at least two arms (a control and a treatment)", "arms")
         names = [a.name for a in self.arms]
         if len(set(names)) != len(names):
-            raise ValueError(f"experiment {self.name!r}: arm names repeat ({', '.join(names)})")
+            raise SpecError(f"{name}: arm names repeat ({', '.join(names)})", "arms")
         if self.assign != "header" and not self.ramp:  # a ramp sets the weights
             check_weights(self.name, [a.weight for a in self.arms])
         if self.assign in ("hash", "header") and not self.header:
-            raise ValueError(f"experiment {self.name!r}: assign {self.assign!r} needs the header it reads")
+            raise SpecError(f"{name}: assign {self.assign!r} needs the header it reads", "header")
+        if self.assign == "header" and not self.values:
+            raise SpecError(
+                f"{name}: assign 'header' needs `values`, the header's values and the arms they name"
+                ' ({"true": ARM}): without them every request goes to the control',
+                "values",
+            )
+        if self.assign != "header" and self.values:
+            raise SpecError(f"{name}: `values` name arms only with assign 'header' (here {self.assign!r})", "values")
+        for k, path in enumerate(self.paths):
+            if not path.startswith("/"):
+                fixed = "/" + path
+                raise SpecError(
+                    f"{name}: path {path!r} never matches: a request's path starts with '/' ({fixed!r}?)",
+                    "scope",
+                    "paths",
+                    k,
+                )
         if self.arms[0].model is not None:
-            raise ValueError(f"experiment {self.name!r}: the control arm sends requests as they came; it sets no model")
+            control = "the control arm sends requests as they came; it sets no model"
+            raise SpecError(f"{name}: {control}", "arms", 0, "model")
         if any(a.model is not None for a in self.arms) and not self.models:
-            raise ValueError(
-                f"experiment {self.name!r}: an arm that sets a model needs the experiment scoped to models"
-                " (scope.models): only requests whose body names a model can be sent as another"
+            raise SpecError(
+                f"{name}: an arm that sets a model needs the experiment scoped to models"
+                " (scope.models): only requests whose body names a model can be sent as another",
+                "scope",
+                "models",
             )
         unknown = sorted(set(self.values.values()) - set(names))
         if unknown:
-            raise ValueError(f"experiment {self.name!r}: values name arms it does not have: {', '.join(unknown)}")
+            raise SpecError(f"{name}: values name arms it does not have: {', '.join(unknown)}", "values")
         if self.ramp:
             if len(self.arms) != 2 or self.assign == "header":
-                raise ValueError(f"experiment {self.name!r}: a ramp needs two arms assigned by weight or hash")
-            check_weights(self.name, self.ramp, total=False)
+                raise SpecError(f"{name}: a ramp needs two arms assigned by weight or hash", "ramp")
+            check_weights(self.name, self.ramp, total=False, at="ramp")
             if any(b <= a for a, b in itertools.pairwise(self.ramp)) or self.ramp[-1] > 1:
-                raise ValueError(f"experiment {self.name!r}: the ramp's weights must increase: {self.ramp}")
+                raise SpecError(f"{name}: the ramp's weights must increase: {self.ramp}", "ramp")
 
     @property
     def starting_weights(self) -> dict[str, float]:
@@ -205,13 +227,24 @@ class ExperimentSpec:
         return {a.name: a.weight for a in self.arms}
 
 
-def check_weights(experiment: str, weights: Sequence[float], *, total: bool = True) -> None:
-    """ValueError unless ``weights`` are steps of 0.1% in [0, 1] that sum to 1 (``total``)."""
-    for w in weights:
+class SpecError(ValueError):
+    """An invalid experiment; ``field``: the place of the error in the experiment's entry of the config file
+    (``("arms", 1, "weight")``; empty: the entry), for the config to name it."""
+
+    def __init__(self, message: str, *field: str | int) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_weights(experiment: str, weights: Sequence[float], *, total: bool = True, at: str = "arms") -> None:
+    """`SpecError` (a ValueError) unless ``weights`` (of the arms, or of the ``ramp``: ``at``) are steps of 0.1% in
+    [0, 1] that sum to 1 (``total``)."""
+    for i, w in enumerate(weights):
         if not (0 <= w <= 1) or abs(w / WEIGHT_STEP - round(w / WEIGHT_STEP)) > 1e-6:
-            raise ValueError(f"experiment {experiment!r}: weight {w!r} is not a step of 0.001 in [0, 1]")
+            field = (at, i, "weight") if at == "arms" else (at, i)
+            raise SpecError(f"experiment {experiment!r}: weight {w!r} is not a step of 0.001 in [0, 1]", *field)
     if total and abs(sum(weights) - 1) > 1e-9:
-        raise ValueError(f"experiment {experiment!r}: the arms' weights sum to {sum(weights):g}, not 1")
+        raise SpecError(f"experiment {experiment!r}: the arms' weights sum to {sum(weights):g}, not 1", at)
 
 
 class _Window:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
+
+from inferlb.admin import create_admin_app
 from inferlb.picker import PickerProcess, create_picker
-from inferlb.scorer.config import EndpointConfig, parse_config
+from inferlb.scorer.config import ConfigError, EndpointConfig, parse_config
 from inferlb.scorer.engine import Engine, _prefix_indices
 from inferlb.scorer.features import RequestFeatures
 
@@ -79,3 +84,51 @@ async def test_a_policy_that_was_an_arms_profile_keeps_what_that_arm_learned() -
     picker.reload_document(_doc("default"))
     assert _blocks(picker.engine) == [1600]
     assert _treatment(picker) is picker.engine
+
+
+def _discovering(experiments: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    etcd = {"urls": ["http://127.0.0.1:2379"], "prefix": "/x/"}
+    pool = {"endpoints": [], "allowed_networks": ["10.0.0.0/8"], "discovery": {"etcd": etcd}}
+    return {"admin": None, "policy": "least-request", "pool": pool, "experiments": experiments, **extra}
+
+
+RELEASE = {
+    "name": "rollout",
+    "arms": [
+        {"name": "stable", "profile": "default", "weight": 0.9},
+        {"name": "canary", "profile": "default", "weight": 0.1, "endpoints": {"version": "beta"}},
+    ],
+}
+
+
+def _member(address: str, version: str) -> EndpointConfig:
+    return EndpointConfig(address=address, labels={"version": version})
+
+
+async def test_a_membership_that_leaves_a_release_arm_no_endpoint_is_refused_and_the_pool_stays() -> None:
+    first = (_member("10.0.0.1:8000", "v1"), _member("10.0.0.2:8000", "v1"), _member("10.0.0.3:8000", "beta"))
+    picker = create_picker(parse_config(_discovering([RELEASE])), discovered=first)
+    picker.discovered_endpoints((*first[:2], _member("10.0.0.4:8000", "v1")))  # the canary's pod left
+    assert picker.membership_refusals == 1
+    assert [e.address for e in picker.engine.pool] == [e.address for e in first]
+    with pytest.raises(ConfigError, match=r"^experiments: experiment 'rollout': arm 'canary': no endpoint"):
+        picker.reload_document(_discovering([RELEASE]))
+
+
+async def test_posting_a_config_with_a_bad_experiment_answers_400_naming_the_field(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("a-token-long-enough-1234567890")
+    token.chmod(0o600)
+    doc = _discovering([], admin="127.0.0.1:19557", admin_auth={"token_file": str(token)})
+    picker = create_picker(parse_config(doc), discovered=(_member("10.0.0.1:8000", "v1"),))
+    bad = {
+        **RELEASE,
+        "arms": [{**RELEASE["arms"][0], "weight": 0.9}, {"name": "t", "profile": "default", "weight": 0.3}],
+    }  # type: ignore[dict-item]
+    transport = httpx.ASGITransport(app=create_admin_app(picker))
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:19557") as client:
+        response = await client.post(
+            "/config", json={**doc, "experiments": [bad]}, headers={"authorization": f"Bearer {token.read_text()}"}
+        )
+    assert response.status_code == 400
+    assert "experiments[0].arms: experiment 'rollout': the arms' weights sum to 1.2, not 1" in response.text

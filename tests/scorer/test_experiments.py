@@ -162,6 +162,67 @@ def test_the_config_section_is_validated_with_the_fields_place() -> None:
         parse_config({"pool": POOL, "experiments": [{"name": "e", "arms": arms, "colour": "red"}]})
 
 
+DISCOVERED = {"discovery": {"etcd": {"urls": ["http://127.0.0.1:2379"], "prefix": "/inferlb/"}}}
+TWO_ARMS = [{"name": "c", "profile": "round-robin", "weight": 0.5}, {"name": "t", "profile": "default", "weight": 0.5}]
+
+
+@pytest.mark.parametrize("pool", [pytest.param(POOL, id="listed"), pytest.param(DISCOVERED, id="discovered")])
+@pytest.mark.parametrize(
+    ("entry", "error"),
+    [
+        pytest.param(
+            {"arms": [{**TWO_ARMS[0], "weight": 0.9}, {**TWO_ARMS[1], "weight": 0.3}]},
+            r"experiments\[0\]\.arms: experiment 'e': the arms' weights sum to 1\.2, not 1",
+            id="weights-sum",
+        ),
+        pytest.param(
+            {"arms": [{**TWO_ARMS[0], "weight": 0.4995}, {**TWO_ARMS[1], "weight": 0.5005}]},
+            r"experiments\[0\]\.arms\[0\]\.weight: experiment 'e': weight 0\.4995 is not a step of 0\.001",
+            id="weight-step",
+        ),
+        pytest.param(
+            {"assign": "header", "header": "x-c", "values": {"x": "nope"}},
+            r"experiments\[0\]\.values: experiment 'e': values name arms it does not have: nope",
+            id="values-unknown-arm",
+        ),
+        pytest.param(
+            {"assign": "header", "header": "x-c"},
+            r"experiments\[0\]\.values: experiment 'e': assign 'header' needs `values`",
+            id="header-without-values",
+        ),
+        pytest.param(
+            {"header": "x-c", "values": {"true": "t"}},
+            r"experiments\[0\]\.values: experiment 'e': `values` name arms only with assign 'header'",
+            id="values-without-header-assignment",
+        ),
+        pytest.param(
+            {"scope": {"paths": ["/v1/completions", "v1/chat"]}},
+            r"experiments\[0\]\.scope\.paths\[1\]: experiment 'e': path 'v1/chat' never matches.*'/v1/chat'\?",
+            id="path-without-slash",
+        ),
+        pytest.param(
+            {"ramp": [0.1, 0.05]},
+            r"experiments\[0\]\.ramp: experiment 'e': the ramp's weights must increase",
+            id="ramp",
+        ),
+    ],
+)
+def test_an_experiment_that_cannot_work_is_a_config_error_naming_its_field(
+    pool: dict[str, object], entry: dict[str, object], error: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"^{error}"):
+        parse_config({"pool": pool, "experiments": [{"name": "e", "arms": TWO_ARMS, **entry}]})
+
+
+def test_a_scope_model_no_endpoint_serves_is_a_config_error() -> None:
+    scoped = {"name": "e", "arms": TWO_ARMS, "scope": {"models": ["m", "lama"]}}
+    with pytest.raises(
+        ConfigError, match=r"^experiments\[0\]\.scope\.models\[1\] 'lama': no endpoint .* \(served: m\)"
+    ):
+        parse_config({"pool": POOL, "experiments": [scoped]})
+    assert parse_config({"pool": POOL, "experiments": [{**scoped, "scope": {"models": ["m"]}}]}).experiments
+
+
 def test_histogram_quantiles_interpolate_inside_a_bucket() -> None:
     h = Histogram((1.0, 2.0, 4.0))
     for v in (0.5, 1.5, 1.5, 3.0):
