@@ -487,10 +487,16 @@ class RunningExperiment:
         """An operator's action: ``pause`` (the requests it covers route as the rest do, outcomes so far kept;
         ``resume`` undoes it),
         ``stop`` (the same, until ``start``), ``start`` (from the starting weights, the guard's count of breaches
-        reset: also after a roll-back) or ``weights`` (set ``weights``). ValueError for anything else."""
+        reset: also after a roll-back) or ``weights`` (set ``weights``; refused after a roll-back, where the guard
+        judges no more: ``start`` re-arms it). ValueError for anything else."""
         if action == "weights":
             if weights is None:
                 raise ValueError("action 'weights' needs the arms' weights")
+            if self.rolled_back:
+                raise ValueError(
+                    f"experiment {self.spec.name!r} was rolled back and its guard judges no more: 'start' it again"
+                    " (from its starting weights, the guard re-armed), then set weights"
+                )
             self.set_weights(weights, reason="set by the operator")
         elif action in ("pause", "resume", "stop"):
             if action == "resume" and self.stopped:

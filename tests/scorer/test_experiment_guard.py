@@ -297,6 +297,22 @@ def test_a_stopped_experiment_starts_again_only_with_start() -> None:
     assert experiment.state == "running"
 
 
+def test_weights_are_refused_after_a_roll_back_until_start_re_arms_the_guard() -> None:
+    clock = Clock()
+    router = _router(_canary(0.1, guard=GuardSpec(min_requests=20, check_s=0.0, max_breaches=1)), clock=clock)
+    _finish(router, _send(router, 400), 0, failing=1.0)
+    experiment = router.experiments.running["release"]  # type: ignore[union-attr]
+    assert experiment.state == "rolled back" and experiment.weights() == {"stable": 1.0, "canary": 0.0}
+    with pytest.raises(ValueError, match="rolled back and its guard judges no more: 'start' it again"):
+        experiment.control("weights", {"stable": 0.9, "canary": 0.1})
+    assert experiment.state == "rolled back" and experiment.weights() == {"stable": 1.0, "canary": 0.0}
+    experiment.control("start")
+    experiment.control("weights", {"stable": 0.8, "canary": 0.2})
+    assert experiment.state == "running" and experiment.weights() == {"stable": 0.8, "canary": 0.2}
+    _finish(router, _send(router, 400, 400), 400, failing=1.0)
+    assert experiment.state == "rolled back"  # judged again
+
+
 def test_a_reload_keeps_the_guards_state() -> None:
     clock = Clock()
     spec = _canary(0.5, guard=GuardSpec(min_requests=20, check_s=0.0))
