@@ -543,7 +543,10 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             trace_id, traceparent = traced
         if join is not None:
             # One decision, one span: Envoy's trace id (with Envoy's tracing on) is an alias of the same decision.
-            join.record(trace_id, index, also=envoy_trace, request_id=features.request_id)
+            # The span id: the parent the server's span names, which tells this request's span from those of the
+            # client's other requests in the same trace.
+            span_id = bytes.fromhex(traceparent[36:52])
+            join.record(trace_id, index, also=envoy_trace, request_id=features.request_id, span_id=span_id)
         return with_header(reply, "traceparent", traceparent), routed.lease, body
 
     def _refuse(self, error: RequestError) -> ProcessingResponse:

@@ -4,9 +4,10 @@ The spans arrive as validated `SpanRecord`s from the receiver process (otel/rece
 sender and the span's bounds; otel/spanfeed.py brings the records here in bounded slices). A record moves an
 endpoint's latency only when
 
-(a) its trace id joins a decision this picker made (`TraceJoin`, filled by the filter at each decision), it was
-    sent from the host of the endpoint that decision chose or from a relay (``otel.relays``: an OpenTelemetry
-    Collector's network), and the join is consumed: one span per decision. A client may choose its own trace id
+(a) its trace id joins a decision this picker made (`TraceJoin`, filled by the filter at each decision; among
+    several decisions of one trace, the one whose span id the span names as its parent), it was sent from the
+    host of the endpoint that decision chose or from a relay (``otel.relays``: an OpenTelemetry Collector's
+    network), and the join is consumed: one span per decision. A client may choose its own trace id
     (``traceparent``), so without the sender's check anything allowed to send spans could give any endpoint the
     latency of its choice for each request it sent; such a span is ``unverified`` and leaves the decision to
     its server's span. A second span with a joined trace id is a ``duplicate`` and changes nothing; or
@@ -45,7 +46,15 @@ class _Decision:
 
 
 class TraceJoin:
-    """Trace id (16 bytes) -> the endpoint of the decision that started it, consumed by the first span that joins.
+    """Trace id (16 bytes) -> the endpoints of the decisions that continued it, each consumed by the first span
+    that joins it.
+
+    A decision is kept under its trace id and the span id the picker put in the request's ``traceparent`` (the
+    parent the server's span names). A client may send several requests in one trace (an agent's calls, each with
+    the same ``traceparent``): each is a decision of its own, and a span joins the decision whose span id is its
+    parent; a span whose parent is none of them (Envoy's tracer put its own span between) joins the oldest
+    decision of its trace that it may speak for (`find`). So each request's span counts for its own decision,
+    not for the newest decision of the trace.
 
     Bounded by size and by age: at most ``capacity`` decisions wait for their span (a new one evicts the oldest,
     counted in `evicted`), and a decision older than ``max_age_s`` (its span is not coming: the request died, the
@@ -53,8 +62,7 @@ class TraceJoin:
     ``capacity // 4`` of them, to tell a `duplicate` from an unknown id (an older repeat counts as unjoined: it is
     ignored either way). So memory does not grow with traffic: when spans join, only the decisions of requests
     still running (plus the exporters' delay) and ``max_age_s`` of joined ids are held; when they do not,
-    ``capacity`` decisions at most, about 250 B each. Recording a trace id again (a client reusing its
-    traceparent) replaces the decision: still one span.
+    ``capacity`` decisions at most, about 400 B each.
 
     Event-loop owned (not thread-safe); ``clock`` is monotonic seconds.
     """
@@ -66,59 +74,109 @@ class TraceJoin:
             raise ValueError(f"TraceJoin needs capacity >= 1 and max_age_s > 0; got {capacity!r}, {max_age_s!r}")
         self.capacity, self.max_age_s, self.clock = capacity, max_age_s, clock
         self._remember = max(1, capacity // 4)
+        # Key: trace id + span id (24 bytes), oldest first. A decision without a known span id (Envoy's alias of
+        # it, or a caller that gave none) gets a serial number of this join's own in its place.
         self._map: OrderedDict[bytes, _Decision] = OrderedDict()
+        self._traces: dict[bytes, dict[bytes, None]] = {}  # trace id -> its decisions' keys, oldest first
         self._joined: OrderedDict[bytes, float] = OrderedDict()  # trace id -> when it joined
+        self._serial = 0
         self.evicted = 0
         """Decisions forgotten because ``capacity`` newer ones were waiting (only grows)."""
         self.expired = 0
         """Decisions forgotten because no span came within ``max_age_s`` (only grows)."""
 
-    def record(self, trace_id: bytes, endpoint: int, also: bytes | None = None, request_id: str = "") -> None:
-        """A decision for ``endpoint`` whose server span will carry ``trace_id``, or ``also`` if given (Envoy's
-        trace id, when Envoy's tracer may replace ours): the first span with either consumes both. ``request_id``:
-        the request's (for experiments' outcomes; "" if it has none)."""
+    def record(
+        self,
+        trace_id: bytes,
+        endpoint: int,
+        also: bytes | None = None,
+        request_id: str = "",
+        span_id: bytes | None = None,
+    ) -> None:
+        """A decision for ``endpoint`` whose server span will carry ``trace_id`` and name ``span_id`` (8 bytes; None:
+        not known) as its parent, or carry ``also`` if given (Envoy's trace id, when Envoy's tracer may replace
+        ours): the first span with either consumes both. ``request_id``: the request's (for experiments'
+        outcomes; "" if it has none)."""
         now = self.clock()
         self._expire(now)
-        keys = (trace_id,) if also is None or also == trace_id else (trace_id, also)
-        for key in keys:
-            self._forget(key)
-            self._joined.pop(key, None)
-            self._map[key] = _Decision(endpoint, now, next((k for k in keys if k != key), None), request_id)
+        key = trace_id + (span_id if span_id is not None and len(span_id) == 8 else self._next_serial())
+        alias = None if also is None or also == trace_id else also + self._next_serial()
+        self._add(key, _Decision(endpoint, now, alias, request_id))
+        if alias is not None:
+            self._add(alias, _Decision(endpoint, now, key, request_id))
         while len(self._map) > self.capacity:
-            self._map.popitem(last=False)
+            old_key, old = self._map.popitem(last=False)
+            self._unindex(old_key)
+            if old.partner is not None and self._pop(old.partner) is not None:
+                self.evicted += 1
             self.evicted += 1
 
-    def consume(self, trace_id: bytes) -> int | None:
-        """The endpoint of ``trace_id``'s decision, which is then forgotten; None if there is none (any more)."""
-        taken = self.take(trace_id)
+    def find(
+        self, trace_id: bytes, parent: bytes | None = None, accept: Callable[[int], bool] | None = None
+    ) -> bytes | None:
+        """The key of the decision a span of ``trace_id`` whose parent is ``parent`` joins: the one recorded with that
+        span id; else the oldest of the trace's whose endpoint ``accept`` takes (any, without ``accept``); else,
+        if the trace has decisions, the oldest (which the span may not speak for). None: the trace has none."""
+        if parent is not None:
+            exact = trace_id + parent
+            if exact in self._map:
+                return exact
+            if exact in self._joined:
+                return None  # its decision was taken: this span is a duplicate
+        keys = self._traces.get(trace_id)
+        if not keys:
+            return None
+        if accept is not None:
+            for key in keys:
+                if accept(self._map[key].endpoint):
+                    return key
+        return next(iter(keys))
+
+    def endpoint_of(self, key: bytes) -> int:
+        """The endpoint of the waiting decision ``key`` (from `find`)."""
+        return self._map[key].endpoint
+
+    def consume(self, trace_id: bytes, parent: bytes | None = None) -> int | None:
+        """The endpoint of the decision a span of ``trace_id`` (and ``parent``) joins, which is then forgotten; None
+        if there is none (any more)."""
+        taken = self.take(trace_id, parent)
         return None if taken is None else taken[0]
 
-    def take(self, trace_id: bytes) -> tuple[int, str] | None:
+    def take(self, trace_id: bytes, parent: bytes | None = None) -> tuple[int, str] | None:
         """`consume`, with the decision's request id: (endpoint, request id)."""
-        decision = self._map.pop(trace_id, None)
+        key = self.find(trace_id, parent)
+        return None if key is None else self.take_key(key, parent)
+
+    def take_key(self, key: bytes, parent: bytes | None = None) -> tuple[int, str] | None:
+        """Consume the decision ``key`` (from `find`) for a span whose parent is ``parent``: (endpoint, request id),
+        or None if it is too old."""
+        decision = self._pop(key)
         if decision is None:
             return None
+        if decision.partner is not None:
+            self._pop(decision.partner)
         now = self.clock()
         if now - decision.at > self.max_age_s:
             self.expired += 1
             return None
-        if decision.partner is not None:
-            self._map.pop(decision.partner, None)
-        self._joined[trace_id] = now
-        self._joined.move_to_end(trace_id)
+        joined = key[:16] if parent is None else key[:16] + parent
+        self._joined[joined] = now
+        self._joined.move_to_end(joined)
         while len(self._joined) > self._remember:
             self._joined.popitem(last=False)
         return decision.endpoint, decision.request_id
 
-    def joined(self, trace_id: bytes) -> bool:
-        """Whether a span with ``trace_id`` joined within the last ``max_age_s`` (a second one is a duplicate)."""
-        at = self._joined.get(trace_id)
+    def joined(self, trace_id: bytes, parent: bytes | None = None) -> bool:
+        """Whether a span with ``trace_id`` and ``parent`` joined within the last ``max_age_s`` (a second one is a
+        duplicate)."""
+        at = self._joined.get(trace_id if parent is None else trace_id + parent)
         return at is not None and self.clock() - at <= self.max_age_s
 
-    def get(self, trace_id: bytes) -> int | None:
-        """The endpoint of ``trace_id``'s waiting decision, without consuming it (for tests and tools)."""
-        decision = self._map.get(trace_id)
-        return decision.endpoint if decision is not None else None
+    def get(self, trace_id: bytes, parent: bytes | None = None) -> int | None:
+        """The endpoint of the decision a span of ``trace_id`` (and ``parent``) would join, without consuming it
+        (for tests and tools)."""
+        key = self.find(trace_id, parent)
+        return None if key is None else self._map[key].endpoint
 
     def remap(self, mapping: np.ndarray) -> None:
         """After a membership change: a decision waiting for its span that named endpoint ``mapping[j]`` names
@@ -128,7 +186,7 @@ class TraceJoin:
         for key, decision in list(self._map.items()):
             index = moved.get(decision.endpoint)
             if index is None:
-                del self._map[key]
+                self._pop(key)
                 self.expired += 1
             else:
                 decision.endpoint = index
@@ -143,7 +201,7 @@ class TraceJoin:
             key, decision = next(iter(self._map.items()))
             if decision.at >= horizon:
                 break
-            del self._map[key]
+            self._pop(key)
             self.expired += 1
         while self._joined:
             key, at = next(iter(self._joined.items()))
@@ -151,17 +209,36 @@ class TraceJoin:
                 break
             del self._joined[key]
 
-    def _forget(self, key: bytes) -> None:
-        old = self._map.pop(key, None)
-        if old is not None and old.partner is not None:
-            self._map.pop(old.partner, None)
+    def _next_serial(self) -> bytes:
+        self._serial += 1
+        return self._serial.to_bytes(8, "big")
+
+    def _add(self, key: bytes, decision: _Decision) -> None:
+        self._pop(key)  # the same trace and span id again (a client's replayed traceparent): the newer decision
+        self._map[key] = decision
+        trace_id = key[:16]
+        self._joined.pop(trace_id, None)
+        self._traces.setdefault(trace_id, {})[key] = None
+
+    def _pop(self, key: bytes) -> _Decision | None:
+        decision = self._map.pop(key, None)
+        if decision is not None:
+            self._unindex(key)
+        return decision
+
+    def _unindex(self, key: bytes) -> None:
+        keys = self._traces.get(key[:16])
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self._traces[key[:16]]
 
     def __len__(self) -> int:
         return len(self._map)
 
     @property
     def remembered(self) -> int:
-        """Joined trace ids remembered for duplicate detection."""
+        """Joined spans (trace id, and parent where the span named one) remembered for duplicate detection."""
         return len(self._joined)
 
 
@@ -266,12 +343,16 @@ class SpanJoiner:
     def add(self, sender: IPAddress | None, record: SpanRecord) -> None:
         """One record sent from ``sender`` (None: unknown, so no endpoint's own host)."""
         stats = self.stats
+        taken = None
         if record.trace_id is not None:
-            decided = self.join.get(record.trace_id)
-            if decided is not None and decided < len(self._hosts) and not self._speaks_for(sender, decided):
-                stats.unverified += 1  # the decision stays for its server's own span
-                return
-        taken = self.join.take(record.trace_id) if record.trace_id is not None else None
+            join, hosts = self.join, len(self._hosts)
+            key = join.find(record.trace_id, record.parent_id, lambda e: e < hosts and self._speaks_for(sender, e))
+            if key is not None:
+                decided = join.endpoint_of(key)
+                if decided < hosts and not self._speaks_for(sender, decided):
+                    stats.unverified += 1  # the decision stays for its server's own span
+                    return
+                taken = join.take_key(key, record.parent_id)
         endpoint = None if taken is None else taken[0]
         if endpoint is not None and endpoint < len(self.addresses):
             stats.joined_by_trace += 1
@@ -282,7 +363,7 @@ class SpanJoiner:
             if named is not None and self.by_name and sender is not None and self._hosts[named] == unmapped(sender):
                 stats.joined_by_resource += 1
                 endpoint = named
-            elif record.trace_id is not None and self.join.joined(record.trace_id):
+            elif record.trace_id is not None and self.join.joined(record.trace_id, record.parent_id):
                 stats.duplicate += 1
                 return
             elif named is not None:

@@ -120,7 +120,10 @@ def _check(
         return _OUT_OF_BOUNDS
     raw_id = bytes(span.trace_id)
     trace_id = raw_id if len(raw_id) == 16 and any(raw_id) else None
-    return SpanRecord(trace_id, span_endpoint(attributes, resource), ttft, e2e, end / _NS, output_tokens(attributes))
+    raw_parent = bytes(span.parent_span_id)
+    parent_id = raw_parent if len(raw_parent) == 8 and any(raw_parent) else None
+    endpoint = span_endpoint(attributes, resource)
+    return SpanRecord(trace_id, endpoint, ttft, e2e, end / _NS, output_tokens(attributes), parent_id)
 
 
 def output_tokens(attributes: Mapping[str, Any]) -> int | None:

@@ -48,8 +48,9 @@ BATCH_RECORDS = 1024
 """Records per RECORDS frame, at most."""
 
 _HEADER = struct.Struct("<IB")
-_RECORD = struct.Struct("<16sdddI")
+_RECORD = struct.Struct("<16sdddI8s")
 _NO_TRACE = bytes(16)
+_NO_PARENT = bytes(8)
 _NO_TOKENS = 0xFFFFFFFF  # output_tokens unknown
 
 
@@ -69,7 +70,9 @@ class SpanRecord(NamedTuple):
     """One validated latency span, as the picker needs it: ``trace_id`` (16 bytes, or None), ``server`` (the
     ``ip:port`` the span names, or None), ``ttft_s``/``e2e_s`` (positive seconds, or None when the span has no
     such attribute; at least one is set), ``end_s`` (Unix seconds, within the bounds the receiver applied),
-    ``output_tokens`` (the tokens the server generated, `MAX_OUTPUT_TOKENS` at most; None: not reported)."""
+    ``output_tokens`` (the tokens the server generated, `MAX_OUTPUT_TOKENS` at most; None: not reported),
+    ``parent_id`` (the span id, 8 bytes, of the span's parent: the one the picker put in the request's ``traceparent``
+    when the server continued it; None: a root span)."""
 
     trace_id: bytes | None
     server: str | None
@@ -77,6 +80,7 @@ class SpanRecord(NamedTuple):
     e2e_s: float | None
     end_s: float
     output_tokens: int | None = None
+    parent_id: bytes | None = None
 
 
 MAX_OUTPUT_TOKENS = 10_000_000
@@ -187,6 +191,7 @@ def encode_records(sender: str, records: Sequence[SpanRecord]) -> bytes:
                 nan if record.e2e_s is None else record.e2e_s,
                 record.end_s,
                 _NO_TOKENS if record.output_tokens is None else record.output_tokens,
+                record.parent_id or _NO_PARENT,
             )
         )
         parts.append(bytes((len(server),)))
@@ -209,7 +214,7 @@ def _records(payload: bytes, offset: int) -> Iterator[SpanRecord]:
     while offset < total:
         if offset + size + 1 > total:
             raise WireError("a truncated record")
-        trace_id, ttft, e2e, end_s, tokens = unpack(payload, offset)
+        trace_id, ttft, e2e, end_s, tokens, parent = unpack(payload, offset)
         offset += size
         length = payload[offset]
         server = payload[offset + 1 : offset + 1 + length].decode("ascii", "replace") if length else None
@@ -223,4 +228,5 @@ def _records(payload: bytes, offset: int) -> Iterator[SpanRecord]:
             None if e2e != e2e else e2e,
             end_s,
             None if tokens == _NO_TOKENS else tokens,
+            parent if parent != _NO_PARENT else None,
         )

@@ -155,6 +155,49 @@ def test_recording_a_trace_id_again_makes_it_joinable_once_more() -> None:
     assert not join.joined(TRACE) and join.consume(TRACE) == 2 and join.consume(TRACE) is None
 
 
+def _spans_outcomes(joiner: SpanJoiner) -> list[tuple[str, float | None]]:
+    outcomes: list[tuple[str, float | None]] = []
+    joiner.outcome = lambda request_id, span: outcomes.append((request_id, span.ttft_s))
+    return outcomes
+
+
+def test_requests_of_one_trace_each_join_the_span_that_names_their_own_span_id() -> None:
+    # A client's agent sends its calls in one trace (the same traceparent): each call is a decision of its own, and
+    # its server's span (whose parent is the span id the picker put in that call's traceparent) joins it, whatever
+    # order the spans come in. Before, the newer decision replaced the older: the first call's span was taken as
+    # the second call's outcome, and the second's span was a duplicate.
+    joiner, seen = make()
+    outcomes = _spans_outcomes(joiner)
+    first, second = b"\x01" * 8, b"\x02" * 8
+    joiner.join.record(TRACE, 1, request_id="call-1", span_id=first)
+    joiner.join.record(TRACE, 1, request_id="call-2", span_id=second)
+    joiner.add(ip("10.0.0.2"), SpanRecord(TRACE, None, 5.0, 6.0, 1_700_000_000.0, parent_id=second))
+    joiner.add(ip("10.0.0.2"), SpanRecord(TRACE, None, 0.1, 0.5, 1_700_000_000.0, parent_id=first))
+    assert outcomes == [("call-2", 5.0), ("call-1", 0.1)]
+    assert seen == [(1, 5.0, 6.0), (1, 0.1, 0.5)] and joiner.stats.joined_by_trace == 2
+    joiner.add(ip("10.0.0.2"), SpanRecord(TRACE, None, 0.1, 0.5, 1_700_000_000.0, parent_id=first))
+    assert joiner.stats.duplicate == 1 and len(seen) == 2
+
+
+def test_a_span_of_an_unknown_parent_joins_the_oldest_decision_of_its_trace_it_may_speak_for() -> None:
+    # With Envoy's tracer on, Envoy's span sits between the picker's and the server's: the server's span names a
+    # parent the picker never saw. It joins the oldest of its trace's decisions that its sender may report on, and
+    # a duplicate of it takes no other decision.
+    joiner, _seen = make()
+    outcomes = _spans_outcomes(joiner)
+    joiner.join.record(TRACE, 0, request_id="to-0", span_id=b"\x01" * 8)
+    joiner.join.record(TRACE, 1, request_id="to-1", span_id=b"\x02" * 8)
+    joiner.join.record(TRACE, 1, request_id="to-1-again", span_id=b"\x03" * 8)
+    envoys = b"\x0e" * 8
+    joiner.add(ip("10.0.0.2"), SpanRecord(TRACE, None, 0.3, 1.0, 1_700_000_000.0, parent_id=envoys))
+    joiner.add(ip("10.0.0.2"), SpanRecord(TRACE, None, 0.3, 1.0, 1_700_000_000.0, parent_id=envoys))
+    joiner.add(ip("192.0.2.9"), SpanRecord(TRACE, None, 9.0, 9.0, 1_700_000_000.0, parent_id=b"\x0f" * 8))
+    joiner.add(ip("10.0.0.1"), SpanRecord(TRACE, None, 0.2, 1.0, 1_700_000_000.0, parent_id=b"\x0d" * 8))
+    assert outcomes == [("to-1", 0.3), ("to-0", 0.2)]
+    assert (joiner.stats.duplicate, joiner.stats.unverified) == (1, 1)
+    assert joiner.join.get(TRACE) == 1 and len(joiner.join) == 1
+
+
 def test_the_trace_join_is_bounded_by_size() -> None:
     join = TraceJoin(capacity=4)
     for i in range(1000):

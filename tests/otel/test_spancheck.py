@@ -97,6 +97,23 @@ def test_only_a_valid_trace_id_is_kept(trace_id: bytes, kept: bool) -> None:
     assert records[0].trace_id == (trace_id if kept else None) and records[0].server == "10.0.0.1:8000"
 
 
+@pytest.mark.parametrize(
+    ("parent", "kept"),
+    [
+        pytest.param(b"\x09" * 8, True, id="valid"),
+        pytest.param(bytes(8), False, id="all-zero"),
+        pytest.param(b"", False, id="a-root-span"),
+        pytest.param(b"short", False, id="short"),
+    ],
+)
+def test_the_parent_span_id_is_kept_where_valid(parent: bytes, kept: bool) -> None:
+    # The parent is the span id the picker put in the request's traceparent: it tells the requests of one trace apart.
+    one = span()
+    one.parent_span_id = parent
+    records, _ = check([one])
+    assert records[0].parent_id == (parent if kept else None)
+
+
 def test_spans_past_the_per_export_limit_are_not_looked_at() -> None:
     req = request([span(), span(), span()], **HERE)
     req.resource_spans.append(request([span(), span()], **HERE).resource_spans[0])

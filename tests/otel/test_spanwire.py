@@ -29,6 +29,7 @@ RECORDS = [
     SpanRecord(b"\x01" * 16, "[fd00::1]:8000", 0.1, None, 1_700_000_002.0),
     SpanRecord(b"\x02" * 16, "10.0.0.2:8000", 0.1, 2.1, 1_700_000_003.0, output_tokens=201),
     SpanRecord(None, None, 0.1, 0.2, 1_700_000_004.0, output_tokens=0),
+    SpanRecord(b"\x03" * 16, None, 0.1, 0.2, 1_700_000_005.0, parent_id=b"\x09" * 8),
 ]
 
 
