@@ -187,10 +187,11 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         return self.router.engine
 
     def failure_listener(self) -> Callable[[str], None] | None:
-        """What Envoy's access log tells of a failed request (a 5xx, a reset): its experiment arm's outcome, unless
-        the response stream already tells it (``otel.latency_source: stream`` times every response)."""
+        """What Envoy's access log tells of a failed request (a 5xx, a reset): its experiment arm's outcome. Where the
+        response stream told it already (``otel.latency_source: stream``), it counts only for a streamed response
+        that broke off after its first token, which the stream took for a success."""
         experiments = self.router.experiments
-        if experiments is None or self.response_timer is not None:
+        if experiments is None:
             return None
         return experiments.failed
 

@@ -842,6 +842,9 @@ class Experiments:
         self.capacity = capacity
         self.max_age_s = max_age_s
         self._open: OrderedDict[str, tuple[float, Arm]] = OrderedDict()
+        # Requests whose outcome was a success at their first token (a streamed response is timed no further):
+        # Envoy's access log may still report them failed (a server that dies mid-answer), which then counts.
+        self._streamed: OrderedDict[str, tuple[float, Arm]] = OrderedDict()
         self.unattributed = 0  # outcomes for request ids not (or no longer) remembered
         # The pool's own engine when built `over` it (its owner carries its learned state across a reload).
         self.pool_engine: Engine | None = None
@@ -975,9 +978,18 @@ class Experiments:
         self.running[arm.experiment].check()
 
     def failed(self, request_id: str) -> None:
-        """A routed request failed (Envoy's access log: a 5xx or a reset). Nothing if its outcome already came."""
+        """A routed request failed (Envoy's access log: a 5xx or a reset). Nothing if its outcome already came, unless
+        that was a success at its first token (the response broke off after it): that outcome becomes a failure."""
         if request_id in self._open:
             self.outcome(request_id, failed=True)
+            return
+        held = self._streamed.pop(request_id, None)
+        if held is None or not self.owns(held[1]):
+            return
+        arm = held[1]
+        arm.outcomes.failed += 1
+        arm.outcomes.errors.replace(0.0, 1.0)
+        self.running[arm.experiment].check()
 
     def observed(
         self,
@@ -991,11 +1003,18 @@ class Experiments:
         """What the filter's timing of a response says (``filter.observe.RequestOutcome``): a streamed answer's first
         token (its TTFT; it is measured no further, so that is its end), another's full body (E2E), or a failure;
         or a server span: TTFT, E2E and, with ``output_tokens`` (more than one), the time per output token."""
+        arm = None
         if ttft_s is not None:
             arm = self.first_token(request_id, ttft_s)
             if arm is not None and e2e_s is not None and output_tokens is not None and output_tokens > 1:
                 arm.outcomes.tpot.add((e2e_s - ttft_s) / (output_tokens - 1), self.clock())
         self.outcome(request_id, failed=failed, e2e_s=e2e_s)
+        if arm is not None and e2e_s is None and not failed and request_id:
+            now = self.clock()
+            streamed = self._streamed
+            streamed[request_id] = (now, arm)
+            while len(streamed) > self.capacity or next(iter(streamed.values()))[0] < now - self.max_age_s:
+                streamed.popitem(last=False)
 
     def describe(self) -> list[dict[str, Any]]:
         return [e.describe() for e in self.running.values()]

@@ -47,6 +47,14 @@ class Moments:
         self.mean += delta / self.count
         self.m2 += delta * (value - self.mean)
 
+    def replace(self, old: float, new: float) -> None:
+        """The moments as if one value ``old`` added before had been ``new`` (a request's outcome corrected)."""
+        if not self.count:
+            raise ValueError("no value to replace")
+        mean = self.mean + (new - old) / self.count
+        self.m2 = max(self.m2 + (new - old) * (new - mean + old - self.mean), 0.0)
+        self.mean = mean
+
     @property
     def variance(self) -> float:
         """The sample variance (0 for fewer than two values)."""

@@ -14,6 +14,7 @@ from inferlb.scorer.loadscorers import ATTENTION_TOKENS
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Routed, Router
+from inferlb.scorer.sequential import Moments
 
 POOL = {"endpoints": [{"address": f"10.0.0.{i}:8000", "models": ["m"]} for i in range(1, 5)]}
 
@@ -114,6 +115,41 @@ def test_outcomes_reach_the_arm_of_their_request_and_compare_arms() -> None:
     assert control["finished"] == control["requests"] and control["error_rate"] == 0.0
     assert control["ttft_s"]["p50"] == pytest.approx(0.2, rel=0.1)
     assert experiments.unattributed == 1
+
+
+def test_a_streamed_response_that_breaks_off_after_its_first_token_counts_as_failed() -> None:
+    # otel.latency_source: stream times a streamed response to its first token, and that ends its outcome: a
+    # server that dies mid-answer was a success until Envoy's access log says otherwise.
+    router = _router(_ab())
+    experiments = router.experiments
+    assert experiments is not None
+    arms = {}
+    for i in range(40):
+        arms[f"r{i}"] = _route(router, RequestFeatures(model="m", request_id=f"r{i}"))[0]
+    for i in range(40):
+        rid = f"r{i}"
+        if i % 4 == 0:
+            experiments.observed(rid, None, None, True)  # failed before its first token
+        elif i % 4 == 1:
+            experiments.observed(rid, None, 0.5, False)  # a whole body
+        else:
+            experiments.observed(rid, 0.1, None, False)  # a first token: taken for a success
+    for i in range(40):
+        if i % 4 != 3:
+            experiments.failed(f"r{i}")  # Envoy's access log: a 5xx or a reset
+    experiments.failed("never-routed")
+    for arm in experiments.running["ab"].arms:
+        ids = [i for i in range(40) if arms[f"r{i}"] == arm.name]
+        failed = sum(i % 4 in (0, 2) for i in ids)  # before the first token, or broken off after it
+        outcomes = arm.outcomes
+        assert (outcomes.finished, outcomes.failed) == (len(ids), failed)
+        errors = Moments()
+        for i in ids:
+            errors.add(float(i % 4 in (0, 2)))
+        assert outcomes.errors.count == errors.count
+        assert outcomes.errors.mean == pytest.approx(errors.mean) and outcomes.errors.m2 == pytest.approx(errors.m2)
+    experiments.failed("r2")  # told twice: counted once
+    assert sum(a.outcomes.failed for a in experiments.running["ab"].arms) == 20
 
 
 def test_remembered_requests_are_bounded() -> None:

@@ -24,6 +24,22 @@ def test_moments_match_numpy_and_merge_exactly() -> None:
     assert both.variance == pytest.approx(values.var(ddof=1), rel=1e-10)
 
 
+def test_replacing_a_value_gives_the_moments_of_the_corrected_stream() -> None:
+    rng = np.random.default_rng(4)
+    values = (rng.random(500) < 0.1).astype(float)
+    moments = Moments()
+    for v in values:
+        moments.add(v)
+    for i in np.flatnonzero(values == 0)[:30]:  # thirty outcomes corrected from success to failure
+        moments.replace(0.0, 1.0)
+        values[i] = 1.0
+    assert moments.count == 500
+    assert moments.mean == pytest.approx(values.mean(), rel=1e-12)
+    assert moments.variance == pytest.approx(values.var(ddof=1), rel=1e-10)
+    with pytest.raises(ValueError, match="no value to replace"):
+        Moments().replace(0.0, 1.0)
+
+
 def test_the_interval_holds_exactly_the_differences_the_ratio_does_not_reject() -> None:
     d, v, tau, alpha = 0.3, 0.01, 0.1, 0.05
     w = half_width(v, tau, alpha)
