@@ -58,6 +58,7 @@ from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.registry import ProfileSpec
 from inferlb.scorer.sequential import Comparison, Moments, compare
+from inferlb.scorer.shares import UNITS, ShareLine
 
 __all__ = [
     "LATENCY_BUCKETS_S",
@@ -79,7 +80,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Assign = Literal["weight", "hash", "header"]
-WEIGHT_STEP = 0.001  # the finest share an arm can have: 0.1%
+WEIGHT_STEP = 1 / UNITS  # the finest share an arm can have: 0.1%
 HISTORY = 1000  # weight changes an experiment keeps (the counts of changes by kind are kept whole)
 P99_MIN_SAMPLES = 100  # TTFTs on each side, since the last change, before the guard compares p99s
 
@@ -464,7 +465,8 @@ class RunningExperiment:
         self._rng = rng
         self._draws = np.empty(0)
         self._cursor = 0
-        self._cumulative: list[float] = []
+        # Everyone in the control until the start's `set_weights` lays the arms out after it, in order.
+        self._line = ShareLine([UNITS] + [0] * (len(self.arms) - 1))
         self._salt = spec.name.encode() + b"\0"
         self._tell = tell
         self.history: deque[WeightChange] = deque(maxlen=HISTORY)
@@ -513,12 +515,8 @@ class RunningExperiment:
             raise ValueError(f"unknown action {action!r}: pause, resume, stop, start or weights")
 
     def weights(self) -> dict[str, float]:
-        previous = 0.0
-        out = {}
-        for arm, edge in zip(self.arms, self._cumulative, strict=True):
-            out[arm.name] = round(edge - previous, 6)
-            previous = edge
-        return out
+        units = self._line.units(len(self.arms))
+        return {arm.name: round(u / UNITS, 6) for arm, u in zip(self.arms, units, strict=True)}
 
     def set_weights(
         self,
@@ -529,17 +527,14 @@ class RunningExperiment:
         arm: str | None = None,
     ) -> None:
         """New weights for the arms (by name; every arm, summing to 1); ValueError otherwise. The change is kept in
-        the history (``kind``, ``reason``, the ``arm`` it was about), and the guard judges from here on."""
+        the history (``kind``, ``reason``, the ``arm`` it was about), and the guard judges from here on. Only shares
+        of the arms that shrink move, to the arms that grow (`ShareLine`): by hash, a cut moves the cut arm's users
+        only."""
         if set(weights) != set(self._by_name):
             raise ValueError(f"weights must name every arm of {self.spec.name!r}: {', '.join(self._by_name)}")
         check_weights(self.spec.name, [weights[a.name] for a in self.arms])
-        total = 0.0
-        cumulative = []
-        for one in self.arms:
-            total += weights[one.name]
-            cumulative.append(total)
-        cumulative[-1] = 1.0
-        self._cumulative = cumulative
+        units = [round(weights[one.name] * UNITS) for one in self.arms]
+        self._line.move_to(units)
         self._changed_at = self.clock()
         self._marks = {one.name: _Mark(one.outcomes) for one in self.arms}
         change = WeightChange(self.spec.name, time.time(), self.weights(), arm, kind, reason)
@@ -627,7 +622,7 @@ class RunningExperiment:
         """Take over ``old``'s outcomes, weights, state and history (the same experiment, before a reload)."""
         for arm, old_arm in zip(self.arms, old.arms, strict=True):
             arm.outcomes = old_arm.outcomes
-        self._cumulative = old._cumulative
+        self._line = old._line.copy()
         self._marks, self._changed_at, self._next_check = old._marks, old._changed_at, old._next_check
         self.paused, self.stopped, self.rolled_back = old.paused, old.stopped, old.rolled_back
         self.breaches, self.started_at, self.history, self.changes = (
@@ -657,10 +652,7 @@ class RunningExperiment:
         return self._by_share(self._draw())
 
     def _by_share(self, u: float) -> Arm:
-        for arm, edge in zip(self.arms, self._cumulative, strict=True):
-            if u < edge:
-                return arm
-        return self.arms[-1]
+        return self.arms[self._line.arm_at(u)]
 
     def _draw(self) -> float:
         # Drawn in blocks: one numpy call per request would cost more than the assignment.

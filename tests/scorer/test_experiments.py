@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -79,6 +81,19 @@ def test_hash_assignment_keeps_a_user_in_one_arm_and_agrees_across_processes() -
     users = [RequestFeatures(model="m", headers={"x-user": f"u{i}"}) for i in range(4000)]
     share = sum(_route(one, r)[0] == "treatment" for r in users) / len(users)
     assert 0.17 < share < 0.23
+
+
+def test_by_hash_a_cut_moves_only_the_cut_arms_users_and_only_to_the_control() -> None:
+    arms = (ArmSpec("control", "round-robin", 0.5), ArmSpec("A", "default", 0.25), ArmSpec("B", "default", 0.25))
+    router = _router(ExperimentSpec("three", arms, assign="hash", header="x-user"))
+    experiment = router.experiments.running["three"]  # type: ignore[union-attr]
+    users = [RequestFeatures(model="m", headers={"x-user": f"user-{i}"}) for i in range(20000)]
+    before = [experiment.assign(user).name for user in users]
+    experiment._move(experiment.arms[2], 0.075, "cut", "a test")  # what the guard does on B's breach
+    after = [experiment.assign(user).name for user in users]
+    moves = Counter(f"{a}->{b}" for a, b in zip(before, after, strict=True) if a != b)
+    assert set(moves) == {"B->control"} and 0.15 < moves["B->control"] / len(users) < 0.2
+    assert experiment.weights() == {"control": 0.675, "A": 0.25, "B": 0.075}
 
 
 def test_header_assignment_names_the_arm_and_everyone_else_is_control() -> None:
