@@ -171,6 +171,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.on_end_elsewhere: Callable[[str], None] | None = None
         # Told of each first token the filter saw of a request this picker holds no lease for (the same).
         self.on_first_token_elsewhere: Callable[[str], None] | None = None
+        # Told of each experiment outcome (request id, TTFT, E2E, failed) of a request whose arm this picker does not
+        # hold: the response's timing, or Envoy's access log, reached this replica, and another routed it.
+        self.on_outcome_elsewhere: Callable[[str, float | None, float | None, bool], None] | None = None
         # Without leases: the leases of requests whose routing stream is open, by request id (for the served
         # endpoint, which the observing stream reports).
         self._open: dict[str, Lease] = {}
@@ -190,10 +193,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         """What Envoy's access log tells of a failed request (a 5xx, a reset): its experiment arm's outcome. Where the
         response stream told it already (``otel.latency_source: stream``), it counts only for a streamed response
         that broke off after its first token, which the stream took for a success."""
-        experiments = self.router.experiments
-        if experiments is None:
-            return None
-        return experiments.failed
+        return None if self.router.experiments is None else self._failed
 
     async def _keyed(self, features: RequestFeatures) -> RequestFeatures:
         """``features`` with their cache keys, computed by a slow tokenizer in a worker thread (the routing loop goes
@@ -436,8 +436,36 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         router = self.router  # read now: a reload may have replaced it since the request was routed
         if router.speeds is not None and not failed:
             router.speeds.observed(request_id, ttft_s, e2e_s)
-        if router.experiments is not None:
-            router.experiments.observed(request_id, ttft_s, e2e_s, failed)
+        experiments = router.experiments
+        if experiments is None:
+            return
+        if self.on_outcome_elsewhere is not None and not experiments.holds(request_id):
+            self.on_outcome_elsewhere(request_id, ttft_s, e2e_s, failed)
+        else:
+            experiments.observed(request_id, ttft_s, e2e_s, failed)
+
+    def _failed(self, request_id: str) -> None:
+        """Envoy's access log reports request ``request_id`` failed: its experiment arm's outcome, here or, where
+        another replica holds its arm, there."""
+        experiments = self.router.experiments
+        if experiments is None:
+            return
+        if self.on_outcome_elsewhere is not None and not experiments.holds(request_id):
+            self.on_outcome_elsewhere(request_id, None, None, True)
+        else:
+            experiments.failed(request_id)
+
+    def outcome_from_elsewhere(self, request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> bool:
+        """Another replica's experiment outcome of request ``request_id`` (`on_outcome_elsewhere` there): taken if
+        this picker holds its arm (True then)."""
+        experiments = self.router.experiments
+        if experiments is None or not experiments.holds(request_id):
+            return False
+        if failed and ttft_s is None and e2e_s is None:
+            experiments.failed(request_id)  # Envoy's access log's: it may correct a success at the first token
+        else:
+            experiments.observed(request_id, ttft_s, e2e_s, failed)
+        return True
 
     def _served_by_id(self, request_id: str, address: str) -> None:
         """The served endpoint the observing stream of request ``request_id`` reported: its lease (held, or that of

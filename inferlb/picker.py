@@ -709,6 +709,10 @@ def create_picker(
             # Likewise a response's first token, which the replica its observing stream reached saw.
             service.on_first_token_elsewhere = picker.replicas.first_token_elsewhere
             picker.replicas.first_token = service.first_token
+        # And an experiment's outcome: counted by the replica that holds the request's arm (experiments may come
+        # with a reload, so this is wired whether or not the config has them now).
+        service.on_outcome_elsewhere = picker.replicas.outcome_elsewhere
+        picker.replicas.take_outcome = service.outcome_from_elsewhere
     if config.quotas is not None:
         replicas = picker.replicas
         service.quotas = Quotas(

@@ -941,6 +941,11 @@ class Experiments:
         held = self._open.get(request_id)
         return None if held is None else held[1]
 
+    def holds(self, request_id: str) -> bool:
+        """Whether an outcome of ``request_id`` would count here: its outcome has not come, or was a success at its
+        first token (which a failure may still correct)."""
+        return request_id in self._open or request_id in self._streamed
+
     def shed(self, arm: Arm) -> None:
         arm.outcomes.shed += 1
 

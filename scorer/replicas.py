@@ -19,7 +19,9 @@ through one Redis stream per pool (``replicas.key``), off the hot path:
 * **Ends and first tokens.** Envoy's access-log stream, and a response's observing stream (``otel.latency_source:
   stream``), reach one replica each, not necessarily the one that routed the request: a request's end, or its
   first token, that a replica holds no lease for goes out with its next entry, and the replica that holds the
-  lease releases it, or takes its prompt out of its exact prefill backlog (`InFlight.first_tokens`).
+  lease releases it, or takes its prompt out of its exact prefill backlog (`InFlight.first_tokens`). So does an
+  experiment's outcome (a response's timing, or a failure in Envoy's access log) of a request whose arm a replica
+  does not hold: the replica that routed it counts it for the arm.
 * **Prefixes.** Each decision's prompt blocks (its prefix hashes) are published with the next tick, and peers
   record them in their prefix index as if they had made the decision: a prompt's prefix is found on the
   endpoint any replica sent it to. Prefix hashes are Python's ``hash``, salted per process: replicas agree on
@@ -86,6 +88,7 @@ MAX_PREFIXES_PER_ENTRY = 1_000
 MAX_PENDING_ENDS = 100_000  # request ends waiting to be passed on (Redis down: the oldest are dropped)
 MAX_ENDS_PER_ENTRY = 5_000
 MAX_REQUEST_ID_CHARS = 256
+MAX_OUTCOME_S = 86_400.0  # a latency beyond this in a peer's outcome is not one
 FINGERPRINT_TEXT = "inferlb: prefix block hashes"
 IDLE_TICK_S = 0.05  # the publishing tick while nothing changes
 BLOCK_S = 0.1  # how long one read of the stream waits for entries (expiry runs between reads)
@@ -108,6 +111,8 @@ class ReplicaStats:
     ends_taken: int = 0  # ends passed on by a peer that released a lease held here
     first_tokens_passed: int = 0  # first tokens of requests this replica did not hold, passed on to the others
     first_tokens_taken: int = 0  # first tokens passed on by a peer for a lease held here
+    outcomes_passed: int = 0  # experiment outcomes of requests whose arm this replica did not hold, passed on
+    outcomes_taken: int = 0  # experiment outcomes passed on by a peer for an arm held here
 
 
 @dataclass(slots=True)
@@ -160,11 +165,15 @@ class Replicas:
         self._waker: asyncio.Future[None] | None = None  # an idle publisher waits on it
         self._ends: deque[str] = deque(maxlen=MAX_PENDING_ENDS)
         self._first_tokens: deque[str] = deque(maxlen=MAX_PENDING_ENDS)
+        self._outcomes: deque[tuple[str, float | None, float | None, bool]] = deque(maxlen=MAX_PENDING_ENDS)
         # Releases this replica's lease of a request id, if it holds one (True then): set by the picker.
         self.finish: Callable[[str], bool] | None = None
         # Tells this replica's lease of a request id of its first token, if it holds one (True then): set by the
         # picker where the prefill backlog is exact (`InFlight.first_tokens`).
         self.first_token: Callable[[str], bool] | None = None
+        # Counts a peer's experiment outcome (request id, TTFT, E2E, failed) where this replica holds the request's
+        # arm (True then): set by the picker.
+        self.take_outcome: Callable[[str, float | None, float | None, bool], bool] | None = None
 
     # ---- state for the picker ---------------------------------------------------------------------------
 
@@ -185,6 +194,12 @@ class Replicas:
         reached this one): passed on with the next tick, for the exact prefill backlog of the replica that holds
         it."""
         self._first_tokens.append(request_id)
+        self._nudge()
+
+    def outcome_elsewhere(self, request_id: str, ttft_s: float | None, e2e_s: float | None, failed: bool) -> None:
+        """An experiment outcome of a request whose arm this replica does not hold (the response's timing, or Envoy's
+        access log, reached this one): passed on with the next tick, for the replica that routed it."""
+        self._outcomes.append((request_id, ttft_s, e2e_s, failed))
         self._nudge()
 
     def _nudge(self) -> None:
@@ -316,7 +331,14 @@ class Replicas:
                 and np.array_equal(last[3], load.exact)
             )
             self._sent_arrays = (engine.pool, load.requests, load.sent, load.exact)
-            if unchanged and not full and not self._ends and not self._pending and not self._first_tokens:
+            if (
+                unchanged
+                and not full
+                and not self._ends
+                and not self._pending
+                and not self._first_tokens
+                and not self._outcomes
+            ):
                 continue  # most ticks: nothing to say
             self._busy = True
             current = _load_values(engine.pool, load, engine.inflight.clock())
@@ -333,11 +355,12 @@ class Replicas:
                 }
                 payload.update({a: (0, 0, 0, 0, 0) for a in self._sent.keys() - current.keys()})  # left the pool
             self._sent = current
-            ends, pending, firsts = self._ends, self._pending, self._first_tokens
+            ends, pending, firsts, outcomes = self._ends, self._pending, self._first_tokens, self._outcomes
             end_ids = [ends.popleft() for _ in range(min(len(ends), MAX_ENDS_PER_ENTRY))]
             first_ids = [firsts.popleft() for _ in range(min(len(firsts), MAX_ENDS_PER_ENTRY))]
+            told = [outcomes.popleft() for _ in range(min(len(outcomes), MAX_ENDS_PER_ENTRY))]
             prompts = [pending.popleft() for _ in range(min(len(pending), MAX_PREFIXES_PER_ENTRY))]
-            if not (payload or end_ids or first_ids or prompts):
+            if not (payload or end_ids or first_ids or told or prompts):
                 continue
             # One entry per tick, whatever it carries: the Redis client's work per command is most of the cost,
             # on both sides (one XADD here, one entry to parse in each peer).
@@ -348,6 +371,8 @@ class Replicas:
                 fields["e"] = orjson.dumps(end_ids)
             if first_ids:
                 fields["f"] = orjson.dumps(first_ids)
+            if told:
+                fields["o"] = orjson.dumps(told)
             if prompts:
                 fields["h"] = self.fingerprint
                 fields["p"] = orjson.dumps(prompts)
@@ -356,11 +381,13 @@ class Replicas:
             except BaseException:
                 ends.extendleft(reversed(end_ids))  # kept for the next attempt (within the pending bounds)
                 firsts.extendleft(reversed(first_ids))
+                outcomes.extendleft(reversed(told))
                 pending.extendleft(reversed(prompts))
                 raise
             self.stats.published += 1
             self.stats.ends_passed += len(end_ids)
             self.stats.first_tokens_passed += len(first_ids)
+            self.stats.outcomes_passed += len(told)
             self.stats.prefixes_published += len(prompts)
 
     async def _idle(self) -> None:
@@ -405,6 +432,8 @@ class Replicas:
             self._apply_ends(_json(fields[b"e"]), seen)
         if b"f" in fields:
             self._apply_first_tokens(_json(fields[b"f"]), seen)
+        if b"o" in fields:
+            self._apply_outcomes(_json(fields[b"o"]), seen)
         if kind == "tick" and replica:  # decisions, ends and first tokens only: its load was unchanged
             return
         if not replica or kind not in ("full", "changes") or not isinstance(payload, dict):
@@ -499,6 +528,22 @@ class Replicas:
     def _apply_first_tokens(self, payload: Any, seen: float) -> None:
         """First tokens a peer saw of requests it did not hold: each tells this replica's lease, if it holds one."""
         self.stats.first_tokens_taken += self._apply_ids(payload, seen, self.first_token)
+
+    def _apply_outcomes(self, payload: Any, seen: float) -> None:
+        """Experiment outcomes a peer saw of requests whose arm it did not hold: each counts here if this replica holds
+        the arm (live ones only, not a replay's)."""
+        if (
+            not isinstance(payload, list)
+            or len(payload) > MAX_ENDS_PER_ENTRY  # the sender's own bound
+            or not all(_is_outcome(item) for item in payload)
+        ):
+            self.stats.rejected += 1
+            return
+        self.stats.applied += 1
+        take = self.take_outcome
+        if take is None or self._clock() - seen >= self.config.peer_ttl_s:
+            return
+        self.stats.outcomes_taken += sum(take(rid, ttft, e2e, failed) for rid, ttft, e2e, failed in payload)
 
     def _apply_ids(self, payload: Any, seen: float, take: Callable[[str], bool] | None) -> int:
         """``take`` each request id of a peer's list (live ones only, not a replay's); how many it took."""
@@ -630,6 +675,19 @@ def _raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+def _is_outcome(item: Any) -> bool:
+    """Whether ``item`` is an outcome as `Replicas.outcome_elsewhere` sends it: [request id, TTFT, E2E, failed], each
+    latency a positive number of seconds within `MAX_OUTCOME_S`, or null."""
+    return (
+        isinstance(item, list)
+        and len(item) == 4
+        and isinstance(item[0], str)
+        and 0 < len(item[0]) <= MAX_REQUEST_ID_CHARS
+        and all(v is None or (type(v) in (int, float) and 0 < v <= MAX_OUTCOME_S) for v in item[1:3])
+        and type(item[3]) is bool
+    )
 
 
 def _json(value: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +10,13 @@ import httpx
 import pytest
 
 from inferlb.admin import create_admin_app
+from inferlb.bench.redisserver import REDIS, redis_server
 from inferlb.picker import PickerProcess, create_picker
 from inferlb.scorer.config import ConfigError, EndpointConfig, parse_config
 from inferlb.scorer.engine import Engine, _prefix_indices
 from inferlb.scorer.features import RequestFeatures
+
+from .conftest import until
 
 ENDPOINTS = [{"address": f"10.0.0.{i}:8000"} for i in (1, 2, 3, 4)]
 
@@ -132,3 +136,54 @@ async def test_posting_a_config_with_a_bad_experiment_answers_400_naming_the_fie
         )
     assert response.status_code == 400
     assert "experiments[0].arms: experiment 'rollout': the arms' weights sum to 1.2, not 1" in response.text
+
+
+@pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+async def test_an_outcome_that_reaches_another_replica_counts_for_the_arm_where_the_request_was_routed(
+    tmp_path: Path,
+) -> None:
+    # Envoy spreads its streams over the replicas: a request's timed response, or its failure in the access log,
+    # often reaches another replica than the one that routed it, which holds no arm for it. Before, the outcome
+    # was counted there as unattributed and the arm never saw it: a canary failing every request ran on.
+    with redis_server(tmp_path / "redis") as redis:
+        secret = tmp_path / "redis-password"
+        secret.write_text(redis.password)
+        doc = _doc(
+            "round-robin",
+            otel={"latency_source": "stream"},
+            replicas={"url": redis.url, "password": {"token_file": str(secret)}},
+        )
+        routing, observing = create_picker(parse_config(doc)), create_picker(parse_config(doc))
+        tasks = [asyncio.create_task(p.replicas.run()) for p in (routing, observing) if p.replicas is not None]
+        try:
+            await until(lambda: routing.replicas.ready() and observing.replicas.ready(), "both in touch")  # type: ignore[union-attr]
+            router = routing.service.router
+            arms = {}
+            for i in range(40):
+                request = router.admit(RequestFeatures(model="m", request_id=f"r{i}")).request
+                router.route(request)
+                arms[f"r{i}"] = request.arm.name if request.arm is not None else None
+            for i in range(40):
+                if i % 2:
+                    observing.service._timed(f"r{i}", 0.2, None, False)  # the first token of a streamed response
+                else:
+                    tell = observing.service.failure_listener()
+                    assert tell is not None
+                    tell(f"r{i}")  # Envoy's access log: a 5xx
+            experiments = router.experiments
+            assert experiments is not None
+            outcomes = {arm.name: arm.outcomes for arm in experiments.running["ab"].arms}
+            await until(lambda: sum(o.finished for o in outcomes.values()) == 40, "every outcome counted where routed")
+            for name, o in outcomes.items():
+                assert o.failed == sum(1 for i in range(0, 40, 2) if arms[f"r{i}"] == name)
+                assert o.finished == sum(1 for arm in arms.values() if arm == name)
+            elsewhere = observing.service.router.experiments
+            assert elsewhere is not None and elsewhere.unattributed == 0
+            assert all(o.finished == 0 for o in (a.outcomes for a in elsewhere.running["ab"].arms))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for picker in (routing, observing):
+                if picker.replicas is not None:
+                    await picker.replicas.close()

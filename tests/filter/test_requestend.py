@@ -294,6 +294,6 @@ async def test_failed_requests_in_the_access_log_are_their_experiment_arms_outco
         # With the response stream timed, the stream tells outcomes; the access log still tells of a streamed
         # response that broke off after the first token the stream took for a success.
         service.response_timer = lambda endpoint, ttft, e2e: None
-        assert service.failure_listener() == experiments.failed
+        assert service.failure_listener() == service._failed
     finally:
         await server.stop(0)

@@ -595,3 +595,42 @@ def _other_ca(folder: Path) -> Path:
         cwd=folder, check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     return folder / "ca.crt"
+
+
+async def test_an_experiment_outcome_is_passed_on_and_a_malformed_one_refused(
+    server: RedisServer, tmp_path: Path, running: Running
+) -> None:
+    config = _config(server, tmp_path)
+    ra, rb = running.start(config, _engine(), "a"), running.start(config, _engine(), "b")
+    taken: list[tuple[str, float | None, float | None, bool]] = []
+
+    def take(request_id: str, ttft: float | None, e2e: float | None, failed: bool) -> bool:
+        taken.append((request_id, ttft, e2e, failed))
+        return request_id != "nobody's"
+
+    ra.take_outcome = take
+    await until(lambda: ra.ready() and rb.ready(), "both caught up")
+    rb.outcome_elsewhere("req-1", 0.25, None, False)
+    rb.outcome_elsewhere("req-2", None, None, True)
+    rb.outcome_elsewhere("nobody's", None, 1.5, False)
+    await until(lambda: len(taken) == 3, "a told of the three")
+    assert taken == [("req-1", 0.25, None, False), ("req-2", None, None, True), ("nobody's", None, 1.5, False)]
+    assert ra.stats.outcomes_taken == 2
+    await until(lambda: rb.stats.outcomes_passed == 3, "b counted the three passed on")
+    forger = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        rejected = ra.stats.rejected
+        bad = (
+            b"not json",
+            orjson.dumps(["req-3", 0.1, None, False]),  # not a list of outcomes
+            orjson.dumps([["req-3", -1.0, None, False]]),  # a negative latency
+            orjson.dumps([["req-3", 0.1, 1e9, False]]),  # a latency of years
+            orjson.dumps([["req-3", 0.1, None, 1]]),  # failed is not a bool
+            orjson.dumps([["", 0.1, None, False]]),  # no request id
+        )
+        for payload in bad:
+            await forger.xadd(config.key, {"r": "f", "k": "tick", "o": payload})  # type: ignore[arg-type]
+        await until(lambda: ra.stats.rejected >= rejected + len(bad), "the bad outcomes refused")
+    finally:
+        await forger.aclose()
+    assert len(taken) == 3
