@@ -81,6 +81,9 @@ logger = logging.getLogger(__name__)
 
 Assign = Literal["weight", "hash", "header"]
 WEIGHT_STEP = 1 / UNITS  # the finest share an arm can have: 0.1%
+# Routed requests remembered until their outcome: as many as the filter's book of leases (filter/requestend.py),
+# so that the slowest requests of a busy picker are not the ones whose outcome is lost (tests pin the two equal).
+OPEN_CAPACITY = 1 << 18
 HISTORY = 1000  # weight changes an experiment keeps (the counts of changes by kind are kept whole)
 P99_MIN_SAMPLES = 100  # TTFTs on each side, since the last change, before the guard compares p99s
 
@@ -795,8 +798,8 @@ class Experiments:
     """The running experiments of one pool, and which arm each routed request went to (until its outcome).
 
     ``engine_for(profile)`` builds (or returns) the engine of a profile over the pool's shared state. A request id
-    is remembered for at most ``max_age_s`` and ``capacity`` requests: an outcome that never comes costs nothing
-    after that. One event loop; not thread-safe."""
+    is remembered for at most ``max_age_s`` and ``capacity`` requests (the oldest forgotten first, counted in
+    ``evicted``): an outcome that never comes costs nothing after that. One event loop; not thread-safe."""
 
     def __init__(
         self,
@@ -805,7 +808,7 @@ class Experiments:
         *,
         rng: np.random.Generator | None = None,
         clock: Callable[[], float] = time.monotonic,
-        capacity: int = 1 << 16,
+        capacity: int = OPEN_CAPACITY,
         max_age_s: float = 900.0,
         labels: Sequence[Mapping[str, str]] = (),
     ) -> None:
@@ -838,6 +841,7 @@ class Experiments:
         # Envoy's access log may still report them failed (a server that dies mid-answer), which then counts.
         self._streamed: OrderedDict[str, tuple[float, Arm]] = OrderedDict()
         self.unattributed = 0  # outcomes for request ids not (or no longer) remembered
+        self.evicted = 0  # routed requests forgotten before their outcome because ``capacity`` were open
         # The pool's own engine when built `over` it (its owner carries its learned state across a reload).
         self.pool_engine: Engine | None = None
 
@@ -932,6 +936,7 @@ class Experiments:
         self._open[request_id] = (now, arm)
         while len(self._open) > self.capacity:
             self._open.popitem(last=False)
+            self.evicted += 1
         limit = now - self.max_age_s
         while self._open and next(iter(self._open.values()))[0] < limit:
             self._open.popitem(last=False)
@@ -1003,7 +1008,9 @@ class Experiments:
         arm = None
         if ttft_s is not None:
             arm = self.first_token(request_id, ttft_s)
-            if arm is not None and e2e_s is not None and output_tokens is not None and output_tokens > 1:
+            if arm is None:
+                return  # counted once as unattributed, there
+            if e2e_s is not None and output_tokens is not None and output_tokens > 1:
                 arm.outcomes.tpot.add((e2e_s - ttft_s) / (output_tokens - 1), self.clock())
         self.outcome(request_id, failed=failed, e2e_s=e2e_s)
         if arm is not None and e2e_s is None and not failed and request_id:

@@ -7,9 +7,17 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from inferlb.filter.requestend import DEFAULT_CAPACITY as LEASE_CAPACITY
 from inferlb.scorer.config import ConfigError, parse_config
 from inferlb.scorer.engine import Engine
-from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec, _Window, histogram_quantile
+from inferlb.scorer.experiments import (
+    OPEN_CAPACITY,
+    ArmSpec,
+    Experiments,
+    ExperimentSpec,
+    _Window,
+    histogram_quantile,
+)
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.loadscorers import ATTENTION_TOKENS
@@ -174,7 +182,31 @@ def test_remembered_requests_are_bounded() -> None:
     for i in range(100):
         _route(router, RequestFeatures(model="m", request_id=f"r{i}"))
     assert len(router.experiments._open) == 10
+    assert router.experiments.evicted == 90
     router.experiments.outcome("r0", failed=False)
+    assert router.experiments.unattributed == 1
+
+
+def test_as_many_requests_await_their_outcome_as_leases_await_their_end() -> None:
+    assert OPEN_CAPACITY == LEASE_CAPACITY
+    experiments = Experiments([_ab()], lambda name: _router().engine, rng=np.random.default_rng(0))
+    assert experiments.capacity == OPEN_CAPACITY
+
+
+@pytest.mark.parametrize(
+    ("ttft_s", "e2e_s", "tokens"),
+    [
+        pytest.param(0.2, 1.5, 100, id="a-span"),
+        pytest.param(0.2, None, None, id="a-streams-first-token"),
+        pytest.param(None, 1.5, None, id="a-whole-body"),
+    ],
+)
+def test_an_outcome_for_an_unknown_request_is_counted_once(
+    ttft_s: float | None, e2e_s: float | None, tokens: int | None
+) -> None:
+    router = _router(_ab())
+    assert router.experiments is not None
+    router.experiments.observed("never-routed-here", ttft_s, e2e_s, False, output_tokens=tokens)
     assert router.experiments.unattributed == 1
 
 
