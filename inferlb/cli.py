@@ -236,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
         "(TTFT, E2E, errors) by trace id and run the live experiments' sequential test on them.",
     )
     report.add_argument("--from", dest="source", required=True, type=Path, metavar="FILE", help="OTLP/JSON lines")
-    report.add_argument("--control", help="the control arm (default: the arm of each experiment's first request)")
+    report.add_argument("--control", help="the control arm (default: `control`, else the first routed)")
     report.add_argument("--alpha", type=float, default=0.05, help="false-verdict rate allowed (default 0.05)")
     report.add_argument("--min-samples", type=int, default=200, help="requests per arm before a verdict (200)")
     report.add_argument("--json", type=Path, metavar="OUT.json", help="also write the report as JSON")

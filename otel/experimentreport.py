@@ -30,6 +30,7 @@ LLM_SPAN = "llm_request"
 TTFT = "gen_ai.latency.time_to_first_token"
 E2E = "gen_ai.latency.e2e"
 STATUS_ERROR = 2  # OTLP's Status.STATUS_CODE_ERROR
+DEFAULT_CONTROL = "control"  # the arm compared against, when it is there and no other is named
 
 
 @dataclass(slots=True)
@@ -77,7 +78,8 @@ def experiment_report(
     error_tau: float = 0.01,
 ) -> dict[str, Any]:
     """Per experiment in the spans: each arm's counts and TTFT quantiles, and each other arm's comparison with the
-    control (see the module's docstring). Server spans of no routed experiment request are counted, not used."""
+    control: ``control`` when given (ValueError when an experiment has no arm of that name), else as the module's
+    docstring says. Server spans of no routed experiment request are counted, not used."""
     routed: dict[bytes, tuple[str, str]] = {}  # trace id -> (experiment, arm)
     order: dict[str, list[str]] = {}  # experiment -> arms, in the order first routed
     outcomes: dict[bytes, tuple[Any, Any, bool, int | None]] = {}
@@ -98,6 +100,13 @@ def experiment_report(
                         failed = span.status.code == STATUS_ERROR
                         tokens = output_tokens(attributes)
                         outcomes[span.trace_id] = (attributes.get(TTFT), attributes.get(E2E), failed, tokens)
+    if control is not None:
+        for experiment, arms in order.items():
+            if control not in arms:
+                raise ValueError(
+                    f"control {control!r}: experiment {experiment!r} has no arm of that name (its arms: "
+                    f"{', '.join(arms)})"
+                )
     figures: dict[str, dict[str, ArmFigures]] = {e: {a: ArmFigures() for a in arms} for e, arms in order.items()}
     for trace_id, (experiment, arm) in routed.items():
         one = figures[experiment][arm]
@@ -108,7 +117,7 @@ def experiment_report(
     unmatched = sum(trace_id not in routed for trace_id in outcomes)
     report = []
     for experiment, by_arm in figures.items():
-        base = control if control is not None and control in by_arm else next(iter(by_arm))
+        base = control or (DEFAULT_CONTROL if DEFAULT_CONTROL in by_arm else next(iter(by_arm)))
         comparisons = {}
         for name, arm in by_arm.items():
             if name == base:

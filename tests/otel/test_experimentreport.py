@@ -62,6 +62,19 @@ def test_a_faster_arm_is_found_better_and_nothing_is_found_in_an_a_a() -> None:
     assert named["comparisons"]["control"]["ttft"]["verdict"] == "worse"
 
 
+def test_the_arm_named_control_is_the_control_even_when_another_was_routed_first() -> None:
+    spans = _spans(800, faster=0.7)
+    first = [spans[2], spans[3]]  # a treatment request (its route span and its server span), first in the file
+    (ab,) = experiment_report([request(first + spans[:2] + spans[4:])])["experiments"]
+    assert ab["control"] == "control"
+    assert ab["comparisons"]["treatment"]["ttft"]["verdict"] == "better"
+
+
+def test_a_control_the_experiment_does_not_have_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"control 'stable': experiment 'ab' has no arm of that name \(its arms: con"):
+        experiment_report([request(_spans(100, faster=1.0))], control="stable")
+
+
 def test_failed_server_spans_count_as_errors() -> None:
     (ab,) = experiment_report([request(_spans(800, faster=1.0, failing_every=4))], min_samples=50)["experiments"]
     treatment = next(a for a in ab["arms"] if a["name"] == "treatment")
