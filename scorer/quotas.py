@@ -9,10 +9,14 @@ here, at once, with no I/O: a request never waits on Redis.
 * **Replicas** (``replicas`` configured, Redis up): the true bucket lives in Redis, one hash per tenant and limit,
   changed only by one Lua script (`TAKE`), which refills it by Redis's clock and subtracts what a replica spent,
   atomically. Every ``sync_interval_s`` each replica sends what it spent since its last call and reads the level
-  back (one pipelined round trip for all its active tenants). Between calls a replica may spend its share of
-  the level it last read: the level (refilled at the full rate since) over the number of replicas, less what it
-  spent since; a replica that spent nothing since its last read may also take one request up to the whole
-  level (so a request larger than a share still passes when there is room).
+  back (one script call per `CHUNK` buckets of its active tenants: one round trip for most). Between calls a
+  replica may spend its share of the level it last read: the level (refilled at the full rate since) over the
+  number of replicas, less what it spent since; a replica that spent nothing since its last read may also take
+  one request up to the whole level (so a request larger than a share still passes when there is room).
+* **Spending reaches Redis once**: it goes as a numbered batch per bucket, sent again unchanged until a reply
+  confirms it, and the script takes each replica's batch once; so a call that failed after Redis applied it
+  (a timeout) charges nothing twice. A bucket whose key holds no finite level, or is no hash, is reset to full
+  (logged) and fails no other bucket; a call that Redis refuses fails only its own buckets.
 * **Redis down**: each replica goes on with the same rule on its own, folding its spending into its view as if
   the others spent alike (its share of the rate), and sends what it spent once Redis answers again.
 
@@ -28,8 +32,10 @@ assumes a tenant's bucket full until its first read (one sync interval). The ben
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -53,22 +59,67 @@ REFRESH_S = 0.25  # an active tenant's level is read at least this often, spent 
 ACTIVE_S = 10.0  # a tenant is active this long after its last request here
 _RETRY_S = (0.1, 2.0)
 
-# KEYS[1]: the bucket. ARGV: rate per second, capacity, spent. Returns the level after the spending, as a string
-# (a Lua number would reach the client as an integer).
+# KEYS: the buckets. ARGV[1]: the sending replica's id; then one per bucket: its rate per second, capacity, what was
+# spent, and the batch that spending is (the replica's sequence number; 0: nothing sent, a read), separated by spaces
+# (one string: encoding each argument costs the client more than parsing costs the script). Returns two values per
+# bucket: the level after the spending, as a string (a Lua number would reach the client as an integer), and flags:
+# REPAIRED (the key held no finite level, or was not a hash: reset to full), APPLIED_BEFORE (a batch sent again that
+# the bucket had taken already: not taken twice). Each bucket keeps, per replica, the last batch it took (field
+# "sent:<id>": "<batch> <time>"); a replica's first batch in a bucket drops the fields of replicas not heard from in
+# KEEP_S (restarted pickers: every picker has a new id). A read alone writes nothing (the bucket expires when it
+# would be full again).
 TAKE = """
 local now = redis.call('TIME')
 now = tonumber(now[1]) + tonumber(now[2]) / 1000000
-local rate, capacity, spent = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local level, at = capacity, now
-local kept = redis.call('HMGET', KEYS[1], 'level', 'at')
-if kept[1] then
-  level = math.min(capacity, tonumber(kept[1]) + rate * math.max(0, now - tonumber(kept[2])))
+local KEEP_S = 3600
+local field = 'sent:' .. ARGV[1]
+local function finite(x) return x ~= nil and x == x and x ~= math.huge and x ~= -math.huge end
+local out = {}
+for i, key in ipairs(KEYS) do
+  local rate, capacity, spent, batch = string.match(ARGV[i + 1], '^(%S+) (%S+) (%S+) (%d+)$')
+  rate, capacity, spent = tonumber(rate), tonumber(capacity), tonumber(spent)
+  local flags = 0
+  local kind = redis.call('TYPE', key)['ok']
+  if kind ~= 'hash' and kind ~= 'none' then
+    redis.call('DEL', key)
+    flags = 1
+  end
+  local kept = redis.call('HMGET', key, 'level', 'at', field)
+  local level, was, at = capacity, tonumber(kept[1]), tonumber(kept[2])
+  if finite(was) and finite(at) then
+    level = math.min(capacity, was + rate * math.max(0, now - at))
+  elseif kept[1] or kept[2] then
+    flags = 1
+  end
+  if batch ~= '0' then
+    local last = kept[3] and tonumber(string.match(kept[3], '^(%d+)'))
+    if last and tonumber(batch) <= last then
+      flags = flags + 2
+    else
+      level = math.min(capacity, level - spent)  -- spent < 0: refunds, which never overfill it
+      redis.call('HSET', key, field, batch .. ' ' .. string.format('%.17g', now))
+      if not last then
+        local fields = redis.call('HGETALL', key)
+        for k = 1, #fields, 2 do
+          if string.sub(fields[k], 1, 5) == 'sent:' then
+            local seen = tonumber(string.match(fields[k + 1], ' (%S+)$'))
+            if not finite(seen) or now - seen > KEEP_S then redis.call('HDEL', key, fields[k]) end
+          end
+        end
+      end
+    end
+  end
+  if batch ~= '0' or flags % 2 == 1 then
+    redis.call('HSET', key, 'level', string.format('%.17g', level), 'at', string.format('%.17g', now))
+    redis.call('PEXPIRE', key, math.ceil((capacity / rate + 60) * 1000))
+  end
+  out[#out + 1] = string.format('%.17g', level)
+  out[#out + 1] = flags
 end
-level = math.min(capacity, level - spent)  -- spent < 0: refunds, which never overfill it
-redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level), 'at', string.format('%.17g', now))
-redis.call('PEXPIRE', KEYS[1], math.ceil((capacity / rate + 60) * 1000))
-return string.format('%.17g', level)
+return out
 """
+REPAIRED, APPLIED_BEFORE = 1, 2
+CHUNK = 256  # buckets per script call: Redis serves other clients between calls, the loop other tasks
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +141,8 @@ class QuotaStats:
     refunded: Counter[str] = field(default_factory=Counter)  # tenant label -> admitted, then refused after all
     syncs: int = 0
     outages: int = 0
+    repaired: int = 0  # buckets found holding no finite level (or not a hash) in Redis, reset to full
+    applied_before: int = 0  # batches sent again after a failed call that Redis had taken already: not taken twice
 
 
 @dataclass(slots=True)
@@ -100,17 +153,31 @@ class _Bucket:
     base_at: float  # the local time that level holds for
     spent: float = 0.0  # spent here and not in `base`
     unsent: float = 0.0  # spent here and not yet sent to Redis
-    sending: float = 0.0  # in the call under way
+    sending: float = 0.0  # sent as batch `batch`, not yet known to be in Redis: sent again, as it is, until it is
+    batch: int = 0  # its sequence number (0: none)
     used_at: float = 0.0
+
+    @property
+    def owes(self) -> bool:
+        """Holds spending that Redis has not yet confirmed."""
+        return self.batch != 0 or self.unsent != 0
 
     def level(self, now: float) -> float:
         return min(self.capacity, self.base + self.rate * max(now - self.base_at, 0.0))
 
 
+_Due = tuple[tuple[str, Limit], _Bucket]  # a bucket to send or read, by (tenant, limit)
+_NONE: dict[Limit, _Bucket] = {}
+
+
 class Quotas:
     """The tenants' buckets. `charge` admits or refuses a request (event-loop owned, no I/O); with ``replicas``
     `run` keeps them in step through Redis until cancelled. ``shares`` gives the number of replicas now (this
-    one and its peers) while Redis answers."""
+    one and its peers) while Redis answers.
+
+    What a replica spent reaches Redis exactly once: it goes as a numbered batch that is sent again, unchanged,
+    until a reply confirms it, and the script takes a batch only once (a call that timed out may have been
+    applied)."""
 
     def __init__(
         self,
@@ -125,6 +192,11 @@ class Quotas:
         self._shares = shares
         self._clock = clock
         self._buckets: OrderedDict[str, dict[Limit, _Bucket]] = OrderedDict()  # by tenant, the latest used last
+        self._id = secrets.token_hex(8)  # this replica in the buckets' records of batches taken
+        self._batches = itertools.count(1)
+        self._failing = False  # the last sync had calls that Redis refused (logged once)
+        self._dirty: set[str] = set()  # tenants that spent since the last sync
+        self._scan_at = -math.inf  # when a bucket that spent nothing may next need a read (all are looked at then)
         self.stats = QuotaStats(Counter(), Counter(), Counter())
         self.up: bool | None = None if replicas is not None else False
         self._replicas_seen = 1  # the replica count while Redis last answered: the share while it does not
@@ -167,6 +239,7 @@ class Quotas:
             bucket.used_at = now
             if self.replicas is not None:
                 bucket.unsent += cost
+                self._dirty.add(tenant)
             if local:
                 _fold(bucket, now, shares)
         label = self.label(tenant)
@@ -188,6 +261,7 @@ class Quotas:
                 bucket.base += self._share_count() * cost
             if self.replicas is not None:
                 bucket.unsent -= cost
+                self._dirty.add(tenant)
         self.stats.refunded[self.label(tenant)] += 1
 
     def _limits(self, tenant: str) -> TenantLimits | None:
@@ -255,7 +329,8 @@ class Quotas:
                 if self.up is not False:
                     self.stats.outages += 1
                     logger.warning(
-                        "quotas: Redis unreachable (%s: %s); each replica enforces its share of the limits alone",
+                        "quotas: %s (%s: %s); each replica enforces its share of the limits alone",
+                        _problem(exc),
                         type(exc).__name__,
                         exc,
                     )
@@ -267,53 +342,102 @@ class Quotas:
             retry = min(retry * 2, _RETRY_S[1])
 
     async def _sync(self, client: aioredis.Redis, sha: str) -> None:
+        """Send what was spent and read the levels back, one script call per `CHUNK` buckets (one round trip for
+        up to that many; the loop runs between calls, and between every `CHUNK` tenants looked at). Due: buckets
+        that owe Redis spending, and active ones whose level is `REFRESH_S` old; between the times one of these
+        may come due, only tenants that spent are looked at. A call that fails leaves its batches to be sent
+        again as they are and raises; a call that Redis refuses fails only its buckets, unless it refuses all."""
         now = self._clock()
-        due = [
-            ((tenant, limit), bucket)
-            for tenant, buckets in self._buckets.items()
-            for limit, bucket in buckets.items()
-            if bucket.unsent > 0 or (now - bucket.used_at < ACTIVE_S and now - bucket.base_at >= REFRESH_S)
-        ]
-        if not due:
-            return
+        scan = now >= self._scan_at
+        if scan:
+            self._scan_at = now + REFRESH_S
+        tenants = list(self._buckets) if scan else list(self._dirty)  # names only: few objects live across awaits
+        self._dirty = set()
+        chunk: list[_Due] = []
+        calls: list[Exception | None] = []
+        try:
+            for n, tenant in enumerate(tenants, 1):
+                for limit, bucket in self._buckets.get(tenant, _NONE).items():
+                    active = now - bucket.used_at < ACTIVE_S
+                    if bucket.owes or (active and now - bucket.base_at >= REFRESH_S):
+                        chunk.append(((tenant, limit), bucket))
+                    elif scan and active:
+                        self._scan_at = min(self._scan_at, bucket.base_at + REFRESH_S)
+                if len(chunk) >= CHUNK:
+                    calls.append(await self._call(client, sha, chunk, now))
+                    chunk = []
+                elif n % CHUNK == 0:
+                    await asyncio.sleep(0)
+            if chunk:
+                calls.append(await self._call(client, sha, chunk, now))
+        except BaseException:
+            self._scan_at = -math.inf  # what was not read is read next time
+            raise
+        refused = [exc for exc in calls if exc is not None]
+        if refused:
+            self._scan_at = -math.inf
+            if len(refused) == len(calls):
+                raise refused[0]
+            if not self._failing:
+                logger.warning(
+                    "quotas: Redis refused the buckets of %d of %d calls (%s); their spending is sent again",
+                    len(refused),
+                    len(calls),
+                    refused[0],
+                )
+        self._failing = bool(refused)
+        if calls:
+            self.stats.syncs += 1
+
+    async def _call(self, client: aioredis.Redis, sha: str, chunk: list[_Due], now: float) -> Exception | None:
+        """One script call for ``chunk``: None when it was taken, the error when Redis refused it (its batches
+        are sent again); raises when it failed otherwise (Redis may have taken its batches: they go again as
+        they are, and the script takes each only once)."""
+        from redis.exceptions import NoScriptError, ResponseError
+
         assert self.replicas is not None
         prefix = f"{self.replicas.key}:quota:"
-        pipe = client.pipeline(transaction=False)
-        for (tenant, limit), bucket in due:
-            bucket.sending, bucket.unsent = bucket.unsent, 0.0
-            pipe.evalsha(
-                sha, 1, f"{prefix}{limit}:{tenant}", repr(bucket.rate), repr(bucket.capacity), repr(bucket.sending)
-            )
+        keys, args = [], [self._id]
+        for (tenant, limit), bucket in chunk:
+            if not bucket.batch and bucket.unsent:
+                bucket.batch, bucket.sending, bucket.unsent = next(self._batches), bucket.unsent, 0.0
+            keys.append(f"{prefix}{limit}:{tenant}")
+            args.append(f"{bucket.rate!r} {bucket.capacity!r} {bucket.sending!r} {bucket.batch}")
         try:
-            levels = await pipe.execute()
-        except BaseException:
-            for _, bucket in due:
-                bucket.unsent += bucket.sending
-                bucket.sending = 0.0
-            raise
-        values = [_level(level) for level in levels]
-        if not all(math.isfinite(v) for v in values):
-            # Not what the script writes: someone else wrote the bucket. Counted as Redis failing (each replica
-            # then enforces its share alone), and what was sent is sent again with the next call.
-            for _, bucket in due:
-                bucket.unsent += bucket.sending
-                bucket.sending = 0.0
-            from redis.exceptions import RedisError
+            reply = await client.evalsha(sha, len(keys), *keys, *args)
+        except NoScriptError:
+            raise  # flushed: loaded again on a new connection
+        except ResponseError as exc:
+            return exc
+        self._took(chunk, reply, now, prefix)
+        return None
 
-            raise RedisError(f"a quota bucket under {prefix!r} holds no finite level")
-        for (_, bucket), value in zip(due, values, strict=True):
-            bucket.base = value
+    def _took(self, chunk: list[_Due], reply: list[bytes | int], now: float, prefix: str) -> None:
+        """Redis's reply for ``chunk``: each bucket's level, and what the script did."""
+        for ((tenant, limit), bucket), level, flags in zip(chunk, reply[::2], reply[1::2], strict=True):
+            if int(flags) & REPAIRED:
+                self.stats.repaired += 1
+                logger.warning(
+                    "quotas: Redis's bucket %r held no finite level (or was no hash); reset to full",
+                    f"{prefix}{limit}:{tenant}",
+                )
+            if int(flags) & APPLIED_BEFORE:
+                self.stats.applied_before += 1
+            bucket.base = float(level)
             bucket.base_at = now
             bucket.spent = bucket.unsent  # what was spent while the call was under way is not in the level yet
-            bucket.sending = 0.0
-        self.stats.syncs += 1
+            bucket.sending, bucket.batch = 0.0, 0
 
 
-def _level(reply: object) -> float:
-    try:
-        return float(reply)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return math.nan
+def _problem(exc: BaseException) -> str:
+    """What the exception ``run`` caught says about Redis, for the log."""
+    from redis.exceptions import ResponseError
+
+    if isinstance(exc, ResponseError):
+        return "Redis answered with an error"
+    if isinstance(exc, ConfigError):
+        return "cannot connect to Redis"
+    return "Redis unreachable"
 
 
 def _limits_of(config: QuotasConfig, tenant: str) -> TenantLimits | None:

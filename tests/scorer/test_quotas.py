@@ -10,11 +10,15 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
 from inferlb.scorer.config import QuotasConfig, ReplicasConfig, parse_config
 from inferlb.scorer.errors import ConfigError
-from inferlb.scorer.quotas import Quotas
+from inferlb.scorer.quotas import TAKE, Quotas
+from inferlb.scorer.replicas import connect_redis
 
 from ..conftest import ManualClock, until
 
@@ -169,11 +173,13 @@ def server(tmp_path: Path):  # type: ignore[no-untyped-def]
         yield running
 
 
-def _shared(server: RedisServer, tmp_path: Path, tenants: dict) -> tuple[QuotasConfig, ReplicasConfig | None]:
+def _shared(
+    server: RedisServer, tmp_path: Path, tenants: dict, **quotas: object
+) -> tuple[QuotasConfig, ReplicasConfig | None]:
     secret = tmp_path / "redis-password"
     secret.write_text(server.password + "\n")
     return _configs(
-        {"header": "x-tenant", "tenants": tenants, "sync_interval_s": 0.01},
+        {"header": "x-tenant", "tenants": tenants, "sync_interval_s": 0.01, **quotas},
         {"url": server.url, "password": {"token_file": str(secret)}, "key": "inferlb:quota-test"},
     )
 
@@ -252,25 +258,161 @@ async def test_redis_away_each_replica_keeps_its_share_and_reports_its_spending_
         assert level < 100
 
 
+def _level_of(client: aioredis.Redis, limit: str, tenant: str):  # type: ignore[no-untyped-def]
+    """The level in Redis of ``tenant``'s bucket for ``limit`` (None: no bucket, or none that holds a number)."""
+
+    async def read() -> float | None:
+        try:
+            level = await client.hget(f"inferlb:quota-test:quota:{limit}:{tenant}", "level")
+        except ResponseError:  # not a hash
+            return None
+        try:
+            return float(level) if level is not None else None
+        except ValueError:
+            return None
+
+    return read()
+
+
+def _settled(quotas: Quotas, tenant: str) -> bool:
+    """Everything ``tenant`` spent on this replica is in Redis (and was read back after)."""
+    buckets = quotas._buckets.get(tenant, {})
+    return all(b.unsent == 0 and b.sending == 0 and getattr(b, "batch", 0) == 0 for b in buckets.values())
+
+
 @needs_redis
-@pytest.mark.parametrize("forged", ["-inf", "not a number"])
-async def test_a_bucket_someone_else_wrote_leaves_each_replica_enforcing_its_share_alone(
-    server: RedisServer, tmp_path: Path, forged: str
+async def test_a_sync_whose_reply_is_lost_after_redis_took_it_charges_the_tenant_once(
+    server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    quotas_config, replicas = _shared(server, tmp_path, {"a": {"tokens_per_minute": 6000, "burst_s": 1}})
-    quotas = Quotas(quotas_config, replicas, shares=lambda: 2)
-    key = "inferlb:quota-test:quota:tokens_per_minute:a"
+    # 60 tokens a minute (1 a second), a burst of 3,600: what a charge took stays visible in the level.
+    quotas_config, replicas = _shared(server, tmp_path, {"a": {"tokens_per_minute": 60, "burst_s": 3600}})
+    quotas = Quotas(quotas_config, replicas)
     client = aioredis.Redis.from_url(server.url, password=server.password)
+    lost: list[object] = []
+    read_response = Connection.read_response
+
+    async def reply_lost(self: Connection, *args: object, **kwargs: object) -> object:
+        reply = await read_response(self, *args, **kwargs)
+        bucket = quotas._buckets.get("a", {}).get("tokens_per_minute")
+        if not lost and bucket is not None and bucket.sending == 1000:  # the call that carries the 1,000 tokens
+            lost.append(reply)
+            raise RedisTimeoutError("Timeout reading from the test's Redis")  # taken, but the reply never came
+        return reply
+
     try:
         async with _running(quotas):
             assert quotas.charge("a", 10) is None
-            await until(lambda: quotas.stats.syncs > 1, "synced")
-            await client.hset(key, mapping={"level": forged, "at": "0"})
-            await until(lambda: quotas.up is False, "the forged bucket refused")
-            # Alone, it still limits the tenant to its share: nothing the bucket said lets everything through.
-            admitted = sum(10 for _ in range(100) if quotas.charge("a", 10) is None)
-            assert 0 < admitted <= 60, admitted
-            await client.delete(key)
-            await until(lambda: quotas.up, "in step again once the bucket is gone", timeout=30)
+            await until(lambda: quotas.stats.syncs > 2 and _settled(quotas, "a"), "the first charge in Redis")
+            before = await _level_of(client, "tokens_per_minute", "a")
+            monkeypatch.setattr(Connection, "read_response", reply_lost)
+            assert quotas.charge("a", 1000) is None
+            await until(lambda: lost, "the reply lost")
+            outages = quotas.stats.outages
+            await until(lambda: quotas.up and _settled(quotas, "a"), "the spending in Redis after all")
+            monkeypatch.undo()
+            after = await _level_of(client, "tokens_per_minute", "a")
+        assert before is not None and after is not None
+        # Refilling at 1 token a second can only make the charge look smaller; sent twice, it would be 2,000.
+        assert 500 < before - after <= 1000, (before, after)
+        assert outages == 1 and quotas.stats.applied_before == 1
+    finally:
+        monkeypatch.undo()
+        await client.aclose()
+
+
+@needs_redis
+@pytest.mark.parametrize("forged", ["-inf", "not a number", "a string key"])
+async def test_a_bucket_someone_else_wrote_is_reset_to_full_and_fails_no_other(
+    server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, forged: str
+) -> None:
+    tenants = {t: {"tokens_per_minute": 60, "burst_s": 3600} for t in ("a", "b")}
+    quotas_config, replicas = _shared(server, tmp_path, tenants)
+    quotas = Quotas(quotas_config, replicas, shares=lambda: 2)
+    forged_key = "inferlb:quota-test:quota:tokens_per_minute:b"
+    client = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        async with _running(quotas):
+            assert quotas.charge("a", 10) is None and quotas.charge("b", 10) is None
+            await until(lambda: quotas.stats.syncs > 1 and _settled(quotas, "a"), "synced")
+            before = await _level_of(client, "tokens_per_minute", "a")
+            if forged == "a string key":
+                await client.delete(forged_key)
+                await client.set(forged_key, "garbage")
+            else:
+                await client.hset(forged_key, mapping={"level": forged, "at": "0"})
+            for _ in range(5):  # a keeps spending while b's bucket holds garbage
+                assert quotas.charge("a", 20) is None
+                syncs = quotas.stats.syncs
+                await until(lambda: quotas.stats.syncs > syncs + 1, "synced on")  # noqa: B023
+            await until(lambda: _level_of(client, "tokens_per_minute", "b"), "b's bucket reset")
+            await until(lambda: _settled(quotas, "a"), "a's spending in Redis")
+            after = await _level_of(client, "tokens_per_minute", "a")
+            assert quotas.up is True and quotas.stats.outages == 0
+            assert quotas.stats.repaired == 1
+            assert await _level_of(client, "tokens_per_minute", "b") > 3000  # full again (less what refilled)
+        assert before is not None and after is not None
+        assert 50 < before - after <= 100, (before, after)  # a charged its 100 tokens once
+        said = [r.getMessage() for r in caplog.records if r.name == "inferlb.scorer.quotas"]
+        assert any("tokens_per_minute:b' held no finite level" in m and "reset to full" in m for m in said), said
+        assert not any("unreachable" in m for m in said), said
     finally:
         await client.aclose()
+
+
+@needs_redis
+async def test_redis_that_answers_with_errors_is_not_called_unreachable(
+    server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    quotas_config, replicas = _shared(server, tmp_path, {"a": {"tokens_per_minute": 60, "burst_s": 3600}})
+    quotas = Quotas(quotas_config, replicas)
+    client = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        async with _running(quotas):
+            await client.config_set("maxmemory", "1")  # every write refused (OOM)
+            assert quotas.charge("a", 100) is None
+            await until(lambda: quotas.up is False, "the refusal seen")
+            await client.config_set("maxmemory", "0")
+            await until(lambda: quotas.up and _settled(quotas, "a"), "in step again")
+            assert await _level_of(client, "tokens_per_minute", "a") <= 3500  # its 100 tokens, once
+        said = [r.getMessage() for r in caplog.records if r.name == "inferlb.scorer.quotas"]
+        assert any("Redis answered with an error (OutOfMemoryError" in m for m in said), said
+        assert not any("unreachable" in m for m in said), said
+    finally:
+        await client.aclose()
+
+
+@needs_redis
+async def test_reading_many_tenants_back_lets_the_loop_run_between_script_calls(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    default = {"requests_per_minute": 600, "tokens_per_minute": 10**5}
+    quotas_config, replicas = _shared(server, tmp_path, {}, default=default, max_tenants=5000)
+    assert replicas is not None
+    quotas = Quotas(quotas_config, replicas)
+    tenants = 2000
+    for i in range(tenants):
+        assert quotas.charge(f"t{i}", 10) is None
+    client = connect_redis(replicas)
+    evalsha, made, seen = client.evalsha, 0, set()
+
+    async def counted(*args: object) -> object:
+        nonlocal made
+        made += 1
+        return await evalsha(*args)
+
+    async def watch() -> None:
+        while True:
+            seen.add(made)  # the calls made by the time the loop gave this task a turn
+            await asyncio.sleep(0)
+
+    client.evalsha = counted  # type: ignore[method-assign]
+    watcher = asyncio.create_task(watch())
+    try:
+        sha = await client.script_load(TAKE)
+        await quotas._sync(client, sha)  # the first: every tenant's two buckets
+        assert all(_settled(quotas, f"t{i}") for i in range(tenants))
+    finally:
+        watcher.cancel()
+        await client.aclose()
+    assert 2 * tenants / 300 <= made <= 2 * tenants / 200  # some 256 buckets a call, not one call for each
+    assert seen >= set(range(made + 1))  # the loop ran during every call
