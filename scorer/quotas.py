@@ -18,7 +18,8 @@ here, at once, with no I/O: a request never waits on Redis.
   (a timeout) charges nothing twice. A bucket whose key holds no finite level, or is no hash, is reset to full
   (logged) and fails no other bucket; a call that Redis refuses fails only its own buckets.
 * **Redis down**: each replica goes on with the same rule on its own, folding its spending into its view as if
-  the others spent alike (its share of the rate), and sends what it spent once Redis answers again.
+  the others spent alike (its share of the rate), and sends what it spent once Redis answers again, also what
+  buckets since dropped (a reload that changed the tenant's limits, ``max_tenants``) had spent.
 
 How closely the limit holds across N replicas, per window: the replicas together admit at most the bucket's
 level at their last reads plus one sync interval of the rate (each spends at most its share of what it read,
@@ -143,6 +144,7 @@ class QuotaStats:
     outages: int = 0
     repaired: int = 0  # buckets found holding no finite level (or not a hash) in Redis, reset to full
     applied_before: int = 0  # batches sent again after a failed call that Redis had taken already: not taken twice
+    dropped: int = 0  # buckets given up with spending not yet in Redis (more tenants gone than max_tenants)
 
 
 @dataclass(slots=True)
@@ -156,6 +158,13 @@ class _Bucket:
     sending: float = 0.0  # sent as batch `batch`, not yet known to be in Redis: sent again, as it is, until it is
     batch: int = 0  # its sequence number (0: none)
     used_at: float = 0.0
+
+    def carry(self, old: _Bucket) -> None:
+        """Take over what ``old`` (this tenant's bucket for the same limit, replaced) has not yet got into Redis."""
+        self.unsent += old.unsent
+        if old.batch:
+            self.sending, self.batch = old.sending, old.batch
+        old.unsent, old.sending, old.batch = 0.0, 0.0, 0
 
     @property
     def owes(self) -> bool:
@@ -177,7 +186,8 @@ class Quotas:
 
     What a replica spent reaches Redis exactly once: it goes as a numbered batch that is sent again, unchanged,
     until a reply confirms it, and the script takes a batch only once (a call that timed out may have been
-    applied)."""
+    applied). A bucket that a reload or the tenant limit (``max_tenants``) drops keeps its unconfirmed spending
+    to be sent (or handed to the tenant's next bucket)."""
 
     def __init__(
         self,
@@ -192,6 +202,7 @@ class Quotas:
         self._shares = shares
         self._clock = clock
         self._buckets: OrderedDict[str, dict[Limit, _Bucket]] = OrderedDict()  # by tenant, the latest used last
+        self._retired: OrderedDict[tuple[str, Limit], _Bucket] = OrderedDict()  # dropped, still owing Redis
         self._id = secrets.token_hex(8)  # this replica in the buckets' records of batches taken
         self._batches = itertools.count(1)
         self._failing = False  # the last sync had calls that Redis refused (logged once)
@@ -204,10 +215,11 @@ class Quotas:
     # ---- the request path -------------------------------------------------------------------------------
 
     def reconfigure(self, config: QuotasConfig) -> None:
-        """New limits (a reload): buckets of changed limits start again, full."""
+        """New limits (a reload): buckets of changed limits start again, full (here: Redis's level is read at the
+        next sync), and what they spent that Redis has not yet got is still sent."""
         old, self.config = self.config, config
         for tenant in [t for t in self._buckets if self._limits(t) != _limits_of(old, t)]:
-            del self._buckets[tenant]
+            self._retire(tenant, self._buckets.pop(tenant))
 
     def label(self, tenant: str) -> str:
         """The tenant as a metric label: listed tenants by name, the others together."""
@@ -282,10 +294,22 @@ class Quotas:
             value = getattr(limits, limit)
             if value is not None:
                 rate = value / 60.0
-                buckets[limit] = _Bucket(rate, rate * limits.burst_s, rate * limits.burst_s, now, used_at=now)
+                bucket = buckets[limit] = _Bucket(rate, rate * limits.burst_s, rate * limits.burst_s, now, used_at=now)
+                old = self._retired.pop((tenant, limit), None)
+                if old is not None:
+                    bucket.carry(old)
         while len(self._buckets) > self.config.max_tenants:
-            self._buckets.popitem(last=False)  # the least recently used
+            self._retire(*self._buckets.popitem(last=False))  # the least recently used
         return buckets
+
+    def _retire(self, tenant: str, buckets: dict[Limit, _Bucket]) -> None:
+        """Keep what dropped buckets owe Redis, to send it (or hand it to the tenant's next bucket)."""
+        for limit, bucket in buckets.items():
+            if self.replicas is not None and bucket.owes:
+                self._retired[(tenant, limit)] = bucket
+        while len(self._retired) > len(LIMITS) * self.config.max_tenants:  # memory stays bounded in a long outage
+            self._retired.popitem(last=False)
+            self.stats.dropped += 1
 
     def _refuse(
         self, tenant: str, limit: Limit, value: float, bucket: _Bucket, cost: float, level: float, shares: int
@@ -353,6 +377,7 @@ class Quotas:
             self._scan_at = now + REFRESH_S
         tenants = list(self._buckets) if scan else list(self._dirty)  # names only: few objects live across awaits
         self._dirty = set()
+        retired = list(self._retired)
         chunk: list[_Due] = []
         calls: list[Exception | None] = []
         try:
@@ -368,6 +393,13 @@ class Quotas:
                     chunk = []
                 elif n % CHUNK == 0:
                     await asyncio.sleep(0)
+            for key in retired:
+                bucket = self._retired.get(key)
+                if bucket is not None:
+                    chunk.append((key, bucket))
+                if len(chunk) >= CHUNK:
+                    calls.append(await self._call(client, sha, chunk, now))
+                    chunk = []
             if chunk:
                 calls.append(await self._call(client, sha, chunk, now))
         except BaseException:
@@ -427,6 +459,8 @@ class Quotas:
             bucket.base_at = now
             bucket.spent = bucket.unsent  # what was spent while the call was under way is not in the level yet
             bucket.sending, bucket.batch = 0.0, 0
+            if not bucket.owes and self._retired.get((tenant, limit)) is bucket:
+                del self._retired[(tenant, limit)]
 
 
 def _problem(exc: BaseException) -> str:

@@ -382,6 +382,37 @@ async def test_redis_that_answers_with_errors_is_not_called_unreachable(
 
 
 @needs_redis
+@pytest.mark.parametrize("dropped_by", ["reload", "eviction"])
+async def test_spending_of_dropped_buckets_still_reaches_redis(
+    server: RedisServer, tmp_path: Path, dropped_by: str
+) -> None:
+    limits = {"tokens_per_minute": 60, "burst_s": 3600}
+    quotas_config, replicas = _shared(server, tmp_path, {"a": limits}, max_tenants=1, default=limits)
+    quotas = Quotas(quotas_config, replicas)
+    async with _running(quotas):
+        assert quotas.charge("a", 10) is None
+        await until(lambda: quotas.stats.syncs > 1 and _settled(quotas, "a"), "synced")
+        server.stop()
+        await until(lambda: quotas.up is False, "Redis seen gone")
+        assert all(quotas.charge("a", 100) is None for _ in range(10))  # 1,000 tokens while Redis is away
+        if dropped_by == "reload":
+            changed, _ = _shared(server, tmp_path, {"a": {**limits, "tokens_per_minute": 61}}, max_tenants=1)
+            quotas.reconfigure(changed)  # a's buckets start again
+        else:
+            assert quotas.charge("b", 1) is None  # one tenant kept: a's buckets go
+            assert "a" not in quotas._buckets
+        server.start()
+        await until(lambda: quotas.up and quotas.stats.syncs > 0, "in step again", timeout=30)
+        client = aioredis.Redis.from_url(server.url, password=server.password)
+        try:
+            level = await until(lambda: _level_of(client, "tokens_per_minute", "a"), "a's bucket in Redis")
+        finally:
+            await client.aclose()
+    # Redis came back empty: a's bucket starts full (3,600), less the 1,000 tokens (plus a token a second refilled).
+    assert level < 3000, level
+
+
+@needs_redis
 async def test_reading_many_tenants_back_lets_the_loop_run_between_script_calls(
     server: RedisServer, tmp_path: Path
 ) -> None:
