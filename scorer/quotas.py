@@ -12,7 +12,8 @@ here, at once, with no I/O: a request never waits on Redis.
   back (one script call per `CHUNK` buckets of its active tenants: one round trip for most). Between calls a
   replica may spend its share of the level it last read: the level (refilled at the full rate since) over the
   number of replicas, less what it spent since; a replica that spent nothing since its last read may also take
-  one request up to the whole level (so a request larger than a share still passes when there is room).
+  one request up to the whole level (so a request larger than a share still passes when there is room). A
+  request refused by that share alone, while the bucket holds enough, is told to retry after the sync interval.
 * **Spending reaches Redis once**: it goes as a numbered batch per bucket, sent again unchanged until a reply
   confirms it, and the script takes each replica's batch once; so a call that failed after Redis applied it
   (a timeout) charges nothing twice. A bucket whose key holds no finite level, or is no hash, is reset to full
@@ -319,6 +320,9 @@ class Quotas:
         if cost > bucket.capacity:
             wait_s = bucket.capacity / bucket.rate  # never, as things stand: say when the bucket is full at least
             why = f"this request's {noun} exceed the tenant's burst of {bucket.capacity:.0f} tokens"
+        elif level - bucket.spent >= cost:  # the bucket has room, only this replica's share of it not: it may
+            wait_s = self.config.sync_interval_s  # take the request once it has read the level again
+            why = f"it is over its {limit.replace('_', ' ')} quota ({value:g})"
         else:
             missing = max(cost - (level / shares - bucket.spent), cost - level, 0.0)
             wait_s = missing * shares / bucket.rate

@@ -412,6 +412,21 @@ async def test_spending_of_dropped_buckets_still_reaches_redis(
     assert level < 3000, level
 
 
+async def test_a_refusal_by_this_replicas_share_alone_says_retry_at_its_next_read(clock: ManualClock) -> None:
+    # 1,000 tokens a second, a burst of 60,000; two replicas, each spending at most half of what it last read.
+    config, replicas = _configs(
+        {"header": "x-t", "tenants": {"a": {"tokens_per_minute": 60000, "burst_s": 60}}, "sync_interval_s": 0.5},
+        {"url": "redis://127.0.0.1:1", "key": "inferlb:quota-test"},
+    )
+    quotas = Quotas(config, replicas, shares=lambda: 2, clock=clock)
+    quotas.up = True  # in step with Redis (its bucket full, as first assumed)
+    assert [quotas.charge("a", 8000) for _ in range(3)] == [None, None, None]
+    refusal = quotas.charge("a", 8000)  # 24,000 spent of its share of 30,000: the bucket holds 60,000
+    assert refusal is not None and refusal.retry_after_s == 1  # its next read (0.5 s), in whole seconds
+    refusal = quotas.charge("a", 40000)  # more than the bucket will hold at the next read (36,000)
+    assert refusal is not None and refusal.retry_after_s > 1  # then the rate says when
+
+
 @needs_redis
 async def test_reading_many_tenants_back_lets_the_loop_run_between_script_calls(
     server: RedisServer, tmp_path: Path
