@@ -729,12 +729,21 @@ class RunningExperiment:
             "min_samples": self.spec.min_samples,
             "running_s": now - self.started_at,
             "arms": arms,
+            # The life's comparisons hold however often they are looked at (the sequential test). A window's are
+            # the same test over the last window_s, recomputed at each look: looked at as the page does (every 5 s
+            # for hours), an A/A pair gets a "verdict" in a quarter of runs. So a window shows its difference and
+            # interval, and no verdict or p-value to act on.
             "comparisons": {
-                scope: {
+                "life": {
                     arm: {metric: comparison_json(c) for metric, c in metrics.items()}
-                    for arm, metrics in self.comparisons(window=scope == "window").items()
-                }
-                for scope in ("life", "window")
+                    for arm, metrics in self.comparisons().items()
+                },
+                "window": {
+                    arm: {
+                        metric: comparison_json(c) | {"verdict": None, "p_value": None} for metric, c in metrics.items()
+                    }
+                    for arm, metrics in self.comparisons(window=True).items()
+                },
             },
             "breaches": dict(self.breaches),
             "history": [change.as_json() for change in self.history],

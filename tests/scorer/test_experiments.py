@@ -134,6 +134,9 @@ def test_outcomes_reach_the_arm_of_their_request_and_compare_arms() -> None:
     assert ttft["verdict"] == "better" and ttft["high"] < 0
     assert ttft["low"] < np.log(0.5) < ttft["high"]  # the interval holds the true log-ratio
     assert described["comparisons"]["life"]["treatment"]["errors"]["verdict"] == "no difference yet"
+    # The last window's comparison is recomputed at every look: no verdict to act on, the interval alone.
+    window = described["comparisons"]["window"]["treatment"]["ttft"]
+    assert window["verdict"] is None and window["p_value"] is None and window["high"] < 0
     control = described["arms"][0]
     assert control["finished"] == control["requests"] and control["error_rate"] == 0.0
     assert control["ttft_s"]["p50"] == pytest.approx(0.2, rel=0.1)
