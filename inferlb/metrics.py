@@ -129,6 +129,9 @@ class Readings:
     # (experiment, arm or "", kind).
     arms: dict[tuple[str, str], tuple[float, int, int, int, int]] = dataclasses.field(default_factory=dict)
     weight_changes: dict[tuple[str, str, str], int] = dataclasses.field(default_factory=dict)
+    # Experiment outcomes that no arm took: (for request ids not, or no longer, remembered; requests forgotten
+    # before their outcome came, because more awaited theirs).
+    unmatched: tuple[int, int] | None = None
     membership: dict[str, int] = dataclasses.field(default_factory=dict)  # changes by kind (joined, left, ...)
     endpoint_states: dict[str, int] = dataclasses.field(default_factory=dict)  # endpoints by state
     discovery: tuple[str, bool] | None = None  # the source's name and whether it is in touch
@@ -198,6 +201,7 @@ class Readings:
                 for (arm_name, kind), n in experiment.changes.items():
                     changes[name, arm_name, kind] = n
             extra["arms"], extra["weight_changes"] = arms, changes
+            extra["unmatched"] = (experiments.unattributed, experiments.evicted)
         return dataclasses.replace(readings, **extra) if extra else readings
 
 
@@ -451,6 +455,14 @@ def families(readings: Readings) -> Iterator[Metric]:
             "Changes of an experiment's weights or state, by arm (empty: all) and kind (ramp, cut, rolled-back, ...).",
             ("experiment", "arm", "kind"),
             sorted(r.weight_changes.items()),
+        )
+    if r.unmatched is not None:
+        yield _counter(
+            "inferlb_experiment_outcomes_unmatched_total",
+            "Experiment outcomes no arm took: for a request not remembered (unattributed), or requests forgotten "
+            "before their outcome came because more awaited theirs (evicted).",
+            ("reason",),
+            [(("unattributed",), r.unmatched[0]), (("evicted",), r.unmatched[1])],
         )
 
 

@@ -237,3 +237,10 @@ async def test_a_shedding_class_and_the_guards_changes_show_zero_before_their_fi
         for kind in ("cut", "rolled-back"):
             assert changes[(("arm", arm), ("experiment", "ab"), ("kind", kind))] == 0
     assert changes[(("arm", ""), ("experiment", "ab"), ("kind", "started"))] == 1
+    unmatched = _values(families["inferlb_experiment_outcomes_unmatched"])
+    assert unmatched == {(("reason", "unattributed"),): 0, (("reason", "evicted"),): 0}
+    experiments = picker.service.router.experiments
+    assert experiments is not None
+    experiments.outcome("never-routed", failed=False)
+    unmatched = _values(_families(prometheus_text(picker))["inferlb_experiment_outcomes_unmatched"])
+    assert unmatched[(("reason", "unattributed"),)] == 1
