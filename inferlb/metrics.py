@@ -395,6 +395,18 @@ def families(readings: Readings) -> Iterator[Metric]:
                 (),
                 [((), int(shared))],
             )
+            yield _counter(
+                "inferlb_quota_buckets_total",
+                "Tenant buckets in Redis by event: repaired (found holding no number, reset to full), sent_again (a "
+                "batch sent again after a failed call that Redis had taken: not charged twice), dropped (given up "
+                "with spending not yet in Redis: more tenants gone than max_tenants).",
+                ("event",),
+                [
+                    (("repaired",), quota.repaired),
+                    (("sent_again",), quota.applied_before),
+                    (("dropped",), quota.dropped),
+                ],
+            )
     if r.kv is not None:
         live, blocks, batches, replayed, errors, skipped = r.kv
         yield _gauge(
@@ -569,5 +581,13 @@ def _quotas(picker: PickerProcess) -> tuple[bool | None, QuotaStats] | None:
     if quotas is None:
         return None
     q = quotas.stats
-    stats = QuotaStats(q.admitted.copy(), q.refused.copy(), q.tokens.copy(), q.refunded.copy())
+    stats = QuotaStats(
+        q.admitted.copy(),
+        q.refused.copy(),
+        q.tokens.copy(),
+        q.refunded.copy(),
+        repaired=q.repaired,
+        applied_before=q.applied_before,
+        dropped=q.dropped,
+    )
     return (None if quotas.replicas is None else bool(quotas.up), stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -244,3 +245,17 @@ async def test_a_shedding_class_and_the_guards_changes_show_zero_before_their_fi
     experiments.outcome("never-routed", failed=False)
     unmatched = _values(_families(prometheus_text(picker))["inferlb_experiment_outcomes_unmatched"])
     assert unmatched[(("reason", "unattributed"),)] == 1
+
+
+async def test_shared_quota_buckets_repaired_sent_again_or_dropped_are_counted(tmp_path: Path) -> None:
+    secret = tmp_path / "redis-password"
+    secret.write_text("not-used")
+    picker = _picker(
+        quotas={"source": "gateway", "header": "x-tenant", "default": {"tokens_per_minute": 600}},
+        replicas={"url": "redis://127.0.0.1:1", "password": {"token_file": str(secret)}},
+    )
+    quotas = picker.service.quotas
+    assert quotas is not None
+    quotas.stats.repaired, quotas.stats.applied_before, quotas.stats.dropped = 2, 3, 1
+    buckets = _values(_families(prometheus_text(picker))["inferlb_quota_buckets"])
+    assert buckets == {(("event", "repaired"),): 2, (("event", "sent_again"),): 3, (("event", "dropped"),): 1}
