@@ -4,11 +4,17 @@ export, however large or malformed, can stall routing.
 
 What is checked here, in this order, for each ``TraceService/Export`` call:
 
-1. gRPC itself refuses a message over ``max_message_bytes`` (RESOURCE_EXHAUSTED) and calls beyond
-   ``max_concurrent_rpcs`` at once, so buffered messages take at most their product of memory.
-2. The sender (`SenderGate`): its IP inside the allowlist, else PERMISSION_DENIED (``untrusted_sender``); the
-   bearer token when one is configured, else UNAUTHENTICATED (``unauthenticated``). Both before the message is
-   parsed: an untrusted sender costs no parsing.
+1. The sender (`SenderGate`), as soon as the call's headers are in: its IP inside the allowlist, else
+   PERMISSION_DENIED (``untrusted_sender``); the bearer token when one is configured, else UNAUTHENTICATED
+   (``unauthenticated``). Both before the message is read: an untrusted sender costs no reading and no parsing,
+   and holds no slot.
+2. A slot: at most ``max_concurrent_rpcs`` exports are read at once, the others are refused with
+   RESOURCE_EXHAUSTED (``busy_requests``). A slot is held only while its one message is read, and the read has a
+   deadline (`READ_TIMEOUT_S`): a sender whose message is not whole by then is cut off with DEADLINE_EXCEEDED
+   (``slow_requests``), one that ends its call before a whole message with INVALID_ARGUMENT
+   (``incomplete_requests``; gRPC itself refuses a message over ``max_message_bytes`` with RESOURCE_EXHAUSTED,
+   which ends the call that way too). So buffered messages take at most ``max_concurrent_rpcs`` times
+   ``max_message_bytes`` of memory, and no sender, listed or not, keeps a slot longer than the deadline.
 3. If the records already written to the picker and not yet read exceed ``max_pending_bytes``, the picker is
    behind: the whole export is refused through OTLP ``partial_success`` (``dropped_requests``, ``dropped_spans``).
 4. The message is parsed (INVALID_ARGUMENT and ``invalid_requests`` if it cannot be) and its spans checked
@@ -62,12 +68,16 @@ from inferlb.otel.spanwire import (
 )
 from inferlb.scorer.networks import Networks
 
-__all__ = ["SERVICE", "ChildReceiver", "SpanBudget", "main", "serve"]
+__all__ = ["READ_TIMEOUT_S", "SERVICE", "ChildReceiver", "SpanBudget", "grpc_server", "main", "serve"]
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 NICE = 10  # below the picker (0): under a flood the kernel gives routing the CPU first
+# How long an export's one message may take to arrive once its headers are in. An OTLP exporter sends the whole
+# message at once (at most max_message_bytes, 4 MiB by default: milliseconds inside a cluster), and its own
+# deadline is 10 s; a sender still sending after this is stalled or holding the slot on purpose.
+READ_TIMEOUT_S = 5.0
 
 
 class SpanBudget:
@@ -94,14 +104,24 @@ def _budget(settings: ReceiverSettings) -> SpanBudget:
 
 class ChildReceiver:
     """The Export handler and its counters, writing records to the picker through ``writer``. Runs on the receiver
-    process's event loop; `update` swaps the settings between two calls."""
+    process's event loop; `update` swaps the settings between two calls. ``read_timeout_s``: how long an export's
+    message may take to arrive (`READ_TIMEOUT_S`)."""
 
-    def __init__(self, settings: ReceiverSettings, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, settings: ReceiverSettings, writer: asyncio.StreamWriter, read_timeout_s: float = READ_TIMEOUT_S
+    ) -> None:
         self.writer = writer
         self.counts: Counter[str] = Counter()
         self.settings = settings
+        self.read_timeout_s = read_timeout_s
         self.gate = SenderGate(Networks.of(settings.allowed), settings.token)
         self.budget = _budget(settings)
+        self._reading = 0
+
+    @property
+    def in_progress(self) -> int:
+        """Exports holding a slot now (their message being read)."""
+        return self._reading
 
     def update(self, settings: ReceiverSettings) -> None:
         old, self.settings = self.settings, settings
@@ -112,13 +132,20 @@ class ChildReceiver:
         logger.info("OTLP receiver: new settings; senders allowed: %s", ", ".join(settings.allowed) or "none")
 
     def handler(self) -> grpc.GenericRpcHandler:
+        # Stream-unary, although Export is unary: gRPC calls a unary handler only once the whole message is in, so
+        # a call whose sender stopped half way, on a connection it keeps open, would reach no check and no deadline
+        # of ours. A streaming handler starts on the headers: the sender is checked before its message is read, and
+        # the read has a deadline. The wire is the same, one message each way, so unary clients (every OTLP
+        # exporter) see no difference.
         # No request deserializer: the handler gets the raw bytes and parses them only after the sender passed.
-        export = grpc.unary_unary_rpc_method_handler(
+        export = grpc.stream_unary_rpc_method_handler(
             self.export, request_deserializer=None, response_serializer=ExportTraceServiceResponse.SerializeToString
         )
         return grpc.method_handlers_generic_handler(SERVICE, {"Export": export})
 
-    async def export(self, raw: bytes, context: grpc.aio.ServicerContext) -> ExportTraceServiceResponse:
+    async def export(self, requests: object, context: grpc.aio.ServicerContext) -> ExportTraceServiceResponse:
+        """One Export call. ``requests`` (gRPC's request iterator) is not used: the one message is read from
+        ``context`` with a deadline, once the sender passed and a slot is free."""
         counts = self.counts
         counts["requests"] += 1
         sender, refusal = self.gate.check(context.peer(), context.invocation_metadata())
@@ -126,6 +153,30 @@ class ChildReceiver:
             refusal = refusal or Refusal.UNTRUSTED_SENDER
             counts[refusal.value] += 1
             await _abort(context, *_REFUSED[refusal])
+        if self._reading >= self.settings.max_concurrent_rpcs:
+            counts["busy_requests"] += 1
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many exports in progress; try again")
+        self._reading += 1
+        try:
+            raw = await self._read(context)
+        finally:
+            self._reading -= 1
+        return await self._take(raw, str(sender), context)
+
+    async def _read(self, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            raw = await asyncio.wait_for(context.read(), self.read_timeout_s)
+        except TimeoutError:
+            self.counts["slow_requests"] += 1
+            message = f"the message did not arrive within {self.read_timeout_s:g} s"
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, message)
+        if not isinstance(raw, bytes):  # grpc.aio.EOF: the call ended first (cancelled, or over the size limit)
+            self.counts["incomplete_requests"] += 1
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the call ended before its message")
+        return raw
+
+    async def _take(self, raw: bytes, ip: str, context: grpc.aio.ServicerContext) -> ExportTraceServiceResponse:
+        counts = self.counts
         try:
             request = ExportTraceServiceRequest.FromString(raw)
         except DecodeError:
@@ -144,7 +195,6 @@ class ChildReceiver:
         counts.update({name: n for name, n in checked.items().items() if n})
         if limited:
             counts["rate_limited"] += limited
-        ip = str(sender)
         for start in range(0, granted, BATCH_RECORDS):
             batch = records[start : min(start + BATCH_RECORDS, granted)]
             self.writer.write(encode_frame(Kind.RECORDS, encode_records(ip, batch)))
@@ -190,6 +240,18 @@ def _rejected(spans: int, message: str) -> ExportTraceServiceResponse:
     return response
 
 
+def grpc_server(receiver: ChildReceiver) -> grpc.aio.Server:
+    """The gRPC server of ``receiver`` (its settings' message size limit), not yet bound or started; it needs a
+    running event loop."""
+    # No maximum_concurrent_rpcs: gRPC counts a call from its headers on and ends none that waits for its message,
+    # so a few half-sent calls on connections kept open took its slots, from any sender, for as long as they liked.
+    # ChildReceiver.export counts its own slots, for listed senders only, with a deadline on the read.
+    return grpc.aio.server(
+        handlers=(receiver.handler(),),
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", receiver.settings.max_message_bytes)],
+    )
+
+
 async def serve(sock: socket.socket) -> int:
     """Serve until the picker's end of ``sock`` closes; the exit status (0: a normal stop)."""
     reader, writer = await asyncio.open_unix_connection(sock=sock)
@@ -202,11 +264,7 @@ async def serve(sock: socket.socket) -> int:
         logger.error("OTLP receiver: no settings from the picker (%s); exiting", exc)
         return 2
     receiver = ChildReceiver(settings, writer)
-    server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", settings.max_message_bytes)],
-        maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-    )
-    server.add_generic_rpc_handlers((receiver.handler(),))
+    server = grpc_server(receiver)
     try:
         port = server.add_insecure_port(settings.bind)
     except RuntimeError:  # grpc raises this where it cannot bind

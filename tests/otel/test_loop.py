@@ -15,7 +15,12 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from inferlb.bench.spanflood import flood
 from inferlb.otel import receiverproc, spancheck, spanfeed
@@ -27,6 +32,7 @@ from inferlb.scorer.signals import Signals
 from inferlb.scorer.speeds import SpeedHints
 
 from ..conftest import until
+from .h2calls import HalfSentExport
 from .otlp import E2E, TTFT, request, server, span
 
 LOCAL = ("127.0.0.1:8001", "127.0.0.1:8002")
@@ -130,6 +136,40 @@ async def test_a_configured_token_is_required(monkeypatch: pytest.MonkeyPatch, m
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             await until(lambda: stats.unauthenticated == 1, "the refusal counted")
             assert counts(loop) == [0.0, 0.0]
+
+
+async def test_calls_left_half_sent_by_a_sender_not_allowed_cost_the_others_nothing() -> None:
+    # Each call sends its headers and part of its message, then nothing, on a connection kept open. Were the sender
+    # checked only once a whole message was in, max_concurrent_rpcs (8) of them would keep every sender out.
+    config = OtelConfig(receiver="127.0.0.1:0", join_by_name=True, allowed_senders=("127.0.0.1/32",))
+    async with running(config, pool(*LOCAL)) as loop:
+        assert loop.receiver is not None and loop.port is not None
+        stats = loop.receiver.stats
+        held = [await HalfSentExport.open(loop.port, source="127.0.0.2") for _ in range(3 * 8)]
+        await until(lambda: stats.untrusted_sender == 3 * 8, "every call refused on its headers and counted")
+        await export(loop, [span()], **server(LOCAL[0]))  # a listed sender, the calls above still open
+        for call in held:
+            await call.close()
+        # The SDK's own OTLP/gRPC exporter (a unary call) is served as before.
+        exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{loop.port}", insecure=True, timeout=10)
+        try:
+            assert await asyncio.to_thread(exporter.export, [sdk_span()]) == SpanExportResult.SUCCESS
+        finally:
+            exporter.shutdown()
+        await until(lambda: stats.joined_by_resource == 2, "both listed exports joined")
+
+
+def sdk_span() -> ReadableSpan:
+    """One finished llm_request span of the OpenTelemetry SDK, from the endpoint ``LOCAL[0]``."""
+    memory = InMemorySpanExporter()
+    host, port = LOCAL[0].split(":")
+    provider = TracerProvider(resource=Resource({"server.address": host, "server.port": int(port)}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    with provider.get_tracer("test").start_as_current_span("llm_request", attributes={TTFT: 0.2, E2E: 1.5}):
+        pass
+    provider.shutdown()
+    [finished] = memory.get_finished_spans()
+    return finished
 
 
 async def test_insane_and_repeated_spans_are_dropped_and_the_heatmap_window_stays() -> None:
