@@ -19,7 +19,8 @@
 | ``POST /config`` | a new configuration (YAML or JSON body), validated then applied without dropping a request; |
 |  | an invalid one is refused (400) and the old one stays |
 | ``POST /config/reload`` | re-read the config file (the same as when the file changes) |
-| ``GET /heatmap`` | the latency heatmap (HTML that refreshes itself); ``/heatmap.json``, ``/heatmap.png`` |
+| ``GET /heatmap`` | the latency heatmap (HTML that refreshes itself); ``/heatmap.json``, ``/heatmap.png``: made in |
+|  | a worker process and each kept 2 s (otel/heatmapviews.py) |
 | ``GET /metrics`` | Prometheus text: decisions by endpoint and reason, pick latency, scrape errors, staleness, |
 |  | shed requests |
 
@@ -28,16 +29,14 @@ Handlers only read in-process state; none waits on the network.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import importlib.resources
 import json
 import math
-import tempfile
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -48,7 +47,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from inferlb.adminguard import AdminGuard
 from inferlb.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from inferlb.metrics import picker_registry, scrape
-from inferlb.otel.render import render_html, render_json, render_png, script_json
+from inferlb.otel.heatmapviews import HeatmapViews, RenderError
+from inferlb.otel.render import script_json
 from inferlb.scorer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -152,9 +152,20 @@ def _membership(picker: PickerProcess) -> dict[str, Any]:
     return view
 
 
-def create_admin_app(picker: PickerProcess) -> FastAPI:
-    """The admin app for one picker; everything it reads is reached through ``picker`` (swapped on reload)."""
-    app = FastAPI(title="inferlb picker", docs_url=None, redoc_url=None, openapi_url=None)
+def create_admin_app(picker: PickerProcess, *, heatmap: HeatmapViews | None = None) -> FastAPI:
+    """The admin app for one picker; everything it reads is reached through ``picker`` (swapped on reload).
+    ``heatmap`` makes the heatmap's views (default: a `HeatmapViews` of its own); its worker process stops at the
+    end of the app's lifespan (where the server runs one), after a minute without a request, or with the process."""
+    views = HeatmapViews() if heatmap is None else heatmap
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            views.close()
+
+    app = FastAPI(title="inferlb picker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     if picker.config.admin is not None:
         app.add_middleware(
             AdminGuard,
@@ -310,25 +321,34 @@ def create_admin_app(picker: PickerProcess) -> FastAPI:
 
     NO_LATENCY = "no latency source: set otel.receiver (servers' spans) or otel.latency_source: stream in the config"
 
+    # Encoding and drawing take the GIL for tens to hundreds of ms: a worker process does them, not this loop.
     @app.get("/heatmap")
     async def heatmap_page() -> Response:
         if picker.spans is None:
             return _error(404, NO_LATENCY)
-        return HTMLResponse(render_html(picker.spans.heatmap.grid(), json_url="heatmap.json", refresh_s=5.0))
+        try:
+            page = await views.page(picker.spans.heatmap, json_url="heatmap.json", refresh_s=5.0)
+        except RenderError as exc:
+            return _error(503, str(exc))
+        return HTMLResponse(page)
 
     @app.get("/heatmap.json")
     async def heatmap_json() -> Response:
         if picker.spans is None:
             return _error(404, NO_LATENCY)
-        return Response(render_json(picker.spans.heatmap.grid()), media_type="application/json")
+        try:
+            return Response(await views.json(picker.spans.heatmap), media_type="application/json")
+        except RenderError as exc:
+            return _error(503, str(exc))
 
     @app.get("/heatmap.png")
     async def heatmap_png() -> Response:
         if picker.spans is None:
             return _error(404, NO_LATENCY)
-        grid = picker.spans.heatmap.grid()
-        # Drawing takes a while; it runs on a worker thread so routing does not wait for it.
-        return Response(await asyncio.to_thread(_png_bytes, grid), media_type="image/png")
+        try:
+            return Response(await views.png(picker.spans.heatmap), media_type="image/png")
+        except RenderError as exc:
+            return _error(503, str(exc))
 
     registry = picker_registry(picker)
 
@@ -352,13 +372,6 @@ def experiments_page(shown: Mapping[str, Any], *, json_url: str | None, refresh_
 def _experiments_template() -> jinja2.Template:
     text = importlib.resources.files("inferlb").joinpath("experiments.html.j2").read_text(encoding="utf-8")
     return jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False).from_string(text)
-
-
-def _png_bytes(grid: dict[str, Any]) -> bytes:
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "heatmap.png"
-        render_png(grid, path)
-        return path.read_bytes()
 
 
 def _apply(action: Callable[[], None]) -> Response:

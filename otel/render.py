@@ -3,24 +3,26 @@
 Each takes the dict `inferlb.otel.heatmap.HeatmapAggregator.grid` returns (or that dict read back from JSON) and
 shows two grids: P95 time to first token per endpoint x time, and request counts per TTFT bucket x time. All three
 check the grid's shape first and raise ``ValueError`` saying what is wrong with it. They are pure functions of the
-grid: safe to call from any thread, though the PNG takes tens to hundreds of milliseconds of CPU, so a server
-should run it in a worker thread rather than on its event loop.
+grid: safe to call from any thread, though the PNG takes tens to hundreds of milliseconds of CPU with the GIL held
+for long stretches, so a server runs them in a process of their own (otel/heatmapviews.py), not on its event loop
+nor on a thread beside it.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.resources
+import io
 import json
 import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import jinja2
 
-__all__ = ["render_html", "render_json", "render_png", "script_json"]
+__all__ = ["render_html", "render_json", "render_png", "render_png_bytes", "script_json"]
 
 PAGE_TEMPLATE = "heatmap.html.j2"
 """The HTML page's template, beside this module (package data of ``inferlb.otel``)."""
@@ -59,8 +61,16 @@ def render_json(grid: Mapping[str, Any]) -> bytes:
 # --- PNG ------------------------------------------------------------------------------------------------------
 
 
-def render_png(grid: Mapping[str, Any], path: str | Path, *, endpoint_counts: bool = False) -> None:
-    """Write the two grids as a PNG to ``path`` (raises ``OSError`` if it cannot be written).
+def render_png_bytes(grid: Mapping[str, Any]) -> bytes:
+    """The PNG of `render_png`, as bytes (what ``/heatmap.png`` answers)."""
+    out = io.BytesIO()
+    render_png(grid, out)
+    return out.getvalue()
+
+
+def render_png(grid: Mapping[str, Any], path: str | Path | IO[bytes], *, endpoint_counts: bool = False) -> None:
+    """Write the two grids as a PNG to ``path``, a file name or a binary file (raises ``OSError`` if it cannot be
+    written).
 
     Top: P95 TTFT per endpoint (rows) x time (columns), log colour scale, grey where there is no data; endpoints
     whose median P95 is at least twice the fleet's median have their label in red. Bottom: requests per TTFT
