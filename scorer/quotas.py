@@ -398,9 +398,9 @@ class Quotas:
                 elif n % CHUNK == 0:
                     await asyncio.sleep(0)
             for key in retired:
-                bucket = self._retired.get(key)
-                if bucket is not None:
-                    chunk.append((key, bucket))
+                owing = self._retired.get(key)
+                if owing is not None:
+                    chunk.append((key, owing))
                 if len(chunk) >= CHUNK:
                     calls.append(await self._call(client, sha, chunk, now))
                     chunk = []
