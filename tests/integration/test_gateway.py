@@ -121,6 +121,33 @@ def test_every_json_api_goes_to_a_server_of_its_model(
 
 
 @pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param("/v1/chat/%63ompletions", id="percent-encoded"),
+        pytest.param("/v1//chat/completions", id="double-slash"),
+    ],
+)
+def test_a_path_spelled_another_way_takes_the_body_route(stack: LocalStack, client: httpx.Client, path: str) -> None:
+    """A server reads /v1/chat/%63ompletions as /v1/chat/completions: so does Envoy's routing, so the picker reads
+    the body (the model, the tokens quotas charge, the body limit) whatever the spelling."""
+    served_by = stack.endpoints[-1]
+    body = {"model": OTHER, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for _ in range(4):
+        response = client.post(path, json=body)
+        assert response.status_code == 200 and response.headers[SERVER_HEADER] == served_by, response.text
+        assert log_entry(stack, response.headers["x-request-id"])["picked"] == served_by
+    big = b'{"model": "m1", "prompt": "' + b"x" * (5 << 20) + b'"}'
+    response = client.post(path.replace("chat/", ""), content=big, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_an_encoded_slash_in_the_path_is_refused(client: httpx.Client) -> None:
+    response = client.post("/v1/chat%2Fcompletions", json={"model": MODEL, "messages": []})
+    assert response.status_code == 400
+    assert SERVER_HEADER not in response.headers
+
+
+@pytest.mark.parametrize(
     ("path", "content", "status", "words"),
     [
         pytest.param("/v1/completions", b'{"model": "m1", "prompt": ', 400, "not valid JSON", id="malformed-json"),
