@@ -116,13 +116,23 @@ def decode_frames(frames: Sequence[bytes]) -> tuple[int, EventBatch]:
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """The `EventBatch` in a msgpack ``payload``, events in either encoding. Raises `KVEventError`."""
+    """The `EventBatch` in a msgpack ``payload``, events in either encoding. Raises `KVEventError`, and nothing
+    else, whatever the bytes: a caller counts it as one missed batch."""
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise KVEventError(f"a KV event batch of {len(payload)} bytes is over the limit of {MAX_PAYLOAD_BYTES}")
     try:
         document = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise KVEventError(f"a KV event batch is not valid msgpack: {exc}") from None
+    except Exception as exc:  # valid msgpack can still fail in Python: a map keyed by an array is a TypeError
+        raise KVEventError(f"a KV event batch is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    try:
+        return _batch(document)
+    except KVEventError:
+        raise
+    except Exception as exc:  # a shape the checks below did not foresee (an unhashable tag, say)
+        raise KVEventError(f"a KV event batch cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _batch(document: Any) -> EventBatch:
     if isinstance(document, dict):  # tolerated: a batch written as a map
         ts, events, rank = document.get("ts"), document.get("events"), document.get("data_parallel_rank")
     elif isinstance(document, list) and 2 <= len(document) <= 3:

@@ -126,7 +126,12 @@ class KVEventCollector:
                         event = parse_monitor_message(await monitor.recv_multipart())
                         self.index.subscribed(endpoint, event["event"] == zmq.EVENT_CONNECTED)
                     else:
-                        await self._received(endpoint, address, await sub.recv_multipart())
+                        frames = await sub.recv_multipart()
+                        try:
+                            await self._received(endpoint, address, frames)
+                        except Exception as exc:  # one message never ends this stream, nor (through run) the pool's
+                            self._error(endpoint, "failed", f"a batch failed: {type(exc).__name__}: {exc}")
+                            self.index.lost(endpoint)
         finally:
             self.index.subscribed(endpoint, False)
             sub.disable_monitor()
@@ -213,7 +218,7 @@ class KVEventCollector:
                     complete = complete and sequence == wanted  # a later start: the buffer lost the first ones
                     await self._apply_replayed(endpoint, batch)
                     wanted = sequence + 1
-        except (TimeoutError, KVEventError, zmq.ZMQError) as exc:
+        except Exception as exc:  # whatever a reply holds, the replay fails and the stream goes on
             self._error(endpoint, "replay", f"replay of events {start}..{stop - 1} failed: {exc}")
         finally:
             dealer.close(linger=0)

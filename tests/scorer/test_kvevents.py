@@ -78,6 +78,9 @@ def test_frames_carry_the_sequence_big_endian() -> None:
         pytest.param(msgpack.packb([0.0, [dict(STORED_MAP, block_size=0)]]), "block_size", id="zero-block-size"),
         pytest.param(msgpack.packb([0.0, [dict(STORED_MAP, token_ids=["a"])]]), "integers", id="text-tokens"),
         pytest.param(msgpack.packb([0.0, [7]]), "neither a tagged map", id="a-number"),
+        # Valid msgpack that Python cannot hold: a map keyed by an array (a TypeError inside the unpacker).
+        pytest.param(b"\x81\x91\x01\x01", "not valid msgpack: TypeError", id="array-key"),
+        pytest.param(msgpack.packb([0.0, [{"type": [1]}]]), "cannot be read: TypeError", id="array-tag"),
     ],
 )
 def test_what_is_not_a_batch_is_refused_saying_why(payload: bytes, message: str) -> None:

@@ -159,6 +159,40 @@ async def test_a_message_that_is_not_a_batch_counts_as_missed(publisher: tuple[P
         assert np.array_equal(index.match_depth(cache_keys(PROMPT[:4], B))[0], [1])
 
 
+async def test_valid_msgpack_that_python_cannot_hold_costs_one_batch_not_the_stream(
+    publisher: tuple[Publisher, KVEventOptions],
+) -> None:
+    # A map keyed by an array ({[1]: 1}) once let a TypeError end the endpoint's task, and with it every other's.
+    server, options = publisher
+    async with following(options) as (index, collector):
+        await server.send(stored([1], None, PROMPT[:4]))
+        await server.send(b"\x81\x91\x01\x01")
+        await until(lambda: collector.errors["undecodable"] == 1, "the bad batch to be counted")
+        await server.send(stored([2], 1, PROMPT[4:8]))
+        await until(lambda: depth(index) == 2, "the batch after it")
+        assert index.states[0].subscribed
+
+
+async def test_a_failure_while_applying_one_batch_is_counted_and_the_stream_goes_on(
+    publisher: tuple[Publisher, KVEventOptions],
+) -> None:
+    server, options = publisher
+    async with following(options) as (index, collector):
+        real, failures = index.apply, [RuntimeError("a bug")]
+
+        def apply(endpoint, batch):
+            if failures:
+                raise failures.pop()
+            real(endpoint, batch)
+
+        index.apply = apply  # type: ignore[method-assign]
+        await server.send(stored([1], None, PROMPT[:4]))
+        await until(lambda: collector.errors["failed"] == 1, "the failure to be counted")
+        assert not index.live[0]
+        await server.send(stored([2], 1, PROMPT[4:8]))  # its gap is replayed: the failed batch comes again
+        await until(lambda: depth(index) == 2, "the next batch and the one that failed")
+
+
 def removed(count: int, hashes_each: int = 8) -> bytes:
     events = [{"type": "BlockRemoved", "block_hashes": list(range(i, i + hashes_each))} for i in range(count)]
     return msgpack.packb([0.0, events, 0])
