@@ -342,6 +342,13 @@ class PickerProcess:
                 "inflight.end cannot change while the picker runs: Envoy's bootstrap changes with it "
                 "(inferlb envoy-config); restart both"
             )
+        if config.destinations != old.destinations:
+            # An ORIGINAL_DST gateway cannot take a list of endpoints (every request would fail), and an Override
+            # Host gateway's retries were rendered for the number in force.
+            raise ConfigError(
+                f"destinations cannot change while the picker runs ({old.destinations} -> {config.destinations}): "
+                "Envoy's bootstrap changes with it (inferlb envoy-config); restart both"
+            )
         if config.max_body_bytes + GRPC_ENVELOPE_BYTES > self.server.max_message_bytes:
             raise ConfigError(
                 f"max_body_bytes cannot rise above {self.server.max_message_bytes - GRPC_ENVELOPE_BYTES} while the "

@@ -136,6 +136,11 @@ async def test_a_posted_config_applies_and_a_bad_one_is_refused(picker, servers)
         moved = {**good, "listen": f"127.0.0.1:{free_port()}"}
         refused = await client.post("/config", content=yaml.safe_dump(moved), headers=YAML)
         assert refused.status_code == 400 and "listen cannot change" in refused.json()["error"]["message"]
+        # An ORIGINAL_DST gateway cannot take a list of endpoints: every request would fail.
+        listing = {**good, "destinations": 2}
+        refused = await client.post("/config", content=yaml.safe_dump(listing), headers=YAML)
+        assert refused.status_code == 400
+        assert "destinations cannot change while the picker runs (1 -> 2)" in refused.json()["error"]["message"]
 
         applied = await client.post("/config", content=yaml.safe_dump(good), headers=YAML)
         assert applied.status_code == 200, applied.text
