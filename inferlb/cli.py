@@ -145,7 +145,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the server clusters' endpoints and weights come from the picker over ADS (default: when the config "
         "names a discovery source)",
     )
-    xds.add_argument("--no-xds", dest="xds", action="store_false", help="the endpoints are written into the file")
+    xds.add_argument(
+        "--no-xds",
+        dest="xds",
+        action="store_false",
+        help="the endpoints are written into the file (not with discovery)",
+    )
     envoy.add_argument(
         "--cluster-mode",
         default="original-dst",

@@ -163,6 +163,12 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
         raise EnvoyConfigError(f"retries must be in 0..5; got {options.retries}")
     if xds and not options.picker:
         raise EnvoyConfigError("xds needs the picker: it is the control plane")
+    if not xds and config.discovery is not None:
+        # Written into the file, the endpoints are the ones listed today: the discovered ones (all of them, where
+        # none is listed) would be missing, and Envoy could not reach the endpoints the picker names.
+        raise EnvoyConfigError(
+            "the pool's endpoints come from discovery, which reaches Envoy only over xDS: render without --no-xds"
+        )
     tracer_host, tracer_port = "", 0
     if options.tracing:
         if options.picker_address is not None:

@@ -349,6 +349,17 @@ def test_with_xds_the_server_clusters_come_from_the_picker_and_updates_apply_at_
     assert retry["num_retries"] == 3 and "connect-failure" in retry["retry_on"]
 
 
+def test_a_discovered_pool_is_not_written_into_the_file() -> None:
+    # Written into the file, the clusters would hold the endpoints listed today (none, with discovery alone):
+    # Envoy could reach none of the endpoints the picker names.
+    discovered = parse_config(
+        {"pool": {"endpoints": [], "discovery": {"etcd": {"urls": ["http://127.0.0.1:2379"], "prefix": "/x/"}}}}
+    )
+    assert "dynamic_resources" in yaml.safe_load(render_bootstrap(discovered, EnvoyOptions()))  # xDS by default
+    with pytest.raises(EnvoyConfigError, match="reaches Envoy only over xDS: render without --no-xds"):
+        render_bootstrap(discovered, EnvoyOptions(xds=False))
+
+
 def test_original_dst_has_no_retries_and_refuses_a_list_of_destinations() -> None:
     doc = yaml.safe_load(render_bootstrap(CONFIG, EnvoyOptions()))
     routes = {r["name"]: r for r in hcm(doc)["route_config"]["virtual_hosts"][0]["routes"]}
