@@ -14,7 +14,11 @@ endpoint for ``pending_s``; the server's event confirms them, or they lapse.
 An endpoint's exact view is *live* while its events are to be trusted: subscribed and in sequence (a gap that
 replay cannot fill makes it unsure for ``resync_s``: blocks stored during the gap are unknown), and not stale
 (requests were routed there, yet no event came for ``stale_s``: its publisher has stopped). Where an endpoint is
-not live, the scorers use the approximate index for it. `tick` recomputes liveness and lets pending blocks lapse;
+not live, the scorers use the approximate index for it. Nor is one live while most blocks it reported lately are
+*orphans*, runs whose parent the index never heard of: vLLM announces a block once, when it enters the cache, so
+after a missed event every block that continues a prompt still cached (a shared system prompt, say) is unknown
+here, long after ``resync_s``; such an endpoint stays unsure until its reports chain up again (a new prompt, or a
+cleared cache). `tick` recomputes liveness and lets pending blocks lapse;
 the subscriber (or the simulator) calls it a few times a second, and the hot path only reads `live`.
 
 Bounds: at most ``max_blocks`` confirmed blocks per endpoint (beyond, the endpoint is no longer live: its view
@@ -39,6 +43,12 @@ __all__ = ["KVBlockIndex", "KVEndpointState"]
 
 logger = logging.getLogger(__name__)
 
+# An endpoint whose recent reports are mostly orphans is unsure: over about the last ORPHAN_WINDOW blocks it
+# reported, more than ORPHAN_SHARE of them (and at least ORPHAN_MIN) continued blocks the index never heard of.
+ORPHAN_WINDOW = 256
+ORPHAN_SHARE = 0.5
+ORPHAN_MIN = 16
+
 
 @dataclass(slots=True)
 class KVEndpointState:
@@ -51,6 +61,9 @@ class KVEndpointState:
     unsure_until: float = 0.0
     overflowed: bool = False
     mismatch: str = ""  # why its events cannot be used at all (a block size other than the index's)
+    # Blocks it reported lately, and of them those whose parent was unknown: sums decayed by ORPHAN_WINDOW blocks.
+    reported: float = 0.0
+    orphaned: float = 0.0
     reason: str = "not subscribed"
 
 
@@ -162,7 +175,9 @@ class KVBlockIndex:
         self._by_hash[endpoint] = {}
         self._held[endpoint] = Counter()
         self._pending[endpoint] = {}
-        self.states[endpoint].overflowed = False
+        state = self.states[endpoint]
+        state.overflowed = False
+        state.reported = state.orphaned = 0.0  # an empty cache: what it stores next chains from nothing
 
     def subscribed(self, endpoint: int, on: bool) -> None:
         """Whether ``endpoint``'s event stream is being read now (the subscriber says so)."""
@@ -286,8 +301,9 @@ class KVBlockIndex:
             self.skipped["token_count"] += 1
             return
         seed = 0
+        parent = None if event.parent_block_hash is None else self._by_hash[endpoint].get(event.parent_block_hash)
+        self._reported(endpoint, len(event.block_hashes), orphan=event.parent_block_hash is not None and parent is None)
         if event.parent_block_hash is not None:
-            parent = self._by_hash[endpoint].get(event.parent_block_hash)
             if parent is None:
                 self.skipped["orphan"] += 1
                 return
@@ -296,6 +312,12 @@ class KVBlockIndex:
             event.token_ids, block_tokens=event.block_size, max_blocks=len(event.block_hashes), seed=seed
         )
         self.store(endpoint, event.block_hashes, keys)
+
+    def _reported(self, endpoint: int, blocks: int, *, orphan: bool) -> None:
+        state = self.states[endpoint]
+        keep = (1.0 - 1.0 / ORPHAN_WINDOW) ** blocks
+        state.reported = state.reported * keep + blocks
+        state.orphaned = state.orphaned * keep + (blocks if orphan else 0)
 
     def _heard(self, endpoint: int) -> None:
         """The endpoint's server spoke: its stream is not stale."""
@@ -332,6 +354,9 @@ class KVBlockIndex:
             reason = f"more than {self.max_blocks} blocks reported"
         elif now < state.unsure_until:
             reason = "missed events, resyncing"
+        elif state.orphaned >= ORPHAN_MIN and state.orphaned > ORPHAN_SHARE * state.reported:
+            share = state.orphaned / state.reported
+            reason = f"{share:.0%} of the blocks it reported lately continue blocks never reported here (missed events)"
         elif state.waiting_since is not None and now - state.waiting_since > self.stale_s:
             reason = f"no events for {now - state.waiting_since:.1f} s while requests were sent there"
         else:

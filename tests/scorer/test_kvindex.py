@@ -115,6 +115,35 @@ def test_missed_events_make_an_endpoint_unsure_for_a_while_and_unsubscribed_ones
     assert not kv.live[2]
 
 
+def test_an_endpoint_whose_reports_are_mostly_orphans_stays_unsure_after_resync() -> None:
+    # The shared prefix's event was missed; vLLM never announces it again while it stays cached, so every block
+    # continuing it is an orphan here, long after resync_s.
+    kv, clock = index()
+    kv.apply(1, stored([1], None, PROMPT[:4]))
+    kv.lost(0)
+    for i in range(100):
+        clock.now += 0.6
+        kv.apply(0, stored([1000 + i], 100, [10 + i, 11, 12, 13]))
+        kv.apply(1, stored([2000 + i], 1, [10 + i, 11, 12, 13]))  # the same traffic, its parent known
+    kv.tick()
+    assert not kv.live[0] and "never reported here" in kv.states[0].reason
+    assert kv.live[1]
+    for i in range(100):  # new prompts chain up again
+        kv.apply(0, stored([3000 + i, 4000 + i], None, [i, 1, 2, 3, i, 5, 6, 7]))
+    assert kv.live[0]
+    kv.apply(0, stored([9], 8, PROMPT[4:8]))  # an orphan now and then changes nothing
+    assert kv.live[0]
+
+
+def test_a_cleared_cache_forgets_the_orphans() -> None:
+    kv, _ = index()
+    for i in range(40):
+        kv.apply(0, stored([1000 + i], 100, [10 + i, 11, 12, 13]))
+    assert not kv.live[0]
+    kv.apply(0, EventBatch(0.0, (AllBlocksCleared(),)))
+    assert kv.live[0]
+
+
 def test_a_membership_change_keeps_what_staying_endpoints_hold() -> None:
     kv, _ = index()
     kv.apply(0, stored([1, 2], None, PROMPT[:8]))
