@@ -54,6 +54,10 @@ def _literal(text: str, host: str, port_text: str, why_no_names: str) -> tuple[s
         raise ValueError(f"{text!r}: write IPv6 addresses in brackets ('[fd00::1]:8000') and IPv4 without them")
     if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise ValueError(f"{text!r}: port must be an integer in 1..65535")
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    if mapped is not None:
+        # Envoy spells it ::ffff:10.0.0.1 and Python ::ffff:a00:1: Envoy's hosts would never match the address named.
+        raise ValueError(f"{text!r}: an IPv4-mapped IPv6 address; write the IPv4 address ('{mapped}:{port_text}')")
     return str(ip), int(port_text)
 
 

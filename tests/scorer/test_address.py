@@ -40,6 +40,7 @@ def test_parse_address_accepts_literal_ip_and_port(text: str, expected: tuple[st
         pytest.param("[::1:8000", "not a literal IP address", id="unclosed-bracket"),
         pytest.param("fd00::1:8000", "IPv6 addresses in brackets", id="ipv6-unbracketed-ambiguous"),
         pytest.param("[10.0.0.1]:80", "IPv4 without them", id="ipv4-bracketed"),
+        pytest.param("[::ffff:10.0.0.1]:80", "write the IPv4 address ('10.0.0.1:80')", id="ipv4-mapped"),
         pytest.param("10.0.0.1:\u0668\u0660", "port must be an integer", id="port-arabic-digits"),
         pytest.param(" 10.0.0.1:8000", "not a literal IP address", id="leading-space"),
         pytest.param("10.0.0.1:0", "port must be an integer in 1..65535", id="port-zero"),
@@ -79,7 +80,6 @@ def test_format_address(host: str, port: int, expected: str) -> None:
         pytest.param("10.0.0.7:8000", id="ipv4"),
         pytest.param("[::1]:8000", id="ipv6"),
         pytest.param("[fd00:0:0:0:0:0:0:1]:443", id="ipv6-long-form"),
-        pytest.param("[::ffff:10.0.0.1]:80", id="ipv4-mapped"),
     ],
 )
 def test_format_of_parse_is_canonical_and_stable(text: str) -> None:

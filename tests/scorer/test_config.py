@@ -745,7 +745,6 @@ def _pool(*endpoints: Any, allowed: list[str] | None = None) -> dict[str, Any]:
 NOT_UNICAST = [
     pytest.param("169.254.169.254:80", "is link-local", id="cloud-metadata"),
     pytest.param("[fe80::1]:80", "is link-local", id="ipv6-link-local"),
-    pytest.param("[::ffff:169.254.169.254]:80", "is link-local", id="ipv4-mapped-metadata"),
     pytest.param("0.0.0.0:22", "is the unspecified address", id="unspecified"),
     pytest.param("[::]:80", "is the unspecified address", id="ipv6-unspecified"),
     pytest.param("224.0.0.1:80", "is a multicast address", id="multicast"),
@@ -856,7 +855,7 @@ def test_a_gpu_url_is_stored_canonical(url: str, kind: str | None, expected: str
         pytest.param(
             "http://[::ffff:169.254.169.254]/gpu",
             EVERYWHERE,
-            r"^pool\.endpoints\[1\]\.gpu\.url: .* is link-local",
+            r"^pool\.endpoints\[1\]\.gpu\.url: .*an IPv4-mapped IPv6 address; write the IPv4 address",
             id="ipv4-mapped-metadata",
         ),
         pytest.param("http://0.0.0.0:9400/gpu", EVERYWHERE, r"is the unspecified address", id="unspecified"),
