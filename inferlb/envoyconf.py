@@ -121,12 +121,14 @@ def render_bootstrap(config: Config, options: EnvoyOptions) -> str:
     ):
         if getattr(options, name) <= 0:
             raise EnvoyConfigError(f"{name} must be > 0; got {getattr(options, name)}")
-    if options.request_timeout_ms <= options.message_timeout_ms:
-        # The request is not sent upstream while the picker decides: a shorter bound would cut slow picks.
-        raise EnvoyConfigError(
-            f"the request timeout ({options.request_timeout_ms} ms) must exceed the picker's message timeout "
-            f"({options.message_timeout_ms} ms)"
-        )
+    for name, bound in (("request", options.request_timeout_ms), ("stream idle", options.stream_idle_timeout_ms)):
+        if bound <= options.message_timeout_ms:
+            # Nothing moves on the stream, nor is the request sent upstream, while the picker decides: a shorter
+            # bound would cut slow picks (a 504 instead of failing open or the picker's own answer).
+            raise EnvoyConfigError(
+                f"the {name} timeout ({bound} ms) must exceed the picker's message timeout "
+                f"({options.message_timeout_ms} ms)"
+            )
     for request_class in (*(rule.request_class for rule in config.classes), config.default_class):
         if request_class.on_saturation == "wait" and request_class.max_wait_s * 1000 + WAIT_MARGIN_MS > (
             options.message_timeout_ms

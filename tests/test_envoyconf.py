@@ -250,6 +250,16 @@ def test_tracing_does_not_go_with_a_picker_elsewhere() -> None:
         pytest.param(EnvoyOptions(fallback_lb_policy="MAGLEV"), "fallback LB policy", id="lb-policy"),
         pytest.param(EnvoyOptions(message_timeout_ms=0), "message_timeout_ms", id="timeout"),
         pytest.param(EnvoyOptions(body_mode="streamed"), "body_mode", id="body-mode"),
+        pytest.param(
+            EnvoyOptions(message_timeout_ms=2000, stream_idle_timeout_ms=500),
+            r"the stream idle timeout \(500 ms\) must exceed the picker's message timeout \(2000 ms\)",
+            id="idle-below-message-timeout",
+        ),
+        pytest.param(
+            EnvoyOptions(message_timeout_ms=2000, request_timeout_ms=2000),
+            r"the request timeout \(2000 ms\) must exceed",
+            id="request-below-message-timeout",
+        ),
     ],
 )
 def test_invalid_options_are_named(options: EnvoyOptions, words: str) -> None:

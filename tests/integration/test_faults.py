@@ -279,3 +279,18 @@ def test_the_access_log_ends_each_routed_requests_count(stack: LocalStack) -> No
     assert ends["access_log"] >= 10
     assert ends["expired"] == 0
     assert [s.value for s in metrics["inferlb_requests_awaiting_end"].samples] == [0]
+
+
+def test_a_server_that_goes_silent_gets_a_stream_idle_504_that_does_not_blame_the_picker(tmp_path: Path) -> None:
+    # A 504 flagged SI (nothing moved on the stream for the idle timeout) came with the picker-timeout message,
+    # telling the client of a fail-open gateway that the picker had not answered and the gateway was fail-closed.
+    options = replace(OPTIONS, backends=1, envoy=replace(OPTIONS.envoy, stream_idle_timeout_ms=1200))
+    with LocalStack(options, tmp_path) as stack:
+        address = stack.endpoints[0]
+        httpx.post(f"http://{address}/admin/faults", json={"hang": True}, timeout=5).raise_for_status()
+        with httpx.Client(base_url=stack.gateway_url, timeout=10) as client:
+            response = client.post("/v1/completions", json=COMPLETION)
+        assert response.status_code == 504
+        error = response.json()["error"]
+        assert error["type"] == "stream_idle_timeout" and "picker" not in error["message"]
+        assert "nothing moved on this request's stream for 1.200s" in error["message"]
