@@ -381,6 +381,9 @@ class PickerProcess:
         else:
             inflight = self.engine.inflight.moved(plan.mapping)
             signals = self.engine.signals.moved(plan.mapping, stale_after_s=config.signals.stale_after_s)
+            if signals.kv is not None:
+                for endpoint in plan.restarted:  # back before it drained: another server process, its cache empty
+                    signals.kv.restarted(endpoint)
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool), speeds=_declared(config, pool))
         engine = Engine(pool, profile, inflight, signals, _saturation(config, pool))
         try:

@@ -65,6 +65,9 @@ class KVEndpointState:
     reported: float = 0.0
     orphaned: float = 0.0
     reason: str = "not subscribed"
+    # The last sequence number the collector applied (None: none yet), here so that it follows the endpoint across
+    # a membership change: the next pool's collector goes on from it rather than asking replay for everything.
+    sequence: int | None = None
 
 
 class KVBlockIndex:
@@ -178,6 +181,12 @@ class KVBlockIndex:
         state = self.states[endpoint]
         state.overflowed = False
         state.reported = state.orphaned = 0.0  # an empty cache: what it stores next chains from nothing
+
+    def restarted(self, endpoint: int) -> None:
+        """``endpoint``'s server is another process now (it came back while draining): forget what it held and where
+        its sequence was; the new server's numbers start again."""
+        self.clear(endpoint)
+        self.states[endpoint].sequence = None
 
     def subscribed(self, endpoint: int, on: bool) -> None:
         """Whether ``endpoint``'s event stream is being read now (the subscriber says so)."""

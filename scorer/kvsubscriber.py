@@ -7,8 +7,10 @@ the connection is up; only then is the endpoint's stream `subscribed`.
 Sequence numbers rise by one per batch. A gap is asked of the server's replay socket (a DEALER to
 ``ENDPOINT_IP:replay_port``, bounded by ``replay_timeout_s``); what replay cannot give makes the endpoint unsure
 for a while (`KVBlockIndex.lost`). A sequence that goes back means the server restarted: its cache is empty and
-the index forgets it. The first batch seen from an endpoint whose sequence is past 0 means events were published
-before the picker listened: the start is asked of replay the same way. A batch that cannot be decoded counts as
+the index forgets it. The last sequence applied is kept in the index's state of the endpoint, so the collector of
+the next pool (after a membership change) goes on from it. The first batch ever seen from an endpoint whose
+sequence is past 0 means events were published before the picker listened: the start is asked of replay the same
+way. A batch that cannot be decoded counts as
 missed. Nothing here runs on the routing path: decisions read the index, which this collector updates between
 them.
 
@@ -86,7 +88,6 @@ class KVEventCollector:
         self.batches = 0
         self.replayed = 0
         self._context = zmq.asyncio.Context()
-        self._sequence: dict[int, int] = {}  # endpoint -> last sequence applied
         self._warned: set[tuple[int, str]] = set()
         self._budget = [_Budget(options.max_bytes_per_s, MAX_PAYLOAD_BYTES) for _ in pool]
 
@@ -148,7 +149,7 @@ class KVEventCollector:
             )
             self.index.lost(endpoint)
             if len(frames) == 3 and len(frames[1]) == 8:  # skipped, not replayed: a replay would cost as much
-                self._sequence[endpoint] = int.from_bytes(frames[1], "big", signed=True)
+                self.index.states[endpoint].sequence = int.from_bytes(frames[1], "big", signed=True)
             return
         try:
             sequence, batch = await asyncio.to_thread(decode_frames, frames)
@@ -156,7 +157,7 @@ class KVEventCollector:
             self._error(endpoint, "undecodable", str(exc))
             self.index.lost(endpoint)
             return
-        last = self._sequence.get(endpoint)
+        last = self.index.states[endpoint].sequence
         if last is not None and sequence <= last:
             # The sequence went back: a restarted server, whose cache starts empty.
             logger.info("KV events of endpoint %d restarted at sequence %d (was %d)", endpoint, sequence, last)
@@ -169,7 +170,7 @@ class KVEventCollector:
                 self.index.lost(endpoint)
         await self._apply(endpoint, batch)
         self.batches += 1
-        self._sequence[endpoint] = sequence
+        self.index.states[endpoint].sequence = sequence
 
     async def _apply(self, endpoint: int, batch: EventBatch) -> None:
         """Apply ``batch`` in order, in slices of `APPLY_SLICE` events with the event loop free between them."""

@@ -20,6 +20,7 @@ from inferlb.picker import PickerProcess, create_picker
 from inferlb.procs import free_port
 from inferlb.scorer.config import load_config
 from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.tokenizer import cache_keys
 from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
@@ -665,3 +666,30 @@ async def test_the_decision_counts_of_an_endpoint_that_left_the_pool_are_dropped
     assert counted == {s.address for s in servers}
     picker.reload_document({**doc, "pool": {"endpoints": doc["pool"]["endpoints"][1:]}})  # idle: it leaves at once
     assert {address for address, _ in picker.service.decisions.by_endpoint} == {s.address for s in servers[1:]}
+
+
+async def test_kv_events_of_an_endpoint_back_before_it_drained_are_forgotten(tmp_path: Path) -> None:
+    # A server that came back while draining is another process: the index kept the old one's blocks for good.
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    doc = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": None,
+        "policy": "least-request",
+        "signals": {"scrape_metrics": False},
+        "kv_events": {"port": free_port(), "tokenizers": {"m": "pieces"}, "block_size": 4},
+        "pool": {"endpoints": [{"address": a, "models": ["m"]} for a in addresses]},
+    }
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    kv = picker.engine.signals.kv
+    assert kv is not None
+    keys = cache_keys(list(range(8)), 4)
+    for endpoint in (0, 1):
+        kv.store(endpoint, [1, 2], keys)
+        kv.states[endpoint].sequence = 7
+    picker.engine.inflight.requests[0] = 1  # it leaves with a request in flight: draining
+    picker.reload_document({**doc, "pool": {"endpoints": doc["pool"]["endpoints"][1:]}})
+    picker.reload_document(doc)  # and is back before it drained
+    kv = picker.engine.signals.kv
+    assert kv is not None and [e.address for e in picker.engine.pool] == addresses
+    assert kv.match_depth(keys)[0].tolist() == [0, 2]
+    assert kv.states[0].sequence is None and kv.states[1].sequence == 7

@@ -155,6 +155,17 @@ def test_a_membership_change_keeps_what_staying_endpoints_hold() -> None:
     assert moved.held(0) == 0
 
 
+def test_a_restarted_endpoint_forgets_its_blocks_and_its_sequence_and_others_keep_theirs() -> None:
+    kv, _ = index()
+    kv.apply(0, stored([1, 2], None, PROMPT[:8]))
+    kv.apply(1, stored([1, 2], None, PROMPT[:8]))
+    kv.states[0].sequence = kv.states[1].sequence = 41
+    moved = kv.moved(np.array([0, 1]))
+    moved.restarted(0)
+    assert moved.match_depth(cache_keys(PROMPT, B))[0].tolist() == [0, 2]
+    assert moved.held(0) == 0 and moved.states[0].sequence is None and moved.states[1].sequence == 41
+
+
 def test_the_blocks_held_are_bounded() -> None:
     clock = ManualClock()
     kv = KVBlockIndex(1, clock=clock, block_size=B, max_blocks=2)

@@ -54,6 +54,7 @@ class Publisher:
     buffer: list[tuple[int, bytes]] = field(default_factory=list)
     next: int = 0
     joined: bool = False
+    asked: list[int] = field(default_factory=list)  # the start of every replay asked
 
     async def send(self, payload: bytes, *, live: bool = True) -> None:
         sequence, self.next = self.next, self.next + 1
@@ -67,6 +68,7 @@ class Publisher:
     async def serve_replays(self) -> None:
         while True:
             client, _, start = await self.router.recv_multipart()
+            self.asked.append(int.from_bytes(start, "big"))
             for sequence, payload in self.buffer:
                 if sequence >= int.from_bytes(start, "big"):
                     await self.router.send_multipart([client, b"", b"", sequence.to_bytes(8, "big"), payload])
@@ -90,8 +92,11 @@ async def publisher() -> AsyncIterator[tuple[Publisher, KVEventOptions]]:
 
 
 @contextlib.asynccontextmanager
-async def following(options: KVEventOptions) -> AsyncIterator[tuple[KVBlockIndex, KVEventCollector]]:
-    index = KVBlockIndex(1, clock=asyncio.get_running_loop().time, block_size=B)
+async def following(
+    options: KVEventOptions, index: KVBlockIndex | None = None
+) -> AsyncIterator[tuple[KVBlockIndex, KVEventCollector]]:
+    if index is None:
+        index = KVBlockIndex(1, clock=asyncio.get_running_loop().time, block_size=B)
     collector = KVEventCollector(Pool([EndpointConfig("127.0.0.1:8000")]), index, options)
     task = asyncio.create_task(collector.run())
     try:
@@ -146,6 +151,26 @@ async def test_a_sequence_that_goes_back_is_a_restarted_server_whose_cache_is_em
         await server.send(stored([7], None, [5] * B))
         await until(lambda: depth(index, [5] * B) == 1, "the restarted server's first block")
         assert depth(index) == 0 and index.held(0) == 1
+
+
+async def test_the_next_pools_collector_goes_on_from_the_last_sequence_applied(
+    publisher: tuple[Publisher, KVEventOptions],
+) -> None:
+    # Once every membership change made a collector without sequence numbers: the next batch looked like a first
+    # one past 0, replay was asked from 0 (vLLM buffers 10,000 batches) and, the buffer not reaching back that far,
+    # every endpoint was unsure for resync_s.
+    server, options = publisher
+    async with following(options) as (index, collector):
+        for i in range(3):
+            await server.send(stored([10 + i], None, [i] * B))
+        await until(lambda: collector.batches == 3, "the first pool's batches")
+    del server.buffer[:2]  # the server's buffer no longer reaches back to 0
+    moved = index.moved(np.array([0]))
+    async with following(options, moved) as (index, collector):
+        await server.send(stored([1], None, PROMPT[:4]))
+        await until(lambda: depth(index) == 1, "the next batch")
+        assert server.asked == [] and collector.replayed == 0 and collector.errors.total() == 0
+        assert index.live[0] and index.states[0].sequence == 3
 
 
 async def test_a_message_that_is_not_a_batch_counts_as_missed(publisher: tuple[Publisher, KVEventOptions]) -> None:
