@@ -122,6 +122,9 @@ def streamed_body(body: bytes, *, trailers: bool) -> list[ProcessingResponse]:
     return replies
 
 
+# With several destinations (Envoy's Override Host): the retries Envoy takes for a request whose list is shorter than
+# the bootstrap's retries (the ext_proc filter lets the picker set it: mutation_rules.allow_envoy).
+RETRIES_HEADER = "x-envoy-max-retries"
 SCORES_KEY = "x-inferlb-scores"  # config debug_scores: the candidates' scores, in envoy.lb metadata and a header
 SCORES_LISTED = 8  # the best this many
 

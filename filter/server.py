@@ -53,6 +53,7 @@ from inferlb.filter.errors import (
 from inferlb.filter.observe import ObserveStats, time_response
 from inferlb.filter.replies import (
     CONTINUE,
+    RETRIES_HEADER,
     SCORES_LISTED,
     RouteReplies,
     error_reply,
@@ -542,11 +543,16 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if self.on_routed is not None:
             self.on_routed(decision.endpoint.address, features.prefix_hashes)
         reply = replies[index]
-        if self.destinations > 1 and len(decision.candidates) > 1:
+        if self.destinations > 1:
             # The chosen endpoint first, then the next best: where Envoy retries a request that never arrived.
-            endpoints = self.router.pool.endpoints
-            listed = ",".join(endpoints[i].address for i in decision.ranked[: self.destinations])
-            reply = listed_reply(listed, replies is self.replies.body)
+            ranked = decision.ranked[: self.destinations] if len(decision.candidates) > 1 else (index,)
+            if len(ranked) > 1:
+                endpoints = self.router.pool.endpoints
+                reply = listed_reply(",".join(endpoints[i].address for i in ranked), replies is self.replies.body)
+            if len(ranked) < self.destinations:
+                # Fewer candidates than the retries Envoy was rendered for: past this list, Override Host would
+                # retry on any member (one without the model, or one a release arm keeps apart).
+                reply = with_header(reply, RETRIES_HEADER, str(len(ranked) - 1))
         if self.debug_scores:
             endpoints = self.router.pool.endpoints
             by = dict(zip(decision.candidates.tolist(), decision.totals.tolist(), strict=True))

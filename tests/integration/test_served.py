@@ -69,3 +69,29 @@ def test_a_request_retried_on_the_next_endpoint_counts_and_is_timed_where_it_was
         assert reports["unknown"] <= 2, reports
         timed = _samples(stack, "inferlb_responses_timed")
         assert timed["e2e"] == REQUESTS and timed["unknown_endpoint"] == 0
+
+
+def test_a_request_whose_list_is_short_is_not_retried_past_it(tmp_path: Path) -> None:
+    # Only the first server has model m2: the picker lists it alone. Envoy was rendered for two retries, and past
+    # the list Override Host retried on any member (one without the model, or one a release arm keeps apart):
+    # the picker caps the retries at its list's length (x-envoy-max-retries).
+    options = StackOptions(
+        backends=3,
+        models=("m1", "m2"),
+        endpoint_models=(("m1", "m2"), ("m1",), ("m1",)),
+        envoy=EnvoyOptions(cluster_mode="override-host", retries=2),
+        picker_config={"destinations": 3, "signals": {"scrape_metrics": False}},
+    )
+    with LocalStack(options, tmp_path) as stack, httpx.Client(base_url=stack.gateway_url, timeout=10.0) as client:
+        only = stack.endpoints[0]
+        httpx.post(
+            f"http://{only}/admin/faults", json={"crash": True, "cold_start_s": 600}, timeout=5
+        ).raise_for_status()
+        for _ in range(6):
+            response = client.post("/v1/completions", json={"model": "m2", "prompt": "hello", "max_tokens": 2})
+            assert response.status_code == 503, response.text  # its only server's answer, not another's
+            entry = log_entry(stack, response.headers["x-request-id"])
+            assert entry["picked"] == only and entry["upstream"] == only
+        # A model every server has: the full list, and a retry on the next listed server.
+        response = client.post("/v1/completions", json={"model": "m1", "prompt": "hello", "max_tokens": 2})
+        assert response.status_code == 200 and response.headers[SERVER_HEADER] != only
