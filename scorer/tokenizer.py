@@ -7,9 +7,12 @@ template from ``tokenizer_config.json`` first), or the emulator's stand-in (`Pie
 one token, the rule the picker's size estimate also uses). `cache_keys` then chains the ids block by block, the
 way `scorer.kvindex.KVBlockIndex` keys what servers report.
 
-Cost: tokenizing runs on the routing loop. The piece tokenizer takes a few microseconds per KB (numpy); a
-Hugging Face tokenizer is Rust but still the largest per-request cost where it is configured (see
-bench/results/kvevents.md). Tokenizers are loaded once, at start-up, from local files only.
+Cost: the piece tokenizer takes a few microseconds per KB (numpy) and runs on the routing loop; a Hugging Face
+tokenizer is Rust but still the largest per-request cost where it is configured (see bench/results/kvevents.md), and
+the filter runs it in worker threads, under a deadline. Only the first `MAX_CACHE_BLOCKS` blocks are keyed, so only
+the head of a prompt that holds them is tokenized (`HuggingFaceTokenizer`: a head guessed at `HEAD_CHARS_PER_TOKEN`
+characters a token, grown until it holds `CUT_SLACK_TOKENS` more tokens than needed). Tokenizers are loaded once,
+at start-up, from local files only.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from inferlb.scorer.chattemplate import ChatTemplate, MediaContent, TemplateRefused
 from inferlb.scorer.features import CHARS_PER_TOKEN, token_block_hashes
 
 __all__ = [
+    "CUT_SLACK_TOKENS",
+    "HEAD_CHARS_PER_TOKEN",
     "MAX_CACHE_BLOCKS",
     "VOCAB_SIZE",
     "HuggingFaceTokenizer",
+    "MediaContent",
     "PieceTokenizer",
     "PromptTokenizer",
     "TokenizerError",
@@ -38,6 +45,13 @@ __all__ = [
 
 # Blocks of a prompt that are keyed for the cache match: 8192 blocks of vLLM's 16 tokens is 128k tokens.
 MAX_CACHE_BLOCKS = 8192
+# A head of a long prompt is tokenized first, guessed at this many characters a token (most text and code has 3 to 5)
+# and grown while it gives too few tokens. The cut changes only the tokens of the word it splits (a tokenizer encodes
+# each pre-tokenized word on its own): the head must give this many tokens more than are keyed, so that word lies past
+# them. Only one word longer than this (no spaces or punctuation for some 4,000 characters) can still straddle the
+# last keyed block, which then misses on the server's; the blocks before it match.
+HEAD_CHARS_PER_TOKEN = 6
+CUT_SLACK_TOKENS = 1024
 # Llama 3's vocabulary size: the stand-in's ids look like a real tokenizer's and fit the u32 that Rust routers use.
 VOCAB_SIZE = 128_256
 # Odd 64-bit constants (splitmix64's) that mix a piece's four code points into one id.
@@ -56,12 +70,14 @@ class PromptTokenizer(Protocol):
 
     inline: bool
 
-    def text_ids(self, text: str) -> Sequence[int] | np.ndarray:
-        """A completions prompt's ids (with the special tokens the server adds)."""
+    def text_ids(self, text: str, max_tokens: int | None = None) -> Sequence[int] | np.ndarray:
+        """A completions prompt's ids (with the special tokens the server adds); with ``max_tokens``, at least its
+        first ``max_tokens`` ids (all there are where it has fewer), exactly as the whole prompt's would begin."""
         ...
 
-    def chat_ids(self, messages: list[Any]) -> Sequence[int] | np.ndarray:
-        """A chat's ids: the messages rendered as the server renders them, with the generation prompt."""
+    def chat_ids(self, messages: list[Any], max_tokens: int | None = None) -> Sequence[int] | np.ndarray:
+        """A chat's ids: the messages rendered as the server renders them, with the generation prompt (``max_tokens``
+        as for `text_ids`). May raise `MediaContent` for a chat with content other than text."""
         ...
 
 
@@ -117,22 +133,24 @@ class PieceTokenizer:
 
     inline = True
 
-    def text_ids(self, text: str) -> list[int]:
-        return piece_ids(text)
+    def text_ids(self, text: str, max_tokens: int | None = None) -> list[int]:
+        return piece_ids(text if max_tokens is None else text[: max_tokens * CHARS_PER_TOKEN])
 
-    def chat_ids(self, messages: list[Any]) -> list[int]:
-        return piece_ids(chat_text(messages))
+    def chat_ids(self, messages: list[Any], max_tokens: int | None = None) -> list[int]:
+        return self.text_ids(chat_text(messages), max_tokens)
 
 
 class HuggingFaceTokenizer:
     """A model's tokenizer from its folder (``tokenizer.json``, and ``tokenizer_config.json`` for the chat template
     and the special tokens it names). Raises `TokenizerError` at construction when the files cannot be used.
 
-    Completions are encoded with the tokenizer's special tokens (the BOS a server adds); chats are rendered by the
-    template in a sandbox (no file or attribute access), with the generation prompt, and encoded without adding
-    any (a template writes its own). A chat the template refuses raises `TokenizerError`. Too slow for the routing
-    loop (a millisecond or more for a few KB, bench/results/kvevents.md): the filter runs it in worker threads, and
-    it encodes through the library's batch call, which lets other threads run meanwhile."""
+    Completions are encoded with the tokenizer's special tokens (the BOS a server adds); chats are rendered as vLLM
+    renders them (`scorer.chattemplate`: its normalised messages, transformers' sandbox and globals, today's date),
+    with the generation prompt, and encoded without adding any (a template writes its own). A chat the template
+    refuses raises `TokenizerError`, one with images or other media `MediaContent`. With ``max_tokens``, only a head
+    of the text is encoded (module docstring). Too slow for the routing loop (a millisecond or more for a few KB,
+    bench/results/kvevents.md): the filter runs it in worker threads, and it encodes through the library's batch
+    call, which lets other threads run meanwhile."""
 
     inline = False
 
@@ -144,62 +162,72 @@ class HuggingFaceTokenizer:
             self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as exc:  # the library raises its own Exception subclass for every problem
             raise TokenizerError(f"cannot load {folder / 'tokenizer.json'}: {exc}") from exc
-        self._template = None
-        self._specials: dict[str, str] = {}
+        self._template: ChatTemplate | None = None
+        specials: dict[str, str] = {}
         config_path = folder / "tokenizer_config.json"
         if config_path.exists():
             try:
                 config = json.loads(config_path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
                 raise TokenizerError(f"cannot read {config_path}: {exc}") from exc
-            for name in ("bos_token", "eos_token"):
+            for name in _SPECIAL_TOKENS:
                 value = config.get(name)
                 if isinstance(value, dict):  # an AddedToken written out
                     value = value.get("content")
                 if isinstance(value, str):
-                    self._specials[name] = value
+                    specials[name] = value
             source = config.get("chat_template")
             if isinstance(source, str):
-                self._template = _compile_template(source, config_path)
+                try:
+                    self._template = ChatTemplate(source, config_path, specials)
+                except TemplateRefused as exc:
+                    raise TokenizerError(str(exc)) from exc
 
-    def text_ids(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode_batch([text], add_special_tokens=True)[0].ids)
+    def text_ids(self, text: str, max_tokens: int | None = None) -> list[int]:
+        return self._encode(text, True, max_tokens)
 
-    def chat_ids(self, messages: list[Any]) -> list[int]:
+    def chat_ids(self, messages: list[Any], max_tokens: int | None = None) -> list[int]:
         if self._template is None:
             raise TokenizerError("the model's tokenizer_config.json has no chat_template")
         try:
-            rendered = self._template.render(messages=messages, add_generation_prompt=True, **self._specials)
-        except Exception as exc:  # a template's own raise_exception, or one that fails on this chat
-            raise TokenizerError(f"the chat template refused these messages: {exc}") from None
-        return list(self._tokenizer.encode_batch([rendered], add_special_tokens=False)[0].ids)
+            rendered = self._template.render(messages)
+        except TemplateRefused as exc:
+            raise TokenizerError(str(exc)) from None
+        return self._encode(rendered, False, max_tokens)
+
+    def _encode(self, text: str, special: bool, max_tokens: int | None) -> list[int]:
+        """The ids of ``text``, or of a head of it that gives ``max_tokens`` and `CUT_SLACK_TOKENS` more."""
+        if max_tokens is None:
+            return list(self._tokenizer.encode_batch([text], add_special_tokens=special)[0].ids)
+        want = max_tokens + CUT_SLACK_TOKENS
+        size = min(len(text), want * HEAD_CHARS_PER_TOKEN)
+        while True:
+            ids = self._tokenizer.encode_batch([text[:size]], add_special_tokens=special)[0].ids
+            if size >= len(text):
+                return list(ids)
+            if len(ids) >= want:
+                return list(ids[:max_tokens])
+            # Too few tokens (long tokens: runs of spaces or symbols): a head as long as this one's rate needs, and
+            # at least twice as long.
+            size = min(len(text), max(2 * size, size * want // max(len(ids), 1) * 5 // 4))
 
 
-def _compile_template(source: str, where: Path) -> Any:
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TokenizerError(message)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = raise_exception
-    try:
-        return environment.from_string(source)
-    except TemplateError as exc:
-        raise TokenizerError(f"the chat_template in {where} does not compile: {exc}") from exc
+# The named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class CacheKeyer:
     """The cache keys of a request's prompt, for the models that have a tokenizer (``tokenizers``: model name →
     tokenizer); keys in blocks of ``block_size`` tokens (`cache_keys`). What it cannot tokenize (a model without a
-    tokenizer, a batch of prompts, a chat the template refuses) gets no keys, and routing falls back to the
-    approximate index; refusals are counted in ``failed``."""
+    tokenizer, a batch of prompts, a chat the template refuses or one with images) gets no keys, and routing falls
+    back to the approximate index; refusals are counted in ``failed``, chats with media in ``media``. Only the
+    prompt's first `MAX_CACHE_BLOCKS` blocks are tokenized."""
 
     def __init__(self, tokenizers: Mapping[str, PromptTokenizer], block_size: int) -> None:
         self.tokenizers = dict(tokenizers)
         self.block_size = block_size
         self.failed = 0
+        self.media = 0
 
     def keys(self, model: str, document: Mapping[str, Any], token_head: Any = None) -> tuple[int, ...]:
         """Keys of a validated completions or chat ``document`` for ``model``; ``token_head``: the prompt's leading
@@ -237,9 +265,12 @@ class CacheKeyer:
             self.failed += 1
             return ()
 
-    def _tokenized(self, tokenize: Callable[[Any], Sequence[int] | np.ndarray], prompt: Any) -> tuple[int, ...]:
+    def _tokenized(self, tokenize: Callable[[Any, int], Sequence[int] | np.ndarray], prompt: Any) -> tuple[int, ...]:
         try:
-            return cache_keys(tokenize(prompt), self.block_size)
+            return cache_keys(tokenize(prompt, MAX_CACHE_BLOCKS * self.block_size), self.block_size)
+        except MediaContent:
+            self.media += 1  # as `failed`
+            return ()
         except (TokenizerError, TypeError, ValueError, OverflowError):
             self.failed += 1  # an int += from a worker thread: the count may miss one under a race, never more
             return ()

@@ -469,11 +469,11 @@ class _SlowTokenizer:
     def __init__(self) -> None:
         self.threads: list[str] = []
 
-    def text_ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str, max_tokens: int | None = None) -> list[int]:
         self.threads.append(threading.current_thread().name)
         return piece_ids(text)
 
-    def chat_ids(self, messages: list[Any]) -> list[int]:
+    def chat_ids(self, messages: list[Any], max_tokens: int | None = None) -> list[int]:
         return self.text_ids(chat_text(messages))
 
 
