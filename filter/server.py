@@ -98,6 +98,15 @@ GRPC_ENVELOPE_BYTES = 256 * 1024
 _BUFFERED = frozenset({ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL})
 # Prompts tokenized at once by a slow tokenizer (the `tokenizers` library's batch call runs without the GIL).
 TOKENIZER_THREADS = 2
+# Prompts a slow tokenizer may hold (running or waiting for a thread, late ones included): a request that finds this
+# many routes at once without exact cache keys, so one client's huge prompts cannot hold up everyone's.
+TOKENIZER_QUEUE = 8
+# How long a request waits for its exact cache keys before it routes without them, on the approximate prefix index
+# (the tokenizer's late result is dropped). A few KB take milliseconds (bench/results/kvevents.md); the keyed head of
+# a prompt of 128k tokens or more, most of a second.
+KEYING_DEADLINE_S = 0.05
+# Why a request that a tokenizer would key routed without exact keys (FilterStats.unkeyed; the keyer counts the rest).
+UNKEYED_REASONS = ("late", "busy")
 
 
 @dataclass(slots=True)
@@ -112,6 +121,8 @@ class FilterStats:
     waited_out: int = 0
     # Served-endpoint reports from the data plane, by outcome: as-picked, elsewhere (the count moved), unknown.
     served: Counter[str] = field(default_factory=Counter)
+    # Requests routed without their exact cache keys, by reason (UNKEYED_REASONS).
+    unkeyed: Counter[str] = field(default_factory=Counter)
 
 
 class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
@@ -182,9 +193,13 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # headers read into the features (experiment_headers; the picker adds it).
         self.quotas: Quotas | None = None
         # With KV events (config kv_events.tokenizers): the prompt's cache keys, for the exact cache index; a slow
-        # tokenizer's run in these threads (made at the first need).
+        # tokenizer's run in these threads (made at the first need), at most `keying_queue` prompts held there, and a
+        # request waits `keying_deadline_s` for its keys.
         self.keyer: CacheKeyer | None = None
+        self.keying_queue = TOKENIZER_QUEUE
+        self.keying_deadline_s = KEYING_DEADLINE_S
         self._tokenizing: ThreadPoolExecutor | None = None
+        self._keying = 0  # prompts in or waiting for the tokenizing threads
 
     @property
     def engine(self) -> Engine:
@@ -198,11 +213,27 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
 
     async def _keyed(self, features: RequestFeatures) -> RequestFeatures:
         """``features`` with their cache keys, computed by a slow tokenizer in a worker thread (the routing loop goes
-        on meanwhile); at most `TOKENIZER_THREADS` prompts are tokenized at once."""
+        on meanwhile); at most `TOKENIZER_THREADS` prompts are tokenized at once. Without keys (counted in
+        ``stats.unkeyed``) where `keying_queue` prompts are held there already (busy) or the keys take longer than
+        `keying_deadline_s` (late: the thread finishes the job, and its keys are dropped)."""
+        if self._keying >= self.keying_queue:
+            self.stats.unkeyed["busy"] += 1
+            return features.keyed(())
         if self._tokenizing is None:
             self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="inferlb-tokenize")
-        loop = asyncio.get_running_loop()
-        return features.keyed(await loop.run_in_executor(self._tokenizing, features.keying))
+        job = asyncio.get_running_loop().run_in_executor(self._tokenizing, features.keying)
+        self._keying += 1
+        job.add_done_callback(self._keying_done)
+        try:
+            # shield: a late job is left to finish (a thread cannot be stopped), and is still counted as held.
+            keys = await asyncio.wait_for(asyncio.shield(job), self.keying_deadline_s)
+        except TimeoutError:
+            self.stats.unkeyed["late"] += 1
+            return features.keyed(())
+        return features.keyed(keys)
+
+    def _keying_done(self, _: object) -> None:
+        self._keying -= 1
 
     def close(self) -> None:
         """Stop the tokenizing threads, if any ran (their jobs finish first)."""

@@ -37,6 +37,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from inferlb.filter.server import UNKEYED_REASONS
 from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.quotas import QuotaStats
 from inferlb.scorer.replicas import ReplicaStats
@@ -139,6 +140,8 @@ class Readings:
     quotas: tuple[bool | None, QuotaStats] | None = None  # in step through Redis (None: alone), the counts
     # With kv_events: per endpoint whether its exact view is used, the blocks it reports; the collector's counts.
     kv: tuple[list[bool], list[int], int, int, dict[str, int], dict[str, int]] | None = None
+    # With tokenizers for exact cache keys: requests routed without them, by reason.
+    unkeyed: dict[str, int] | None = None
 
     @classmethod
     def take(cls, picker: PickerProcess) -> Readings:
@@ -171,6 +174,7 @@ class Readings:
             else (bool(picker.replicas.up), picker.replicas.peers(), copy.copy(picker.replicas.stats)),
             quotas=_quotas(picker),
             kv=_kv(picker),
+            unkeyed=_unkeyed(picker),
         )
         spans, leases = picker.spans, picker.service.leases
         extra: dict[str, Any] = {}
@@ -443,6 +447,15 @@ def families(readings: Readings) -> Iterator[Metric]:
             ("reason",),
             [((k,), n) for k, n in sorted(skipped.items())],
         )
+    if r.unkeyed is not None:
+        yield _counter(
+            "inferlb_kv_unkeyed_total",
+            "Requests routed without their exact cache keys (on the approximate prefix index), by reason: late (the "
+            "tokenizer missed the deadline), busy (too many prompts held by the tokenizer), refused (the chat "
+            "template refused the chat, or the prompt could not be tokenized), media (a chat with images or audio).",
+            ("reason",),
+            [((k,), n) for k, n in sorted(r.unkeyed.items())],
+        )
     if r.arms:
         labels = ("experiment", "arm")
         arms = sorted(r.arms.items())
@@ -564,6 +577,13 @@ def prometheus_text(picker: PickerProcess) -> str:
     """The picker's metrics in the Prometheus text format, read and formatted here (the caller's thread must be
     allowed to read the picker's counters: its event loop's)."""
     return generate_latest(picker_registry(picker)).decode()
+
+
+def _unkeyed(picker: PickerProcess) -> dict[str, int] | None:
+    keyer, stats = picker.service.keyer, picker.service.stats
+    if keyer is None:
+        return None
+    return dict.fromkeys(UNKEYED_REASONS, 0) | dict(stats.unkeyed) | {"refused": keyer.failed, "media": keyer.media}
 
 
 def _kv(picker: PickerProcess) -> tuple[list[bool], list[int], int, int, dict[str, int], dict[str, int]] | None:

@@ -259,3 +259,16 @@ async def test_shared_quota_buckets_repaired_sent_again_or_dropped_are_counted(t
     quotas.stats.repaired, quotas.stats.applied_before, quotas.stats.dropped = 2, 3, 1
     buckets = _values(_families(prometheus_text(picker))["inferlb_quota_buckets"])
     assert buckets == {(("event", "repaired"),): 2, (("event", "sent_again"),): 3, (("event", "dropped"),): 1}
+
+
+async def test_requests_routed_without_exact_cache_keys_are_counted_by_reason() -> None:
+    picker = _picker(kv_events={"port": free_port(), "tokenizers": {"m": "pieces"}, "block_size": 4})
+    zero = {(("reason", r),): 0 for r in ("busy", "late", "media", "refused")}  # present before the first
+    assert _values(_families(prometheus_text(picker))["inferlb_kv_unkeyed"]) == zero
+    picker.service.stats.unkeyed["late"] += 2
+    picker.service.stats.unkeyed["busy"] += 1
+    assert picker.service.keyer is not None
+    picker.service.keyer.media += 3
+    unkeyed = _values(_families(prometheus_text(picker))["inferlb_kv_unkeyed"])
+    assert unkeyed == zero | {(("reason", "late"),): 2, (("reason", "busy"),): 1, (("reason", "media"),): 3}
+    assert "inferlb_kv_unkeyed" not in _families(prometheus_text(_picker()))  # no tokenizers: no series

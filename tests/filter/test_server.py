@@ -486,6 +486,7 @@ async def test_a_slow_tokenizer_keys_the_prompt_in_a_worker_thread_before_the_de
     service = ExtProcService(engine, max_body_bytes=1 << 16)
     tokenizer = _SlowTokenizer()
     service.keyer = CacheKeyer({MODEL: tokenizer}, 16)
+    service.keying_deadline_s = 600.0  # a loaded test machine must not make it late
     prompt = "a prompt that one server holds " * 40
     keys = cache_keys(piece_ids(prompt), 16)
     for endpoint in range(len(ENDPOINTS)):
