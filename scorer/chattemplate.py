@@ -24,12 +24,10 @@ import json
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jinja2 import nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+if TYPE_CHECKING:
+    from jinja2 import Environment, nodes
 
 __all__ = ["ChatTemplate", "MediaContent", "TemplateRefused"]
 
@@ -53,18 +51,6 @@ class MediaContent(ValueError):
     """A message holds content other than text (an image, audio): its rendering depends on the model's processor."""
 
 
-class _Generation(Extension):
-    """transformers' ``{% generation %}…{% endgeneration %}`` (it marks the assistant's tokens for training): the
-    body renders unchanged."""
-
-    tags = {"generation"}  # noqa: RUF012 (Jinja's own attribute, a set)
-
-    def parse(self, parser: Parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body).set_lineno(lineno)
-
-
 def _raise_exception(message: str) -> None:
     raise TemplateRefused(message)
 
@@ -79,17 +65,39 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def _environment() -> Environment:
+    """transformers' sandbox for chat templates (Jinja is imported here: only a model's tokenizer needs it)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.parser import Parser
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}…{% endgeneration %}`` (transformers marks the assistant's tokens with it, for
+        training): the body renders unchanged."""
+
+        tags = {"generation"}  # noqa: RUF012 (Jinja's own attribute, a set)
+
+        def parse(self, parser: Parser) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment
+
+
 class ChatTemplate:
     """A model's chat template (``source``, from ``where``), compiled in a sandbox; raises `TemplateRefused` when it
     does not compile. `render` is thread-safe (a compiled Jinja template is)."""
 
     def __init__(self, source: str, where: Path, specials: Mapping[str, str]) -> None:
-        environment = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
-        )
-        environment.filters["tojson"] = _tojson
-        environment.globals["raise_exception"] = _raise_exception
-        environment.globals["strftime_now"] = _strftime_now
+        environment = _environment()
         try:
             tree = environment.parse(source)
             self._template = environment.from_string(tree)
@@ -113,6 +121,8 @@ class ChatTemplate:
 def _loops_over_content(tree: nodes.Template) -> bool:
     """Whether the template loops over a ``content`` item (``for part in message['content']``): vLLM then hands it
     content as a list of parts."""
+    from jinja2 import nodes
+
     for loop in tree.find_all(nodes.For):
         target = loop.iter
         while isinstance(target, nodes.Filter) and target.node is not None:  # message['content'] | list
