@@ -277,10 +277,7 @@ class PickerProcess:
     def _wanted(self, listed: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
         """The endpoints that should serve: those the config file lists, then those discovered (a discovered entry
         for a listed address replaces the file's)."""
-        if not self.discovered:
-            return listed
-        found = {e.address for e in self.discovered}
-        return (*(e for e in listed if e.address not in found), *self.discovered)
+        return _merged(listed, self.discovered)
 
     def discovered_endpoints(self, endpoints: tuple[EndpointConfig, ...]) -> None:
         """The discovery source's new list: rebuild the pool (a change that cannot be applied is logged and
@@ -368,6 +365,13 @@ class PickerProcess:
         )
         if not plan.endpoints:
             raise ConfigError("the pool would be empty: no endpoint is listed or discovered, and none is draining")
+        if len(plan.draining) == len(plan.endpoints):
+            # Every endpoint left while some still had requests in flight: with nothing to serve new requests, the
+            # pool in force stays, as it does when they had none (most likely the source was emptied by mistake).
+            raise ConfigError(
+                f"no endpoint would serve: none is listed or discovered, and the {len(plan.draining)} left still "
+                "have requests in flight"
+            )
         config = replace(config, endpoints=plan.endpoints)  # in the pool's order, draining ones included
         pool = self.membership.pool(plan)
         if config.otel.receiver is not None:
@@ -499,6 +503,19 @@ class PickerProcess:
                 )
 
     # ---- admin API ----------------------------------------------------------------------------------------
+
+
+def _merged(listed: tuple[EndpointConfig, ...], discovered: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
+    """The endpoints that should serve: those the config file lists, then those discovered (a discovered entry for a
+    listed address replaces the file's, but keeps the file's GPU source: discovery gives none)."""
+    if not discovered:
+        return listed
+    sources = {e.address: e.gpu for e in listed if e.gpu is not None}
+    found = {e.address for e in discovered}
+    kept = (
+        e if e.gpu is not None or e.address not in sources else replace(e, gpu=sources[e.address]) for e in discovered
+    )
+    return (*(e for e in listed if e.address not in found), *kept)
 
 
 def _token_files(config: Config) -> tuple[Path, ...]:
@@ -642,8 +659,7 @@ def create_picker(
     watching once the picker starts; by default the config's own, if it names one)."""
     listed = config.endpoints
     if discovered:
-        found = {e.address for e in discovered}
-        config = replace(config, endpoints=(*(e for e in listed if e.address not in found), *discovered))
+        config = replace(config, endpoints=_merged(listed, discovered))
     if not config.endpoints:
         raise ConfigError("no endpoints: the config lists none and discovery has found none yet")
     if discovery is None:

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inferlb.bench.redisserver import REDIS, redis_server
 from inferlb.picker import PickerProcess, create_picker
 from inferlb.procs import free_port
-from inferlb.scorer.config import load_config
+from inferlb.scorer.config import EndpointConfig, load_config, parse_config
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.tokenizer import cache_keys
 from inferlb.sim.fleet import serving
@@ -693,3 +693,39 @@ async def test_kv_events_of_an_endpoint_back_before_it_drained_are_forgotten(tmp
     assert kv is not None and [e.address for e in picker.engine.pool] == addresses
     assert kv.match_depth(keys)[0].tolist() == [0, 2]
     assert kv.states[0].sequence is None and kv.states[1].sequence == 7
+
+
+def _discovered_picker(gpu: dict | None = None) -> PickerProcess:
+    listed = [{"address": "10.0.0.1:8000", "gpu": gpu}] if gpu else []
+    doc = {
+        "admin": None,
+        "pool": {
+            "endpoints": listed,
+            "allowed_networks": ["10.0.0.0/8"],
+            "discovery": {"etcd": {"urls": ["http://127.0.0.1:2379"], "prefix": "/x/"}},
+        },
+    }
+    found = tuple(EndpointConfig(address=a) for a in ("10.0.0.1:8000", "10.0.0.2:8000"))
+    return create_picker(parse_config(doc), discovered=found)
+
+
+async def test_a_discovered_entry_keeps_the_gpu_source_the_file_gives_its_address() -> None:
+    # Discovery gives no GPU source (those come from the file): its entry replaced the file's, source and all.
+    picker = _discovered_picker(gpu={"url": "http://10.0.0.1:9400/gpu"})
+    by = {e.address: e.gpu for e in picker.config.endpoints}
+    assert by["10.0.0.1:8000"] is not None and by["10.0.0.1:8000"].url == "http://10.0.0.1:9400/gpu"
+    assert by["10.0.0.2:8000"] is None
+
+
+async def test_every_endpoint_leaving_with_requests_in_flight_leaves_the_pool_in_force_serving() -> None:
+    # With nothing in flight, a source emptied by mistake was already refused (the pool stayed); with requests in
+    # flight every endpoint drained, every new request failed, and once they drained the pool stayed draining.
+    picker = _discovered_picker()
+    lease = picker.engine.inflight.acquire(0, 100)
+    picker.discovered_endpoints(())
+    assert picker.membership_refusals == 1
+    assert [e.draining for e in picker.engine.pool] == [False, False]
+    router = picker.service.router
+    routed = router.route(router.admit(RequestFeatures(model="m", request_id="after")).request)
+    routed.lease.release()
+    lease.release()
