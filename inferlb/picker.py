@@ -505,7 +505,9 @@ class PickerProcess:
     # ---- admin API ----------------------------------------------------------------------------------------
 
 
-def _merged(listed: tuple[EndpointConfig, ...], discovered: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
+def _merged(
+    listed: tuple[EndpointConfig, ...], discovered: tuple[EndpointConfig, ...] | None
+) -> tuple[EndpointConfig, ...]:
     """The endpoints that should serve: those the config file lists, then those discovered (a discovered entry for a
     listed address replaces the file's, but keeps the file's GPU source: discovery gives none)."""
     if not discovered:
