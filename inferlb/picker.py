@@ -390,10 +390,23 @@ class PickerProcess:
                     signals.kv.restarted(endpoint)
         profile = build_profile(config.profile_spec(), self.rng, size=len(pool), speeds=_declared(config, pool))
         engine = Engine(pool, profile, inflight, signals, _saturation(config, pool))
+        # A membership change that takes a release arm's last endpoint leaves the arm vacant (its requests go to
+        # the control until one is back) rather than being refused: refusing froze the whole membership, and the
+        # departed canary kept its share. A config that names labels no endpoint has is refused, as a mistake.
         try:
-            experiments = _experiments(config, engine, self.rng)
+            experiments = _experiments(config, engine, self.rng, vacant_ok=reason != "config")
         except ValueError as exc:  # a release arm's labels match no endpoint of this membership, for one
             raise ConfigError(f"experiments: {exc}") from None
+        for name, running in () if experiments is None else experiments.running.items():
+            for arm in running.arms:
+                if arm.vacant:
+                    logger.warning(
+                        "experiment %r: arm %r has no endpoint (labels %s) after this membership change: its "
+                        "requests go to the control until one is back",
+                        name,
+                        arm.name,
+                        dict(arm.spec.endpoints),
+                    )
         router = Router(engine, Classifier(config.classes, config.default_class), experiments=experiments)
         # From here on nothing can fail: swap everything between two requests.
         experiments_before = self.service.router.experiments
@@ -607,11 +620,16 @@ def _kv_events(config: Config, signals: Signals, service: ExtProcService) -> Non
     service.keyer = CacheKeyer(tokenizers, settings.block_size)
 
 
-def _experiments(config: Config, engine: Engine, rng: np.random.Generator | None) -> Experiments | None:
-    """The config's experiments over ``engine``'s pool and state, or None without any."""
+def _experiments(
+    config: Config, engine: Engine, rng: np.random.Generator | None, *, vacant_ok: bool = False
+) -> Experiments | None:
+    """The config's experiments over ``engine``'s pool and state, or None without any (``vacant_ok``: see
+    `Experiments.over`)."""
     if not config.experiments:
         return None
-    return Experiments.over(engine, config.experiments, config.profile_spec, rng, speeds=_declared(config, engine.pool))
+    return Experiments.over(
+        engine, config.experiments, config.profile_spec, rng, speeds=_declared(config, engine.pool), vacant_ok=vacant_ok
+    )
 
 
 def _declared(config: Config, pool: Pool) -> np.ndarray | None:

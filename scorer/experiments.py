@@ -351,6 +351,12 @@ class Arm:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def vacant(self) -> bool:
+        """A release arm none of whose endpoints is in the pool now (they left discovery): its requests go to the
+        experiment's control until one is back."""
+        return self.mask is not None and not self.mask.any()
+
 
 class _Mark:
     """An arm's cumulative outcomes at its experiment's last change of weight: what the guard judges is the rest."""
@@ -370,17 +376,20 @@ class _Mark:
         return since
 
 
-def endpoint_masks(arms: Sequence[ArmSpec], labels: Sequence[Mapping[str, str]]) -> list[np.ndarray | None]:
+def endpoint_masks(
+    arms: Sequence[ArmSpec], labels: Sequence[Mapping[str, str]], *, vacant_ok: bool = False
+) -> list[np.ndarray | None]:
     """Per arm, the endpoints it routes to (``labels``: each endpoint's, in the pool's order), or None for any:
     a release arm's are those its selector matches; when an experiment has release arms, its other arms get the
-    endpoints no release arm selects. ValueError when a selector matches nothing, or nothing is left for the rest."""
+    endpoints no release arm selects. ValueError when a selector matches nothing (with ``vacant_ok``, the arm is
+    vacant instead: its mask selects nothing), or nothing is left for the rest."""
     selected: list[np.ndarray | None] = []
     for arm in arms:
         if not arm.endpoints:
             selected.append(None)
             continue
         mask = np.array([all(own.get(k) == v for k, v in arm.endpoints.items()) for own in labels], dtype=bool)
-        if not mask.any():
+        if not mask.any() and not vacant_ok:
             raise ValueError(f"arm {arm.name!r}: no endpoint of the pool has the labels {dict(arm.endpoints)}")
         selected.append(mask)
     masks = [m for m in selected if m is not None]
@@ -392,16 +401,19 @@ def endpoint_masks(arms: Sequence[ArmSpec], labels: Sequence[Mapping[str, str]])
     return [rest if m is None else m for m in selected]
 
 
-def arm_masks(specs: Sequence[ExperimentSpec], labels: Sequence[Mapping[str, str]]) -> list[list[np.ndarray | None]]:
+def arm_masks(
+    specs: Sequence[ExperimentSpec], labels: Sequence[Mapping[str, str]], *, vacant_ok: bool = False
+) -> list[list[np.ndarray | None]]:
     """Per experiment, per arm, the endpoints the arm routes to (None: any): its own (`endpoint_masks`) less those
     the other experiments' release arms reserve. A release's endpoints serve its own arms only, for as long as it is
     configured (also paused, stopped or rolled back: a canary the guard rolled back takes no one's traffic). ValueError
-    when a selector matches nothing, two experiments reserve one endpoint, or an arm is left with none."""
+    when a selector matches nothing (unless ``vacant_ok``: see `endpoint_masks`), two experiments reserve one
+    endpoint, or an arm is left with none."""
     own: list[list[np.ndarray | None]] = []
     for spec in specs:
         try:
             release = any(a.endpoints for a in spec.arms)
-            own.append(endpoint_masks(spec.arms, labels) if release else [None] * len(spec.arms))
+            own.append(endpoint_masks(spec.arms, labels, vacant_ok=vacant_ok) if release else [None] * len(spec.arms))
         except ValueError as exc:
             raise ValueError(f"experiment {spec.name!r}: {exc}") from None
     reserved = [_reserved(spec.arms, masks) for spec, masks in zip(specs, own, strict=True)]
@@ -420,7 +432,7 @@ def arm_masks(specs: Sequence[ExperimentSpec], labels: Sequence[Mapping[str, str
         free = ~np.logical_or.reduce(others)
         combined = [free if m is None else m & free for m in masks]
         for arm, mask in zip(spec.arms, combined, strict=True):
-            if not mask.any():
+            if not mask.any() and not (vacant_ok and arm.endpoints):
                 raise ValueError(
                     f"experiment {spec.name!r}: arm {arm.name!r} has no endpoint left: other experiments' release arms"
                     " reserve them all"
@@ -647,12 +659,15 @@ class RunningExperiment:
         spec = self.spec
         if spec.assign == "header":  # weights do not apply: a guard's breach acts when it rolls the arm back
             named = spec.values.get((request.headers or {}).get(spec.header or "", ""))
-            return self._by_name[named] if named is not None and not self.rolled_back else self.arms[0]
-        key = (request.headers or {}).get(spec.header or "") if spec.assign == "hash" else None
-        if key:
-            digest = hashlib.blake2b(self._salt + key.encode(), digest_size=8).digest()
-            return self._by_share(int.from_bytes(digest, "big") / 2**64)
-        return self._by_share(self._draw())
+            arm = self._by_name[named] if named is not None and not self.rolled_back else self.arms[0]
+        else:
+            key = (request.headers or {}).get(spec.header or "") if spec.assign == "hash" else None
+            if key:
+                digest = hashlib.blake2b(self._salt + key.encode(), digest_size=8).digest()
+                arm = self._by_share(int.from_bytes(digest, "big") / 2**64)
+            else:
+                arm = self._by_share(self._draw())
+        return self.arms[0] if arm.vacant else arm
 
     def _by_share(self, u: float) -> Arm:
         return self.arms[self._line.arm_at(u)]
@@ -820,6 +835,7 @@ class Experiments:
         capacity: int = OPEN_CAPACITY,
         max_age_s: float = 900.0,
         labels: Sequence[Mapping[str, str]] = (),
+        vacant_ok: bool = False,
     ) -> None:
         rng = rng if rng is not None else np.random.default_rng()
         self.clock = clock
@@ -831,7 +847,7 @@ class Experiments:
         for i, name in enumerate(names):
             if name in names[:i]:
                 raise ValueError(f"experiment {name!r} is configured twice")
-        for spec, masks in zip(specs, arm_masks(specs, labels), strict=True):
+        for spec, masks in zip(specs, arm_masks(specs, labels, vacant_ok=vacant_ok), strict=True):
             engines = {a.profile: engine_for(a.profile) for a in spec.arms}
             self.running[spec.name] = RunningExperiment(spec, engines, rng, clock, labels, self._tell, masks)
         # Every arm's engine, each once: the requests of all arms share the servers, so each engine's state of them
@@ -863,10 +879,12 @@ class Experiments:
         rng: np.random.Generator | None = None,
         *,
         speeds: np.ndarray | None = None,
+        vacant_ok: bool = False,
     ) -> Experiments:
         """The experiments ``specs`` over ``engine``'s pool and state: an arm whose profile is ``engine``'s routes
         with it, any other with an engine of its own (``spec_of`` gives a profile's spec) on the same state; the
-        pool's declared relative speeds are ``speeds`` (`SpeedHints.of`)."""
+        pool's declared relative speeds are ``speeds`` (`SpeedHints.of`). ``vacant_ok``: a release arm whose
+        endpoints are none of the pool's is vacant (`Arm.vacant`) instead of an error."""
         built = {engine.profile.name: engine}
 
         def engine_for(name: str) -> Engine:
@@ -876,7 +894,7 @@ class Experiments:
             return built[name]
 
         labels = [endpoint.labels for endpoint in engine.pool.endpoints]
-        experiments = cls(specs, engine_for, rng=rng, clock=engine.signals.clock, labels=labels)
+        experiments = cls(specs, engine_for, rng=rng, clock=engine.signals.clock, labels=labels, vacant_ok=vacant_ok)
         experiments.pool_engine = engine
         return experiments
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +110,32 @@ def _member(address: str, version: str) -> EndpointConfig:
     return EndpointConfig(address=address, labels={"version": version})
 
 
-async def test_a_membership_that_leaves_a_release_arm_no_endpoint_is_refused_and_the_pool_stays() -> None:
+async def test_a_release_arm_whose_endpoints_left_is_vacant_and_its_requests_go_to_the_control() -> None:
+    # Refusing such a membership froze it whole: the departed canary kept its share of the traffic and newcomers
+    # never joined. It applies now; the arm is vacant until an endpoint with its labels is back.
     first = (_member("10.0.0.1:8000", "v1"), _member("10.0.0.2:8000", "v1"), _member("10.0.0.3:8000", "beta"))
     picker = create_picker(parse_config(_discovering([RELEASE])), discovered=first)
-    picker.discovered_endpoints((*first[:2], _member("10.0.0.4:8000", "v1")))  # the canary's pod left
-    assert picker.membership_refusals == 1
-    assert [e.address for e in picker.engine.pool] == [e.address for e in first]
+    later = (*first[:2], _member("10.0.0.4:8000", "v1"))
+    picker.discovered_endpoints(later)  # the canary's pod left, another stable one came
+    assert picker.membership_refusals == 0
+    serving = [e.address for e in picker.engine.pool if not e.draining]
+    assert serving == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.4:8000"]
+    router = picker.service.router
+    experiment = router.experiments.running["rollout"]  # type: ignore[union-attr]
+    experiment.control("weights", {"stable": 0.5, "canary": 0.5})
+    arms, served = Counter(), Counter()
+    for i in range(200):
+        request = router.admit(RequestFeatures(model="m", request_id=f"r{i}")).request
+        routed = router.route(request)
+        arms[request.arm.name if request.arm is not None else None] += 1
+        served[routed.decision.endpoint.address] += 1
+        routed.lease.release()
+    assert arms == {"stable": 200} and "10.0.0.3:8000" not in served
+    # A config that names labels no endpoint has is a mistake: refused.
     with pytest.raises(ConfigError, match=r"^experiments: experiment 'rollout': arm 'canary': no endpoint"):
         picker.reload_document(_discovering([RELEASE]))
+    picker.discovered_endpoints((*later, _member("10.0.0.5:8000", "beta")))  # a canary is back
+    assert not picker.service.router.experiments.running["rollout"].arms[1].vacant  # type: ignore[union-attr]
 
 
 async def test_posting_a_config_with_a_bad_experiment_answers_400_naming_the_field(tmp_path: Path) -> None:
