@@ -2,6 +2,13 @@
 
 The one way the project runs HTTP servers: ``inferlb sim`` (several emulated servers in one process), the GPU
 agent, and the picker's admin API (which leaves signals to the picker).
+
+Connections are taken before any app (and any token check) runs, so each server bounds what a client that sends
+nothing costs: a connection that has not sent a whole request head within `HEADER_TIMEOUT_S` of connecting (or of
+its previous response) is closed, and past `MAX_CONNECTIONS` open at once a new one is answered 503 and closed as
+soon as it is accepted. uvicorn has neither: its keep-alive timer starts only after a response, and its
+``limit_concurrency`` answers 503 but keeps every connection open, so idle connections could take every file
+descriptor of the process (the picker's routing listener included).
 """
 
 from __future__ import annotations
@@ -12,14 +19,16 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from inferlb.scorer.address import parse_address
 
-__all__ = ["ASGIApp", "serve"]
+__all__ = ["HEADER_TIMEOUT_S", "MAX_CONNECTIONS", "ASGIApp", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +38,24 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+# Every HTTP client sends a request head at once; one still sending its head after this is stalled or hostile.
+HEADER_TIMEOUT_S = 10.0
+# Connections one server keeps open at once. Prometheus needs one or two per scraper, a browser six per page's
+# origin; and it is a quarter of the 1024 file descriptors a process gets by default (systemd's soft limit), so a
+# flood of idle connections leaves the rest of the process its descriptors.
+MAX_CONNECTIONS = 256
+
 # Bounds how long a shutdown waits for in-flight streams.
 _GRACEFUL_SHUTDOWN_S = 5
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_REFUSAL_LOG_INTERVAL_S = 60.0
+# The listen backlog (uvicorn's default: 2048). asyncio accepts up to the backlog at each wake-up before any
+# protocol runs, so a deep one let a burst of connections take that many descriptors at once, past the cap.
+_BACKLOG = 64
+_TOO_MANY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\n"
+    b"connection: close\r\n\r\ntoo many connections\n"
+)
 
 
 async def serve(
@@ -41,6 +65,8 @@ async def serve(
     lifespan: Literal["auto", "on", "off"] = "off",
     handle_signals: bool = True,
     what: str = "server",
+    max_connections: int = MAX_CONNECTIONS,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
 ) -> None:
     """Serve each ``(address, app)`` in the running event loop until SIGTERM/SIGINT or cancellation.
 
@@ -57,10 +83,16 @@ async def serve(
 
     ``lifespan`` is uvicorn's setting ("on" for apps with start-up work); ``handle_signals=False`` leaves signals to
     the caller (stop by cancelling); ``what`` names the servers in messages ("bad {what} address ...").
+    ``max_connections`` and ``header_timeout_s`` bound each server's connections (see the module docstring);
+    ValueError unless the first is at least 1 and the second above 0.
     """
     endpoints = [(address, *_parse_address(address, what)) for address, _ in apps]
     if not endpoints:
         raise ValueError("serve() needs at least one address")
+    if max_connections < 1 or not header_timeout_s > 0:
+        raise ValueError(
+            f"max_connections must be >= 1 and header_timeout_s > 0, not {max_connections} and {header_timeout_s}"
+        )
     addresses = [address for address, _ in apps]
 
     sockets: list[socket.socket] = []
@@ -74,8 +106,11 @@ async def serve(
 
     servers = [
         _Server(
-            uvicorn.Config(
+            _Config(
                 app,
+                limits=_Limits(f"{what} {address}", max_connections, header_timeout_s),
+                http=_LimitedH11Protocol,
+                backlog=_BACKLOG,
                 # The caller owns logging configuration; uvicorn's default dictConfig would replace handlers
                 # process-wide. log_level still quiets uvicorn's own loggers.
                 log_config=None,
@@ -86,7 +121,7 @@ async def serve(
                 timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
             )
         )
-        for _, app in apps
+        for address, app in apps
     ]
     loop = asyncio.get_running_loop()
     restore_signals = _install_signal_handlers(loop, servers) if handle_signals else (lambda: None)
@@ -121,6 +156,99 @@ async def serve(
         failure = None if task.cancelled() else task.exception()
         if failure is not None:
             raise failure
+
+
+class _Limits:
+    """One server's connection bounds, and its refusals to report (at most one warning a minute)."""
+
+    def __init__(self, what: str, max_connections: int, header_timeout_s: float) -> None:
+        self.what, self.max_connections, self.header_timeout_s = what, max_connections, header_timeout_s
+        self.refused = 0
+        self._reported = 0
+        self._reported_at = -_REFUSAL_LOG_INTERVAL_S
+
+    def refuse(self) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._reported_at >= _REFUSAL_LOG_INTERVAL_S:
+            logger.warning(
+                "%s: %d connections open, the most it keeps; %d more refused (503) since the last report",
+                self.what,
+                self.max_connections,
+                self.refused - self._reported,
+            )
+            self._reported, self._reported_at = self.refused, now
+
+
+class _Config(uvicorn.Config):
+    """uvicorn's config with the server's `_Limits`, for `_LimitedH11Protocol`."""
+
+    def __init__(self, app: ASGIApp, *, limits: _Limits, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.limits = limits
+
+
+class _LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, bounded by the server's `_Limits`: past ``max_connections`` a new connection is
+    answered 503 and closed at once; a connection is closed when no whole request head arrived within
+    ``header_timeout_s`` of connecting or of its previous response. A head that arrived stops the clock: a slow
+    app or a long streamed response is never cut. Event-loop owned, like its base."""
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._limits = cast(_Config, config).limits
+        self._refused = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._waiting_after: object = None  # the request cycle the awaited head comes after (None: the first)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if len(self.connections) >= self._limits.max_connections:
+            self._refused = True
+            self._limits.refuse()
+            cast(asyncio.Transport, transport).write(_TOO_MANY)
+            transport.close()
+            return
+        super().connection_made(cast(asyncio.Transport, transport))
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return  # never counted in, nothing to undo
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self._head_timer is not None and self.cycle is not self._waiting_after:
+            self._stop_head_timer()  # a new request cycle: its whole head is in
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may close the connection, or start a pipelined request's cycle
+        if not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete:
+            self._await_head()
+
+    def _await_head(self) -> None:
+        self._stop_head_timer()
+        self._waiting_after = self.cycle
+        self._head_timer = self.loop.call_later(self._limits.header_timeout_s, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            logger.debug(
+                "%s: no whole request head from %s in %g s; closed",
+                self._limits.what,
+                self.client,
+                self._limits.header_timeout_s,
+            )
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
