@@ -51,7 +51,7 @@ _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _REFUSAL_LOG_INTERVAL_S = 60.0
 # The listen backlog (uvicorn's default: 2048). asyncio accepts up to the backlog at each wake-up before any
 # protocol runs, so a deep one let a burst of connections take that many descriptors at once, past the cap.
-_BACKLOG = 64
+BACKLOG = 64
 _TOO_MANY = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\n"
     b"connection: close\r\n\r\ntoo many connections\n"
@@ -67,6 +67,7 @@ async def serve(
     what: str = "server",
     max_connections: int = MAX_CONNECTIONS,
     header_timeout_s: float = HEADER_TIMEOUT_S,
+    backlog: int = BACKLOG,
 ) -> None:
     """Serve each ``(address, app)`` in the running event loop until SIGTERM/SIGINT or cancellation.
 
@@ -84,7 +85,9 @@ async def serve(
     ``lifespan`` is uvicorn's setting ("on" for apps with start-up work); ``handle_signals=False`` leaves signals to
     the caller (stop by cancelling); ``what`` names the servers in messages ("bad {what} address ...").
     ``max_connections`` and ``header_timeout_s`` bound each server's connections (see the module docstring);
-    ValueError unless the first is at least 1 and the second above 0.
+    ValueError unless the first is at least 1 and the second above 0. ``backlog``: the listen backlog (servers
+    that stand in for inference servers, which Envoy opens a connection to per concurrent request, take uvicorn's
+    own 2048 and no cap that bites).
     """
     endpoints = [(address, *_parse_address(address, what)) for address, _ in apps]
     if not endpoints:
@@ -110,7 +113,7 @@ async def serve(
                 app,
                 limits=_Limits(f"{what} {address}", max_connections, header_timeout_s),
                 http=_LimitedH11Protocol,
-                backlog=_BACKLOG,
+                backlog=backlog,
                 # The caller owns logging configuration; uvicorn's default dictConfig would replace handlers
                 # process-wide. log_level still quiets uvicorn's own loggers.
                 log_config=None,

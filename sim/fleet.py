@@ -17,6 +17,9 @@ from inferlb.sim.profiles import ServerProfile
 from inferlb.sim.server import FAULT_KEYS, EmulatedServer, ServerOptions
 from inferlb.sim.spans import SERVICE_NAME, RequestSpans
 
+SERVER_CONNECTIONS = 1 << 16  # as good as none: the file descriptors run out first, as for vLLM
+SERVER_BACKLOG = 2048  # uvicorn's default, which vLLM runs with
+
 __all__ = ["build_fleet", "parse_fault", "run_fleet", "serving"]
 
 
@@ -94,7 +97,14 @@ async def run_fleet(
     """Serve ``servers`` (and any ``extra`` apps) until SIGTERM/SIGINT or cancellation, then stop their drivers and
     flush their spans."""
     try:
-        await serve([*((server.address, server) for server in servers), *extra], ready=ready)
+        # Envoy opens a connection to a server per request it has in flight there (HTTP/1.1), as to vLLM, whose
+        # uvicorn neither caps connections nor shortens its backlog: nor do the emulated ones.
+        await serve(
+            [*((server.address, server) for server in servers), *extra],
+            ready=ready,
+            max_connections=SERVER_CONNECTIONS,
+            backlog=SERVER_BACKLOG,
+        )
     finally:
         for server in servers:
             await server.aclose()

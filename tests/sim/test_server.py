@@ -469,3 +469,20 @@ def test_a_mixed_fleet_runs_each_servers_own_profile_and_model() -> None:
     assert [s.options.models for s in named] == [("m", "m2")] * 2  # names the operator gave stay
     with pytest.raises(ValueError, match="1 profiles for 2 servers"):
         build_fleet(["127.0.0.1:1", "127.0.0.1:2"], FAST, profiles=[l4])
+
+
+async def test_an_emulated_server_takes_as_many_connections_as_envoy_opens(live):
+    # Envoy opens a connection to a server per request it has in flight there, as vLLM's uvicorn takes them: the
+    # admin API's cap (256 connections) must not apply to the servers standing in for vLLM.
+    host, port = live[0].address.rsplit(":", 1)
+    opened = []
+    try:
+        for _ in range(300):
+            opened.append(await asyncio.open_connection(host, int(port)))
+        for _, writer in opened:
+            writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        statuses = [(await reader.readline()).split()[1] for reader, _ in opened]
+    finally:
+        for _, writer in opened:
+            writer.close()
+    assert statuses == [b"200"] * 300
