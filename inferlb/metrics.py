@@ -522,6 +522,9 @@ def _receiver(stats: ReceiverStats) -> Iterator[Metric]:
         "untrusted_sender": stats.untrusted_sender,
         "unauthenticated": stats.unauthenticated,
         "invalid": stats.invalid_requests,
+        "busy": stats.busy_requests,
+        "slow": stats.slow_requests,
+        "incomplete": stats.incomplete_requests,
     }
     yield _counter(
         "inferlb_span_requests_refused_total",

@@ -247,6 +247,9 @@ CHILD_COUNTERS = (
     "untrusted_sender",
     "unauthenticated",
     "invalid_requests",
+    "busy_requests",
+    "slow_requests",
+    "incomplete_requests",
     "dropped_requests",
     "dropped_spans",
     "spans",
@@ -265,9 +268,10 @@ class ReceiverStats:
     """The receiver's counters, all only growing (event-loop owned).
 
     Export requests: ``requests`` received; refused whole: ``untrusted_sender`` (peer outside the allowlist),
-    ``unauthenticated`` (token missing or wrong), ``invalid_requests`` (not protobuf), ``dropped_requests`` (the
-    picker was behind; their ``dropped_spans`` are not counted below). Messages over the size limit are refused by
-    gRPC before any code of ours runs, and are not counted.
+    ``unauthenticated`` (token missing or wrong), ``invalid_requests`` (not protobuf), ``busy_requests`` (every
+    slot held by calls still sending), ``slow_requests`` (the message did not come in time), ``incomplete_requests``
+    (the call ended before a whole message, or the message was over the size limit), ``dropped_requests`` (the
+    picker was behind; their ``dropped_spans`` are not counted below).
 
     Spans of the other requests: ``over_limit`` (past ``max_spans_per_request``, not looked at), and ``spans``
     looked at: ``envoy_spans`` (Envoy's own), ``llm_spans`` (latency spans), the rest other spans. Each latency
@@ -280,6 +284,9 @@ class ReceiverStats:
     untrusted_sender: int = 0
     unauthenticated: int = 0
     invalid_requests: int = 0
+    busy_requests: int = 0
+    slow_requests: int = 0
+    incomplete_requests: int = 0
     dropped_requests: int = 0
     dropped_spans: int = 0
     spans: int = 0

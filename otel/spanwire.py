@@ -111,7 +111,8 @@ class ReceiverSettings:
     (a burst of one second's budget, or one full export if larger); ``bounds``: `SpanBounds`; ``max_pending_bytes``:
     records written to the picker and not yet read, past which whole exports are refused (the picker is behind);
     ``stats_interval_s``: how often counters go to the picker; ``max_concurrent_rpcs``: exports in progress at
-    once (more are refused by gRPC with RESOURCE_EXHAUSTED), which bounds the buffered messages' memory.
+    once (more are refused with RESOURCE_EXHAUSTED by the receiver's handler, counted), which bounds the buffered
+    messages' memory.
 
     ``bind``, ``max_message_bytes`` and ``max_concurrent_rpcs`` are fixed for a process's life (`restart_needed`);
     the rest may change with a SETTINGS frame."""

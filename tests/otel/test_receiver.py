@@ -243,6 +243,14 @@ def test_counters_from_the_receiver_process_cannot_set_the_pickers_own() -> None
     assert stats.requests == 0 and set(CHILD_COUNTERS) <= set(stats.as_dict())
 
 
+def test_the_receivers_refusals_of_half_sent_calls_reach_the_picker() -> None:
+    # The receiver process counts calls refused before their message (busy slots, too slow, cut off); the picker
+    # took only the names it listed, so these were counted in the child and shown nowhere.
+    stats = ReceiverStats()
+    stats.add({"busy_requests": 2, "slow_requests": 8, "incomplete_requests": 1})
+    assert (stats.busy_requests, stats.slow_requests, stats.incomplete_requests) == (2, 8, 1)
+
+
 def test_memory_levels_off_when_spans_join() -> None:
     # 10 requests a second for 30 simulated minutes: each decision's span comes back 5 s later, except every
     # tenth, whose span never comes. What the join, the statistics and the heatmap hold must stop growing once
