@@ -136,6 +136,8 @@ class PickerProcess:
                 serve_asgi(
                     [(self.config.admin, create_admin_app(self))],
                     ready=listening,
+                    # The app's lifespan stops the heatmap's render process with the admin API.
+                    lifespan="on",
                     handle_signals=False,
                     what="admin API",
                 ),

@@ -226,6 +226,8 @@ async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(
             assert rows[1]["latency"]["e2e_p50"] == pytest.approx(1.5, rel=0.03)
             grid = (await client.get("/heatmap.json")).json()
             assert sum(map(sum, grid["count"])) == 60
+            renderers = _render_workers()  # the heatmap's views are made in a worker process
+            assert len(renderers) == 1
             metrics = _families((await client.get("/metrics")).text)
             assert metrics["inferlb_endpoint_ttft_seconds"].type == "histogram"
             assert metrics.get("inferlb_responses_timed") is not None
@@ -236,6 +238,21 @@ async def test_stream_timed_latency_reaches_the_scorers_the_heatmap_and_metrics(
             assert refused.status_code == 400 and "latency_source cannot change" in refused.json()["error"]["message"]
     finally:
         await picker.stop(0.5)
+    # It stops with the picker (the admin API's lifespan), not a minute later or with the test process.
+    await until(lambda: not _render_workers() or None, "the render worker gone with the picker")
+
+
+def _render_workers() -> list[int]:
+    """This process's children started by multiprocessing's spawn (the heatmap's render worker)."""
+    me = os.getpid()
+    found = []
+    for pid in map(int, Path(f"/proc/{me}/task/{me}/children").read_text().split()):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except FileNotFoundError:
+            continue
+    return found
 
 
 def _write(tmp_path: Path, doc: dict) -> Path:
