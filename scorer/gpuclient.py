@@ -2,9 +2,11 @@
 schema of :mod:`inferlb.scorer.gpustate`) or an NVIDIA DCGM exporter's ``/metrics`` (see :mod:`inferlb.scorer.dcgm`).
 
 Every failure (connection, timeout, HTTP status, a redirect, an oversized or encoded body, a body that is not JSON
-or not a GPU report) is raised as :class:`GpuReadError` with the URL and the reason, so a collector handles one
-exception type. The URL is the operator's (``pool.endpoints[i].gpu.url``, checked against the allowed networks at
-load): a redirect is never followed, since it would send the picker wherever the source says.
+-- nested too deeply for Python's parser included -- or not a GPU report) is raised as :class:`GpuReadError` with the
+URL and a one-line reason, so a collector handles one exception type. The URL is the operator's
+(``pool.endpoints[i].gpu.url``, checked against the allowed networks at load): a redirect is never followed, since it
+would send the picker wherever the source says. A body over ``PARSE_ON_LOOP_BYTES`` is parsed in a worker thread,
+so the event loop the picker routes on goes on meanwhile.
 """
 
 from __future__ import annotations
@@ -17,22 +19,31 @@ import httpx
 from inferlb.scorer.dcgm import read_dcgm
 from inferlb.scorer.gpustate import GpuReport, parse_gpu_report
 
-__all__ = ["GPU_SOURCE_KINDS", "MAX_GPU_REPORT_BYTES", "GpuReadError", "fetch_gpu_report"]
+__all__ = ["GPU_SOURCE_KINDS", "MAX_GPU_REPORT_BYTES", "PARSE_ON_LOOP_BYTES", "GpuReadError", "fetch_gpu_report"]
 
 GPU_SOURCE_KINDS = ("agent", "dcgm")
 """``agent``: JSON from a GPU agent's or the emulator's ``/gpu``; ``dcgm``: a DCGM exporter's ``/metrics``."""
 
-MAX_GPU_REPORT_BYTES = 2 << 20
-"""The largest body read. An agent's report is a few hundred bytes per GPU; a DCGM exporter's exposition is
-about 8 KB per GPU (tests/fixtures/dcgm), so a node of 8 GPUs split into 7 MIG instances each stays well below."""
+MAX_GPU_REPORT_BYTES = 1 << 20
+"""The largest body read. An agent's report is about 200 bytes per GPU. A DCGM exporter prints a line of about 270
+bytes per device for each of its 23 default families (tests/fixtures/dcgm): 60 KB for a node of 8 GPUs, about
+500 KB when each of them is split into 7 MIG instances and every family is printed per instance as well. The limit
+leaves twice that for counters added to the exporter's config (tests/scorer/test_gpuclient.py builds that body)."""
+
+PARSE_ON_LOOP_BYTES = 64 << 10
+"""A body longer than this is parsed in a worker thread (``asyncio.to_thread``); a shorter one, as every real node's
+is, on the event loop, where it costs well under a millisecond."""
 
 _DETAIL_CHARS = 200  # how much of an error body a message quotes
+_REASON_CHARS = 500  # a reason quotes what the source sent: no source makes a log line or /endpoints row longer
 
 
 class GpuReadError(Exception):
     """A GPU report could not be read from ``url``; ``reason`` says why in one line."""
 
     def __init__(self, url: str, reason: str) -> None:
+        reason = reason.replace("\r", " ").replace("\n", " ")
+        reason = reason if len(reason) <= _REASON_CHARS else reason[: _REASON_CHARS - 3] + "..."
         super().__init__(f"cannot read GPU state from {url}: {reason}")
         self.url = url
         self.reason = reason
@@ -65,6 +76,14 @@ async def fetch_gpu_report(
         raise GpuReadError(url, f"timed out after {timeout_s:g} s in all") from None
     if status != 200:
         raise GpuReadError(url, f"HTTP {status}{_detail(body)}")
+    if len(body) > PARSE_ON_LOOP_BYTES:
+        return await asyncio.to_thread(_parse, url, kind, host, body)
+    return _parse(url, kind, host, body)
+
+
+def _parse(url: str, kind: str, host: str, body: bytes) -> GpuReport:
+    """The report in a 200's ``body``; GpuReadError when it is none. Thread-safe: called off the loop for a large
+    body."""
     if kind == "dcgm":
         try:
             return read_dcgm(body, host)
@@ -72,6 +91,8 @@ async def fetch_gpu_report(
             raise GpuReadError(url, f"not a usable DCGM exposition: {exc}") from exc
     try:
         obj = json.loads(body)
+    except RecursionError:  # C's json recurses once per level: "[" * 1000 is enough
+        raise GpuReadError(url, "the body is not JSON (nested too deeply to parse)") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
         raise GpuReadError(url, f"the body is not JSON ({exc})") from exc
     try:
@@ -115,11 +136,17 @@ async def _get(client: httpx.AsyncClient, url: str, kind: str, max_bytes: int) -
 
 def _detail(body: bytes) -> str:
     """``": <message>"`` from an error body: the agent's ``{"error": {"message": ...}}``, else its first line."""
+    if len(body) > PARSE_ON_LOOP_BYTES:  # an agent's error is a line of JSON: this is something else
+        return _first_line(body)
     try:
         obj = json.loads(body)
-    except ValueError:
-        text = body[:_DETAIL_CHARS].decode("utf-8", "replace").strip().split("\n", 1)[0]
-        return f": {text}" if text else ""
+    except (ValueError, RecursionError):
+        return _first_line(body)
     error = obj.get("error") if isinstance(obj, dict) else None
     message = error.get("message") if isinstance(error, dict) else error
     return f": {message}" if isinstance(message, str) and message else ""
+
+
+def _first_line(body: bytes) -> str:
+    text = body[:_DETAIL_CHARS].decode("utf-8", "replace").strip().split("\n", 1)[0]
+    return f": {text}" if text else ""

@@ -86,15 +86,18 @@ def _finite(value: int | float) -> bool:
 
 
 def _short(value: object) -> str:
+    """A value for a message: at most 120 characters, whatever the report holds there."""
     if isinstance(value, int) and value.bit_length() > 100:  # repr() of one over 4,300 digits raises
         return f"an integer of {value.bit_length()} bits"
-    return repr(value)[:120]
+    if isinstance(value, list | dict):  # repr() would copy all of it, and recurse once per level of nesting
+        return f"a list of {len(value)}" if isinstance(value, list) else f"an object of {len(value)} keys"
+    return repr(value[:120] if isinstance(value, str) else value)[:120]
 
 
 def _text(obj: Mapping[str, object], key: str, where: str) -> str:
     value = obj.get(key)
     if not isinstance(value, str):
-        raise ValueError(f"{where}.{key} must be a string; got {value!r}")
+        raise ValueError(f"{where}.{key} must be a string; got {_short(value)}")
     return value
 
 
@@ -104,18 +107,18 @@ def parse_gpu_report(obj: object) -> GpuReport:
         raise ValueError(f"a GPU report must be a JSON object; got {type(obj).__name__}")
     source = _text(obj, "source", "report")
     if source not in GPU_SOURCES:
-        raise ValueError(f"report.source must be one of {', '.join(GPU_SOURCES)}; got {source!r}")
+        raise ValueError(f"report.source must be one of {', '.join(GPU_SOURCES)}; got {_short(source)}")
     gpus_raw = obj.get("gpus")
     if not isinstance(gpus_raw, Sequence) or isinstance(gpus_raw, str):
-        raise ValueError(f"report.gpus must be a list; got {gpus_raw!r}")
+        raise ValueError(f"report.gpus must be a list; got {_short(gpus_raw)}")
     gpus = []
     for i, raw in enumerate(gpus_raw):
         where = f"gpus[{i}]"
         if not isinstance(raw, Mapping):
-            raise ValueError(f"{where} must be an object; got {raw!r}")
+            raise ValueError(f"{where} must be an object; got {_short(raw)}")
         util = _number(raw, "utilization_pct", where)
         if not 0 <= util <= 100:
-            raise ValueError(f"{where}.utilization_pct must be in [0, 100]; got {util!r}")
+            raise ValueError(f"{where}.utilization_pct must be in [0, 100]; got {_short(util)}")
         used, total = _count(raw, "memory_used_bytes", where), _count(raw, "memory_total_bytes", where)
         if used > total:
             raise ValueError(f"{where}.memory_used_bytes ({used}) exceeds memory_total_bytes ({total})")

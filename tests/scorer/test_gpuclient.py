@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -14,7 +15,8 @@ import httpx
 import pytest
 
 from inferlb.gpuagent import NvmlReader, create_agent_app
-from inferlb.scorer.gpuclient import MAX_GPU_REPORT_BYTES, GpuReadError, fetch_gpu_report
+from inferlb.scorer import gpuclient
+from inferlb.scorer.gpuclient import MAX_GPU_REPORT_BYTES, PARSE_ON_LOOP_BYTES, GpuReadError, fetch_gpu_report
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
@@ -141,6 +143,25 @@ GOOD = {"source": "nvml", "host": "n", "sampled_at": 1.0, "gpus": []}
             id="dcgm-missing-metric",
         ),
         pytest.param("dcgm", respond(200, json.dumps(GOOD)), "not a usable DCGM exposition: no GPU found", id="json"),
+        # Python's parser recurses once per level: once this raised RecursionError through the collector's round.
+        pytest.param(
+            "agent", respond(200, b"[" * 100_000), "the body is not JSON (nested too deeply to parse)", id="nested"
+        ),
+        pytest.param("agent", respond(200, b"[" * 1_000 + b"]" * 1_000), "the body is not JSON", id="nested-1000"),
+        pytest.param("agent", respond(500, b"[" * 100_000), "HTTP 500: [[[[", id="nested-error-body"),
+        pytest.param("agent", respond(500, b"[" * 2_000), "HTTP 500: [[[[", id="nested-short-error-body"),
+        pytest.param(
+            "agent",
+            respond(200, {**GOOD, "host": ["x" * 1000] * 1000}),
+            "not a GPU report: report.host must be a string; got a list of 1000",
+            id="long-value-named-short",
+        ),
+        pytest.param(
+            "agent",
+            respond(503, {"error": {"message": "x\n" * 10_000}}),
+            "HTTP 503: x x x",
+            id="long-error-message-cut",
+        ),
     ],
 )
 async def test_failures_raise_gpu_read_error(
@@ -152,7 +173,7 @@ async def test_failures_raise_gpu_read_error(
     assert info.value.url == URL
     assert info.value.reason.startswith(reason), info.value.reason
     assert str(info.value).startswith(f"cannot read GPU state from {URL}: {reason}")
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and len(info.value.reason) <= 500
 
 
 async def test_unknown_kind_is_a_value_error() -> None:
@@ -290,3 +311,71 @@ async def test_the_whole_read_is_bounded_by_timeout_s() -> None:
         with pytest.raises(GpuReadError) as info:
             await fetch_gpu_report(client, URL, kind="agent", host="n", timeout_s=0.05)
     assert info.value.reason == "timed out after 0.05 s in all"
+
+
+def dcgm_exposition(gpus: int, devices_per_gpu: int = 1) -> bytes:
+    """A DCGM exposition of ``gpus`` GPUs like the fixture's, each family printed for ``devices_per_gpu`` devices of
+    every GPU (the GPU and, past the first, its MIG instances, labelled GPU_I_ID)."""
+    lines = DCGM_TEXT.decode().splitlines()
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("#"):
+            out.append(line)
+        elif 'gpu="0"' in line:  # the fixture's GPU 0, once per GPU and device
+            for gpu in range(gpus):
+                for device in range(devices_per_gpu):
+                    mig = f'GPU_I_ID="{device}",GPU_I_PROFILE="1g.10gb",' if device else ""
+                    out.append(line.replace('gpu="0",', f'gpu="{gpu}",{mig}'))
+    return ("\n".join(out) + "\n").encode()
+
+
+def test_the_limit_holds_a_real_nodes_exposition_twice_over() -> None:
+    # The largest node in reach: 8 GPUs, each split into 7 MIG instances, every default family printed per instance.
+    assert 2 * len(dcgm_exposition(8, devices_per_gpu=8)) <= MAX_GPU_REPORT_BYTES
+
+
+async def test_a_body_of_2_mib_is_refused() -> None:
+    # 2 MiB was once the limit: no node sends so much, and a body near it held the event loop for hundreds of ms.
+    body = dcgm_exposition(280)
+    assert MAX_GPU_REPORT_BYTES < len(body) < 2 << 20
+    async with mock_client(respond(200, body)) as client:
+        with pytest.raises(GpuReadError, match="exceeds"):
+            await fetch_gpu_report(client, URL, kind="dcgm", host="n")
+
+
+def agent_report(gpus: int) -> bytes:
+    gpu = {"uuid": "GPU-0", "name": "NVIDIA H100", "utilization_pct": 5.0, "memory_used_bytes": 1}
+    listed = [{"index": i, **gpu, "memory_total_bytes": 85899345920} for i in range(gpus)]
+    return json.dumps({**GOOD, "gpus": listed}).encode()
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "off_loop"),
+    [
+        pytest.param("dcgm", DCGM_TEXT, False, id="dcgm-small"),
+        pytest.param("dcgm", dcgm_exposition(16, devices_per_gpu=2), True, id="dcgm-large"),
+        pytest.param("agent", agent_report(8), False, id="agent-small"),
+        pytest.param("agent", agent_report(1000), True, id="agent-large"),
+        pytest.param("agent", b"[" * 100_000, True, id="agent-large-nested"),
+    ],
+)
+async def test_a_large_body_is_parsed_off_the_event_loop(
+    kind: str, body: bytes, off_loop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert (len(body) > PARSE_ON_LOOP_BYTES) == off_loop
+    threads: list[int] = []
+    module, name = (gpuclient, "read_dcgm") if kind == "dcgm" else (gpuclient.json, "loads")
+    parse = getattr(module, name)
+
+    def spy(*args: object) -> object:
+        threads.append(threading.get_ident())
+        return parse(*args)
+
+    monkeypatch.setattr(module, name, spy)
+    async with mock_client(respond(200, body)) as client:
+        try:
+            await fetch_gpu_report(client, URL, kind=kind, host="n")
+        except GpuReadError:
+            assert body.startswith(b"[")  # the nested one: refused, wherever it was parsed
+    assert len(threads) == 1
+    assert (threads[0] != threading.get_ident()) == off_loop
