@@ -7,8 +7,9 @@
 |  | the shared state is replayed or Redis is known down (``notes`` then says it routes alone, and names a |
 |  | collector that stopped); else 503 |
 | ``GET /endpoints`` | each endpoint's state (serving, ramping in with its slow start, draining), latest signals, |
-|  | their age, staleness, last scrape error, in-flight counts; where the pool comes from (``membership``: |
-|  | the discovery source, whether it is in touch, entries it skipped and why, changes counted) |
+|  | their age, staleness, last scrape error, GPU source error, in-flight counts; where the pool comes |
+|  | from (``membership``: the discovery source, whether it is in touch, entries it skipped and why, |
+|  | changes counted) |
 | ``GET /decisions?limit=N`` | recent decisions, newest first: reason, each scorer's score, the best candidates' |
 | ``GET /experiments`` | each experiment: arms, weights, per-arm counts and latency quantiles, each treatment's |
 |  | comparison with the control (difference, always-valid interval, verdict), weight history; a browser |
@@ -194,6 +195,7 @@ def create_admin_app(picker: PickerProcess, *, heatmap: HeatmapViews | None = No
         stale = signals.stale(now)
         ages = snap.age(now)
         errors = picker.collector.last_error if picker.collector is not None else [None] * len(engine.pool)
+        gpu_errors = picker.gpu_collector.last_error if picker.gpu_collector is not None else []
         latency = picker.spans.view() if picker.spans is not None else None
         # The operator's relative speeds (pool.speeds), where they tell the servers apart.
         declared = picker.spans.speeds.relative if picker.spans is not None else None
@@ -221,6 +223,8 @@ def create_admin_app(picker: PickerProcess, *, heatmap: HeatmapViews | None = No
                     "kv_cache_tokens": _num(snap.kv_tokens[i]),
                     "gpu_utilization": _num(snap.gpu_util[i]),
                     "gpu_free_bytes": _num(snap.gpu_free_bytes[i]),
+                    # why the GPU values are unknown (its GPU source fails), else null
+                    "gpu_error": gpu_errors[i] if i < len(gpu_errors) else None,
                     "ttft_s": _num(snap.ttft_s[i]),
                     # What the picker learned of this server's speed (null until it has timings: see README).
                     "prefill_tokens_per_s": _num(snap.prefill_tokens_per_s[i]),

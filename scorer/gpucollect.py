@@ -3,7 +3,10 @@ background and publishes utilisation and free/total memory into the signals snap
 
 Endpoints that name the same URL share one read per round. An endpoint's utilisation is the mean over its GPUs
 (``indices``, or all of the node's), its memory the sum. A failed read leaves the endpoint's GPU values NaN
-(unknown: neutral in every scorer) rather than keeping numbers that may no longer be true.
+(unknown: neutral in every scorer) rather than keeping numbers that may no longer be true; so does a report that
+lacks a GPU the endpoint's ``indices`` name (a sum over fewer GPUs would understate the memory), or that lists no
+GPU. Each of these is its source's failure: one source's failure, whatever it is, costs only the endpoints that read
+it, never the round. Each source's changes of state are logged, once each: failing (with the reason) and recovered.
 
 Each read goes to the configured URL only (no redirect, no proxy from the environment), takes at most
 ``timeout_s`` in all and reads at most ``max_body_bytes``, so no source can hold up a round for long or fill memory.
@@ -32,7 +35,11 @@ logger = logging.getLogger(__name__)
 
 class GpuCollector:
     """Reads ``sources[i]`` (None: endpoint i has no GPU source) into ``signals`` every ``interval_s``; each read
-    within ``timeout_s`` and ``max_body_bytes``. One event loop; call ``aclose`` when done."""
+    within ``timeout_s`` and ``max_body_bytes``. One event loop; call ``aclose`` when done.
+
+    ``last_error[i]`` says why endpoint i's GPU values are unknown (None when they are known, or it has no source);
+    ``errors`` counts, per source URL, the rounds in which the source failed (a read that failed, or a report
+    without a GPU that an endpoint names)."""
 
     def __init__(
         self,
@@ -53,6 +60,8 @@ class GpuCollector:
         self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, trust_env=False)
         self._urls = sorted({(s.url, s.kind) for s in self.sources if s is not None})
         self.errors: Counter[str] = Counter()
+        self.last_error: list[str | None] = [None] * len(self.sources)
+        self._failing: Counter[str] = Counter()  # url -> rounds failed in a row, while it fails (for the logs)
         self.rounds = 0
 
     async def aclose(self) -> None:
@@ -73,27 +82,62 @@ class GpuCollector:
         reports = dict(zip(self._urls, results, strict=True))
         n = len(self.sources)
         util, free, total = np.full(n, math.nan), np.full(n, math.nan), np.full(n, math.nan)
+        failing: dict[str, str] = {}  # url -> why, this round
         for i, source in enumerate(self.sources):
-            report = reports.get((source.url, source.kind)) if source is not None else None
-            if report is None or source is None:
+            self.last_error[i] = None
+            if source is None:
                 continue
-            gpus = [g for g in report.gpus if source.indices is None or g.index in source.indices]
-            if not gpus:
-                continue
-            util[i] = sum(g.utilization_pct for g in gpus) / len(gpus) / 100.0
-            free[i] = float(sum(g.memory_free_bytes for g in gpus))
-            total[i] = float(sum(g.memory_total_bytes for g in gpus))
+            report = reports[(source.url, source.kind)]
+            reading = _reading(report, source.indices) if isinstance(report, GpuReport) else report
+            if isinstance(reading, str):
+                self.last_error[i] = reading
+                failing.setdefault(source.url, reading)
+            else:
+                util[i], free[i], total[i] = reading
         old = self.signals.snapshot
         self.signals.publish(old.with_values(gpu_util=util, gpu_free_bytes=free, gpu_total_bytes=total))
+        self._note(failing)
         self.rounds += 1
 
-    async def _read(self, url: str, kind: str) -> GpuReport | None:
+    async def _read(self, url: str, kind: str) -> GpuReport | str:
+        """The source's report, or why there is none."""
         try:
             return await fetch_gpu_report(
                 self._client, url, kind=kind, host=url, max_bytes=self.max_body_bytes, timeout_s=self.timeout_s
             )
         except GpuReadError as exc:
-            if not self.errors[url]:
-                logger.warning("GPU source %s: %s", url, exc)
+            return exc.reason
+        except Exception as exc:  # a bug met on one source's report: that source's failure, not the round's
+            if url not in self._failing:
+                logger.exception("reading GPU source %s raised", url)
+            return GpuReadError(url, f"reading it raised {type(exc).__name__}: {exc}").reason  # one line, bounded
+
+    def _note(self, failing: dict[str, str]) -> None:
+        """Count this round's failures and log each source's change of state."""
+        for url, reason in failing.items():
             self.errors[url] += 1
-            return None
+            if url not in self._failing:
+                logger.warning(
+                    "GPU source %s fails: %s (GPU state unknown where it fails; logged again once it recovers)",
+                    url,
+                    reason,
+                )
+            self._failing[url] += 1
+        for url in [url for url in self._failing if url not in failing]:
+            rounds = self._failing.pop(url)
+            logger.info("GPU source %s recovered after %d failed round%s", url, rounds, "" if rounds == 1 else "s")
+
+
+def _reading(report: GpuReport, indices: tuple[int, ...] | None) -> tuple[float, float, float] | str:
+    """(utilisation in [0, 1], free bytes, total bytes) of the GPUs ``indices`` (None: all) of ``report``, or why
+    it has none: a report that lacks one of them, or lists no GPU."""
+    if not report.gpus:
+        return "the report lists no GPU"
+    have = {g.index for g in report.gpus}
+    missing = [i for i in indices or () if i not in have]
+    if missing:
+        listed = ", ".join(map(str, sorted(have)[:16])) + (", ..." if len(have) > 16 else "")
+        return f"the report has no GPU {', '.join(map(str, missing))} of those gpu.indices names (it lists {listed})"
+    gpus = [g for g in report.gpus if indices is None or g.index in indices]
+    util = sum(g.utilization_pct for g in gpus) / len(gpus) / 100.0
+    return util, float(sum(g.memory_free_bytes for g in gpus)), float(sum(g.memory_total_bytes for g in gpus))

@@ -20,6 +20,8 @@ from inferlb.picker import PickerProcess, create_picker
 from inferlb.procs import free_port
 from inferlb.scorer.config import parse_config
 
+from .scorer.test_gpuclient import LoopbackHttp, http_response
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -122,3 +124,31 @@ async def test_the_admin_app_draws_the_heatmap_png_outside_the_pickers_process()
         async with httpx.AsyncClient(transport=transport, base_url=f"http://{picker.config.admin}") as client:
             pngs = await asyncio.gather(*(client.get("/heatmap.png") for _ in range(3)))
     assert [r.status_code for r in pngs] == [200] * 3 and pngs[0].content.startswith(PNG)
+
+
+async def test_endpoints_show_why_an_endpoints_gpu_state_is_unknown() -> None:
+    async with LoopbackHttp({"/gpu": http_response("503 Service Unavailable", b"GPU is lost")}) as node:
+        picker = create_picker(
+            parse_config(
+                {
+                    "listen": f"127.0.0.1:{free_port()}",
+                    "admin": f"127.0.0.1:{free_port()}",
+                    "pool": {
+                        "endpoints": [
+                            {"address": "10.0.0.1:8000", "gpu": {"url": node.url("/gpu")}},
+                            {"address": "10.0.0.2:8000"},
+                        ]
+                    },
+                }
+            )
+        )
+        assert picker.gpu_collector is not None
+        try:
+            await picker.gpu_collector.read_once()
+        finally:
+            await picker.gpu_collector.aclose()
+    app = create_admin_app(picker)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url=f"http://{picker.config.admin}") as client:
+        rows = (await client.get("/endpoints")).json()["endpoints"]
+    assert [(r["gpu_utilization"], r["gpu_error"]) for r in rows] == [(None, "HTTP 503: GPU is lost"), (None, None)]
