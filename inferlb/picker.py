@@ -697,7 +697,7 @@ def create_picker(
         class_header=config.class_header,
         classifier=Classifier(config.classes, config.default_class),
         leases=OpenLeases(max_age_s=config.inflight.max_age_s) if config.inflight.end == "access-log" else None,
-        experiments=_experiments(config, engine, rng),
+        experiments=_experiments(config, engine, rng, vacant_ok=bool(discovered)),
         experiment_headers=config.named_headers,
         objectives=config.inference_objectives,
     )

@@ -206,3 +206,14 @@ async def test_an_outcome_that_reaches_another_replica_counts_for_the_arm_where_
             for picker in (routing, observing):
                 if picker.replicas is not None:
                     await picker.replicas.close()
+
+
+async def test_a_picker_that_starts_before_its_canary_is_discovered_starts_with_the_arm_vacant() -> None:
+    # With discovery, the first membership may not hold the canary's pod yet: a start that refused it crash-looped.
+    first = (_member("10.0.0.1:8000", "v1"), _member("10.0.0.2:8000", "v1"))
+    picker = create_picker(parse_config(_discovering([RELEASE])), discovered=first)
+    experiments = picker.service.router.experiments
+    assert experiments is not None and experiments.running["rollout"].arms[1].vacant
+    picker.discovered_endpoints((*first, _member("10.0.0.3:8000", "beta")))
+    experiments = picker.service.router.experiments
+    assert experiments is not None and not experiments.running["rollout"].arms[1].vacant
