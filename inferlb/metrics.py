@@ -136,6 +136,7 @@ class Readings:
     membership: dict[str, int] = dataclasses.field(default_factory=dict)  # changes by kind (joined, left, ...)
     endpoint_states: dict[str, int] = dataclasses.field(default_factory=dict)  # endpoints by state
     discovery: tuple[str, bool] | None = None  # the source's name and whether it is in touch
+    gpu_failures: dict[str, int] | None = None  # per GPU source URL, the collector's rounds in which it failed
     replicas: tuple[bool, int, ReplicaStats] | None = None  # Redis in touch, peers counted, the exchange's counts
     quotas: tuple[bool | None, QuotaStats] | None = None  # in step through Redis (None: alone), the counts
     # With kv_events: per endpoint whether its exact view is used, the blocks it reports; the collector's counts.
@@ -169,6 +170,7 @@ class Readings:
             membership=dict(picker.membership.changes),
             endpoint_states=_states(engine),
             discovery=None if picker.discovery is None else (picker.discovery.name, picker.discovery.healthy),
+            gpu_failures=None if picker.gpu_collector is None else dict(picker.gpu_collector.errors),
             replicas=None
             if picker.replicas is None
             else (bool(picker.replicas.up), picker.replicas.peers(), copy.copy(picker.replicas.stats)),
@@ -337,6 +339,13 @@ def families(readings: Readings) -> Iterator[Metric]:
     yield _counter(
         "inferlb_config_reloads_total", "Configurations applied since start (file or API).", (), [((), r.reloads)]
     )
+    if r.gpu_failures is not None:
+        yield _counter(
+            "inferlb_gpu_source_failures_total",
+            "Rounds in which a GPU source failed (unreachable, a bad report, a GPU it should list missing), by source.",
+            ("source",),
+            [((url,), n) for url, n in sorted(r.gpu_failures.items())],
+        )
     yield _counter(
         "inferlb_membership_changes_total",
         "Endpoints that joined, left (and drained), were removed or changed models or labels, since start.",

@@ -776,7 +776,7 @@ class KVEventsConfig(Section):
     approximate index. ``ports`` and ``replay_ports`` give, by endpoint address, the ports of servers that publish
     elsewhere (several servers on one IP); the host is always the endpoint's own. ``block_size`` must be the
     servers' KV block size (vLLM's ``--block-size``, 16 by default). ``max_bytes_per_s``: what one endpoint may
-    publish a second on average (a batch at the 4 MiB limit as its burst; replays included); a batch beyond it is
+    publish a second on average (a batch at the 1 MiB limit as its burst; replays included); a batch beyond it is
     dropped and the endpoint is unsure for ``resync_s``, since decoding costs the picker's CPU (scorer/kvsubscriber.py).
     A server that prefills 10,000 tokens a second publishes tens of KB a second."""
 

@@ -54,7 +54,23 @@ END_SEQUENCE = -1
 MAX_BATCH_EVENTS = 65_536
 MAX_EVENT_BLOCKS = 65_536
 MAX_BLOCK_SIZE = 4096
-MAX_PAYLOAD_BYTES = 4 << 20
+# A step's prefill: vLLM schedules at most max_num_batched_tokens a step (8k-16k by default; 128k is about 640 KB of
+# Llama 3's ids): no field holds more token ids than twice that, and no message is larger than 1 MiB.
+MAX_BATCH_TOKENS = 1 << 18
+MAX_PAYLOAD_BYTES = 1 << 20
+# msgpack's C unpacker holds the GIL for the whole message, and every list or map it makes costs far more than a
+# number (the garbage collector tracks it): a message of empty arrays once froze the routing loop for 0.9 s
+# although decoded in a worker thread. So no array is longer than the longest field may be, no map has more keys
+# than an event's dozen fields allow for, and a message holds at most a few lists or maps per event allowed
+# (counted by hooks, Python calls that also let the GIL go to the loop).
+MAX_BATCH_CONTAINERS = 4 * MAX_BATCH_EVENTS
+_UNPACK_LIMITS = {
+    "max_array_len": max(MAX_BATCH_EVENTS, MAX_EVENT_BLOCKS, MAX_BATCH_TOKENS),
+    "max_map_len": 256,
+    "max_str_len": 64 << 10,
+    "max_bin_len": 1024,  # a block hash: vLLM's are 32 bytes at most
+    "max_ext_len": 1024,
+}
 
 
 class KVEventError(ValueError):
@@ -120,8 +136,19 @@ def decode_batch(payload: bytes) -> EventBatch:
     else, whatever the bytes: a caller counts it as one missed batch."""
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise KVEventError(f"a KV event batch of {len(payload)} bytes is over the limit of {MAX_PAYLOAD_BYTES}")
+    count = _Containers()
     try:
-        document = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+        document = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=False,
+            use_list=True,
+            list_hook=count,
+            object_hook=count,
+            **_UNPACK_LIMITS,
+        )
+    except KVEventError:
+        raise
     except Exception as exc:  # valid msgpack can still fail in Python: a map keyed by an array is a TypeError
         raise KVEventError(f"a KV event batch is not valid msgpack: {type(exc).__name__}: {exc}") from None
     try:
@@ -149,6 +176,21 @@ def _batch(document: Any) -> EventBatch:
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
         raise KVEventError(f"a KV event batch's data_parallel_rank must be an integer, not {_kind(rank)}")
     return EventBatch(float(ts), tuple(_event(e, i) for i, e in enumerate(events)), rank)
+
+
+class _Containers:
+    """msgpack's hook for every list and map decoded: counts them, and refuses a message with too many."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, value: Any) -> Any:
+        self.count += 1
+        if self.count > MAX_BATCH_CONTAINERS:
+            raise KVEventError(f"a KV event batch holds more than {MAX_BATCH_CONTAINERS} lists and maps")
+        return value
 
 
 # The fields of each event in the array encoding, after the tag, in vLLM's order.

@@ -14,11 +14,12 @@ way. A batch that cannot be decoded counts as
 missed. Nothing here runs on the routing path: decisions read the index, which this collector updates between
 them.
 
-A publisher is a pool member, but what it sends costs the picker's CPU: a batch at the 4 MiB limit takes about
-0.3 s to decode and 50 ms to apply. So each endpoint has a budget of bytes (``max_bytes_per_s``, with one batch at
-the limit as its burst; replays draw on it too): a batch over it is dropped and the endpoint counted unsure, as
-for a lost one. Batches are decoded in a worker thread (the loop runs meanwhile, but for msgpack's own
-unpacking) and applied in slices of `APPLY_SLICE` events, the loop free between them.
+A publisher is a pool member, but what it sends costs the picker's CPU: a batch at the 1 MiB limit takes up to
+about 0.1 s to decode and 50 ms to apply. So each endpoint has a budget of bytes (``max_bytes_per_s``, with one
+batch at the limit as its burst; replays draw on it too): a batch over it is dropped and the endpoint counted
+unsure, as for a lost one. Batches are decoded in a worker thread (the loop runs meanwhile: `decode_batch` bounds
+what msgpack's unpacker, which holds the GIL, does between two Python calls) and applied in slices of
+`APPLY_SLICE` events, the loop free between them.
 """
 
 from __future__ import annotations

@@ -272,3 +272,12 @@ async def test_requests_routed_without_exact_cache_keys_are_counted_by_reason() 
     unkeyed = _values(_families(prometheus_text(picker))["inferlb_kv_unkeyed"])
     assert unkeyed == zero | {(("reason", "late"),): 2, (("reason", "busy"),): 1, (("reason", "media"),): 3}
     assert "inferlb_kv_unkeyed" not in _families(prometheus_text(_picker()))  # no tokenizers: no series
+
+
+async def test_gpu_source_failures_are_counted_by_source() -> None:
+    sources = {"endpoints": [{"address": a, "gpu": {"url": f"http://{a}/gpu"}} for a in ENDPOINTS]}
+    picker = _picker(pool={**sources, "allowed_networks": ["10.0.0.0/8"]})
+    assert picker.gpu_collector is not None
+    picker.gpu_collector.errors[f"http://{ENDPOINTS[0]}/gpu"] += 3
+    failures = _values(_families(prometheus_text(picker))["inferlb_gpu_source_failures"])
+    assert failures == {(("source", f"http://{ENDPOINTS[0]}/gpu"),): 3}

@@ -95,6 +95,42 @@ def test_frames_of_the_wrong_shape_are_refused() -> None:
         decode_frames([b"", b"\x00", msgpack.packb([0.0, []])])
 
 
+def _array(count: int, item: bytes) -> bytes:
+    return b"\xdd" + count.to_bytes(4, "big") + item * count
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        # msgpack's unpacker holds the GIL while it decodes, and a list or map costs ~0.2 us: 4 MiB of empty arrays
+        # once froze the routing loop for 0.9 s. An array longer than any field may be is refused at its header...
+        pytest.param(msgpack.packb([0.0, []])[:-1] + _array(1 << 19, b"\x90"), "max_array_len", id="long-array"),
+        # ...and a message of many short ones after a bounded count of lists and maps.
+        pytest.param(
+            msgpack.packb([0.0, []])[:-1] + b"\xdc\x00\x05" + _array(1 << 16, b"\x90") * 5,
+            "more than 262144 lists and maps",
+            id="many-arrays",
+        ),
+        pytest.param(msgpack.packb([0.0, [], 0, {str(i): i for i in range(300)}]), "max_map_len", id="wide-map"),
+        pytest.param(msgpack.packb([0.0, [dict(STORED_MAP, block_hashes=[b"h" * 2048])]]), "max_bin", id="long-bin"),
+        pytest.param(msgpack.packb([0.0, [dict(STORED_MAP, medium="G" * (65 << 10))]]), "max_str_len", id="long-str"),
+    ],
+)
+def test_what_would_cost_far_more_to_decode_than_a_real_batch_is_refused_while_decoding(
+    payload: bytes, message: str
+) -> None:
+    assert len(payload) <= MAX_PAYLOAD_BYTES
+    with pytest.raises(KVEventError, match=message):
+        decode_batch(payload)
+
+
+def test_a_long_prefill_step_still_decodes() -> None:
+    # 128k tokens in one step (Llama 3's ids take 5 bytes each): about 700 KB.
+    step = dict(STORED_MAP, block_hashes=list(range(8192)), token_ids=[100_000] * (8192 * 16), medium="GPU")
+    payload = msgpack.packb([0.0, [step], 0])
+    assert len(decode_batch(payload).events[0].token_ids) == 8192 * 16
+
+
 def test_a_payload_over_the_bound_is_refused_before_it_is_read() -> None:
     huge = msgpack.packb([0.0, [], 0]) + b"\x00" * MAX_PAYLOAD_BYTES
     with pytest.raises(KVEventError, match="over the limit"):

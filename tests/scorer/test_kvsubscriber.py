@@ -226,7 +226,7 @@ def removed(count: int, hashes_each: int = 8) -> bytes:
 async def test_a_publisher_over_its_byte_budget_is_dropped_not_replayed_and_counted(
     publisher: tuple[Publisher, KVEventOptions],
 ) -> None:
-    # A member may send a batch of 4 MiB (about 0.35 s of the picker's CPU) as often as it likes: beyond its
+    # A member may send a batch of 1 MiB (up to 0.1 s of the picker's CPU) as often as it likes: beyond its
     # budget a batch is dropped and the endpoint unsure, and the gap it leaves is not asked of replay.
     server, options = publisher
     async with following(replace(options, max_bytes_per_s=1)) as (index, collector):
