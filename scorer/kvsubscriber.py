@@ -114,6 +114,7 @@ class KVEventCollector:
         host = parse_address(address)[0]
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.IPV6, 1)  # else a connect to an IPv6 endpoint ([fd00::7]) never happens
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
         sub.setsockopt(zmq.SUBSCRIBE, self.options.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -195,6 +196,7 @@ class KVEventCollector:
             return False
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, 1)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
         dealer.connect(f"tcp://{_bracketed(host)}:{port}")
         wanted, complete = start, True

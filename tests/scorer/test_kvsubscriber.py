@@ -75,29 +75,39 @@ class Publisher:
             await self.router.send_multipart([client, b"", b"", END, b""])
 
 
-@pytest.fixture
-async def publisher() -> AsyncIterator[tuple[Publisher, KVEventOptions]]:
+@contextlib.asynccontextmanager
+async def publishing(host: str = "127.0.0.1") -> AsyncIterator[tuple[Publisher, KVEventOptions]]:
     context = zmq.asyncio.Context()
     pub, router = context.socket(zmq.XPUB), context.socket(zmq.ROUTER)
     port, replay_port = free_port(), free_port()
-    pub.bind(f"tcp://127.0.0.1:{port}")
-    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    bound = f"[{host}]" if ":" in host else host
+    for socket, on in ((pub, port), (router, replay_port)):
+        socket.setsockopt(zmq.IPV6, 1)
+        socket.bind(f"tcp://{bound}:{on}")
     server = Publisher(pub, router)
     task = asyncio.create_task(server.serve_replays())
-    yield server, KVEventOptions(port, replay_port, replay_timeout_s=5.0)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    context.destroy(linger=0)
+    try:
+        yield server, KVEventOptions(port, replay_port, replay_timeout_s=5.0)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        context.destroy(linger=0)
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[tuple[Publisher, KVEventOptions]]:
+    async with publishing() as served:
+        yield served
 
 
 @contextlib.asynccontextmanager
 async def following(
-    options: KVEventOptions, index: KVBlockIndex | None = None
+    options: KVEventOptions, index: KVBlockIndex | None = None, address: str = "127.0.0.1:8000"
 ) -> AsyncIterator[tuple[KVBlockIndex, KVEventCollector]]:
     if index is None:
         index = KVBlockIndex(1, clock=asyncio.get_running_loop().time, block_size=B)
-    collector = KVEventCollector(Pool([EndpointConfig("127.0.0.1:8000")]), index, options)
+    collector = KVEventCollector(Pool([EndpointConfig(address)]), index, options)
     task = asyncio.create_task(collector.run())
     try:
         await until(lambda: bool(index.live[0]), "the collector to connect")
@@ -124,6 +134,16 @@ async def test_a_gap_in_the_stream_is_replayed(publisher: tuple[Publisher, KVEve
         await server.send(stored([5, 6], 4, PROMPT[16:24]))
         await until(lambda: depth(index) == 6, "the whole prompt, the gap replayed")
         assert index.live[0] and collector.errors.total() == 0
+
+
+async def test_an_ipv6_endpoint_is_followed_and_its_gaps_replayed() -> None:
+    # Without zmq.IPV6 on its sockets, a connect to [::1] (or [fd00::7]) never happened: never subscribed.
+    async with publishing("::1") as (server, options), following(options, address="[::1]:8000") as (index, collector):
+        await server.send(stored([1, 2], None, PROMPT[:8]))
+        await server.send(stored([3, 4], 2, PROMPT[8:16]), live=False)  # lost on the way
+        await server.send(stored([5, 6], 4, PROMPT[16:24]))
+        await until(lambda: depth(index) == 6, "the whole prompt, the gap replayed over IPv6")
+        assert index.live[0] and collector.replayed == 1 and collector.errors.total() == 0
 
 
 async def test_a_buffer_that_lost_the_start_gives_the_rest_and_the_endpoint_is_unsure(
