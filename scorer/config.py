@@ -428,7 +428,7 @@ class SpeedsConfig(Section):
 
 def _etcd_url(value: Any) -> str:
     if not isinstance(value, str):
-        raise invalid(f" must be an etcd client URL such as 'http://10.0.0.5:2379'; got {shown(value)}")
+        raise invalid(f" must be an etcd client URL such as 'https://10.0.0.5:2379'; got {shown(value)}")
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or parts.username or parts.password or parts.query or parts.fragment:
         raise invalid(f" must be http:// or https:// with a host and port, nothing else; got {shown(value)}")
@@ -447,10 +447,11 @@ class EtcdConfig(Section):
     gateway), watched. Each value is a JSON object ``{"address": "10.0.0.7:8000", "models": [...], "labels":
     {...}, "ready": true}``; the address may name a host (``gpu-7.internal:8000``), which the picker resolves
     (every address it has), never Envoy. ``username`` and ``password`` (``{token_file: ...}`` or ``{token_env:
-    ...}``) when etcd has auth enabled; ``ca_file`` for an https URL signed by a private CA."""
+    ...}``) when etcd has auth enabled, which it needs beyond loopback (and https: the password must not cross the
+    network in clear text); ``ca_file`` for an https URL signed by a private CA."""
 
     urls: Annotated[tuple[Annotated[str, Parsed(_etcd_url)], ...], non_empty_list("a non-empty list of URLs")] = field(
-        metadata={"description": "a non-empty list of etcd client URLs, e.g. ['http://10.0.0.5:2379']"}
+        metadata={"description": "a non-empty list of etcd client URLs, e.g. ['https://10.0.0.5:2379']"}
     )
     prefix: Annotated[
         str,
@@ -471,18 +472,29 @@ class EtcdConfig(Section):
             raise invalid(" and password go together: give both or neither", "username")
         if self.ca_file is not None and not any(u.startswith("https://") for u in self.urls):
             raise invalid(" is set but no URL is https://", "ca_file")
-        if self.password is None:
-            for i, url in enumerate(self.urls):
-                host = urlsplit(url).hostname or ""
-                if not _loopback_host(host):
-                    # Whoever can write under the prefix decides the pool (within pool.allowed_networks).
-                    raise invalid(
-                        f": etcd at {host} is reachable beyond this host, and whoever can write under the prefix "
-                        "decides where this pool's traffic goes: turn on etcd's auth and give username and password "
-                        "(from a file or variable), or reach etcd on loopback",
-                        "urls",
-                        i,
-                    )
+        for i, url in enumerate(self.urls):
+            parts = urlsplit(url)
+            host = parts.hostname or ""
+            if _loopback_host(host):
+                continue
+            if self.password is None:
+                # Whoever can write under the prefix decides the pool (within pool.allowed_networks).
+                raise invalid(
+                    f": etcd at {host} is reachable beyond this host, and whoever can write under the prefix "
+                    "decides where this pool's traffic goes: turn on etcd's auth and give username and password "
+                    "(from a file or variable), or reach etcd on loopback",
+                    "urls",
+                    i,
+                )
+            if parts.scheme != "https":
+                # The password goes to etcd with each authentication, the token with each request.
+                raise invalid(
+                    f": etcd at {host} is reached over plain http:// beyond this host, and its password (and the "
+                    "auth token it gives) would cross the network in clear text: use https:// (with ca_file for a "
+                    "private CA), or reach etcd on loopback",
+                    "urls",
+                    i,
+                )
         return self
 
 

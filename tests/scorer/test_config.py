@@ -1216,6 +1216,22 @@ def test_etcd_beyond_loopback_needs_its_auth() -> None:
     assert parse_config(etcd(urls=["https://10.0.0.5:2379"], username="u", password=password)).discovery
 
 
+def test_etcd_credentials_cross_the_network_only_over_https() -> None:
+    def etcd(*urls: str) -> dict[str, Any]:
+        auth = {"username": "u", "password": {"token_env": "ETCD_PASSWORD"}}
+        return {"pool": {"discovery": {"etcd": {"prefix": "/inferlb/", "urls": list(urls), **auth}}}}
+
+    with pytest.raises(
+        ConfigError, match=r"^pool\.discovery\.etcd\.urls\[1\]: etcd at 10\.0\.0\.6 is reached over plain http://"
+    ) as refused:
+        parse_config(etcd("https://10.0.0.5:2379", "http://10.0.0.6:2379"))
+    assert "use https://" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"urls\[0\]: etcd at 10\.0\.0\.7 is reached over plain http://"):
+        parse_config(etcd("HTTP://10.0.0.7:2379"))  # a scheme in any case
+    # On loopback the password stays on this host.
+    assert parse_config(etcd("http://127.0.0.1:2379", "http://[::1]:2379")).discovery
+
+
 def test_a_replicas_section_with_its_password_from_a_file() -> None:
     config = parse_config(
         _doc(replicas={"url": "rediss://redis.llm.svc:6380/2", "password": {"token_file": "/run/secrets/redis"}})
