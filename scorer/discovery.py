@@ -66,7 +66,7 @@ async def resolve_host(host: str, port: int) -> list[str]:
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
+    except (OSError, UnicodeError, OverflowError):  # OverflowError: a port past what C's long holds
         return []
     return sorted({str(info[4][0]) for info in infos})
 
@@ -87,10 +87,16 @@ class SourceHealth:
             logger.info("%s discovery in touch (%s)", self.name, where)
         self.healthy, self.problem = True, None
 
-    def _down(self, problem: str) -> None:
+    def _down(self, problem: str, error: BaseException | None = None) -> None:
+        """Out of touch because of ``problem``; ``error``: an unexpected exception, logged with its traceback."""
         self.failures += 1
         if self.healthy or self.problem != problem:
-            logger.warning("%s discovery out of touch, the last membership stays in force: %s", self.name, problem)
+            logger.warning(
+                "%s discovery out of touch, the last membership stays in force: %s",
+                self.name,
+                problem,
+                exc_info=error,
+            )
         self.healthy, self.problem = False, problem
 
 
@@ -191,6 +197,8 @@ async def _outcome(
         return None, not resolved
     except ValueError as exc:
         return str(exc), not resolved
+    except Exception as exc:  # whatever one entry does (a resolver that raises) costs that entry, never the source
+        return f"cannot be read ({type(exc).__name__}: {exc})", not resolved
 
 
 class _NotReady(Exception):
@@ -218,6 +226,8 @@ async def _entry(value: bytes, allowed: Networks, resolve: Resolver) -> list[End
     if isinstance(address, str):
         host, sep, port = address.rpartition(":")
         if sep and host and not _is_literal(host) and port.isascii() and port.isdigit():
+            if not 1 <= int(port) <= 65535:
+                raise ValueError(f"address: {shown(address)}: port must be an integer in 1..65535")
             ips = await resolve(host, int(port))
             if not ips:
                 raise ValueError(f"{shown(address)}: {host!r} does not resolve")

@@ -3,11 +3,23 @@
 It speaks etcd v3 through the JSON gateway every etcd server has (``/v3/kv/range``, ``/v3/watch``,
 ``/v3/auth/authenticate``; keys and values base64 in JSON), so it needs nothing beyond httpx. The loop: read the
 whole prefix and its revision, publish, then watch from the next revision and publish after each batch of events.
-A broken connection, a compacted revision or an expired auth token starts the loop again from a fresh read, after
-a backoff (``RETRY_S`` doubling to ``MAX_RETRY_S``), trying the next URL. While etcd is out of reach the last
-membership stays in force: endpoints that go unseen keep serving (their own failures are the metrics' and the
-routing's business), which is safer than emptying the pool. ``healthy`` and ``problem`` say whether the source is
-in touch; each transition is logged once.
+
+It never waits on a member without a deadline: authentication and reads get each part of their answer within
+``timeout_s``; a watch may rightly be silent for hours, so while it is open the member is checked every
+``timeout_s`` with a linearizable read of one key (the prefix itself: the source may read it, and it costs etcd a
+lookup), which must be answered within ``timeout_s``. A member that hangs (a frozen process, a host cut off, or one
+cut off from its cluster's quorum, which answers no linearizable read and whose watches see no news) is noticed
+within twice ``timeout_s``. The watch asks for etcd's progress notifications too, and one silent for
+`WATCH_SILENT_S` (past etcd's default progress interval of 10 minutes) is taken for a lost connection. An auth
+token that a check finds refused (expired, or forgotten) is replaced there, and the watch goes on.
+
+Any failure (a broken connection, a deadline missed, a compacted revision, a refused auth token, a password file
+that cannot be read, even a defect: everything but cancellation) starts the loop again from a fresh read, after a
+backoff (``RETRY_S`` doubling to ``MAX_RETRY_S``, reset by a read that succeeds), trying the next URL: `run`
+returns only when cancelled. A bad entry costs that entry only (`scorer.discovery` skips it with its reason).
+While etcd is out of reach the last membership stays in force: endpoints that go unseen keep serving (their own
+failures are the metrics' and the routing's business), which is safer than emptying the pool. ``healthy`` and
+``problem`` say whether the source is in touch; each transition is logged once.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import httpx
 from inferlb.scorer.config import EndpointConfig, EtcdConfig
 from inferlb.scorer.credentials import Credential
 from inferlb.scorer.discovery import Members, Resolver, Skipped, SourceHealth, resolve_host
+from inferlb.scorer.errors import ScorerError
 from inferlb.scorer.networks import Networks
 
 __all__ = ["EtcdSource"]
@@ -35,6 +48,10 @@ RETRY_S = 0.25
 MAX_RETRY_S = 5.0
 # One watch message carries one revision's events; etcd caps a request at 1.5 MiB, so a message is far below this.
 MAX_MESSAGE_BYTES = 8 << 20
+# etcd sends a watch that asks for them a progress notification every 10 minutes by default
+# (--experimental-watch-progress-notify-interval): a watch silent for longer has lost its connection. A member
+# that hangs is found sooner, by the checks made while watching (see the module's docstring).
+WATCH_SILENT_S = 900.0
 
 
 def _b64(data: bytes) -> str:
@@ -54,6 +71,10 @@ def prefix_end(prefix: bytes) -> bytes:
 
 class EtcdError(Exception):
     """etcd answered, but not with what the source needs (the message says what)."""
+
+
+class _Unauthenticated(EtcdError):
+    """etcd refused the auth token (HTTP 401): it expired, or etcd forgot it (its auth turned off and on)."""
 
 
 class EtcdSource(SourceHealth):
@@ -86,10 +107,11 @@ class EtcdSource(SourceHealth):
         self._password: Credential | None = None
 
     async def run(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
+        """Publish the membership at each change until cancelled; every failure is reported and retried."""
         delay = RETRY_S
         verify: Any = self.config.ca_file if self.config.ca_file is not None else True
-        timeout = httpx.Timeout(self.config.timeout_s, read=None)  # a watch waits for events as long as it takes
-        async with httpx.AsyncClient(timeout=timeout, verify=verify, transport=self._transport) as client:
+        # Each read of an answer within timeout_s; the watch sets its own (see _follow).
+        async with httpx.AsyncClient(timeout=self.config.timeout_s, verify=verify, transport=self._transport) as client:
             while True:
                 url = self.config.urls[self._url % len(self.config.urls)]
                 try:
@@ -99,17 +121,22 @@ class EtcdSource(SourceHealth):
                     delay = RETRY_S
                     await self._watch(client, url, publish)
                     raise EtcdError("the watch ended")
-                except (httpx.HTTPError, EtcdError, ValueError, OSError) as exc:
+                except (httpx.HTTPError, EtcdError, ScorerError, ValueError, OSError) as exc:
                     self._down(f"{url}: {exc or type(exc).__name__}")
-                    self._url += 1
-                    self._token = None
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, MAX_RETRY_S)
+                except Exception as exc:
+                    # A defect rather than an outage (logged with its traceback), but no reason to stop following
+                    # etcd: the next try may not meet it.
+                    self._down(f"{url}: unexpected {type(exc).__name__}: {exc}", exc)
+                self._url += 1
+                self._token = None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_S)
 
     async def _authenticate(self, client: httpx.AsyncClient, url: str) -> None:
         if self.config.username is None or self.config.password is None:
             return
         password = self.config.password.read("pool.discovery.etcd.password")  # read each time: it may be rotated
+        self._token = None  # not sent with the request for a new one
         reply = await self._post(
             client, url, "/v3/auth/authenticate", {"name": self.config.username, "password": password.reveal().decode()}
         )
@@ -120,7 +147,12 @@ class EtcdSource(SourceHealth):
 
     async def _post(self, client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         headers = {} if self._token is None else {"authorization": self._token}
-        response = await client.post(url + path, json=body, headers=headers)
+        try:
+            response = await client.post(url + path, json=body, headers=headers)
+        except httpx.TimeoutException:
+            raise EtcdError(f"{path}: no answer within {self.config.timeout_s:g} s") from None
+        if response.status_code == 401 and self._token is not None:
+            raise _Unauthenticated(f"{path}: the auth token was refused: {response.text[:200]}")
         if response.status_code != 200:
             raise EtcdError(f"{path}: HTTP {response.status_code}: {response.text[:200]}")
         reply = response.json()
@@ -141,29 +173,65 @@ class EtcdSource(SourceHealth):
     async def _watch(
         self, client: httpx.AsyncClient, url: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
     ) -> None:
-        body = {"create_request": {**self._range, "start_revision": str(self.revision + 1)}}
+        """Follow the prefix's events, checking the member every ``timeout_s`` meanwhile, until the watch ends or a
+        check fails (raised)."""
+        following = asyncio.create_task(self._follow(client, url, publish), name="etcd watch")
+        try:
+            while True:
+                done, _ = await asyncio.wait((following,), timeout=self.config.timeout_s)
+                if done:
+                    return following.result()  # raises what ended it
+                await self._check(client, url)
+        finally:
+            following.cancel()
+            await asyncio.wait((following,))
+            if not following.cancelled():
+                following.exception()  # retrieved: what is raised here (or was returned above) says what happened
+
+    async def _check(self, client: httpx.AsyncClient, url: str) -> None:
+        """Whether ``url`` still answers, and for its cluster: a linearizable read of one key (the prefix itself,
+        which the source may read), answered within ``timeout_s``."""
+        probe = {"key": self._range["key"], "count_only": True}
+        try:
+            await self._post(client, url, "/v3/kv/range", probe)
+        except _Unauthenticated:
+            # A token past its TTL (etcd's JWT tokens; a simple one lives as long as it is used): the watch, checked
+            # when it was created, goes on; a new token, and the check again.
+            await self._authenticate(client, url)
+            await self._post(client, url, "/v3/kv/range", probe)
+
+    async def _follow(
+        self, client: httpx.AsyncClient, url: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
+    ) -> None:
+        body = {"create_request": {**self._range, "start_revision": str(self.revision + 1), "progress_notify": True}}
         headers = {} if self._token is None else {"authorization": self._token}
-        async with client.stream("POST", url + "/v3/watch", json=body, headers=headers) as response:
-            if response.status_code != 200:
-                raise EtcdError(f"/v3/watch: HTTP {response.status_code}")
-            async for message in _messages(response.aiter_bytes()):
-                if "error" in message:
-                    raise EtcdError(f"/v3/watch: {message['error']}")
-                result = message.get("result", {})
-                if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
-                    raise EtcdError(f"the watch was cancelled ({result.get('cancel_reason') or 'compacted'})")
-                events = result.get("events")
-                if not events:
-                    continue
-                for event in events:
-                    kv = event.get("kv", {})
-                    key = self._key(kv)
-                    if event.get("type") == "DELETE":
-                        self._entries.pop(key, None)
-                    else:
-                        self._entries[key] = base64.b64decode(kv.get("value", ""))
-                self.revision = max(self.revision, int(result.get("header", {}).get("revision", self.revision)))
-                await self._publish(publish)
+        timeout = httpx.Timeout(self.config.timeout_s, read=WATCH_SILENT_S)
+        try:
+            async with client.stream(
+                "POST", url + "/v3/watch", json=body, headers=headers, timeout=timeout
+            ) as response:
+                if response.status_code != 200:
+                    raise EtcdError(f"/v3/watch: HTTP {response.status_code}")
+                async for message in _messages(response.aiter_bytes()):
+                    if "error" in message:
+                        raise EtcdError(f"/v3/watch: {message['error']}")
+                    result = message.get("result", {})
+                    if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
+                        raise EtcdError(f"the watch was cancelled ({result.get('cancel_reason') or 'compacted'})")
+                    events = result.get("events")
+                    if not events:
+                        continue  # created, or a progress notification
+                    for event in events:
+                        kv = event.get("kv", {})
+                        key = self._key(kv)
+                        if event.get("type") == "DELETE":
+                            self._entries.pop(key, None)
+                        else:
+                            self._entries[key] = base64.b64decode(kv.get("value", ""))
+                    self.revision = max(self.revision, int(result.get("header", {}).get("revision", self.revision)))
+                    await self._publish(publish)
+        except httpx.ReadTimeout:
+            raise EtcdError(f"/v3/watch: nothing for {WATCH_SILENT_S:g} s, not even a progress notification") from None
 
     def _key(self, kv: dict[str, Any]) -> str:
         return base64.b64decode(kv.get("key", "")).decode("utf-8", "replace")

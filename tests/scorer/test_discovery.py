@@ -1,5 +1,6 @@
 """Tests for scorer/discovery.py: a source's entries to endpoints, remembered while their values stay, bounded in
-what is kept of the skipped ones, and in slices that leave the event loop to the requests."""
+what is kept of the skipped ones, and in slices that leave the event loop to the requests; an entry that cannot
+be read costs that entry only."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import orjson
 import pytest
 
 from inferlb.scorer import discovery
-from inferlb.scorer.discovery import MAX_SKIPPED, YIELD_EVERY, Members, endpoints_of
+from inferlb.scorer.discovery import MAX_SKIPPED, YIELD_EVERY, Members, endpoints_of, resolve_host
 from inferlb.scorer.networks import Networks
 
 from ..conftest import LoopTurns
@@ -83,3 +84,40 @@ async def test_a_large_source_leaves_the_event_loop_to_others_as_it_goes() -> No
         _, skipped = await Members().endpoints(source, PRIVATE)
     assert len(skipped) == MAX_SKIPPED + 1
     assert turns.count >= 2000 // YIELD_EVERY - 1
+
+
+async def test_a_port_past_what_getaddrinfo_takes_resolves_to_nothing() -> None:
+    # getaddrinfo raises OverflowError (before any lookup), which ended the etcd source's task.
+    assert await resolve_host("gpu-7.internal", 99999999999999999999) == []
+
+
+async def test_a_name_with_a_port_out_of_range_is_skipped_unresolved_and_the_rest_serve() -> None:
+    asked: list[tuple[str, int]] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        asked.append((host, port))
+        return ["10.0.0.50"]
+
+    source = {
+        "a": member("gpu-7.internal:99999999999999999999"),
+        "b": member("gpu-8.internal:0"),
+        "c": member("gpu-9.internal:8000"),
+    }
+    found, skipped = await endpoints_of(source, PRIVATE, resolve=resolve)
+    assert [e.address for e in found] == ["10.0.0.50:8000"] and asked == [("gpu-9.internal", 8000)]
+    assert {s.key: s.reason for s in skipped} == {
+        "a": "address: 'gpu-7.internal:99999999999999999999': port must be an integer in 1..65535",
+        "b": "address: 'gpu-8.internal:0': port must be an integer in 1..65535",
+    }
+
+
+async def test_an_entry_whose_resolving_fails_unexpectedly_costs_that_entry_only() -> None:
+    async def resolve(host: str, port: int) -> list[str]:
+        if host == "broken.internal":
+            raise RuntimeError("resolver defect")
+        return ["10.0.0.50"]
+
+    source = {"a": member("broken.internal:8000"), "b": member("gpu-9.internal:8000")}
+    found, skipped = await endpoints_of(source, PRIVATE, resolve=resolve)
+    assert [e.address for e in found] == ["10.0.0.50:8000"]
+    assert [(s.key, s.reason) for s in skipped] == [("a", "cannot be read (RuntimeError: resolver defect)")]
