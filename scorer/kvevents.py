@@ -5,7 +5,8 @@ publishes on a ZMQ PUB socket. Each message is three frames: ``[topic, sequence,
 8-byte big-endian count that rises by one per message, the payload a msgpack ``EventBatch``: the array
 ``[ts, events, data_parallel_rank]`` (the rank may be left out). A replay socket (ZMQ ROUTER) answers a DEALER
 that sends ``[b"", start sequence as 8 bytes]`` with ``[b"", topic, sequence, payload]`` for every batch it still
-buffers from that sequence on, then ``[b"", b"", -1 as 8 signed bytes, b""]``.
+buffers from that sequence on, then ``[b"", b"", -1 as 8 signed bytes, b""]`` (vLLM before 0.32: the same without
+the topic frame, ``[b"", sequence, payload]``).
 
 Events come in two encodings, and both are in the field:
 

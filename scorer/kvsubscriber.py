@@ -205,10 +205,12 @@ class KVEventCollector:
             async with asyncio.timeout(self.options.replay_timeout_s):
                 for _ in range(MAX_REPLAY_BATCHES):
                     frames = await dealer.recv_multipart()
-                    if len(frames) == 4 and frames[2] == sequence_bytes(END_SEQUENCE):
+                    if len(frames) == 3:  # vLLM before 0.32: [b"", sequence, payload], no topic
+                        frames = [frames[0], b"", *frames[1:]]
+                    elif len(frames) != 4:
+                        raise KVEventError(f"a replay reply has 3 or 4 frames, not {len(frames)}")
+                    if frames[2] == sequence_bytes(END_SEQUENCE):
                         break
-                    if len(frames) != 4:
-                        raise KVEventError(f"a replay reply has 4 frames, not {len(frames)}")
                     size = sum(map(len, frames))
                     if not self._budget[endpoint].take(size):
                         raise KVEventError(

@@ -55,6 +55,7 @@ class Publisher:
     next: int = 0
     joined: bool = False
     asked: list[int] = field(default_factory=list)  # the start of every replay asked
+    topic_in_replay: bool = True  # vLLM 0.32's replies; before, [b"", sequence, payload]
 
     async def send(self, payload: bytes, *, live: bool = True) -> None:
         sequence, self.next = self.next, self.next + 1
@@ -69,10 +70,11 @@ class Publisher:
         while True:
             client, _, start = await self.router.recv_multipart()
             self.asked.append(int.from_bytes(start, "big"))
+            topic = [b""] if self.topic_in_replay else []
             for sequence, payload in self.buffer:
                 if sequence >= int.from_bytes(start, "big"):
-                    await self.router.send_multipart([client, b"", b"", sequence.to_bytes(8, "big"), payload])
-            await self.router.send_multipart([client, b"", b"", END, b""])
+                    await self.router.send_multipart([client, b"", *topic, sequence.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([client, b"", *topic, END, b""])
 
 
 @contextlib.asynccontextmanager
@@ -126,8 +128,12 @@ def depth(index: KVBlockIndex, tokens: list[int] = PROMPT) -> int:
     return int(index.match_depth(cache_keys(tokens, B))[0][0])
 
 
-async def test_a_gap_in_the_stream_is_replayed(publisher: tuple[Publisher, KVEventOptions]) -> None:
+@pytest.mark.parametrize("topic_in_replay", [pytest.param(True, id="vllm-0.32"), pytest.param(False, id="older-vllm")])
+async def test_a_gap_in_the_stream_is_replayed(
+    publisher: tuple[Publisher, KVEventOptions], topic_in_replay: bool
+) -> None:
     server, options = publisher
+    server.topic_in_replay = topic_in_replay
     async with following(options) as (index, collector):
         await server.send(stored([1, 2], None, PROMPT[:8]))
         await server.send(stored([3, 4], 2, PROMPT[8:16]), live=False)  # lost on the way
