@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -275,15 +275,17 @@ class KVBlockIndex:
 
     def adopt(self, old: KVBlockIndex, mapping: np.ndarray) -> None:
         """Take over ``old``'s endpoints after a membership change: endpoint j here is ``mapping[j]`` there (-1:
-        joined, starts empty and not subscribed). Call it before anything else."""
+        joined, starts empty and not subscribed). Call it before anything else. Everything is copied: ``old``'s
+        collector runs on until the picker's restart stops it, and what it applies there must not reach here (it
+        cleared the old index's holder bits only, so a block it removed stayed held here for good)."""
         self._memo = None
         for j, i in enumerate(mapping.tolist()):
             if i < 0 or i >= old.size:
                 continue
-            self._by_hash[j] = old._by_hash[i]
-            self._held[j] = old._held[i]
+            self._by_hash[j] = dict(old._by_hash[i])
+            self._held[j] = old._held[i].copy()
             self._pending[j] = dict(old._pending[i])
-            self.states[j] = old.states[i]
+            self.states[j] = replace(old.states[i])
             bit = 1 << j
             for key in set(self._held[j]) | set(self._pending[j]):
                 self._holders[key] = self._holders.get(key, 0) | bit

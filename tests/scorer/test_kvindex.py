@@ -155,6 +155,22 @@ def test_a_membership_change_keeps_what_staying_endpoints_hold() -> None:
     assert moved.held(0) == 0
 
 
+def test_the_old_index_changed_after_a_membership_change_leaves_the_new_one_alone() -> None:
+    # The old pool's collector runs on until the picker's restart stops it; a removal it applied there once emptied
+    # the new index's shared tables but kept its holder bit: a block matched for good, even after a clear.
+    kv, _ = index()
+    kv.apply(0, stored([1], None, PROMPT[:4]))
+    kv.states[0].sequence = 5
+    moved = kv.moved(np.array([0, 1, 2]))
+    kv.apply(0, EventBatch(0.0, (BlockRemoved((1,)),)))
+    kv.states[0].sequence = 6
+    kv.subscribed(0, False)
+    assert moved.held(0) == 1 and moved.match_depth(cache_keys(PROMPT, B))[0].tolist() == [1, 0, 0]
+    assert moved.states[0].sequence == 5 and moved.live[0]
+    moved.apply(0, EventBatch(0.0, (BlockRemoved((1,)),)))
+    assert moved.held(0) == 0 and moved.match_depth(cache_keys(PROMPT, B))[0].tolist() == [0, 0, 0]
+
+
 def test_a_restarted_endpoint_forgets_its_blocks_and_its_sequence_and_others_keep_theirs() -> None:
     kv, _ = index()
     kv.apply(0, stored([1, 2], None, PROMPT[:8]))
