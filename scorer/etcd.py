@@ -6,12 +6,14 @@ whole prefix and its revision, publish, then watch from the next revision and pu
 
 It never waits on a member without a deadline: authentication and reads get each part of their answer within
 ``timeout_s``; a watch may rightly be silent for hours, so while it is open the member is checked every
-``timeout_s`` with a linearizable read of one key (the prefix itself: the source may read it, and it costs etcd a
-lookup), which must be answered within ``timeout_s``. A member that hangs (a frozen process, a host cut off, or one
-cut off from its cluster's quorum, which answers no linearizable read and whose watches see no news) is noticed
-within twice ``timeout_s``. The watch asks for etcd's progress notifications too, and one silent for
-`WATCH_SILENT_S` (past etcd's default progress interval of 10 minutes) is taken for a lost connection. An auth
-token that a check finds refused (expired, or forgotten) is replaced there, and the watch goes on.
+``timeout_s`` with a linearizable read of the prefix's newest change and count of keys (the source may read them;
+etcd answers from its index), which must be answered within ``timeout_s``. A member that hangs (a frozen process, a
+host cut off, or one cut off from its cluster's quorum, which answers no linearizable read and whose watches see no
+news) is noticed within twice ``timeout_s``; so is a watch whose connection died while the member answers (the
+check shows a change that the watch has not delivered by the next check). The watch asks for etcd's progress
+notifications too, and one silent for `WATCH_SILENT_S` (past etcd's default progress interval of 10 minutes) is
+taken for a lost connection. An auth token that a check finds refused (expired, or forgotten) is replaced there,
+and the watch goes on.
 
 Any failure (a broken connection, a deadline missed, a compacted revision, a refused auth token, a password file
 that cannot be read, even a defect: everything but cancellation) starts the loop again from a fresh read, after a
@@ -103,6 +105,8 @@ class EtcdSource(SourceHealth):
         self._range = {"key": _b64(self._prefix), "range_end": _b64(prefix_end(self._prefix))}
         self._url = 0
         self._token: str | None = None
+        # The watch's revision when a check last found the prefix ahead of it (None: it was not).
+        self._behind: int | None = None
         self._transport = transport
         self._password: Credential | None = None
 
@@ -176,6 +180,7 @@ class EtcdSource(SourceHealth):
         """Follow the prefix's events, checking the member every ``timeout_s`` meanwhile, until the watch ends or a
         check fails (raised)."""
         following = asyncio.create_task(self._follow(client, url, publish), name="etcd watch")
+        self._behind = None
         try:
             while True:
                 done, _ = await asyncio.wait((following,), timeout=self.config.timeout_s)
@@ -189,16 +194,29 @@ class EtcdSource(SourceHealth):
                 following.exception()  # retrieved: what is raised here (or was returned above) says what happened
 
     async def _check(self, client: httpx.AsyncClient, url: str) -> None:
-        """Whether ``url`` still answers, and for its cluster: a linearizable read of one key (the prefix itself,
-        which the source may read), answered within ``timeout_s``."""
-        probe = {"key": self._range["key"], "count_only": True}
+        """Whether ``url`` still answers, and for its cluster: a linearizable read of the prefix (its newest change
+        and its count of keys: the source may read them), answered within ``timeout_s``. And whether the watch
+        keeps up: a change under the prefix that the watch has not delivered by the next check (the watch's
+        connection died while the member answers) is raised, and the loop reads the prefix again."""
+        probe = {**self._range, "keys_only": True, "sort_order": "DESCEND", "sort_target": "MOD", "limit": "1"}
         try:
-            await self._post(client, url, "/v3/kv/range", probe)
+            reply = await self._post(client, url, "/v3/kv/range", probe)
         except _Unauthenticated:
             # A token past its TTL (etcd's JWT tokens; a simple one lives as long as it is used): the watch, checked
             # when it was created, goes on; a new token, and the check again.
             await self._authenticate(client, url)
-            await self._post(client, url, "/v3/kv/range", probe)
+            reply = await self._post(client, url, "/v3/kv/range", probe)
+        kvs = reply.get("kvs") or ()
+        newest = int(kvs[0].get("mod_revision", 0)) if kvs else 0
+        if newest <= self.revision and int(reply.get("count", 0) or 0) == len(self._entries):
+            self._behind = None
+        elif self._behind is not None and self._behind == self.revision:
+            raise EtcdError(
+                f"the watch delivered nothing past revision {self.revision} while the prefix changed (newest change "
+                f"{newest}): its connection is taken for lost"
+            )
+        else:
+            self._behind = self.revision  # an event may be on its way: judged at the next check
 
     async def _follow(
         self, client: httpx.AsyncClient, url: str, publish: Callable[[tuple[EndpointConfig, ...]], None]

@@ -254,6 +254,37 @@ async def test_a_member_that_hangs_is_noticed_and_the_next_url_taken(
     assert sum(f"{hung}: /v3/kv/range: no answer within 1 s" in r for r in reports) == 2  # one for each source
 
 
+async def test_a_watch_that_stops_delivering_while_the_member_answers_is_noticed(
+    etcd: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A watch's connection that dies silently (a NAT or a proxy forgetting it) while the member answers every
+    # check: the member's checks passed, and the membership froze until the 15-minute silence limit.
+    put(etcd, PREFIX + "a", {"address": "127.0.0.11:8000"})
+    watching = source(etcd, timeout_s=0.5)
+    real_follow = watching._follow
+    follows = []
+
+    async def silent_once(*args: object) -> None:
+        follows.append(1)
+        if len(follows) == 1:
+            await asyncio.Event().wait()  # the first watch: connected, and never a message again
+        await real_follow(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(watching, "_follow", silent_once)
+    seen = Published()
+    task = asyncio.create_task(watching.run(seen))
+    try:
+        await until(lambda: seen.addresses == ["127.0.0.11:8000"], "the first membership")
+        put(etcd, PREFIX + "b", {"address": "127.0.0.12:8000"})
+        await until(lambda: seen.addresses == ["127.0.0.11:8000", "127.0.0.12:8000"], "the put, read again")
+        assert watching.failures == 1 and len(follows) == 2
+        delete(etcd, PREFIX + "a")  # and a delete, on the watch that works
+        await until(lambda: seen.addresses == ["127.0.0.12:8000"], "the delete, watched")
+        assert watching.failures == 1
+    finally:
+        task.cancel()
+
+
 @needs_etcdctl
 async def test_a_password_file_that_cannot_be_read_is_reported_and_read_again(etcd: str, tmp_path: Path) -> None:
     # It was a ConfigError that ended the source's task: a rotation that replaced the file ended discovery.
