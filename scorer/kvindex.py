@@ -181,6 +181,8 @@ class KVBlockIndex:
         state = self.states[endpoint]
         state.overflowed = False
         state.reported = state.orphaned = 0.0  # an empty cache: what it stores next chains from nothing
+        state.mismatch = ""  # a reset or restarted server: its next blocks say their size again
+        self._refresh(endpoint, self.clock())
 
     def restarted(self, endpoint: int) -> None:
         """``endpoint``'s server is another process now (it came back while draining): forget what it held and where

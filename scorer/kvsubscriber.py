@@ -201,8 +201,8 @@ class KVEventCollector:
         dealer.connect(f"tcp://{_bracketed(host)}:{port}")
         wanted, complete = start, True
         try:
-            await dealer.send_multipart([b"", sequence_bytes(start)])
             async with asyncio.timeout(self.options.replay_timeout_s):
+                await dealer.send_multipart([b"", sequence_bytes(start)])
                 for _ in range(MAX_REPLAY_BATCHES):
                     frames = await dealer.recv_multipart()
                     if len(frames) == 3:  # vLLM before 0.32: [b"", sequence, payload], no topic
@@ -224,8 +224,16 @@ class KVEventCollector:
                     complete = complete and sequence == wanted  # a later start: the buffer lost the first ones
                     await self._apply_replayed(endpoint, batch)
                     wanted = sequence + 1
+        except TimeoutError:
+            self._error(
+                endpoint,
+                "replay",
+                f"replay of events {start}..{stop - 1} failed: it did not end within {self.options.replay_timeout_s} s "
+                f"({wanted - start} of {stop - start} batches came)",
+            )
         except Exception as exc:  # whatever a reply holds, the replay fails and the stream goes on
-            self._error(endpoint, "replay", f"replay of events {start}..{stop - 1} failed: {exc}")
+            reason = str(exc) or type(exc).__name__
+            self._error(endpoint, "replay", f"replay of events {start}..{stop - 1} failed: {reason}")
         finally:
             dealer.close(linger=0)
         if complete and wanted != stop:

@@ -71,6 +71,18 @@ def test_another_block_size_takes_the_endpoint_off_the_exact_view() -> None:
     assert "16 tokens" in kv.states[0].reason
 
 
+def test_a_cleared_cache_takes_back_an_endpoint_whose_block_size_was_another() -> None:
+    # A server restarted with the right --block-size (its sequence goes back: the collector clears it) once stayed
+    # off the exact view until the picker restarted.
+    kv, _ = index()
+    kv.apply(0, EventBatch(0.0, (BlockStored((1,), None, tuple(range(16)), 16),)))
+    kv.apply(0, stored([2], None, PROMPT[:4]))
+    assert not kv.live[0]  # blocks of the right size alone do not clear it
+    kv.apply(0, EventBatch(0.0, (AllBlocksCleared(),)))
+    kv.apply(0, stored([2], None, PROMPT[:4]))
+    assert kv.live[0] and kv.states[0].reason == "live" and kv.held(0) == 1
+
+
 def test_sent_blocks_are_pending_until_confirmed_or_lapsed() -> None:
     kv, clock = index()
     keys = cache_keys(PROMPT, B)

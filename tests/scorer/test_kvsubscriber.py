@@ -152,6 +152,23 @@ async def test_an_ipv6_endpoint_is_followed_and_its_gaps_replayed() -> None:
         assert index.live[0] and collector.replayed == 1 and collector.errors.total() == 0
 
 
+async def test_a_replay_that_never_ends_says_so(
+    publisher: tuple[Publisher, KVEventOptions], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, options = publisher
+    silent = replace(options, replay_port=free_port(), replay_timeout_s=0.2)  # nothing listens there
+    async with following(silent) as (index, collector):
+        await server.send(stored([1], None, PROMPT[:4]))
+        await server.send(stored([2], 1, PROMPT[4:8]), live=False)
+        await server.send(stored([3], 2, PROMPT[8:12]))
+        await until(lambda: collector.batches == 2, "the batch after the gap")
+        assert collector.errors["replay"] >= 1 and not index.live[0]
+    logged = [r.getMessage() for r in caplog.records if "replay of events 1..1" in r.getMessage()]
+    assert logged == [
+        "KV events of endpoint 0: replay of events 1..1 failed: it did not end within 0.2 s (0 of 1 batches came)"
+    ]
+
+
 async def test_a_buffer_that_lost_the_start_gives_the_rest_and_the_endpoint_is_unsure(
     publisher: tuple[Publisher, KVEventOptions],
 ) -> None:
