@@ -39,10 +39,10 @@ Observe = Callable[[int, float | None, float | None], None]
 
 
 class _Decision:
-    __slots__ = ("at", "endpoint", "partner", "request_id")
+    __slots__ = ("at", "endpoint", "order", "partner", "request_id")
 
-    def __init__(self, endpoint: int, at: float, partner: bytes | None, request_id: str = "") -> None:
-        self.endpoint, self.at, self.partner, self.request_id = endpoint, at, partner, request_id
+    def __init__(self, endpoint: int, at: float, partner: bytes | None, request_id: str = "", order: int = 0) -> None:
+        self.endpoint, self.at, self.partner, self.request_id, self.order = endpoint, at, partner, request_id, order
 
 
 class TraceJoin:
@@ -77,9 +77,12 @@ class TraceJoin:
         # Key: trace id + span id (24 bytes), oldest first. A decision without a known span id (Envoy's alias of
         # it, or a caller that gave none) gets a serial number of this join's own in its place.
         self._map: OrderedDict[bytes, _Decision] = OrderedDict()
-        self._traces: dict[bytes, dict[bytes, None]] = {}  # trace id -> its decisions' keys, oldest first
+        # Trace id -> per endpoint, its decisions' keys, oldest first: a span finds the oldest decision of its trace
+        # that it may speak for by looking at one key per endpoint, however many decisions the trace has.
+        self._traces: dict[bytes, dict[int, dict[bytes, None]]] = {}
         self._joined: OrderedDict[bytes, float] = OrderedDict()  # trace id -> when it joined
         self._serial = 0
+        self._order = 0  # each decision's place in the order they were made
         self.evicted = 0
         """Decisions forgotten because ``capacity`` newer ones were waiting (only grows)."""
         self.expired = 0
@@ -101,12 +104,14 @@ class TraceJoin:
         self._expire(now)
         key = trace_id + (span_id if span_id is not None and len(span_id) == 8 else self._next_serial())
         alias = None if also is None or also == trace_id else also + self._next_serial()
-        self._add(key, _Decision(endpoint, now, alias, request_id))
+        self._order += 1
+        order = self._order
+        self._add(key, _Decision(endpoint, now, alias, request_id, order))
         if alias is not None:
-            self._add(alias, _Decision(endpoint, now, key, request_id))
+            self._add(alias, _Decision(endpoint, now, key, request_id, order))
         while len(self._map) > self.capacity:
             old_key, old = self._map.popitem(last=False)
-            self._unindex(old_key)
+            self._unindex(old_key, old.endpoint)
             if old.partner is not None and self._pop(old.partner) is not None:
                 self.evicted += 1
             self.evicted += 1
@@ -123,14 +128,18 @@ class TraceJoin:
                 return exact
             if exact in self._joined:
                 return None  # its decision was taken: this span is a duplicate
-        keys = self._traces.get(trace_id)
-        if not keys:
+        by_endpoint = self._traces.get(trace_id)
+        if not by_endpoint:
             return None
-        if accept is not None:
-            for key in keys:
-                if accept(self._map[key].endpoint):
-                    return key
-        return next(iter(keys))
+        oldest, taken = None, None
+        for endpoint, keys in by_endpoint.items():
+            key = next(iter(keys))
+            order = self._map[key].order
+            if oldest is None or order < self._map[oldest].order:
+                oldest = key
+            if (accept is None or accept(endpoint)) and (taken is None or order < self._map[taken].order):
+                taken = key
+        return taken if taken is not None else oldest
 
     def endpoint_of(self, key: bytes) -> int:
         """The endpoint of the waiting decision ``key`` (from `find`)."""
@@ -190,6 +199,9 @@ class TraceJoin:
                 self.expired += 1
             else:
                 decision.endpoint = index
+        self._traces = {}
+        for key, decision in self._map.items():  # in their order
+            self._traces.setdefault(key[:16], {}).setdefault(decision.endpoint, {})[key] = None
 
     def expire(self) -> None:
         """Forget what is older than ``max_age_s`` now (`record` does this as it goes; call it when idle)."""
@@ -218,20 +230,25 @@ class TraceJoin:
         self._map[key] = decision
         trace_id = key[:16]
         self._joined.pop(trace_id, None)
-        self._traces.setdefault(trace_id, {})[key] = None
+        self._traces.setdefault(trace_id, {}).setdefault(decision.endpoint, {})[key] = None
 
     def _pop(self, key: bytes) -> _Decision | None:
         decision = self._map.pop(key, None)
         if decision is not None:
-            self._unindex(key)
+            self._unindex(key, decision.endpoint)
         return decision
 
-    def _unindex(self, key: bytes) -> None:
-        keys = self._traces.get(key[:16])
+    def _unindex(self, key: bytes, endpoint: int) -> None:
+        by_endpoint = self._traces.get(key[:16])
+        if by_endpoint is None:
+            return
+        keys = by_endpoint.get(endpoint)
         if keys is not None:
             keys.pop(key, None)
             if not keys:
-                del self._traces[key[:16]]
+                del by_endpoint[endpoint]
+        if not by_endpoint:
+            del self._traces[key[:16]]
 
     def __len__(self) -> int:
         return len(self._map)
