@@ -690,6 +690,10 @@ def create_picker(
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
     profile = build_profile(config.profile_spec(), rng, size=len(pool), speeds=_declared(config, pool))
     engine = Engine(pool, profile, signals=signals, saturation=_saturation(config, pool))
+    try:
+        experiments = _experiments(config, engine, rng, vacant_ok=bool(discovered))
+    except ValueError as exc:  # a control arm's labels match no endpoint discovered yet, say
+        raise ConfigError(f"experiments: {exc}") from None
     service = ExtProcService(
         engine,
         max_body_bytes=config.max_body_bytes,
@@ -697,7 +701,7 @@ def create_picker(
         class_header=config.class_header,
         classifier=Classifier(config.classes, config.default_class),
         leases=OpenLeases(max_age_s=config.inflight.max_age_s) if config.inflight.end == "access-log" else None,
-        experiments=_experiments(config, engine, rng, vacant_ok=bool(discovered)),
+        experiments=experiments,
         experiment_headers=config.named_headers,
         objectives=config.inference_objectives,
     )

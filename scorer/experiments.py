@@ -381,15 +381,16 @@ def endpoint_masks(
 ) -> list[np.ndarray | None]:
     """Per arm, the endpoints it routes to (``labels``: each endpoint's, in the pool's order), or None for any:
     a release arm's are those its selector matches; when an experiment has release arms, its other arms get the
-    endpoints no release arm selects. ValueError when a selector matches nothing (with ``vacant_ok``, the arm is
-    vacant instead: its mask selects nothing), or nothing is left for the rest."""
+    endpoints no release arm selects. ValueError when a selector matches nothing (with ``vacant_ok``, a treatment
+    arm is vacant instead: its mask selects nothing; never the control, the first, where a vacant arm's requests
+    go), or nothing is left for the rest."""
     selected: list[np.ndarray | None] = []
-    for arm in arms:
+    for i, arm in enumerate(arms):
         if not arm.endpoints:
             selected.append(None)
             continue
         mask = np.array([all(own.get(k) == v for k, v in arm.endpoints.items()) for own in labels], dtype=bool)
-        if not mask.any() and not vacant_ok:
+        if not mask.any() and not (vacant_ok and i > 0):
             raise ValueError(f"arm {arm.name!r}: no endpoint of the pool has the labels {dict(arm.endpoints)}")
         selected.append(mask)
     masks = [m for m in selected if m is not None]
@@ -431,8 +432,8 @@ def arm_masks(
             continue
         free = ~np.logical_or.reduce(others)
         combined = [free if m is None else m & free for m in masks]
-        for arm, mask in zip(spec.arms, combined, strict=True):
-            if not mask.any() and not (vacant_ok and arm.endpoints):
+        for i, (arm, mask) in enumerate(zip(spec.arms, combined, strict=True)):
+            if not mask.any() and not (vacant_ok and arm.endpoints and i > 0):
                 raise ValueError(
                     f"experiment {spec.name!r}: arm {arm.name!r} has no endpoint left: other experiments' release arms"
                     " reserve them all"

@@ -217,3 +217,29 @@ async def test_a_picker_that_starts_before_its_canary_is_discovered_starts_with_
     picker.discovered_endpoints((*first, _member("10.0.0.3:8000", "beta")))
     experiments = picker.service.router.experiments
     assert experiments is not None and not experiments.running["rollout"].arms[1].vacant
+
+
+BLUE_GREEN = {
+    "name": "rollout",
+    "arms": [
+        {"name": "stable", "profile": "default", "weight": 0.9, "endpoints": {"version": "v1"}},
+        {"name": "canary", "profile": "default", "weight": 0.1, "endpoints": {"version": "beta"}},
+    ],
+}
+
+
+async def test_a_control_arm_is_never_vacant_a_membership_without_it_is_refused() -> None:
+    # A vacant arm's requests go to the control: a vacant control sent most requests to an arm with no endpoint
+    # (43 of 50 answered 503). Such a membership is refused (the pool in force serves on), and a start without the
+    # control's endpoints is a config error that says why.
+    first = (_member("10.0.0.1:8000", "v1"), _member("10.0.0.3:8000", "beta"))
+    picker = create_picker(parse_config(_discovering([BLUE_GREEN])), discovered=first)
+    picker.discovered_endpoints((first[1], _member("10.0.0.4:8000", "beta")))  # the stable pod left
+    assert picker.membership_refusals == 1
+    assert [e.address for e in picker.engine.pool] == ["10.0.0.1:8000", "10.0.0.3:8000"]
+    router = picker.service.router
+    for i in range(20):
+        routed = router.route(router.admit(RequestFeatures(model="m", request_id=f"r{i}")).request)
+        routed.lease.release()
+    with pytest.raises(ConfigError, match=r"^experiments: experiment 'rollout': arm 'stable': no endpoint"):
+        create_picker(parse_config(_discovering([BLUE_GREEN])), discovered=first[1:])
