@@ -154,7 +154,14 @@ class HeatmapViews:
             if self._pool is None:
                 self._pool = self._start()
             self.renders[name] += 1
-            value = await asyncio.wrap_future(self._pool.submit(render, grid))
+            try:
+                submitted = self._pool.submit(render, grid)
+            except BrokenProcessPool:
+                # The worker died while idle (the OOM killer, say): this request starts another.
+                self.close()
+                self._pool = self._start()
+                submitted = self._pool.submit(render, grid)
+            value = await asyncio.wrap_future(submitted)
         except BrokenProcessPool as exc:
             self.close()
             raise RenderError(f"the heatmap's render process stopped ({exc}); the next request starts another") from exc
