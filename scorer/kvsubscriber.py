@@ -201,34 +201,36 @@ class KVEventCollector:
         dealer.connect(f"tcp://{_bracketed(host)}:{port}")
         wanted, complete = start, True
         try:
-            async with asyncio.timeout(self.options.replay_timeout_s):
-                await dealer.send_multipart([b"", sequence_bytes(start)])
-                for _ in range(MAX_REPLAY_BATCHES):
+            await dealer.send_multipart([b"", sequence_bytes(start)])
+            for _ in range(MAX_REPLAY_BATCHES):
+                # Each reply within the timeout, not the whole replay: a full buffer (10,000 batches) takes longer
+                # to decode and apply than a reply takes to come, and a replay cut short leaves the endpoint unsure.
+                async with asyncio.timeout(self.options.replay_timeout_s):
                     frames = await dealer.recv_multipart()
-                    if len(frames) == 3:  # vLLM before 0.32: [b"", sequence, payload], no topic
-                        frames = [frames[0], b"", *frames[1:]]
-                    elif len(frames) != 4:
-                        raise KVEventError(f"a replay reply has 3 or 4 frames, not {len(frames)}")
-                    if frames[2] == sequence_bytes(END_SEQUENCE):
-                        break
-                    size = sum(map(len, frames))
-                    if not self._budget[endpoint].take(size):
-                        raise KVEventError(
-                            f"a replayed batch of {size} bytes, over the budget of {self.options.max_bytes_per_s} B/s"
-                        )
-                    sequence, batch = await asyncio.to_thread(decode_frames, frames[1:])
-                    if sequence < wanted:
-                        continue
-                    if sequence >= stop:
-                        break
-                    complete = complete and sequence == wanted  # a later start: the buffer lost the first ones
-                    await self._apply_replayed(endpoint, batch)
-                    wanted = sequence + 1
+                if len(frames) == 3:  # vLLM before 0.32: [b"", sequence, payload], no topic
+                    frames = [frames[0], b"", *frames[1:]]
+                elif len(frames) != 4:
+                    raise KVEventError(f"a replay reply has 3 or 4 frames, not {len(frames)}")
+                if frames[2] == sequence_bytes(END_SEQUENCE):
+                    break
+                size = sum(map(len, frames))
+                if not self._budget[endpoint].take(size):
+                    raise KVEventError(
+                        f"a replayed batch of {size} bytes, over the budget of {self.options.max_bytes_per_s} B/s"
+                    )
+                sequence, batch = await asyncio.to_thread(decode_frames, frames[1:])
+                if sequence < wanted:
+                    continue
+                if sequence >= stop:
+                    break
+                complete = complete and sequence == wanted  # a later start: the buffer lost the first ones
+                await self._apply_replayed(endpoint, batch)
+                wanted = sequence + 1
         except TimeoutError:
             self._error(
                 endpoint,
                 "replay",
-                f"replay of events {start}..{stop - 1} failed: it did not end within {self.options.replay_timeout_s} s "
+                f"replay of events {start}..{stop - 1} failed: no reply within {self.options.replay_timeout_s} s "
                 f"({wanted - start} of {stop - start} batches came)",
             )
         except Exception as exc:  # whatever a reply holds, the replay fails and the stream goes on
