@@ -7,6 +7,7 @@ authority (a GPU source's ``http://10.0.0.7:9400``) is held to the same rule, it
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 _ENVOY_NEEDS_IP = "hostnames are not allowed: Envoy's ORIGINAL_DST cluster needs 'ip:port'"
@@ -20,6 +21,12 @@ def parse_address(text: str) -> tuple[str, int]:
     """
     if not isinstance(text, str) or not text:
         raise ValueError("must be a literal 'ip:port' string, e.g. '10.0.0.7:8000'")
+    return _parse_address(text)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _parse_address(text: str) -> tuple[str, int]:
+    # Kept: a pool is rebuilt at each change of membership, and parses every address again.
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise ValueError(f"{text!r} must be a literal 'ip:port', e.g. '10.0.0.7:8000'")

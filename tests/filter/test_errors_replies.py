@@ -167,6 +167,16 @@ def test_route_replies_differ_per_endpoint() -> None:
     assert serialized.isdisjoint(reply.SerializeToString() for reply in replies.body)
 
 
+def test_a_pool_built_again_reuses_the_replies_of_the_endpoints_it_keeps() -> None:
+    # A discovery change rebuilds the pool: building every endpoint's replies again held the event loop 92 ms of a
+    # change at 2,000 endpoints. An endpoint that stays keeps its replies (immutable, shared).
+    before = RouteReplies(Pool([EndpointConfig(address=f"10.0.0.{i}:8000") for i in range(1, 5)]))
+    after = RouteReplies(Pool([EndpointConfig(address=f"10.0.0.{i}:8000") for i in (2, 3, 4, 9)]))
+    assert all(after.headers[i] is before.headers[i + 1] for i in range(3))
+    assert all(after.body[i] is before.body[i + 1] for i in range(3))
+    assert after.headers[3] is not before.headers[0] and after.headers[3] != before.headers[0]
+
+
 @pytest.mark.parametrize(
     ("phase", "field"),
     [
