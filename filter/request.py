@@ -244,10 +244,10 @@ def with_model(body: bytes, model: str) -> bytes:
 
 def _read(
     body: bytes, keyer: CacheKeyer | None = None, path: str = ""
-) -> tuple[str, bool, int | None, int, int, tuple[int, ...], tuple[int, ...], Any]:
+) -> tuple[str, bool, int | None, int, int, tuple[int, ...], tuple[int, ...], Any, int]:
     """``apply_body`` on a body within its size limit, sent to ``path``: the features the body gives, in the order
     of `RequestFeatures.with_body` (model, stream, max_tokens, prompt_chars, prompt_tokens, prefix_hashes,
-    cache_keys, keying)."""
+    cache_keys, keying, output_copies)."""
     field = "input" if path == EMBEDDINGS_PATH else "prompt"  # where a prompt of token ids may be
     doc, tokens = parse_body(body, field)
     if not isinstance(doc, dict):
@@ -259,8 +259,10 @@ def _read(
     if not isinstance(model, str) or not model:
         raise MalformedRequestError(f"field 'model' must be a non-empty string, not {_json_type(model)}")
 
-    stream = doc.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = doc.get("stream")
+    if stream is None:  # absent, or null (OpenAI's and vLLM's schemas allow it): not streamed
+        stream = False
+    elif not isinstance(stream, bool):
         raise MalformedRequestError(f"field 'stream' must be a boolean, not {_json_type(stream)}")
 
     # Both may be given: servers read max_completion_tokens first on chats (vLLM, SGLang, the emulator), max_tokens
@@ -277,6 +279,16 @@ def _read(
 
     if max_tokens is None and path in _NO_OUTPUT_PATHS:
         max_tokens = 0
+    # n completions (best_of generated, n returned, where best_of is larger): the output that many times over, which
+    # quotas charge and the memory estimate counts.
+    copies = 1
+    for name in ("n", "best_of"):
+        value = doc.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MalformedRequestError(f"field {name!r} must be a positive integer, not {shown(value)}")
+        copies = max(copies, value)
 
     chars, prompt_tokens = 0, 0
     hashes: tuple[int, ...] = ()
@@ -288,6 +300,7 @@ def _read(
         prompt_tokens = estimate_tokens(chars)
     elif "messages" in doc:
         chars, rendered = _messages_text(doc["messages"])
+        chars += _tools_chars(doc.get("tools"), doc["messages"])
         prompt_tokens = estimate_tokens(chars)
         hashes = text_block_hashes(rendered, seed=hash(model))
     elif tokens is not None:  # doc[field] is the placeholder of the ids parse_body counted
@@ -306,7 +319,7 @@ def _read(
     keying = None
     if keyer is not None:
         keys, keying = keyer.plan(model, doc, None if tokens is None else tokens.head)
-    return model, stream, max_tokens, chars, prompt_tokens, hashes, keys, keying
+    return model, stream, max_tokens, chars, prompt_tokens, hashes, keys, keying, copies
 
 
 def _responses_size(doc: dict[str, Any], *, seed: int) -> tuple[int, int, tuple[int, ...]]:
@@ -332,6 +345,24 @@ def _responses_size(doc: dict[str, Any], *, seed: int) -> tuple[int, int, tuple[
         chars += len(instructions)
         rendered = f"system\n{instructions}\n{rendered}"
     return chars, estimate_tokens(chars), text_block_hashes(rendered, seed=seed)
+
+
+def _tools_chars(tools: Any, messages: list[Any]) -> int:
+    """The characters a chat's tools add to its prompt: the tools' definitions (the chat template writes them into
+    the prompt) and the arguments of the assistant's tool calls. Only where present: most chats have none, and the
+    messages are looked at in C until one has tool calls."""
+    chars = len(orjson.dumps(tools)) if isinstance(tools, list) and tools else 0
+    for calls in filter(None, map(dict.get, messages, repeat("tool_calls"))):  # messages are objects: checked
+        if not isinstance(calls, list):
+            continue
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                chars += len(arguments)
+            elif isinstance(arguments, dict):
+                chars += len(orjson.dumps(arguments))
+    return chars
 
 
 def _string_chars(value: Any) -> int:

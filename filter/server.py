@@ -451,6 +451,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         if tenant is not None:
             tenant = client_key(tenant)  # up to max_tenants of them are kept
         output = features.max_tokens if features.max_tokens is not None else config.assumed_output_tokens
+        output *= features.output_copies
         tokens = features.prompt_tokens + output
         refusal = quotas.charge(tenant, tokens)
         if refusal is None:

@@ -142,6 +142,9 @@ class RequestFeatures:
     # Where the model's tokenizer is too slow for the routing loop: the job that computes cache_keys, which the filter
     # runs in a worker thread before the request is routed (None: nothing left to compute).
     keying: Any = None
+    # The completions the server generates for the request (``n``, or ``best_of`` where larger): its output is
+    # max_tokens (or the assumed output) as many times.
+    output_copies: int = 1
 
     # Every request is built two or three times (from headers, with its body, with its class). A frozen
     # dataclass's __init__ sets its fields one object.__setattr__ call at a time, a fifth of the whole cost of
@@ -168,6 +171,7 @@ class RequestFeatures:
         prefix_hashes: tuple[int, ...],
         cache_keys: tuple[int, ...] = (),
         keying: Any = None,
+        output_copies: int = 1,
     ) -> RequestFeatures:
         """These features with what the request's body says."""
         return self._copy(
@@ -180,6 +184,7 @@ class RequestFeatures:
                 "prefix_hashes": prefix_hashes,
                 "cache_keys": cache_keys,
                 "keying": keying,
+                "output_copies": output_copies,
             }
         )
 

@@ -70,6 +70,7 @@ class MemoryFitFilter:
     def filter(self, request: RequestFeatures, state: State, candidates: np.ndarray) -> np.ndarray:
         free = state.signals.snapshot.gpu_free_bytes[candidates]
         output = request.max_tokens if request.max_tokens is not None else self.default_output_tokens
+        output *= request.output_copies
         need = self.margin * self.bytes_per_token * (request.prompt_tokens + output)
         fits = np.isnan(free) | (free >= need)
         return _keep(candidates, fits) if not math.isnan(need) else candidates

@@ -203,7 +203,16 @@ BODIES = [
         id="null-max-tokens-falls-through",
     ),
     pytest.param({"model": "m", "max_tokens": None}, {"model": "m"}, id="null-max-tokens"),
-    pytest.param({"model": "m", "temperature": "whatever", "n": [1]}, {"model": "m"}, id="other-fields-not-checked"),
+    pytest.param(
+        {"model": "m", "temperature": "whatever", "logprobs": [1]}, {"model": "m"}, id="other-fields-not-checked"
+    ),
+    pytest.param({"model": "m", "stream": None}, {"model": "m"}, id="stream-null"),  # OpenAI's and vLLM's schemas
+    # n completions (best_of generated where larger): the output that many times, for quotas and memory.
+    pytest.param(
+        {"model": "m", "max_tokens": 16, "n": 4}, {"model": "m", "max_tokens": 16, "output_copies": 4}, id="n"
+    ),
+    pytest.param({"model": "m", "n": 2, "best_of": 8}, {"model": "m", "output_copies": 8}, id="best-of-larger-than-n"),
+    pytest.param({"model": "m", "n": None}, {"model": "m"}, id="n-null"),
     pytest.param(
         {
             "model": "meta-llama/Llama-3.1-8B-Instruct",
@@ -343,6 +352,19 @@ def test_an_input_of_the_wrong_shape_is_refused_by_name(path: str, doc: dict[str
         _apply_to(path, doc)
 
 
+def test_a_chats_tools_and_tool_call_arguments_count_in_its_prompt() -> None:
+    # The chat template writes both into the prompt: they counted for nothing, so 10,000 characters of them were
+    # charged 1 token by quotas (and priced as nothing by the prediction and the memory estimate).
+    text = "x" * 10_000
+    tools = [{"type": "function", "function": {"name": "f", "description": text, "parameters": {}}}]
+    with_tools = _apply(_json({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}))
+    assert with_tools.prompt_chars == 2 + len(orjson.dumps(tools))
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with_calls = _apply(_json({"model": "m", "messages": messages}))
+    assert with_calls.prompt_chars == 2 + 10_000 and with_calls.prompt_tokens >= 2500
+
+
 def test_apply_body_accepts_a_body_of_exactly_max_bytes() -> None:
     body = _json({"model": "m", "prompt": "x" * 1000})
     assert _apply(body, max_bytes=len(body)).prompt_chars == 1000
@@ -396,9 +418,6 @@ def test_apply_body_accepts_utf8_bom_and_whitespace() -> None:
         ),
         pytest.param(
             _json({"model": "m", "stream": 1}), r"^field 'stream' must be a boolean, not a number$", id="stream-int"
-        ),
-        pytest.param(
-            _json({"model": "m", "stream": None}), r"^field 'stream' must be a boolean, not null$", id="stream-null"
         ),
         pytest.param(
             _json({"model": "m", "max_tokens": -1}),
@@ -502,6 +521,11 @@ def test_apply_body_accepts_utf8_bom_and_whitespace() -> None:
             r"^messages\[0\]\.content must be a string or a list of parts, not a boolean$",
             id="content-bool",
         ),
+        pytest.param(_json({"model": "m", "n": 0}), r"^field 'n' must be a positive integer, not 0$", id="n-zero"),
+        pytest.param(
+            _json({"model": "m", "best_of": "8"}), r"^field 'best_of' must be a positive integer", id="best-of-string"
+        ),
+        pytest.param(_json({"model": "m", "n": True}), r"^field 'n' must be a positive integer", id="n-bool"),
     ],
 )
 def test_apply_body_malformed(body: bytes, pattern: str) -> None:

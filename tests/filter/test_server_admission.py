@@ -6,6 +6,7 @@ tests/scorer/test_config.py.)"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +19,7 @@ from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.classes import Classifier, ClassRule, RequestClass
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.engine import Engine
+from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.loadscorers import DEFAULT_PREFILL_TOKENS_PER_S
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
@@ -238,3 +240,27 @@ async def test_with_jwt_tenants_a_request_naming_no_usable_tenant_is_refused_bef
     assert service.stats.refused[403] == 2
     reply = await route_buffered(server, {"model": MODEL, "prompt": "hi"}, {"x-tenant": "a"})
     assert destination(reply) in {a for a, _ in ENDPOINTS}
+
+
+def test_a_request_for_n_completions_is_charged_their_output_n_times() -> None:
+    # n (or best_of) completions generate max_tokens each: a 60-token bucket let 64 completions of 16 tokens
+    # through for 17 tokens.
+    pool = Pool(parse_config({"pool": {"endpoints": [{"address": "127.0.0.1:9101"}]}}).endpoints)
+    service = ExtProcService(Engine(pool, build_profile("round-robin", None)), max_body_bytes=1 << 20)
+    quotas = Quotas(
+        parse_config(
+            {
+                "pool": {"endpoints": [{"address": "127.0.0.1:9101"}]},
+                "quotas": {
+                    "header": "x-tenant",
+                    "source": "gateway",
+                    "tenants": {"a": {"tokens_per_minute": 600, "burst_s": 6}},
+                },
+            }
+        ).quotas
+    )
+    one = RequestFeatures(model=MODEL, prompt_tokens=1, max_tokens=16, headers={"x-tenant": "a"})
+    refusal, charged = service._over_quota(quotas, dataclasses.replace(one, output_copies=64))
+    assert refusal is not None and charged is None and "1025 tokens exceed" in str(refusal)
+    refusal, charged = service._over_quota(quotas, one)
+    assert refusal is None and charged == ("a", 17)

@@ -99,4 +99,5 @@ def test_the_builders_know_every_field() -> None:
         "subset",
         "cache_keys",
         "keying",
+        "output_copies",
     ]
