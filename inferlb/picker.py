@@ -390,7 +390,9 @@ class PickerProcess:
             if signals.kv is not None:
                 for endpoint in plan.restarted:  # back before it drained: another server process, its cache empty
                     signals.kv.restarted(endpoint)
-        profile = build_profile(config.profile_spec(), self.rng, size=len(pool), speeds=_declared(config, pool))
+        profile = build_profile(
+            config.profile_spec(), self.rng, size=len(pool), speeds=_declared(config, pool), addresses=_addresses(pool)
+        )
         engine = Engine(pool, profile, inflight, signals, _saturation(config, pool))
         # A membership change that takes a release arm's last endpoint leaves the arm vacant (its requests go to
         # the control until one is back) rather than being refused: refusing froze the whole membership, and the
@@ -634,6 +636,10 @@ def _experiments(
     )
 
 
+def _addresses(pool: Pool) -> tuple[str, ...]:
+    return tuple(e.address for e in pool)
+
+
 def _declared(config: Config, pool: Pool) -> np.ndarray | None:
     """The pool's declared relative speeds (``pool.speeds``), None where the config declares none or all are equal."""
     return None if config.speeds is None else config.speeds.of([e.labels for e in pool])
@@ -688,7 +694,9 @@ def create_picker(
         discovery = discovery_source(config)
     pool = Pool(config.endpoints)
     signals = Signals(len(pool), stale_after_s=config.signals.stale_after_s)
-    profile = build_profile(config.profile_spec(), rng, size=len(pool), speeds=_declared(config, pool))
+    profile = build_profile(
+        config.profile_spec(), rng, size=len(pool), speeds=_declared(config, pool), addresses=_addresses(pool)
+    )
     engine = Engine(pool, profile, signals=signals, saturation=_saturation(config, pool))
     try:
         experiments = _experiments(config, engine, rng, vacant_ok=bool(discovered))

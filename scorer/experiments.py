@@ -890,7 +890,8 @@ class Experiments:
 
         def engine_for(name: str) -> Engine:
             if name not in built:
-                profile = build_profile(spec_of(name), rng, size=len(engine.pool), speeds=speeds)
+                addresses = tuple(e.address for e in engine.pool)
+                profile = build_profile(spec_of(name), rng, size=len(engine.pool), speeds=speeds, addresses=addresses)
                 built[name] = Engine(engine.pool, profile, engine.inflight, engine.signals, engine.saturation)
             return built[name]
 

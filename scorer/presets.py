@@ -101,10 +101,12 @@ def build_profile(
     size: int = 0,
     registry: Registry | None = None,
     speeds: np.ndarray | None = None,
+    addresses: tuple[str, ...] | None = None,
 ) -> Profile:
     """A fresh profile for the preset ``name`` (or a spec) over a pool of ``size`` endpoints (plugins that keep
     per-endpoint state need it), whose declared relative speeds are ``speeds`` (`SpeedHints.of`; None: none
-    differ). Raises ``KeyError`` naming the known presets, ``ConfigError`` for a bad spec."""
+    differ) and addresses ``addresses`` (where given, plugins key what they keep by address, as the session ring
+    does). Raises ``KeyError`` naming the known presets, ``ConfigError`` for a bad spec."""
     if isinstance(name, ProfileSpec):
         spec = name
     else:
@@ -112,4 +114,5 @@ def build_profile(
             spec = PRESETS[name]
         except KeyError:
             raise KeyError(f"unknown policy {name!r}; known: {', '.join(PRESET_NAMES)}") from None
-    return (registry or default_registry()).build(spec, BuildContext(size=size, rng=rng, speeds=speeds))
+    context = BuildContext(size=size, rng=rng, speeds=speeds, addresses=addresses)
+    return (registry or default_registry()).build(spec, context)

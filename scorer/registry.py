@@ -108,6 +108,8 @@ class BuildContext:
     shared: dict[str, Any] = field(default_factory=dict)
     # The endpoints' declared relative speeds (``pool.speeds``, `SpeedHints.of`); None where none differ.
     speeds: np.ndarray | None = None
+    # The endpoints' addresses, in the pool's order (None: not known; plugins then key what they keep by index).
+    addresses: tuple[str, ...] | None = None
 
     def prefix_index(self, capacity_blocks: int | None = None) -> PrefixIndex:
         """The profile's shared prefix index, created at the first call (``capacity_blocks``: default 65536);
@@ -278,7 +280,7 @@ def _speed_class(params: Mapping[str, Any], ctx: BuildContext) -> SpeedClassFilt
 
 def _session_affinity(params: Mapping[str, Any], ctx: BuildContext) -> SessionAffinityScorer:
     params = dict(params)
-    ring = ConsistentHashRing(ctx.size, params.pop("vnodes", 160))
+    ring = ConsistentHashRing(ctx.size, params.pop("vnodes", 160), names=ctx.addresses)
     return SessionAffinityScorer(ring, **params)
 
 
