@@ -169,23 +169,28 @@ async def test_a_class_with_a_ttft_objective_avoids_endpoints_predicted_to_miss_
         await server.stop(0)
 
 
+def _tenant_a_quotas() -> Quotas:
+    """Tenant a's quotas (header x-tenant): 600 tokens a minute, a burst of 60."""
+    config = parse_config(
+        {
+            "pool": {"endpoints": [{"address": "127.0.0.1:9101"}]},
+            "quotas": {
+                "header": "x-tenant",
+                "source": "gateway",
+                "tenants": {"a": {"tokens_per_minute": 600, "burst_s": 6}},
+            },
+        }
+    )
+    assert config.quotas is not None
+    return Quotas(config.quotas)
+
+
 async def test_a_request_whose_client_leaves_while_it_waits_gets_its_quota_back(saturated, clock) -> None:
     # It never reached a server; once, its tenant paid for it all the same (a 60-token bucket then refused 51).
     server, signals = saturated
     service = server.service
     service.experiment_headers = frozenset({"x-tenant"})
-    service.quotas = Quotas(
-        parse_config(
-            {
-                "pool": {"endpoints": [{"address": "127.0.0.1:9101"}]},
-                "quotas": {
-                    "header": "x-tenant",
-                    "source": "gateway",
-                    "tenants": {"a": {"tokens_per_minute": 600, "burst_s": 6}},
-                },
-            }
-        ).quotas
-    )
+    service.quotas = _tenant_a_quotas()
     signals.publish(signals.snapshot.with_values(waiting=[50, 50, 50]))
     envoy = FakeEnvoy(server)
     message = headers_message(body_mode=ProcessingMode.BUFFERED)
@@ -247,18 +252,7 @@ def test_a_request_for_n_completions_is_charged_their_output_n_times() -> None:
     # through for 17 tokens.
     pool = Pool(parse_config({"pool": {"endpoints": [{"address": "127.0.0.1:9101"}]}}).endpoints)
     service = ExtProcService(Engine(pool, build_profile("round-robin", None)), max_body_bytes=1 << 20)
-    quotas = Quotas(
-        parse_config(
-            {
-                "pool": {"endpoints": [{"address": "127.0.0.1:9101"}]},
-                "quotas": {
-                    "header": "x-tenant",
-                    "source": "gateway",
-                    "tenants": {"a": {"tokens_per_minute": 600, "burst_s": 6}},
-                },
-            }
-        ).quotas
-    )
+    quotas = _tenant_a_quotas()
     one = RequestFeatures(model=MODEL, prompt_tokens=1, max_tokens=16, headers={"x-tenant": "a"})
     refusal, charged = service._over_quota(quotas, dataclasses.replace(one, output_copies=64))
     assert refusal is not None and charged is None and "1025 tokens exceed" in str(refusal)
