@@ -41,6 +41,7 @@ from inferlb.filter.server import UNKEYED_REASONS
 from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.quotas import QuotaStats
 from inferlb.scorer.replicas import ReplicaStats
+from inferlb.scorer.sharedcontrol import ControlStats
 
 if TYPE_CHECKING:
     from inferlb.filter.observe import ObserveStats
@@ -138,6 +139,7 @@ class Readings:
     discovery: tuple[str, bool] | None = None  # the source's name and whether it is in touch
     gpu_failures: dict[str, int] | None = None  # per GPU source URL, the collector's rounds in which it failed
     replicas: tuple[bool, int, ReplicaStats] | None = None  # Redis in touch, peers counted, the exchange's counts
+    shared_control: ControlStats | None = None  # the experiments' control state shared through Redis: its counts
     quotas: tuple[bool | None, QuotaStats] | None = None  # in step through Redis (None: alone), the counts
     # With kv_events: per endpoint whether its exact view is used, the blocks it reports; the collector's counts.
     kv: tuple[list[bool], list[int], int, int, dict[str, int], dict[str, int]] | None = None
@@ -174,6 +176,7 @@ class Readings:
             replicas=None
             if picker.replicas is None
             else (bool(picker.replicas.up), picker.replicas.peers(), copy.copy(picker.replicas.stats)),
+            shared_control=None if picker.shared_control is None else copy.copy(picker.shared_control.stats),
             quotas=_quotas(picker),
             kv=_kv(picker),
             unkeyed=_unkeyed(picker),
@@ -382,6 +385,15 @@ def families(readings: Readings) -> Iterator[Metric]:
             [(("published",), stats.published), (("applied",), stats.applied), (("rejected",), stats.rejected)],
         )
         yield _counter("inferlb_replicas_outages_total", "Times Redis went out of reach.", (), [((), stats.outages)])
+    if r.shared_control is not None:
+        control = r.shared_control
+        yield _counter(
+            "inferlb_experiment_shared_changes_total",
+            "Experiments' control changes (an operator's action, a guard's roll-back) shared through Redis: published "
+            "by this replica, followed from others, refused (malformed, or arms this config does not have).",
+            ("kind",),
+            [(("published",), control.published), (("applied",), control.applied), (("rejected",), control.rejected)],
+        )
     if r.quotas is not None:
         shared, quota = r.quotas
         quota_outcomes = [((t, "admitted"), n) for t, n in sorted(quota.admitted.items())]

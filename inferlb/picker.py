@@ -50,6 +50,7 @@ from inferlb.scorer.quotas import Quotas
 from inferlb.scorer.replicas import Replicas
 from inferlb.scorer.router import Router
 from inferlb.scorer.saturation import Saturation
+from inferlb.scorer.sharedcontrol import SharedControl
 from inferlb.scorer.signals import Signals
 from inferlb.scorer.tokenizer import (
     CacheKeyer,
@@ -122,6 +123,8 @@ class PickerProcess:
     membership_refusals: int = 0
     # Other pickers of the pool, through Redis (config replicas): what they have in flight counts here too.
     replicas: Replicas | None = None
+    # And the experiments' control state (an operator's actions, a guard's roll-back), shared and remembered there.
+    shared_control: SharedControl | None = None
 
     async def start(self) -> None:
         await self.server.start()
@@ -159,6 +162,8 @@ class PickerProcess:
             self._tasks.append(loop.create_task(self.discovery.run(self.discovered_endpoints), name="discovery"))
         if self.replicas is not None:
             self._tasks.append(loop.create_task(self.replicas.run(), name="replicas"))
+        if self.shared_control is not None:
+            self._tasks.append(loop.create_task(self.shared_control.run(), name="experiments' shared control"))
         quotas = self.service.quotas
         if quotas is not None and quotas.replicas is not None:
             self._tasks.append(loop.create_task(quotas.run(), name="quotas"))
@@ -209,6 +214,8 @@ class PickerProcess:
             reasons.append("no metrics scrape finished yet")
         if self.replicas is not None and not self.replicas.ready():
             reasons.append("replicas: catching up from Redis")
+        if self.shared_control is not None and not self.shared_control.ready():
+            reasons.append("experiments: reading their shared control state from Redis")
         return reasons
 
     def notes(self) -> list[str]:
@@ -431,6 +438,8 @@ class PickerProcess:
             self.service.leases.max_age_s = config.inflight.max_age_s
         self.service.swap_router(router)
         _export_changes(self.service)
+        if experiments is not None and self.shared_control is not None:
+            experiments.listeners.append(self.shared_control.changed)
         self.service.max_body_bytes = config.max_body_bytes
         self.service.session_header = config.session_header
         self.service.class_header = config.class_header
@@ -773,6 +782,13 @@ def create_picker(
         # with a reload, so this is wired whether or not the config has them now).
         service.on_outcome_elsewhere = picker.replicas.outcome_elsewhere
         picker.replicas.take_outcome = service.outcome_from_elsewhere
+        # What decides whether an arm takes traffic at all (an operator's action, a guard's roll-back) is the same
+        # for every replica, and outlives each: shared through Redis, read before the picker reports ready.
+        picker.shared_control = SharedControl(
+            config.replicas, lambda: service.router.experiments, replica_id=picker.replicas.id
+        )
+        if experiments is not None:
+            experiments.listeners.append(picker.shared_control.changed)
     if config.quotas is not None:
         replicas = picker.replicas
         service.quotas = Quotas(

@@ -622,7 +622,8 @@ def _redis_url(value: Any) -> str:
 class ReplicasConfig(Section):
     """``replicas``: several pickers share routing state through Redis (``url``), off the hot path: each publishes
     its own in-flight requests and tokens per endpoint every ``publish_interval_s`` (a full snapshot every
-    second) and adds the others' to its own view. ``username`` and ``password`` (``{token_file: ...}`` or
+    second) and adds the others' to its own view; experiments' control state (an operator's action, a guard's
+    roll-back) is shared and remembered there too. ``username`` and ``password`` (``{token_file: ...}`` or
     ``{token_env: ...}``) for Redis AUTH; a ``rediss://`` URL uses TLS (``ca_file`` for a private CA). Pickers
     share state only under the same ``key``. A peer not heard from for ``peer_ttl_s`` counts no more."""
 

@@ -494,6 +494,12 @@ class RunningExperiment:
         self.set_weights(spec.starting_weights, kind="started", reason="the experiment started")
 
     @property
+    def fingerprint(self) -> str:
+        """The experiment's configuration, in 16 hex digits: replicas share control state only between copies of
+        the same configuration (a changed experiment is a new one)."""
+        return hashlib.blake2b(repr(self.spec).encode(), digest_size=8).hexdigest()
+
+    @property
     def state(self) -> str:
         if self.rolled_back:
             return "rolled back"
@@ -501,12 +507,13 @@ class RunningExperiment:
             return "stopped"
         return "paused" if self.paused else "running"
 
-    def control(self, action: str, weights: Mapping[str, float] | None = None) -> None:
+    def control(self, action: str, weights: Mapping[str, float] | None = None, *, origin: str = "the operator") -> None:
         """An operator's action: ``pause`` (the requests it covers route as the rest do, outcomes so far kept;
         ``resume`` undoes it),
         ``stop`` (the same, until ``start``), ``start`` (from the starting weights, the guard's count of breaches
         reset: also after a roll-back) or ``weights`` (set ``weights``; refused after a roll-back, where the guard
-        judges no more: ``start`` re-arms it). ValueError for anything else."""
+        judges no more: ``start`` re-arms it). ValueError for anything else. ``origin`` names who acted, in the
+        history's reasons ("paused by the operator")."""
         if action == "weights":
             if weights is None:
                 raise ValueError("action 'weights' needs the arms' weights")
@@ -515,20 +522,66 @@ class RunningExperiment:
                     f"experiment {self.spec.name!r} was rolled back and its guard judges no more: 'start' it again"
                     " (from its starting weights, the guard re-armed), then set weights"
                 )
-            self.set_weights(weights, reason="set by the operator")
+            self.set_weights(weights, reason=f"set by {origin}")
         elif action in ("pause", "resume", "stop"):
             if action == "resume" and self.stopped:
                 raise ValueError("a stopped experiment starts again with 'start' (its weights and guard anew)")
             self.paused = action != "resume"
             self.stopped = action == "stop"
             done = {"pause": "paused", "resume": "resumed", "stop": "stopped"}[action]
-            self.set_weights(self.weights(), kind=done, reason=f"{done} by the operator")
+            self.set_weights(self.weights(), kind=done, reason=f"{done} by {origin}")
         elif action == "start":
             self.paused = self.stopped = self.rolled_back = False
             self.breaches = {a.name: 0 for a in self.arms}
-            self.set_weights(self.spec.starting_weights, kind="started", reason="started by the operator")
+            self.set_weights(self.spec.starting_weights, kind="started", reason=f"started by {origin}")
         else:
             raise ValueError(f"unknown action {action!r}: pause, resume, stop, start or weights")
+
+    def roll_back(self, arm: str | None, reason: str) -> None:
+        """The guard's verdict, taken from elsewhere (another replica's guard): ``arm`` to weight 0, the control
+        taking up its share (every treatment arm where ``arm`` is None or none of this experiment's), and the
+        experiment rolled back. Nothing when it is rolled back already."""
+        if self.rolled_back:
+            return
+        self.rolled_back = True
+        found = self._by_name.get(arm) if arm is not None else None
+        if found is not None and found is not self.arms[0]:
+            self._move(found, 0.0, "rolled-back", reason)
+            return
+        control = self.arms[0].name
+        weights = {one.name: 1.0 if one.name == control else 0.0 for one in self.arms}
+        self.set_weights(weights, kind="rolled-back", reason=reason)
+
+    def follow(
+        self,
+        state: str,
+        kind: str,
+        *,
+        weights: Mapping[str, float] | None = None,
+        arm: str | None = None,
+        origin: str,
+        reason: str = "",
+    ) -> None:
+        """Bring this copy of the experiment to the control state another copy published (`scorer.sharedcontrol`):
+        ``state`` (`state`'s values) after a change of ``kind`` (``weights``: the weights an operator set, kind
+        ``set``), made by ``origin`` for ``reason``. A roll-back rolls back; a stop stops; a start re-arms (also a
+        copy that is rolled back or stopped: the operator started it again); then pause, resume and weights as the
+        operator asked. ValueError where the weights do not fit (another config)."""
+        if state == "rolled back":
+            self.roll_back(arm, f"rolled back by {origin}: {reason}")
+            return
+        if state == "stopped":
+            if not self.stopped:
+                self.control("stop", origin=origin)
+            return
+        if kind == "started" or self.rolled_back or self.stopped:
+            self.control("start", origin=origin)
+        if state == "paused" and not self.paused:
+            self.control("pause", origin=origin)
+        elif state == "running" and self.paused:
+            self.control("resume", origin=origin)
+        if kind == "set" and weights is not None:
+            self.control("weights", weights, origin=origin)
 
     def weights(self) -> dict[str, float]:
         units = self._line.units(len(self.arms))

@@ -528,6 +528,61 @@ async def test_two_pickers_sharing_redis_count_each_others_requests_and_say_when
                 await picker.stop(0.5)
 
 
+@pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+async def test_an_experiment_paused_through_one_pickers_admin_api_is_paused_in_every_picker_and_after_a_restart(
+    servers, tmp_path: Path
+):
+    with redis_server(tmp_path / "redis") as redis:
+        secret = tmp_path / "redis-password"
+        secret.write_text(redis.password)
+        shared = {"url": redis.url, "password": {"token_file": str(secret)}, "key": "inferlb:test-pool"}
+        experiment = {
+            "name": "release",
+            "arms": [
+                {"name": "stable", "profile": "kv-aware", "weight": 0.5},
+                {"name": "canary", "profile": "kv-aware", "weight": 0.5, "endpoints": {"version": "canary"}},
+            ],
+        }
+
+        def picker(name: str) -> PickerProcess:
+            folder = tmp_path / name
+            folder.mkdir()
+            doc = document(servers, replicas=shared, experiments=[experiment])
+            doc["pool"]["endpoints"][2]["labels"] = {"version": "canary"}
+            return create_picker(load_config(_write(folder, doc)))
+
+        def state(p: PickerProcess) -> str:
+            experiments = p.service.router.experiments
+            assert experiments is not None
+            return experiments.running["release"].state
+
+        a, b = picker("a"), picker("b")
+        running = [a, b]
+        await a.start()
+        await b.start()
+        try:
+            await until(lambda: not a.not_ready() and not b.not_ready(), "both ready")
+            async with httpx.AsyncClient(base_url=f"http://{a.config.admin}", timeout=5, headers=AUTH) as client:
+                paused = await client.post("/experiments/release", json={"action": "pause"})
+                assert paused.status_code == 200 and paused.json()["state"] == "paused"
+            await until(lambda: state(b) == "paused", "b paused by a's admin API")
+            await b.stop(0.5)
+            running.remove(b)
+            restarted = picker("b-again")
+            running.append(restarted)
+            assert "experiments: reading their shared control state from Redis" in restarted.not_ready()
+            await restarted.start()
+            await until(lambda: not restarted.not_ready(), "the restarted picker ready")
+            assert state(restarted) == "paused"  # taken up before it reported ready
+            async with httpx.AsyncClient(base_url=f"http://{restarted.config.admin}", timeout=5) as client:
+                metrics = _families((await client.get("/metrics")).text)
+            shared_changes = {s.labels["kind"]: s.value for s in metrics["inferlb_experiment_shared_changes"].samples}
+            assert shared_changes == {"published": 0, "applied": 1, "rejected": 0}
+        finally:
+            for p in running:
+                await p.stop(0.5)
+
+
 @pytest.mark.parametrize(
     ("otel", "replicas", "exact"),
     [

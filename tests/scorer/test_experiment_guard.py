@@ -364,3 +364,26 @@ def test_a_request_admitted_before_a_reload_routes_with_the_new_experiments() ->
         routed.lease.release()
         assert routed.arm is None and routed.decision.profile == "least-request"
     assert sum(arm.outcomes.requests for arm in after.experiments.running["release"].arms) == 0  # type: ignore[union-attr]
+
+
+def test_a_roll_back_taken_from_another_copy_zeroes_the_arm_it_was_about_as_the_guard_would() -> None:
+    arms = (
+        ArmSpec("stable", "least-request", 0.6),
+        ArmSpec("canary", "least-request", 0.2, {"version": "canary"}),
+        ArmSpec("policy", "round-robin", 0.2),
+    )
+    experiment = _router(ExperimentSpec("release", arms)).experiments.running["release"]  # type: ignore[union-attr]
+    experiment.follow("rolled back", "rolled-back", arm="canary", origin="replica a", reason="5 of 50 requests failed")
+    assert experiment.state == "rolled back"
+    assert experiment.weights() == {"stable": 0.8, "canary": 0.0, "policy": 0.2}
+    assert experiment.history[-1].reason == "rolled back by replica a: 5 of 50 requests failed"
+    experiment.follow("rolled back", "rolled-back", arm="canary", origin="replica b")  # once is enough
+    assert [c.kind for c in experiment.history] == ["started", "rolled-back"]
+    # An operator's start re-arms it; a roll-back about no arm of this config takes every treatment out.
+    experiment.follow("running", "started", origin="replica b")
+    assert experiment.state == "running" and experiment.weights() == {"stable": 0.6, "canary": 0.2, "policy": 0.2}
+    experiment.follow("rolled back", "rolled-back", arm="gone", origin="replica c")
+    assert experiment.weights() == {"stable": 1.0, "canary": 0.0, "policy": 0.0}
+    with pytest.raises(ValueError, match="every arm"):
+        experiment.control("start")
+        experiment.follow("running", "set", weights={"stable": 1.0}, origin="replica d")

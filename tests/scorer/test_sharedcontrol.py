@@ -1,0 +1,232 @@
+"""Experiments' control state shared by replicas through a real Redis (Debian's redis-server, with a password): a
+guard's roll-back and an operator's action reach every replica, and a replica that starts takes them up."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
+from inferlb.scorer.config import ReplicasConfig, parse_config
+from inferlb.scorer.engine import Engine
+from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec, GuardSpec, RunningExperiment
+from inferlb.scorer.features import RequestFeatures
+from inferlb.scorer.pool import Pool
+from inferlb.scorer.presets import build_profile
+from inferlb.scorer.router import Router
+from inferlb.scorer.sharedcontrol import SharedControl
+
+from ..conftest import until
+
+pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
+
+LABELS = [{"version": "stable"}] * 3 + [{"version": "canary"}]
+POOL = {
+    "endpoints": [
+        {"address": f"10.0.0.{i + 1}:8000", "models": ["m"], "labels": labels} for i, labels in enumerate(LABELS)
+    ]
+}
+POLL_S = 0.05
+
+
+def _canary(weight: float = 0.5, **kw: object) -> ExperimentSpec:
+    arms = (
+        ArmSpec("stable", "least-request", round(1 - weight, 6)),
+        ArmSpec("canary", "least-request", weight, {"version": "canary"}),
+    )
+    return ExperimentSpec("release", arms, guard=GuardSpec(min_requests=20, check_s=0.0), **kw)
+
+
+def _router(spec: ExperimentSpec) -> Router:
+    config = parse_config({"policy": "least-request", "pool": POOL})
+    engine = Engine(Pool(config.endpoints), build_profile("least-request", np.random.default_rng(0), size=4))
+    experiments = Experiments.over(engine, [spec], config.profile_spec, np.random.default_rng(0))
+    return Router(engine, experiments=experiments)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    with redis_server(tmp_path / "redis") as running:
+        yield running
+
+
+@pytest.fixture
+def config(server: RedisServer, tmp_path: Path) -> ReplicasConfig:
+    secret = tmp_path / "redis-password"
+    secret.write_text(server.password + "\n")
+    document = {"url": server.url, "password": {"token_file": str(secret)}, "key": "inferlb:shared-test"}
+    replicas = parse_config({"pool": POOL, "replicas": document}).replicas
+    assert replicas is not None
+    return replicas
+
+
+class Replica:
+    """One picker's experiments and its side of the shared control, running."""
+
+    def __init__(self, config: ReplicasConfig, name: str, spec: ExperimentSpec) -> None:
+        self.router = _router(spec)
+        self.control = SharedControl(config, lambda: self.router.experiments, replica_id=name, poll_s=POLL_S)
+        assert self.router.experiments is not None
+        self.router.experiments.listeners.append(self.control.changed)
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def release(self) -> RunningExperiment:
+        assert self.router.experiments is not None
+        return self.router.experiments.running["release"]
+
+    async def start(self) -> Replica:
+        self.task = asyncio.create_task(self.control.run())
+        await until(self.control.ready, "the shared state read")
+        return self
+
+    async def stop(self) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+@pytest.fixture
+async def replicas(config: ReplicasConfig) -> AsyncIterator[Callable[..., asyncio.Future[Replica]]]:
+    started: list[Replica] = []
+
+    async def start(name: str, spec: ExperimentSpec | None = None) -> Replica:
+        replica = await Replica(config, name, spec or _canary()).start()
+        started.append(replica)
+        return replica
+
+    yield start  # type: ignore[misc]
+    for replica in started:
+        await replica.stop()
+
+
+def _fail_canary(router: Router, n: int = 200) -> None:
+    """Route ``n`` requests; every canary request fails, every stable one succeeds (the guard judges each)."""
+    experiments = router.experiments
+    assert experiments is not None
+    for i in range(n):
+        routed = router.route(router.admit(RequestFeatures(model="m", request_id=f"f{i}")).request)
+        routed.lease.release()
+        failed = routed.arm is not None and routed.arm.name == "canary"
+        if not failed:
+            experiments.first_token(f"f{i}", 0.1)
+        experiments.outcome(f"f{i}", failed=failed, e2e_s=None if failed else 0.2)
+
+
+def _canary_share(router: Router, n: int = 400) -> float:
+    arms = []
+    for i in range(n):
+        routed = router.route(router.admit(RequestFeatures(model="m", request_id=f"s{i}")).request)
+        routed.lease.release()
+        arms.append(routed.arm.name if routed.arm is not None else None)
+    return arms.count("canary") / n
+
+
+async def test_a_roll_back_by_one_replicas_guard_takes_the_canary_out_of_every_replica_and_a_new_one(
+    replicas: Callable[..., asyncio.Future[Replica]],
+) -> None:
+    a, b = await replicas("a"), await replicas("b")
+    assert _canary_share(b.router) > 0.3
+    # b's copy sees no failure of its own; a's guard, on a's share, rolls the canary back.
+    while not a.release.rolled_back:
+        _fail_canary(a.router)
+    await until(lambda: b.release.rolled_back, "b follows a's roll-back")
+    assert b.release.weights() == {"stable": 1.0, "canary": 0.0}
+    assert _canary_share(b.router) == 0.0
+    history = b.release.describe()["history"]
+    assert history[-1]["kind"] == "rolled-back" and history[-1]["reason"].startswith("rolled back by replica a: ")
+    assert "failed" in history[-1]["reason"]  # the guard's own reason travels with it
+    assert a.control.stats.published == 1 and b.control.stats.applied == 1
+    assert b.control.stats.published == 0  # a change followed is not published again
+    # A replica that starts later (a restart: a new id) takes the roll-back up before it is ready.
+    c = await replicas("c")
+    assert c.release.rolled_back and _canary_share(c.router) == 0.0
+    # The operator starts it again on one replica: every replica's canary takes its share once more.
+    c.release.control("start")
+    await until(lambda: not a.release.rolled_back and not b.release.rolled_back, "a and b follow c's start")
+    assert a.release.weights() == b.release.weights() == {"stable": 0.5, "canary": 0.5}
+    assert _canary_share(a.router) > 0.3
+
+
+async def test_an_operators_action_on_one_replica_reaches_the_others_and_outlives_them(
+    replicas: Callable[..., asyncio.Future[Replica]],
+) -> None:
+    a, b = await replicas("a"), await replicas("b")
+    a.release.control("weights", {"stable": 0.9, "canary": 0.1})
+    await until(lambda: b.release.weights() == {"stable": 0.9, "canary": 0.1}, "b takes a's weights")
+    b.release.control("pause")
+    await until(lambda: a.release.paused, "a takes b's pause")
+    assert a.release.weights() == {"stable": 0.9, "canary": 0.1}  # a pause keeps the weights
+    assert a.release.describe()["history"][-1]["reason"] == "paused by replica b"
+    # Each change went out once, from the replica that made it.
+    assert (a.control.stats.published, b.control.stats.published) == (1, 1)
+    await b.stop()
+    restarted = await replicas("b2")
+    assert restarted.release.state == "paused"
+    a.release.control("resume")
+    await until(lambda: restarted.release.state == "running", "the restarted replica takes a's resume")
+    a.release.control("stop")
+    await until(lambda: restarted.release.state == "stopped", "and a's stop")
+
+
+async def test_another_configuration_of_the_experiment_starts_from_its_own(
+    replicas: Callable[..., asyncio.Future[Replica]],
+) -> None:
+    a = await replicas("a")
+    a.release.control("stop")
+    await until(lambda: a.control.stats.published == 1, "a's stop published")
+    # The same name, another ramp: a new experiment, which the old one's stop does not reach.
+    other = await replicas("b", _canary(ramp=(0.6, 0.7)))
+    assert other.release.state == "running"
+    same = await replicas("c")
+    assert same.release.state == "stopped"
+
+
+async def test_forged_or_mismatched_entries_change_nothing(
+    replicas: Callable[..., asyncio.Future[Replica]], config: ReplicasConfig, server: RedisServer
+) -> None:
+    a = await replicas("a")
+    key = f"{config.key}:experiments"
+    client = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        fingerprint = a.release.fingerprint
+        forged = [
+            b"not a number {}",
+            b"7 not json",
+            b'8 {"fingerprint": "' + fingerprint.encode() + b'", "state": "gone", "kind": "set", "by": "x"}',
+            b"9 " + b"x" * 20_000,
+        ]
+        for count, raw in enumerate(forged, 1):
+            await client.hset(key, "release", raw)
+            await until(lambda n=count: a.control.stats.rejected == n, f"{raw[:20]!r} refused")
+        # Well formed, but weights for arms this config does not have.
+        entry = (
+            b'10 {"fingerprint": "' + fingerprint.encode() + b'", "state": "running", "kind": "set", '
+            b'"weights": {"stable": 0.5, "other": 0.5}, "arm": null, "reason": "", "by": "x", "time": 0}'
+        )
+        await client.hset(key, "release", entry)
+        await until(lambda: a.control.stats.rejected == 5, "weights for unknown arms refused")
+        assert a.release.state == "running" and a.release.weights() == {"stable": 0.5, "canary": 0.5}
+        assert a.control.stats.applied == 0
+    finally:
+        await client.aclose()
+
+
+async def test_a_replica_that_cannot_reach_redis_routes_with_its_own_state_and_is_ready(tmp_path: Path) -> None:
+    secret = tmp_path / "redis-password"
+    secret.write_text("nobody")
+    document = {"url": "redis://127.0.0.1:1", "password": {"token_file": str(secret)}, "timeout_s": 0.2}
+    config = parse_config({"pool": POOL, "replicas": document}).replicas
+    assert config is not None
+    replica = await Replica(config, "alone", _canary()).start()
+    try:
+        assert replica.control.up is False and replica.control.stats.outages == 1
+        replica.release.control("pause")  # kept here, and published once Redis is back
+        assert replica.release.paused and replica.control._pending
+    finally:
+        await replica.stop()
