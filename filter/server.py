@@ -78,6 +78,7 @@ from inferlb.filter.xds import ControlPlane
 from inferlb.otel.receiver import TraceJoin
 from inferlb.otel.routespans import RouteSpans
 from inferlb.scorer.classes import Classifier
+from inferlb.scorer.config import KEYING_DEADLINE_S, KEYING_QUEUE
 from inferlb.scorer.decisions import DecisionLog
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.errors import RoutingError, shown
@@ -98,13 +99,6 @@ GRPC_ENVELOPE_BYTES = 256 * 1024
 _BUFFERED = frozenset({ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL})
 # Prompts tokenized at once by a slow tokenizer (the `tokenizers` library's batch call runs without the GIL).
 TOKENIZER_THREADS = 2
-# Prompts a slow tokenizer may hold (running or waiting for a thread, late ones included): a request that finds this
-# many routes at once without exact cache keys, so one client's huge prompts cannot hold up everyone's.
-TOKENIZER_QUEUE = 8
-# How long a request waits for its exact cache keys before it routes without them, on the approximate prefix index
-# (the tokenizer's late result is dropped). A few KB take milliseconds (bench/results/kvevents.md); the keyed head of
-# a prompt of 128k tokens or more, most of a second.
-KEYING_DEADLINE_S = 0.05
 # Why a request that a tokenizer would key routed without exact keys (FilterStats.unkeyed; the keyer counts the rest).
 UNKEYED_REASONS = ("late", "busy")
 
@@ -196,7 +190,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         # tokenizer's run in these threads (made at the first need), at most `keying_queue` prompts held there, and a
         # request waits `keying_deadline_s` for its keys.
         self.keyer: CacheKeyer | None = None
-        self.keying_queue = TOKENIZER_QUEUE
+        self.keying_queue = KEYING_QUEUE
         self.keying_deadline_s = KEYING_DEADLINE_S
         self._tokenizing: ThreadPoolExecutor | None = None
         self._keying = 0  # prompts in or waiting for the tokenizing threads

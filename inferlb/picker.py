@@ -631,6 +631,8 @@ def _kv_events(config: Config, signals: Signals, service: ExtProcService) -> Non
         resync_s=settings.resync_s,
     )
     service.keyer = CacheKeyer(tokenizers, settings.block_size)
+    service.keying_deadline_s = settings.keying_deadline_s
+    service.keying_queue = settings.keying_queue
 
 
 def _experiments(

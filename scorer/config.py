@@ -779,6 +779,15 @@ class QuotasConfig(Section):
         return self
 
 
+# Prompts a slow tokenizer may hold (running or waiting for a thread, late ones included): a request that finds this
+# many routes at once without exact cache keys, so one client's huge prompts cannot hold up everyone's.
+KEYING_QUEUE = 8
+# How long a request waits for its exact cache keys before it routes without them, on the approximate prefix index
+# (the tokenizer's late result is dropped). A few KB take milliseconds (bench/results/kvevents.md); the keyed head of
+# a prompt of 128k tokens or more, most of a second.
+KEYING_DEADLINE_S = 0.05
+
+
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig(Section):
     """``kv_events``: the servers publish their KV-cache events (vLLM's ``--kv-events-config``, publisher zmq), and
@@ -791,7 +800,10 @@ class KVEventsConfig(Section):
     servers' KV block size (vLLM's ``--block-size``, 16 by default). ``max_bytes_per_s``: what one endpoint may
     publish a second on average (a batch at the 1 MiB limit as its burst; replays included); a batch beyond it is
     dropped and the endpoint is unsure for ``resync_s``, since decoding costs the picker's CPU (scorer/kvsubscriber.py).
-    A server that prefills 10,000 tokens a second publishes tens of KB a second."""
+    A server that prefills 10,000 tokens a second publishes tens of KB a second. ``keying_deadline_s``: how long a
+    request waits for its prompt's exact keys (the tokenizer runs in a thread) before it routes on the approximate
+    index; ``keying_queue``: prompts the tokenizer may hold at once (a request that finds that many routes at once
+    without exact keys)."""
 
     port: Annotated[int, integer(ge=1, le=65535, noun="a port number")] = field(
         metadata={
@@ -813,6 +825,8 @@ class KVEventsConfig(Section):
     resync_s: Annotated[float, number(ge=0, le=3600)] = 30.0
     replay_timeout_s: Annotated[float, number(ge=0.01, le=60)] = 2.0
     max_bytes_per_s: Annotated[int, integer(ge=64 << 10, le=1 << 30)] = 1 << 20
+    keying_deadline_s: Annotated[float, number(ge=0.001, le=10)] = KEYING_DEADLINE_S
+    keying_queue: Annotated[int, integer(ge=1, le=1024)] = KEYING_QUEUE
 
     @model_validator(mode="after")
     def _consistent(self) -> KVEventsConfig:

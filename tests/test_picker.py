@@ -19,6 +19,7 @@ from inferlb.bench.redisserver import REDIS, redis_server
 from inferlb.picker import PickerProcess, create_picker
 from inferlb.procs import free_port
 from inferlb.scorer.config import EndpointConfig, load_config, parse_config
+from inferlb.scorer.errors import ConfigError
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.tokenizer import cache_keys
 from inferlb.sim.fleet import serving
@@ -765,6 +766,19 @@ async def test_kv_events_of_an_endpoint_back_before_it_drained_are_forgotten(tmp
     assert kv is not None and [e.address for e in picker.engine.pool] == addresses
     assert kv.match_depth(keys)[0].tolist() == [0, 2]
     assert kv.states[0].sequence is None and kv.states[1].sequence == 7
+
+
+def test_how_long_a_request_waits_for_its_exact_keys_is_the_configs(tmp_path: Path) -> None:
+    # A fleet of long prompts, whose keyed heads take the tokenizer most of a second, may wait longer than 50 ms.
+    kv_events = {"port": free_port(), "tokenizers": {"m": "pieces"}}
+    doc = {"listen": f"127.0.0.1:{free_port()}", "admin": None, "pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}}
+    picker = create_picker(load_config(_write(tmp_path, {**doc, "kv_events": kv_events})))
+    assert (picker.service.keying_deadline_s, picker.service.keying_queue) == (0.05, 8)
+    tuned = {**kv_events, "keying_deadline_s": 0.8, "keying_queue": 32}
+    picker = create_picker(load_config(_write(tmp_path, {**doc, "kv_events": tuned})))
+    assert (picker.service.keying_deadline_s, picker.service.keying_queue) == (0.8, 32)
+    with pytest.raises(ConfigError, match=r"kv_events\.keying_queue"):
+        parse_config({**doc, "kv_events": {**kv_events, "keying_queue": 0}})
 
 
 def _discovered_picker(gpu: dict | None = None) -> PickerProcess:
