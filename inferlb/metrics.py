@@ -389,10 +389,22 @@ def families(readings: Readings) -> Iterator[Metric]:
         control = r.shared_control
         yield _counter(
             "inferlb_experiment_shared_changes_total",
-            "Experiments' control changes (an operator's action, a guard's roll-back) shared through Redis: published "
-            "by this replica, followed from others, refused (malformed, or arms this config does not have).",
+            "Experiments' control changes (an operator's action, a guard's roll-back) shared through Redis: merged in "
+            "by this replica, followed from others, refused (malformed, or arms this config does not have), merged "
+            "again because another replica wrote meanwhile.",
             ("kind",),
-            [(("published",), control.published), (("applied",), control.applied), (("rejected",), control.rejected)],
+            [
+                (("published",), control.published),
+                (("applied",), control.applied),
+                (("rejected",), control.rejected),
+                (("conflicts",), control.conflicts),
+            ],
+        )
+        yield _counter(
+            "inferlb_experiment_shared_outages_total",
+            "Times Redis went out of reach for the experiments' shared control state.",
+            (),
+            [((), control.outages)],
         )
     if r.quotas is not None:
         shared, quota = r.quotas

@@ -40,6 +40,7 @@ for their quantiles, and counts of requests, errors and sheds: memory per arm is
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -47,10 +48,11 @@ import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
+import orjson
 
 from inferlb.scorer.engine import Engine
 from inferlb.scorer.features import RequestFeatures
@@ -66,6 +68,7 @@ __all__ = [
     "Arm",
     "ArmOutcomes",
     "ArmSpec",
+    "ControlState",
     "ExperimentSpec",
     "Experiments",
     "GuardSpec",
@@ -75,6 +78,7 @@ __all__ = [
     "arm_masks",
     "comparison_json",
     "endpoint_masks",
+    "spec_fingerprint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -148,6 +152,46 @@ class WeightChange:
             "kind": self.kind,
             "reason": self.reason,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ControlState:
+    """What decides whether an experiment's arms take traffic, as replicas share it (`scorer.sharedcontrol`): how
+    many times it was started (``starts``: an operator's ``start`` re-arms it), the weights an operator set since
+    (``weights``, the ``weight_sets``-th setting; None: none), whether a guard rolled it back (``rolled``: the arm,
+    the reason, who), and whether it is paused or stopped (stopped implies paused). ``fingerprint`` names the
+    experiment's configuration; ``by`` and ``reason`` the last change."""
+
+    fingerprint: str
+    starts: int = 0
+    weight_sets: int = 0
+    weights: Mapping[str, float] | None = None
+    rolled: tuple[str | None, str, str] | None = None  # (arm, reason, by)
+    paused: bool = False
+    stopped: bool = False
+    by: str = ""
+    reason: str = ""
+
+    def merged(self, mine: ControlState, kinds: Iterable[str]) -> ControlState:
+        """This state (the shared one) with a replica's own changes of ``kinds`` (`WeightChange.kind`) made on top of
+        what it knew (``mine``): a start supersedes everything before it; a roll-back stays until a start; weights
+        and pause, resume or stop are the latest operator's. What another replica changed meanwhile is kept."""
+        if self.fingerprint != mine.fingerprint:
+            return mine  # another configuration's entry: this one replaces it
+        kinds = set(kinds)
+        if "started" in kinds:  # numbered after every start the shared state knows of
+            starts = max(mine.starts, self.starts + 1)
+            return replace(mine, starts=starts, weight_sets=max(mine.weight_sets, self.weight_sets))
+        if mine.starts > self.starts:
+            return mine  # the shared state predates a start made here (lost with a Redis that restarted empty, say)
+        out = self
+        if "rolled-back" in kinds and mine.starts == self.starts and self.rolled is None:
+            out = replace(out, rolled=mine.rolled)  # a roll-back made before a start it did not see is void
+        if "set" in kinds and mine.weights is not None:
+            out = replace(out, weights=mine.weights, weight_sets=max(self.weight_sets + 1, mine.weight_sets))
+        if kinds & {"paused", "resumed", "stopped"}:
+            out = replace(out, paused=mine.paused, stopped=mine.stopped)
+        return replace(out, by=mine.by, reason=mine.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,6 +513,12 @@ class RunningExperiment:
         self.paused = False
         self.stopped = False
         self.rolled_back = False
+        # The control state replicas share (`ControlState`): starts and weight settings by an operator, the weights
+        # set since the last start, and the roll-back (arm, reason, by).
+        self.starts = 0
+        self.weight_sets = 0
+        self.operator_weights: dict[str, float] | None = None
+        self.rolled: tuple[str | None, str, str] | None = None
         if masks is None:
             masks = arm_masks([spec], labels)[0]
         self.arms = tuple(
@@ -495,9 +545,27 @@ class RunningExperiment:
 
     @property
     def fingerprint(self) -> str:
-        """The experiment's configuration, in 16 hex digits: replicas share control state only between copies of
-        the same configuration (a changed experiment is a new one)."""
-        return hashlib.blake2b(repr(self.spec).encode(), digest_size=8).hexdigest()
+        """The experiment's configuration, in 16 hex digits, the same in every process that reads the same config
+        (sets sorted, mappings by key): replicas share control state only between copies of the same
+        configuration (a changed experiment is a new one)."""
+        return spec_fingerprint(self.spec)
+
+    def control_state(self, by: str = "", reason: str = "") -> ControlState:
+        """This copy's `ControlState`, made ``by`` (also the roll-back's maker where this copy's own guard made it)."""
+        rolled = self.rolled if self.rolled_back else None
+        if rolled is not None and not rolled[2]:
+            rolled = (rolled[0], rolled[1], by)
+        return ControlState(
+            self.fingerprint,
+            self.starts,
+            self.weight_sets,
+            self.operator_weights,
+            rolled,
+            self.paused,
+            self.stopped,
+            by,
+            reason,
+        )
 
     @property
     def state(self) -> str:
@@ -523,6 +591,8 @@ class RunningExperiment:
                     " (from its starting weights, the guard re-armed), then set weights"
                 )
             self.set_weights(weights, reason=f"set by {origin}")
+            self.weight_sets += 1
+            self.operator_weights = dict(weights)
         elif action in ("pause", "resume", "stop"):
             if action == "resume" and self.stopped:
                 raise ValueError("a stopped experiment starts again with 'start' (its weights and guard anew)")
@@ -532,56 +602,53 @@ class RunningExperiment:
             self.set_weights(self.weights(), kind=done, reason=f"{done} by {origin}")
         elif action == "start":
             self.paused = self.stopped = self.rolled_back = False
+            self.rolled, self.operator_weights = None, None
+            self.starts += 1
             self.breaches = {a.name: 0 for a in self.arms}
             self.set_weights(self.spec.starting_weights, kind="started", reason=f"started by {origin}")
         else:
             raise ValueError(f"unknown action {action!r}: pause, resume, stop, start or weights")
 
-    def roll_back(self, arm: str | None, reason: str) -> None:
+    def roll_back(self, arm: str | None, reason: str, by: str = "") -> None:
         """The guard's verdict, taken from elsewhere (another replica's guard): ``arm`` to weight 0, the control
         taking up its share (every treatment arm where ``arm`` is None or none of this experiment's), and the
         experiment rolled back. Nothing when it is rolled back already."""
         if self.rolled_back:
             return
         self.rolled_back = True
+        self.rolled = (arm, reason, by)
         found = self._by_name.get(arm) if arm is not None else None
+        shown = f"rolled back by {by}: {reason}" if by else reason
         if found is not None and found is not self.arms[0]:
-            self._move(found, 0.0, "rolled-back", reason)
+            self._move(found, 0.0, "rolled-back", shown)
             return
         control = self.arms[0].name
         weights = {one.name: 1.0 if one.name == control else 0.0 for one in self.arms}
-        self.set_weights(weights, kind="rolled-back", reason=reason)
+        self.set_weights(weights, kind="rolled-back", reason=shown)
 
-    def follow(
-        self,
-        state: str,
-        kind: str,
-        *,
-        weights: Mapping[str, float] | None = None,
-        arm: str | None = None,
-        origin: str,
-        reason: str = "",
-    ) -> None:
-        """Bring this copy of the experiment to the control state another copy published (`scorer.sharedcontrol`):
-        ``state`` (`state`'s values) after a change of ``kind`` (``weights``: the weights an operator set, kind
-        ``set``), made by ``origin`` for ``reason``. A roll-back rolls back; a stop stops; a start re-arms (also a
-        copy that is rolled back or stopped: the operator started it again); then pause, resume and weights as the
-        operator asked. ValueError where the weights do not fit (another config)."""
-        if state == "rolled back":
-            self.roll_back(arm, f"rolled back by {origin}: {reason}")
+    def follow(self, state: ControlState, origin: str) -> None:
+        """Bring this copy to the control state replicas share (`scorer.sharedcontrol`), made by ``origin``: a start
+        this copy has not seen re-arms it; a roll-back rolls it back (only a start undoes one); then it is paused,
+        stopped or running as the state says, with the weights an operator set last. A state older than a start this
+        copy made changes nothing (its own goes out). Following the same state twice changes nothing. ValueError
+        where the weights do not fit."""
+        if state.fingerprint != self.fingerprint or state.starts < self.starts:
             return
-        if state == "stopped":
-            if not self.stopped:
-                self.control("stop", origin=origin)
-            return
-        if kind == "started" or self.rolled_back or self.stopped:
+        if state.starts > self.starts:
             self.control("start", origin=origin)
-        if state == "paused" and not self.paused:
-            self.control("pause", origin=origin)
-        elif state == "running" and self.paused:
-            self.control("resume", origin=origin)
-        if kind == "set" and weights is not None:
-            self.control("weights", weights, origin=origin)
+            self.starts = state.starts
+        if state.rolled is not None and not self.rolled_back:
+            arm, reason, by = state.rolled
+            self.roll_back(arm, reason, by or origin)
+        if (state.paused or state.stopped, state.stopped) != (self.paused, self.stopped):
+            self.paused, self.stopped = state.paused or state.stopped, state.stopped
+            kind = "stopped" if self.stopped else "paused" if self.paused else "resumed"
+            self.set_weights(self.weights(), kind=kind, reason=f"{kind} by {origin}")
+        if state.weight_sets > self.weight_sets:
+            self.weight_sets = state.weight_sets
+            if state.weights is not None and not self.rolled_back:
+                self.set_weights(state.weights, reason=f"set by {origin}")
+                self.operator_weights = dict(state.weights)
 
     def weights(self) -> dict[str, float]:
         units = self._line.units(len(self.arms))
@@ -658,7 +725,9 @@ class RunningExperiment:
                 header = spec.assign == "header"
                 if header or self.breaches[arm.name] >= guard.max_breaches or cut < WEIGHT_STEP:
                     self.rolled_back = True
-                    self._move(arm, 0.0, "rolled-back", f"{breach} (breach {self.breaches[arm.name]})")
+                    reason = f"{breach} (breach {self.breaches[arm.name]})"
+                    self.rolled = (arm.name, reason, "")
+                    self._move(arm, 0.0, "rolled-back", reason)
                     return
                 self._move(arm, round(cut, 6), "cut", f"{breach} (breach {self.breaches[arm.name]})")
                 return
@@ -694,6 +763,12 @@ class RunningExperiment:
         self._line = old._line.copy()
         self._marks, self._changed_at, self._next_check = old._marks, old._changed_at, old._next_check
         self.paused, self.stopped, self.rolled_back = old.paused, old.stopped, old.rolled_back
+        self.starts, self.weight_sets, self.operator_weights, self.rolled = (
+            old.starts,
+            old.weight_sets,
+            old.operator_weights,
+            old.rolled,
+        )
         self.breaches, self.started_at, self.history, self.changes = (
             old.breaches,
             old.started_at,
@@ -817,6 +892,27 @@ class RunningExperiment:
             "breaches": dict(self.breaches),
             "history": [change.as_json() for change in self.history],
         }
+
+
+def spec_fingerprint(spec: ExperimentSpec) -> str:
+    """16 hex digits of ``spec``'s canonical form (sets sorted, mappings by key, numbers as numbers): the same for the
+    same configuration in every process, whatever its hash seed."""
+
+    def canonical(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {str(k): canonical(v) for k, v in value.items()}
+        if isinstance(value, set | frozenset):
+            return sorted((canonical(v) for v in value), key=repr)
+        if isinstance(value, list | tuple):
+            return [canonical(v) for v in value]
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return value
+        if isinstance(value, int | float):
+            return float(value)
+        raise TypeError(f"an experiment's spec holds a {type(value).__name__}, which has no canonical form")
+
+    text = orjson.dumps(canonical(dataclasses.asdict(spec)), option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(text, digest_size=8).hexdigest()
 
 
 def _quantiles(h: Histogram) -> dict[str, float | None]:

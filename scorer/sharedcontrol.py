@@ -3,21 +3,25 @@
 Each picker runs its own copy of every experiment over the requests it routes (`scorer.experiments`): its own
 outcomes, its own guard. What must not stay one copy's is what decides whether an arm takes traffic at all: an
 operator's action (pause, resume, stop, start, weights), sent to one picker's admin API, and a guard's roll-back,
-reached by one copy on its share. Both are published to one Redis hash per pool (``{replicas.key}:experiments``),
-one field per experiment: the state the change left (running, paused, stopped, rolled back), its kind, the
-weights an operator set, the arm a roll-back was about, why, and which replica made it, numbered by one counter in
-the hash. Every replica reads the hash every `POLL_S` and brings its copy to each newer entry
+reached by one copy on its share. That is an experiment's `ControlState`: how many times it was started, the
+weights an operator set since, the roll-back, paused or stopped. It lives in one Redis hash per pool
+(``{replicas.key}:experiments``), one field per experiment, the whole state in each. A replica that changes it
+merges its change into the field under WATCH (`ControlState.merged`: a start supersedes what came before, a
+roll-back stays until a start, weights and pause, resume or stop are the latest operator's), so two replicas that
+act at once both count; every replica reads the hash every `POLL_S` and brings its copy to it
 (`RunningExperiment.follow`): a canary one guard rolled back takes no traffic from any replica, and one ``pause``
 pauses the experiment everywhere. Cuts and ramp steps stay each copy's own (each guard judges its own share).
 
 The hash outlives the pickers, so a picker that starts (a restart, a new pod) reads it before it reports ready
 and takes up the state its experiments were left in: a roll-back is remembered until an operator ``start``s the
-experiment again. Only the same configuration of an experiment follows an entry (its `fingerprint`): a changed
-experiment is a new one, which starts from its config. With Redis out of reach a picker routes with its copies'
-own state and says so, and follows the hash again once it is back.
+experiment again. A Redis that lost the hash (restarted empty) gets each replica's state again at their next read,
+merged so that a roll-back or a pause any of them holds is kept. Only the same configuration of an experiment
+follows an entry (its `fingerprint`, the same in every process): a changed experiment is a new one, which starts
+from its config. With Redis out of reach a picker routes with its copies' own state and says so, and publishes
+what changed meanwhile once Redis is back.
 
-Trust: the replicas' Redis (AUTH, TLS) as for the rest of the exchange (`scorer.replicas`); an entry is applied only
-as far as it is well formed and names an experiment and arms of this picker's config, anything else is counted
+Trust: the replicas' Redis (AUTH, TLS) as for the rest of the exchange (`scorer.replicas`); an entry is applied
+only as far as it is well formed and names arms of this picker's config, anything else is counted
 (``rejected``) and changes nothing.
 """
 
@@ -26,49 +30,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from inferlb.scorer.config import ReplicasConfig
 from inferlb.scorer.errors import ConfigError
-from inferlb.scorer.experiments import Experiments, RunningExperiment, WeightChange
+from inferlb.scorer.experiments import ControlState, Experiments, RunningExperiment, WeightChange
 from inferlb.scorer.replicas import _raise_if_cancelled, connect_redis
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-__all__ = ["POLL_S", "SHARED_KINDS", "ControlStats", "SharedControl"]
+__all__ = ["POLL_S", "SHARED_KINDS", "ControlStats", "SharedControl", "decode_state", "encode_state"]
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often a replica reads the hash: a roll-back reaches every replica within about this
 SHARED_KINDS = frozenset({"paused", "resumed", "stopped", "started", "set", "rolled-back"})
-"""The changes of weight that are published: an operator's actions and a guard's roll-back (not cuts nor ramps)."""
-STATES = frozenset({"running", "paused", "stopped", "rolled back"})
+"""The changes of weight that are shared: an operator's actions and a guard's roll-back (not cuts nor ramps)."""
+REPUBLISH = "republish"  # a replica's whole state, for a hash that lost its field
 MAX_ENTRY_BYTES = 16_384  # an entry is a few hundred bytes; anything this long is not one of ours
 MAX_TEXT = 500  # characters of a reason or a replica's name kept
-_SEQ = "#seq"  # the hash's counter (no experiment can be named so: names are checked by the config)
+MAX_ARMS = 64
+MAX_COUNT = 1 << 31
+WRITE_TRIES = 10  # merges retried when another replica wrote the hash meanwhile (WATCH)
 _RETRY_S = (0.1, 2.0)
-
-# Numbers the entry and stores it in one step: "<n> <json>".
-_PUT = """
-local n = redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-redis.call('HSET', KEYS[1], ARGV[2], n .. ' ' .. ARGV[3])
-return n
-"""
 
 
 @dataclass(slots=True)
 class ControlStats:
     """Counters (event-loop owned)."""
 
-    published: int = 0  # this replica's changes written to the hash
-    applied: int = 0  # other replicas' changes this replica's copies followed
+    published: int = 0  # this replica's changes merged into the hash
+    applied: int = 0  # times this replica's copies changed to follow the hash
     rejected: int = 0  # entries refused: malformed, or naming arms this config does not have
     outages: int = 0  # transitions to "Redis unreachable"
+    conflicts: int = 0  # merges written again because another replica wrote the hash meanwhile
 
 
 class SharedControl:
@@ -92,39 +93,27 @@ class SharedControl:
         self.stats = ControlStats()
         self.up: bool | None = None  # None: not tried yet
         self.read_once = False
-        # (experiment, fingerprint) -> the newest entry number taken (followed, refused or our own)
-        self._seen: dict[tuple[str, str], int] = {}
-        # experiment -> (fingerprint, the entry) to publish: the newest change wins
-        self._pending: dict[str, tuple[str, bytes]] = {}
-        self._malformed: dict[str, bytes] = {}  # the malformed entry last reported, per field
-        self._following = False  # while a peer's change is applied: it is not published again
+        # experiment -> (the copy, the entry) last followed: the same entry is followed again by a new copy only
+        self._seen: dict[str, tuple[RunningExperiment, bytes]] = {}
+        # experiment -> (kinds of change, the last one's reason) to merge into the hash
+        self._pending: dict[str, tuple[set[str], str]] = {}
+        self._malformed: dict[str, bytes] = {}  # per field, the malformed entry last reported
+        self._following = False  # while the hash's state is applied: the changes it makes are not published
         self._wake = asyncio.Event()
 
     def ready(self) -> bool:
         return self.read_once or self.up is False
 
-    # ---- publishing -------------------------------------------------------------------------------------
+    # ---- changes made here ------------------------------------------------------------------------------
 
     def changed(self, change: WeightChange) -> None:
-        """An experiment's weights changed here: an operator's action or a roll-back goes out with the next
-        round (a peer's change being applied does not go back)."""
+        """An experiment's weights changed here: an operator's action or a roll-back is merged into the hash at the
+        next round (what following the hash changed does not go back)."""
         if self._following or change.kind not in SHARED_KINDS:
             return
-        experiments = self._experiments()
-        running = None if experiments is None else experiments.running.get(change.experiment)
-        if running is None:
-            return
-        entry = {
-            "fingerprint": running.fingerprint,
-            "state": running.state,
-            "kind": change.kind,
-            "weights": dict(change.weights) if change.kind == "set" else None,
-            "arm": change.arm,
-            "reason": change.reason[:MAX_TEXT],
-            "by": self.id,
-            "time": change.time,
-        }
-        self._pending[change.experiment] = (running.fingerprint, orjson.dumps(entry))
+        kinds, _ = self._pending.get(change.experiment, (set(), ""))
+        # A new set: one being merged into the hash now stays as it was read (and this change goes out next).
+        self._pending[change.experiment] = (kinds | {change.kind}, change.reason[:MAX_TEXT])
         self._wake.set()
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -137,11 +126,10 @@ class SharedControl:
             client = None
             try:
                 client = connect_redis(self.config)
-                sha = await client.script_load(_PUT)  # again on each connection: a restarted Redis forgot it
                 while True:
                     _raise_if_cancelled()  # a stop that redis-py swallowed ends the loop all the same
-                    await self._publish(client, sha)
                     await self._read(client)
+                    await self._publish(client)
                     self._up()
                     retry = _RETRY_S[0]
                     self._wake.clear()
@@ -150,77 +138,123 @@ class SharedControl:
                             await asyncio.wait_for(self._wake.wait(), self.poll_s)
             except (RedisError, OSError, ConfigError) as exc:
                 self._down(exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug: logged, and the loop goes on (it must not die quietly)
+                logger.exception("experiments: sharing the control state failed; trying again")
+                self._down(exc)
             finally:
                 if client is not None:
                     await client.aclose()
             await asyncio.sleep(retry)
             retry = min(retry * 2, _RETRY_S[1])
 
-    async def _publish(self, client: aioredis.Redis, sha: str) -> None:
-        while self._pending:
-            name, pending = next(iter(self._pending.items()))
-            fingerprint, entry = pending
-            number = int(await client.evalsha(sha, 1, self.key, _SEQ, name, entry))
-            if self._pending.get(name) is pending:
-                del self._pending[name]
-            key = (name, fingerprint)
-            self._seen[key] = max(self._seen.get(key, 0), number)
-            self.stats.published += 1
-
     async def _read(self, client: aioredis.Redis) -> None:
         fields = await client.hgetall(self.key)
-        self.read_once = True
         experiments = self._experiments()
+        running = {} if experiments is None else experiments.running
+        present = set()
         for raw_name, value in fields.items():
             name = raw_name.decode(errors="replace") if isinstance(raw_name, bytes) else str(raw_name)
             raw = value if isinstance(value, bytes) else str(value).encode()
-            if name == _SEQ:
-                continue
-            parsed = _parse(raw)
-            if parsed is None:
+            present.add(name)
+            state = decode_state(raw)
+            if state is None:
                 if self._malformed.get(name) != raw:
                     self._malformed[name] = raw
                     self._reject(name, "not an entry of this exchange")
                 continue
-            number, entry = parsed
-            running = None if experiments is None else experiments.running.get(name)
-            if running is None or running.fingerprint != entry["fingerprint"]:
+            self._malformed.pop(name, None)
+            copy = running.get(name)
+            if copy is None or state.fingerprint != copy.fingerprint:
                 continue  # not configured here, or configured otherwise: another experiment's entry
-            key = (name, entry["fingerprint"])
-            if number <= self._seen.get(key, 0):
+            seen = self._seen.get(name)
+            if seen is not None and seen[0] is copy and seen[1] == raw:
                 continue
-            self._seen[key] = number
-            if entry["by"] == self.id or name in self._pending:
-                continue  # our own, or older than a change of ours still to go out
-            self._follow(name, running, entry)
+            self._seen[name] = (copy, raw)
+            if name not in self._pending:  # a change made here goes out first, merged with this
+                self._follow(name, copy, state)
+        for name in list(self._malformed):
+            if name not in present:
+                del self._malformed[name]
+        for name in list(self._seen):
+            if name not in running:
+                del self._seen[name]
+        # A hash that lost an experiment's field (Redis restarted empty) gets this replica's state again.
+        for name in running:
+            if name not in present and name not in self._pending:
+                self._pending[name] = ({REPUBLISH}, "")
+        self.read_once = True
 
-    def _follow(self, name: str, running: RunningExperiment, entry: Mapping[str, Any]) -> None:
-        before = running.state, running.weights()
+    async def _publish(self, client: aioredis.Redis) -> None:
+        experiments = self._experiments()
+        while self._pending:
+            name, (kinds, reason) = next(iter(self._pending.items()))
+            copy = None if experiments is None else experiments.running.get(name)
+            if copy is not None:
+                await self._write(client, name, copy, kinds, reason)
+            if self._pending.get(name, (None,))[0] is kinds:
+                del self._pending[name]
+
+    async def _write(
+        self, client: aioredis.Redis, name: str, copy: RunningExperiment, kinds: set[str], reason: str
+    ) -> None:
+        from redis.exceptions import RedisError, WatchError
+
+        mine = copy.control_state(by=f"replica {self.id}", reason=reason)
+        for _ in range(WRITE_TRIES):
+            async with client.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(self.key)
+                    raw = await pipe.hget(self.key, name)
+                    shared = decode_state(raw) if isinstance(raw, bytes) else None
+                    changes = kinds - {REPUBLISH}
+                    if shared is None:
+                        merged = mine
+                    elif changes:
+                        merged = shared.merged(mine, changes)
+                    else:
+                        merged = _filled(shared, mine)
+                        if merged == shared:
+                            return  # another replica put it back already
+                    entry = encode_state(merged)
+                    pipe.multi()
+                    pipe.hset(self.key, name, entry)
+                    await pipe.execute()
+                except WatchError:
+                    self.stats.conflicts += 1
+                    continue
+            break
+        else:
+            raise RedisError(f"the shared entry of {name!r} changed {WRITE_TRIES} times while it was merged")
+        self.stats.published += 1
+        if "started" in kinds:
+            copy.starts = merged.starts  # this start's number: following it is no second start
+        self._seen[name] = (copy, entry)
+        pending = self._pending.get(name)
+        if pending is None or pending[0] is kinds:  # no change made here since: take what others changed meanwhile
+            self._follow(name, copy, merged)
+
+    def _follow(self, name: str, copy: RunningExperiment, state: ControlState) -> None:
+        before = copy.control_state()
         self._following = True
         try:
-            running.follow(
-                entry["state"],
-                entry["kind"],
-                weights=entry["weights"],
-                arm=entry["arm"],
-                origin=f"replica {entry['by']}",
-                reason=entry["reason"],
-            )
+            copy.follow(state, state.by or "another replica")
         except ValueError as exc:
             self._reject(name, str(exc))
             return
         finally:
             self._following = False
-        if (running.state, running.weights()) != before:
+        after = copy.control_state()
+        if after != before:
             self.stats.applied += 1
             logger.info(
-                "experiment %r: %s by replica %s (%s); here now %s, weights %s",
+                "experiment %r follows %s (%s): now %s, weights %s",
                 name,
-                entry["kind"],
-                entry["by"],
-                entry["reason"],
-                running.state,
-                running.weights(),
+                state.by or "another replica",
+                state.reason or "no reason given",
+                copy.state,
+                copy.weights(),
             )
 
     def _reject(self, name: str, why: str) -> None:
@@ -246,37 +280,92 @@ class SharedControl:
         self.up = False
 
 
-def _parse(raw: Any) -> tuple[int, dict[str, Any]] | None:
-    """``(number, entry)`` of a hash value, or None where it is not one of ours."""
-    if not isinstance(raw, bytes) or len(raw) > MAX_ENTRY_BYTES:
+def _filled(shared: ControlState, mine: ControlState) -> ControlState:
+    """``shared`` with what a replica that found the hash without the entry holds (it had vanished: Redis restarted
+    empty, and another replica put it back first): its start if newer; at the same start its roll-back, its
+    weights if set later, and a pause or stop (what takes traffic off the arms is kept)."""
+    if mine.starts > shared.starts:
+        return mine
+    if mine.starts < shared.starts:
+        return shared
+    out = shared
+    if out.rolled is None and mine.rolled is not None:
+        out = replace(out, rolled=mine.rolled)
+    if mine.weight_sets > out.weight_sets:
+        out = replace(out, weights=mine.weights, weight_sets=mine.weight_sets)
+    if (mine.paused and not out.paused) or (mine.stopped and not out.stopped):
+        out = replace(out, paused=out.paused or mine.paused, stopped=out.stopped or mine.stopped)
+    return out
+
+
+def encode_state(state: ControlState) -> bytes:
+    """A `ControlState` as the hash keeps it (JSON)."""
+    return orjson.dumps(
+        {
+            "fingerprint": state.fingerprint,
+            "starts": state.starts,
+            "weight_sets": state.weight_sets,
+            "weights": None if state.weights is None else dict(state.weights),
+            "rolled": None if state.rolled is None else list(state.rolled),
+            "paused": state.paused,
+            "stopped": state.stopped,
+            "by": state.by,
+            "reason": state.reason,
+        }
+    )
+
+
+def decode_state(raw: bytes) -> ControlState | None:
+    """The `ControlState` of a hash value, or None where it is not one of ours (the wrong type anywhere, out of
+    bounds, or too long)."""
+    if len(raw) > MAX_ENTRY_BYTES:
         return None
-    head, _, body = raw.partition(b" ")
     try:
-        number = int(head)
-        entry = orjson.loads(body)
-    except ValueError:
+        entry = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         return None
-    if number < 1 or not isinstance(entry, dict):
+    if not isinstance(entry, dict):
         return None
-    weights = entry.get("weights")
+    fingerprint, weights, rolled = entry.get("fingerprint"), entry.get("weights"), entry.get("rolled")
+    starts, weight_sets = entry.get("starts"), entry.get("weight_sets")
+    paused, stopped, by, reason = entry.get("paused"), entry.get("stopped"), entry.get("by"), entry.get("reason")
     if not (
-        isinstance(entry.get("fingerprint"), str)
-        and entry.get("state") in STATES
-        and entry.get("kind") in SHARED_KINDS
-        and isinstance(entry.get("by"), str)
-        and isinstance(entry.get("reason", ""), str)
-        and (entry.get("arm") is None or isinstance(entry.get("arm"), str))
-        and (
-            weights is None
-            or (
-                isinstance(weights, dict)
-                and all(isinstance(w, int | float) and not isinstance(w, bool) for w in weights.values())
-            )
-        )
+        isinstance(fingerprint, str)
+        and len(fingerprint) <= 64
+        and _count(starts)
+        and _count(weight_sets)
+        and isinstance(paused, bool)
+        and isinstance(stopped, bool)
+        and isinstance(by, str)
+        and isinstance(reason, str)
     ):
         return None
-    entry["by"] = entry["by"][:MAX_TEXT]
-    entry["reason"] = entry.get("reason", "")[:MAX_TEXT]
-    entry["arm"] = entry.get("arm")
-    entry["weights"] = weights
-    return number, entry
+    if weights is not None and not (
+        isinstance(weights, dict)
+        and len(weights) <= MAX_ARMS
+        and all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w) for w in weights.values())
+    ):
+        return None
+    if rolled is not None and not (
+        isinstance(rolled, list)
+        and len(rolled) == 3
+        and (rolled[0] is None or isinstance(rolled[0], str))
+        and isinstance(rolled[1], str)
+        and isinstance(rolled[2], str)
+    ):
+        return None
+    return ControlState(
+        fingerprint,
+        starts,
+        weight_sets,
+        None if weights is None else {str(k): float(v) for k, v in weights.items()},
+        None if rolled is None else (rolled[0], rolled[1][:MAX_TEXT], rolled[2][:MAX_TEXT]),
+        paused or stopped,
+        stopped,
+        by[:MAX_TEXT],
+        reason[:MAX_TEXT],
+    )
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT

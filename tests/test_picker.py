@@ -578,7 +578,8 @@ async def test_an_experiment_paused_through_one_pickers_admin_api_is_paused_in_e
             async with httpx.AsyncClient(base_url=f"http://{restarted.config.admin}", timeout=5) as client:
                 metrics = _families((await client.get("/metrics")).text)
             shared_changes = {s.labels["kind"]: s.value for s in metrics["inferlb_experiment_shared_changes"].samples}
-            assert shared_changes == {"published": 0, "applied": 1, "rejected": 0}
+            assert shared_changes == {"published": 0, "applied": 1, "rejected": 0, "conflicts": 0}
+            assert metrics["inferlb_experiment_shared_outages"].samples[0].value == 0
         finally:
             for p in running:
                 await p.stop(0.5)
@@ -768,7 +769,7 @@ async def test_kv_events_of_an_endpoint_back_before_it_drained_are_forgotten(tmp
     assert kv.states[0].sequence is None and kv.states[1].sequence == 7
 
 
-def test_how_long_a_request_waits_for_its_exact_keys_is_the_configs(tmp_path: Path) -> None:
+async def test_how_long_a_request_waits_for_its_exact_keys_is_the_configs(tmp_path: Path) -> None:
     # A fleet of long prompts, whose keyed heads take the tokenizer most of a second, may wait longer than 50 ms.
     kv_events = {"port": free_port(), "tokenizers": {"m": "pieces"}}
     doc = {"listen": f"127.0.0.1:{free_port()}", "admin": None, "pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from inferlb.scorer.engine import Engine
 from inferlb.scorer.experiments import (
     P99_MIN_SAMPLES,
     ArmSpec,
+    ControlState,
     Experiments,
     ExperimentSpec,
     GuardSpec,
@@ -373,17 +375,42 @@ def test_a_roll_back_taken_from_another_copy_zeroes_the_arm_it_was_about_as_the_
         ArmSpec("policy", "round-robin", 0.2),
     )
     experiment = _router(ExperimentSpec("release", arms)).experiments.running["release"]  # type: ignore[union-attr]
-    experiment.follow("rolled back", "rolled-back", arm="canary", origin="replica a", reason="5 of 50 requests failed")
+    shared = experiment.control_state()
+    rolled = replace(shared, rolled=("canary", "5 of 50 requests failed", "replica a"))
+    experiment.follow(rolled, "replica a")
     assert experiment.state == "rolled back"
     assert experiment.weights() == {"stable": 0.8, "canary": 0.0, "policy": 0.2}
     assert experiment.history[-1].reason == "rolled back by replica a: 5 of 50 requests failed"
-    experiment.follow("rolled back", "rolled-back", arm="canary", origin="replica b")  # once is enough
+    experiment.follow(rolled, "replica a")  # following the same state again changes nothing
     assert [c.kind for c in experiment.history] == ["started", "rolled-back"]
-    # An operator's start re-arms it; a roll-back about no arm of this config takes every treatment out.
-    experiment.follow("running", "started", origin="replica b")
+    experiment.follow(replace(rolled, paused=True), "replica b")  # a pause does not undo a roll-back
+    assert experiment.state == "rolled back" and experiment.paused
+    # A start re-arms it; a roll-back about no arm of this config takes every treatment out.
+    experiment.follow(replace(shared, starts=1), "replica b")
     assert experiment.state == "running" and experiment.weights() == {"stable": 0.6, "canary": 0.2, "policy": 0.2}
-    experiment.follow("rolled back", "rolled-back", arm="gone", origin="replica c")
+    experiment.follow(replace(shared, starts=1, rolled=("gone", "?", "replica c")), "replica c")
     assert experiment.weights() == {"stable": 1.0, "canary": 0.0, "policy": 0.0}
+    experiment.control("start")
     with pytest.raises(ValueError, match="every arm"):
-        experiment.control("start")
-        experiment.follow("running", "set", weights={"stable": 1.0}, origin="replica d")
+        experiment.follow(replace(shared, starts=2, weight_sets=1, weights={"stable": 1.0}), "replica d")
+    # Another configuration's state, or one older than a start made here, changes nothing.
+    experiment.follow(replace(shared, fingerprint="0" * 16, paused=True), "replica e")
+    experiment.follow(replace(shared, starts=1, paused=True), "replica e")
+    assert not experiment.paused
+
+
+def test_merging_keeps_what_each_replica_changed() -> None:
+    shared = ControlState("f", starts=1)
+    rolled = ControlState("f", starts=1, rolled=("canary", "errors", "replica a"), by="replica a")
+    paused = ControlState("f", starts=1, paused=True, by="replica b")
+    both = shared.merged(rolled, ["rolled-back"]).merged(paused, ["paused"])
+    assert both.rolled == ("canary", "errors", "replica a") and both.paused
+    assert both.merged(ControlState("f", starts=1, by="replica c"), ["resumed"]).rolled is not None
+    restarted = both.merged(ControlState("f", starts=2), ["started"])
+    assert (restarted.starts, restarted.rolled, restarted.paused) == (2, None, False)
+    # Two starts at once are two starts; a roll-back made before a start it did not see is void.
+    assert restarted.merged(ControlState("f", starts=2), ["started"]).starts == 3
+    assert restarted.merged(replace(rolled, starts=1), ["rolled-back"]).rolled is None
+    weights = restarted.merged(ControlState("f", starts=2, weight_sets=1, weights={"a": 1.0}), ["set"])
+    assert weights.weight_sets == 1 and weights.weights == {"a": 1.0}
+    assert ControlState("other").merged(paused, ["paused"]) == paused

@@ -4,17 +4,29 @@ guard's roll-back and an operator's action reach every replica, and a replica th
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
 from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
 from inferlb.scorer.config import ReplicasConfig, parse_config
 from inferlb.scorer.engine import Engine
-from inferlb.scorer.experiments import ArmSpec, Experiments, ExperimentSpec, GuardSpec, RunningExperiment
+from inferlb.scorer.experiments import (
+    ArmSpec,
+    ControlState,
+    Experiments,
+    ExperimentSpec,
+    GuardSpec,
+    RunningExperiment,
+    spec_fingerprint,
+)
 from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
@@ -132,6 +144,7 @@ async def test_a_roll_back_by_one_replicas_guard_takes_the_canary_out_of_every_r
 ) -> None:
     a, b = await replicas("a"), await replicas("b")
     assert _canary_share(b.router) > 0.3
+    applied_before = b.control.stats.applied
     # b's copy sees no failure of its own; a's guard, on a's share, rolls the canary back.
     while not a.release.rolled_back:
         _fail_canary(a.router)
@@ -141,8 +154,10 @@ async def test_a_roll_back_by_one_replicas_guard_takes_the_canary_out_of_every_r
     history = b.release.describe()["history"]
     assert history[-1]["kind"] == "rolled-back" and history[-1]["reason"].startswith("rolled back by replica a: ")
     assert "failed" in history[-1]["reason"]  # the guard's own reason travels with it
-    assert a.control.stats.published == 1 and b.control.stats.applied == 1
-    assert b.control.stats.published == 0  # a change followed is not published again
+    assert b.control.stats.applied == applied_before + 1
+    published = b.control.stats.published
+    await asyncio.sleep(5 * POLL_S)
+    assert b.control.stats.published == published  # a change followed is not published again
     # A replica that starts later (a restart: a new id) takes the roll-back up before it is ready.
     c = await replicas("c")
     assert c.release.rolled_back and _canary_share(c.router) == 0.0
@@ -151,6 +166,7 @@ async def test_a_roll_back_by_one_replicas_guard_takes_the_canary_out_of_every_r
     await until(lambda: not a.release.rolled_back and not b.release.rolled_back, "a and b follow c's start")
     assert a.release.weights() == b.release.weights() == {"stable": 0.5, "canary": 0.5}
     assert _canary_share(a.router) > 0.3
+    assert a.release.starts == b.release.starts == c.release.starts == 1  # one start, not one per replica
 
 
 async def test_an_operators_action_on_one_replica_reaches_the_others_and_outlives_them(
@@ -163,15 +179,56 @@ async def test_an_operators_action_on_one_replica_reaches_the_others_and_outlive
     await until(lambda: a.release.paused, "a takes b's pause")
     assert a.release.weights() == {"stable": 0.9, "canary": 0.1}  # a pause keeps the weights
     assert a.release.describe()["history"][-1]["reason"] == "paused by replica b"
-    # Each change went out once, from the replica that made it.
-    assert (a.control.stats.published, b.control.stats.published) == (1, 1)
+    b.release.control("resume")
+    await until(lambda: not a.release.paused, "a takes b's resume")
     await b.stop()
+    # A replica that starts now learns the weights set before the pause and the resume, not only the last action.
     restarted = await replicas("b2")
-    assert restarted.release.state == "paused"
-    a.release.control("resume")
-    await until(lambda: restarted.release.state == "running", "the restarted replica takes a's resume")
+    assert restarted.release.state == "running" and restarted.release.weights() == {"stable": 0.9, "canary": 0.1}
     a.release.control("stop")
-    await until(lambda: restarted.release.state == "stopped", "and a's stop")
+    await until(lambda: restarted.release.state == "stopped", "the restarted replica takes a's stop")
+    # A pause on a stopped experiment keeps its weights where it was made; so it does where it is followed.
+    restarted.release.control("pause")
+    await until(lambda: a.release.state == "paused", "a takes the pause")
+    assert a.release.weights() == restarted.release.weights() == {"stable": 0.9, "canary": 0.1}
+
+
+async def test_two_replicas_acting_at_once_both_count(replicas: Callable[..., asyncio.Future[Replica]]) -> None:
+    a, b = await replicas("a"), await replicas("b")
+    # Within one round (neither has read the other's change): a's guard rolls back, b's operator pauses.
+    while not a.release.rolled_back:
+        _fail_canary(a.router)
+    b.release.control("pause")
+    await until(lambda: a.release.paused and b.release.rolled_back, "each takes the other's change")
+    for copy in (a.release, b.release):
+        assert copy.state == "rolled back" and copy.paused and copy.weights() == {"stable": 1.0, "canary": 0.0}
+    b.release.control("resume")  # a resume does not undo the roll-back: only a start does
+    await until(lambda: not a.release.paused, "a takes b's resume")
+    assert a.release.rolled_back and _canary_share(a.router) == 0.0
+    # Weights and a pause at once: both hold everywhere.
+    a.release.control("start")
+    await until(lambda: not b.release.rolled_back, "b takes a's start")
+    a.release.control("weights", {"stable": 0.8, "canary": 0.2})
+    b.release.control("pause")
+    await until(
+        lambda: a.release.paused and b.release.weights() == {"stable": 0.8, "canary": 0.2}, "both changes everywhere"
+    )
+    assert a.release.weights() == {"stable": 0.8, "canary": 0.2} and b.release.paused
+
+
+async def test_a_redis_that_restarted_empty_gets_every_replicas_state_back(
+    replicas: Callable[..., asyncio.Future[Replica]], server: RedisServer
+) -> None:
+    a, b = await replicas("a"), await replicas("b")
+    while not a.release.rolled_back:
+        _fail_canary(a.router)
+    await until(lambda: b.release.rolled_back, "b follows a's roll-back")
+    server.stop()
+    server.start()  # empty
+    c = await replicas("c")  # starts after the restart: the others put the roll-back in the hash again
+    await until(lambda: c.release.rolled_back, "c learns the roll-back from a Redis that lost it")
+    c.release.control("start")  # and a start made now reaches the others (numbers did not go back for good)
+    await until(lambda: not a.release.rolled_back and not b.release.rolled_back, "a and b follow the start")
 
 
 async def test_another_configuration_of_the_experiment_starts_from_its_own(
@@ -179,15 +236,48 @@ async def test_another_configuration_of_the_experiment_starts_from_its_own(
 ) -> None:
     a = await replicas("a")
     a.release.control("stop")
-    await until(lambda: a.control.stats.published == 1, "a's stop published")
+    await until(lambda: a.control.stats.published >= 1 and not a.control._pending, "a's stop published")
     # The same name, another ramp: a new experiment, which the old one's stop does not reach.
     other = await replicas("b", _canary(ramp=(0.6, 0.7)))
     assert other.release.state == "running"
     same = await replicas("c")
     assert same.release.state == "stopped"
+    # A copy replaced by a reload to another configuration and back takes the shared state up again.
+    assert same.router.experiments is not None
+    engine = same.router.engine
+    for spec in (_canary(ramp=(0.6, 0.7)), _canary()):
+        config = parse_config({"policy": "least-request", "pool": POOL})
+        same.router.experiments = Experiments.over(engine, [spec], config.profile_spec, np.random.default_rng(0))
+        same.router.experiments.listeners.append(same.control.changed)
+        await asyncio.sleep(3 * POLL_S)
+    await until(lambda: same.release.state == "stopped", "the new copy of the first configuration stopped")
 
 
-async def test_forged_or_mismatched_entries_change_nothing(
+def test_the_fingerprint_is_the_same_in_every_process_whatever_its_hash_seed() -> None:
+    script = (
+        "from inferlb.scorer.experiments import ArmSpec, ExperimentSpec, spec_fingerprint\n"
+        "arms = (ArmSpec('a', 'default', 0.5), ArmSpec('b', 'default', 0.5, {'v': '2', 'tier': 'x'}))\n"
+        "print(spec_fingerprint(ExperimentSpec('e', arms, models=frozenset({'m1', 'm2', 'm3', 'm4'}),"
+        " classes=frozenset({'c1', 'c2', 'c3'}))))\n"
+    )
+    found = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in (1, 2, 3, 4)
+    }
+    assert len(found) == 1
+    # The order of a mapping's keys in the config says nothing: the same fingerprint.
+    flipped = (ArmSpec("a", "default", 0.5), ArmSpec("b", "default", 0.5, {"tier": "x", "v": "2"}))
+    ordered = (ArmSpec("a", "default", 0.5), ArmSpec("b", "default", 0.5, {"v": "2", "tier": "x"}))
+    assert spec_fingerprint(ExperimentSpec("e", flipped)) == spec_fingerprint(ExperimentSpec("e", ordered))
+
+
+async def test_forged_or_mismatched_entries_change_nothing_and_stop_nothing(
     replicas: Callable[..., asyncio.Future[Replica]], config: ReplicasConfig, server: RedisServer
 ) -> None:
     a = await replicas("a")
@@ -195,24 +285,37 @@ async def test_forged_or_mismatched_entries_change_nothing(
     client = aioredis.Redis.from_url(server.url, password=server.password)
     try:
         fingerprint = a.release.fingerprint
+        good = {
+            "fingerprint": fingerprint,
+            "starts": 0,
+            "weight_sets": 0,
+            "weights": None,
+            "rolled": None,
+            "paused": False,
+            "stopped": False,
+            "by": "x",
+            "reason": "",
+        }
         forged = [
-            b"not a number {}",
-            b"7 not json",
-            b'8 {"fingerprint": "' + fingerprint.encode() + b'", "state": "gone", "kind": "set", "by": "x"}',
-            b"9 " + b"x" * 20_000,
+            b"not json",
+            b"[1, 2]",
+            orjson.dumps({**good, "paused": ["unhashable"]}),
+            orjson.dumps({**good, "starts": True}),
+            orjson.dumps({**good, "rolled": {"arm": "canary"}}),
+            orjson.dumps({**good, "weights": {"stable": "1"}}),
+            b"x" * 20_000,
         ]
         for count, raw in enumerate(forged, 1):
             await client.hset(key, "release", raw)
-            await until(lambda n=count: a.control.stats.rejected == n, f"{raw[:20]!r} refused")
+            await until(lambda n=count: a.control.stats.rejected == n, f"{raw[:30]!r} refused")
         # Well formed, but weights for arms this config does not have.
-        entry = (
-            b'10 {"fingerprint": "' + fingerprint.encode() + b'", "state": "running", "kind": "set", '
-            b'"weights": {"stable": 0.5, "other": 0.5}, "arm": null, "reason": "", "by": "x", "time": 0}'
-        )
-        await client.hset(key, "release", entry)
-        await until(lambda: a.control.stats.rejected == 5, "weights for unknown arms refused")
+        await client.hset(key, "release", orjson.dumps({**good, "weight_sets": 5, "weights": {"other": 1.0}}))
+        await until(lambda: a.control.stats.rejected == len(forged) + 1, "weights for unknown arms refused")
         assert a.release.state == "running" and a.release.weights() == {"stable": 0.5, "canary": 0.5}
-        assert a.control.stats.applied == 0
+        # The loop lives on: a real change still reaches the replica.
+        await client.hset(key, "release", orjson.dumps({**good, "paused": True, "by": "replica z"}))
+        await until(lambda: a.release.paused, "a valid entry followed after the forged ones")
+        assert a.control.ready() and a.control.up
     finally:
         await client.aclose()
 
@@ -230,3 +333,27 @@ async def test_a_replica_that_cannot_reach_redis_routes_with_its_own_state_and_i
         assert replica.release.paused and replica.control._pending
     finally:
         await replica.stop()
+
+
+async def test_an_operators_action_made_while_a_change_is_on_its_way_to_redis_is_not_lost(
+    replicas: Callable[..., asyncio.Future[Replica]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = await replicas("a")
+    await until(lambda: not a.control._pending, "a's first round done")
+    snapshot = RunningExperiment.control_state
+    raced: list[bool] = []
+
+    def racing(self: RunningExperiment, by: str = "", reason: str = "") -> ControlState:
+        state = snapshot(self, by, reason)
+        if by and not raced:  # the state a write takes: the operator stops the experiment just after
+            raced.append(True)
+            self.control("stop")
+        return state
+
+    monkeypatch.setattr(RunningExperiment, "control_state", racing)
+    a.release.control("pause")
+    await until(lambda: raced and not a.control._pending, "both changes written")
+    await asyncio.sleep(3 * POLL_S)
+    assert a.release.state == "stopped"  # not taken back to the paused state the first write carried
+    b = await replicas("b")
+    assert b.release.state == "stopped"
