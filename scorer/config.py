@@ -142,6 +142,7 @@ def _one_or_more(value: Any) -> Any:
 Address = Annotated[str, Parsed(_address)]
 OptionalAddress = Annotated[str | None, optional(Parsed(_address))]
 Text = Annotated[str, TEXT]
+LabelValue = Annotated[str, must("a string (it may be empty)", lambda value: isinstance(value, str))]
 HeaderName = Annotated[str | None, Parsed(_header_name)]  # optional, but a null given is refused
 Seconds = Annotated[float, number(ge=0.001, le=3600, noun="a number of seconds")]
 _NETWORK_LIST = non_empty_list("a non-empty list of networks such as '10.0.0.0/8'")
@@ -390,7 +391,9 @@ class EndpointConfig(Section):
     models: Annotated[
         frozenset[Text] | None, non_empty_list("a non-empty list of model names (omit it to accept any)")
     ] = None
-    labels: Mapping[Text, Text] = field(default_factory=dict)
+    # Label values may be empty, as Kubernetes's may (a headless Service's slices carry
+    # `service.kubernetes.io/headless: ""`).
+    labels: Mapping[Text, LabelValue] = field(default_factory=dict)
     gpu: Annotated[GpuSource | None, must("a mapping", lambda v: isinstance(v, dict))] = None
 
 
@@ -504,6 +507,20 @@ def _label_value(value: Any) -> str:
     return value
 
 
+def _namespace(value: Any) -> str:
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= 63
+        or not all(c in "abcdefghijklmnopqrstuvwxyz0123456789-" for c in value)
+        or value[0] == "-"
+        or value[-1] == "-"
+    ):
+        raise invalid(
+            f" must be a Kubernetes namespace (lower-case letters, digits and '-', at most 63); got {shown(value)}"
+        )
+    return value
+
+
 def _label_key(value: Any) -> str:
     if (
         not isinstance(value, str)
@@ -547,7 +564,7 @@ class KubernetesConfig(Section):
     ``ca_file``: the Pod's service account by default (None for an API server that needs neither, such as the
     tests')."""
 
-    namespace: Annotated[str, Parsed(_label_value)] = field(metadata={"description": "the Pods' namespace"})
+    namespace: Annotated[str, Parsed(_namespace)] = field(metadata={"description": "the Pods' namespace"})
     selector: Annotated[
         dict[Annotated[str, Parsed(_label_key)], Annotated[str, Parsed(_label_value)]] | None,
         optional(must("a non-empty mapping of labels", lambda v: isinstance(v, dict) and bool(v))),

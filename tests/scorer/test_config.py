@@ -226,12 +226,12 @@ ERRORS = [
     ),
     pytest.param(
         _doc({"address": "10.0.0.1:80", "labels": {"zone": 1}}),
-        r"^pool\.endpoints\[0\]\.labels\.zone must be a non-empty string; got 1$",
+        r"^pool\.endpoints\[0\]\.labels\.zone must be a string \(it may be empty\); got 1$",
         id="label-value-int",
     ),
     pytest.param(
         _doc({"address": "10.0.0.1:80", "labels": {"zone": None}}),
-        r"^pool\.endpoints\[0\]\.labels\.zone must be a non-empty string; got None$",
+        r"^pool\.endpoints\[0\]\.labels\.zone must be a string \(it may be empty\); got None$",
         id="label-value-null",
     ),
     pytest.param(
@@ -1100,7 +1100,7 @@ def test_every_error_is_reported_one_per_line_with_its_path_and_value() -> None:
         "ORIGINAL_DST cluster needs 'ip:port')",
         "signals.scrape_interval_s must be a number of seconds in 0.001..3600; got 'fast'",
         "pool.endpoints[1].models[1] must be a non-empty string; got ''",
-        "pool.endpoints[1].labels.zone must be a non-empty string; got 7",
+        "pool.endpoints[1].labels.zone must be a string (it may be empty); got 7",
     ]
 
 
@@ -1276,3 +1276,21 @@ def test_the_kv_events_topic_may_be_empty_as_its_default_and_vllms_is() -> None:
     assert parse_config({"pool": pool, "kv_events": {**kv_events, "topic": ""}}).kv_events.topic == ""  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match=r"kv_events\.topic must be a string; got 3"):
         parse_config({"pool": pool, "kv_events": {**kv_events, "topic": 3}})
+
+
+def test_an_endpoints_label_may_be_empty_as_kubernetes_label_values_may() -> None:
+    # A headless Service's EndpointSlices all carry `service.kubernetes.io/headless: ""`: the endpoint is kept.
+    labels = {"service.kubernetes.io/headless": "", "app": "vllm"}
+    config = parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:8000", "labels": labels}]}})
+    assert config.endpoints[0].labels == labels
+    with pytest.raises(ConfigError, match=r"pool\.endpoints\[0\]\.labels"):
+        parse_config({"pool": {"endpoints": [{"address": "10.0.0.1:8000", "labels": {"app": 7}}]}})
+
+
+@pytest.mark.parametrize("namespace", ["", "LLM", "a.b_c", "-llm", "x" * 64])
+def test_the_kubernetes_namespace_must_be_one_kubernetes_accepts(namespace: str) -> None:
+    source = {"namespace": namespace, "selector": {"app": "vllm"}, "target_ports": [8000]}
+    doc = {"pool": {"endpoints": [], "discovery": {"kubernetes": source}}}
+    with pytest.raises(ConfigError, match="must be a Kubernetes namespace"):
+        parse_config(doc)
+    assert parse_config({"pool": {"endpoints": [], "discovery": {"kubernetes": {**source, "namespace": "llm-prod"}}}})
