@@ -10,7 +10,8 @@ Pod's labels become the endpoint's labels, and the annotation ``inferlb.io/model
 EndpointSlices: ``service`` names a Service; its slices (label ``kubernetes.io/service-name``) list the serving
 addresses with their readiness, which Kubernetes itself keeps from the Pods' probes. Each endpoint of a slice
 gives one endpoint per TCP port of the slice (those of ``target_ports`` only, when it is set) at its first
-address; one that is not ready or is terminating leaves the pool and drains. A Pod (the endpoint's ``targetRef``)
+address; one that is not serving (its ``serving`` condition, else ``ready``: a Service that publishes not-ready
+addresses marks every endpoint ready) or is terminating leaves the pool and drains. A Pod (the endpoint's ``targetRef``)
 counts once however many slices list it: a Pod moving between two slices counts as ready if either says so, and
 a dual-stack Service, which lists every Pod in a slice of each address family, gives one endpoint per Pod, in the
 family that ``pool.allowed_networks`` admits (IPv4 where it admits both). Endpoints with no ``targetRef`` are
@@ -399,8 +400,12 @@ class KubernetesSource(SourceHealth):
                 continue
             ip = str(addresses[0])  # the API: all of an endpoint's addresses are fungible; the first will do
             conditions = endpoint.get("conditions") or {}
-            # A ready condition that is absent means ready (the API's own rule); a terminating endpoint drains.
-            ready = conditions.get("ready") is not False and not conditions.get("terminating")
+            # serving is the Pod's readiness; ready is true for every Pod of a Service that publishes not-ready
+            # addresses. Where serving is absent (an older API server), ready says it, and an absent ready means
+            # ready (the API's own rule). A terminating endpoint drains.
+            serving = conditions.get("serving")
+            ready = (conditions.get("ready") if serving is None else serving) is not False
+            ready = ready and not conditions.get("terminating")
             zone = endpoint.get("zone")
             ref = endpoint.get("targetRef") or {}
             pod = ref.get("uid") or (f"{ref.get('namespace', '')}/{ref['name']}" if ref.get("name") else None)

@@ -102,6 +102,32 @@ async def test_the_ready_endpoints_of_a_services_slices_are_the_endpoints_and_ch
         task.cancel()
 
 
+@pytest.mark.parametrize(
+    ("conditions", "ready"),
+    [
+        # publishNotReadyAddresses: true: the controller writes ready for every Pod, serving is the probe's verdict
+        pytest.param({"ready": True, "serving": False, "terminating": False}, False, id="published-not-serving"),
+        pytest.param({"ready": True, "serving": True, "terminating": False}, True, id="serving"),
+        pytest.param({"ready": False}, False, id="no-serving-not-ready"),  # an API server without serving
+        pytest.param({}, True, id="no-conditions"),  # an absent condition means ready (the API's rule)
+        pytest.param({"ready": True, "serving": True, "terminating": True}, False, id="terminating"),
+    ],
+)
+async def test_a_slice_endpoint_is_ready_when_it_is_serving_and_not_terminating(
+    api, conditions: dict[str, bool], ready: bool
+) -> None:
+    published = endpoint_slice("vllm-a", "vllm", [("10.0.0.1", True), ("10.0.0.2", True)])
+    published["endpoints"][1]["conditions"] = conditions
+    api.apply(published)
+    seen = Published()
+    task = asyncio.create_task(source(api.url, service="vllm").run(seen))
+    try:
+        await until(lambda: seen.lists, "the first membership")
+        assert seen.addresses == (["10.0.0.1:8000", "10.0.0.2:8000"] if ready else ["10.0.0.1:8000"])
+    finally:
+        task.cancel()
+
+
 async def test_a_services_slices_give_every_tcp_port_without_target_ports(api) -> None:
     api.apply(endpoint_slice("vllm-a", "vllm", [("10.0.0.1", True)], (8000, 8001)))
     seen = Published()
