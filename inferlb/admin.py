@@ -315,6 +315,10 @@ def create_admin_app(picker: PickerProcess, *, heatmap: HeatmapViews | None = No
             document = yaml.safe_load(body)
         except yaml.YAMLError as exc:
             return _error(400, f"not valid YAML or JSON: {exc}")
+        except RecursionError:
+            return _error(400, "not valid YAML or JSON: nested too deeply")
+        except (ValueError, OverflowError) as exc:  # a value PyYAML cannot build, such as the date 2024-13-01
+            return _error(400, f"not valid YAML or JSON: a value that cannot be read ({exc})")
         return _apply(lambda: picker.reload_document(document))
 
     @app.post("/config/reload")

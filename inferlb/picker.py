@@ -512,12 +512,17 @@ class PickerProcess:
             return None if stamps[0] is None else stamps
 
         seen = stamp()
+        changing = None  # a change seen once: applied when the files have stayed so for another interval
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             now = stamp()
             if now is None or now == seen:
+                changing = None
                 continue
-            seen = now
+            if now != changing:  # still being written, perhaps (a slow copy, `cat > file`): look again first
+                changing = now
+                continue
+            seen, changing = now, None
             try:
                 self.reload_file()
             except ConfigError as exc:
@@ -527,6 +532,9 @@ class PickerProcess:
                     " (and token) stays in force: %s",
                     exc,
                 )
+            except Exception:  # a bug: the watch must go on, or every later edit and rotation would be ignored
+                self.config_refusals += 1
+                logger.exception("the config file changed, and its reload failed; the old config stays in force")
 
     # ---- admin API ----------------------------------------------------------------------------------------
 

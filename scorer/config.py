@@ -1295,6 +1295,8 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     except RecursionError:
         raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
+    except (ValueError, OverflowError) as exc:  # a value PyYAML cannot build, such as the date 2024-13-01
+        raise ConfigError(f"{path}: not valid YAML: a value that cannot be read ({exc})") from None
     try:
         return parse_config(data)
     except ConfigError as exc:

@@ -32,6 +32,11 @@ def write(tmp_path: Path, text: str) -> Path:
             "policy: fastest\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n", "policy must be a preset", id="policy"
         ),
         pytest.param("pool: [\n", "not valid YAML", id="yaml"),
+        pytest.param(  # PyYAML raised ValueError for it: the message named neither the file nor YAML
+            "policy: 2024-13-01\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n",
+            "picker.yaml: not valid YAML: a value that cannot be read (month must be in 1..12)",
+            id="yaml-date",
+        ),
         pytest.param(
             "admin: 0.0.0.0:9003\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n",
             "admin: '0.0.0.0:9003' is reachable beyond this host",

@@ -15,6 +15,7 @@ import yaml
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferlb import picker as picker_module
 from inferlb.bench.redisserver import REDIS, redis_server
 from inferlb.picker import PickerProcess, create_picker
 from inferlb.procs import free_port
@@ -144,6 +145,10 @@ async def test_a_posted_config_applies_and_a_bad_one_is_refused(picker, servers)
         assert refused.status_code == 400
         assert "destinations cannot change while the picker runs (1 -> 2)" in refused.json()["error"]["message"]
 
+        # A value PyYAML cannot build, or a document nested past the parser's depth: 400, not 500.
+        for body in ("policy: 2024-13-01\n", "[" * 5000):
+            refused = await client.post("/config", content=body, headers=YAML)
+            assert refused.status_code == 400 and "not valid YAML" in refused.json()["error"]["message"]
         applied = await client.post("/config", content=yaml.safe_dump(good), headers=YAML)
         assert applied.status_code == 200, applied.text
     assert picker.config.policy == "prefix-aware" and picker.reloads == 1
@@ -161,6 +166,9 @@ async def test_the_config_file_is_watched(picker, servers):
     path.write_text("pool: [\n")
     await until(lambda: picker.config_refusals == 1)
     assert picker.config.policy == "round-robin"
+    # So is a value PyYAML cannot build (it raised ValueError, which ended the watch: later edits were ignored).
+    path.write_text(yaml.safe_dump({**doc, "policy": "x"}).replace("policy: x", "policy: 2024-13-01"))
+    await until(lambda: picker.config_refusals == 2)
     # A new pool: fresh counts and the collectors follow the new endpoints.
     path.write_text(yaml.safe_dump({**doc, "pool": {"endpoints": doc["pool"]["endpoints"][:2]}}))
     await until(lambda: len(picker.engine.pool) == 2)
@@ -174,6 +182,30 @@ async def test_the_config_file_is_watched(picker, servers):
     )
     assert len(picker.engine.signals.snapshot) == 2
     assert picker.engine.signals.snapshot.inflight_at_scrape.tolist() == [0, 0]
+
+
+async def test_the_watch_applies_a_file_once_it_has_stopped_changing(tmp_path: Path, monkeypatch) -> None:
+    # A file written in two parts an interval apart was applied half-written: endpoints left, then came back.
+    doc = {"listen": f"127.0.0.1:{free_port()}", "admin": None, "pool": {"endpoints": [{"address": "10.0.0.1:8000"}]}}
+    path = _write(tmp_path, doc)
+    picker = create_picker(load_config(path), config_path=path)
+    stamps = ["as read", "half written", "whole"]  # then "whole" for good
+    reads: list[str] = []
+
+    def stamp(_: Path) -> str:
+        reads.append(stamps[min(len(reads), len(stamps) - 1)])
+        return reads[-1]
+
+    reloads: list[str] = []
+    monkeypatch.setattr(picker_module, "file_stamp", stamp)
+    monkeypatch.setattr(picker_module, "WATCH_INTERVAL_S", 0)
+    monkeypatch.setattr(PickerProcess, "reload_file", lambda _: reloads.append(reads[-1]))
+    watch = asyncio.create_task(picker._watch(path))
+    try:
+        await until(lambda: len(reads) > 20, "the watch looking at the file for a while")
+    finally:
+        watch.cancel()
+    assert reloads == ["whole"]
 
 
 async def test_a_rotated_admin_token_file_takes_effect_without_a_call_or_a_restart(servers, tmp_path: Path):
