@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from inferlb.admin import create_admin_app
+from inferlb.filter.request import OBJECTIVE_HEADERS
 from inferlb.filter.requestend import OpenLeases
 from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer, WaitingHealth
 from inferlb.filter.tls import CertificateFiles
@@ -337,6 +338,33 @@ class PickerProcess:
             )
         if config.replicas != old.replicas:
             raise ConfigError("replicas cannot change while the picker runs; restart it")
+        for name in _OTEL_AT_START:
+            if getattr(config.otel, name) != getattr(old.otel, name):
+                raise ConfigError(
+                    f"otel.{name} cannot change while the picker runs (it is read at start-up); restart it"
+                )
+        if config.discovery != old.discovery or (
+            config.discovery is not None and config.allowed_networks != old.allowed_networks
+        ):
+            # The source is built and started once; the one running would go on adding what it finds.
+            raise ConfigError(
+                "pool.discovery (and, with it, pool.allowed_networks) cannot change while the picker runs; restart it"
+            )
+        (headers, jwt, scores), (had, jwt_before, scores_before) = _bootstrap_needs(config), _bootstrap_needs(old)
+        missing = sorted(headers - had)
+        if missing or jwt != jwt_before or (scores and not scores_before):
+            what = (
+                f"the headers {', '.join(missing)}"
+                if missing
+                else "its JWT filter as quotas.jwt says"
+                if jwt != jwt_before
+                else "the scores' header back (debug_scores)"
+            )
+            raise ConfigError(
+                f"this change needs Envoy to send the picker {what}, which Envoy's bootstrap in force was not made "
+                "for: re-render it (inferlb envoy-config) and restart both (or restart the picker alone if the "
+                "bootstrap forwards them already, --forward-header)"
+            )
         if config.kv_events != old.kv_events:
             raise ConfigError("kv_events cannot change while the picker runs; restart it")
         if config.tls != old.tls:
@@ -616,6 +644,31 @@ def _collectors(
         )
         kv = KVEventCollector(pool, signals.kv, options)
     return collector, gpu, kv
+
+
+# The `otel` settings the picker reads once, at start-up (the rest follow a reload).
+_OTEL_AT_START = (
+    "window_s",
+    "half_life_s",
+    "heatmap_bucket_s",
+    "join_max_age_s",
+    "exporter",
+    "export_endpoint",
+    "inject_traceparent",
+)
+
+
+def _bootstrap_needs(config: Config) -> tuple[frozenset[str], object, bool]:
+    """What Envoy's bootstrap must do for ``config`` beyond what any config needs (`inferlb envoy-config` renders
+    it): the request headers the picker reads (sessions, classes, experiments' and quotas' headers, the gateway's
+    objective), whether quotas take the tenant from a JWT (a JWT filter), and whether the picker's scores go back to
+    the client (``debug_scores``). A reload that needs more of it would be applied but never get it."""
+    headers = {h.lower() for h in (config.session_header, config.class_header) if h}
+    headers.update(config.named_headers)
+    if config.inference_objectives:
+        headers.update(OBJECTIVE_HEADERS)
+    jwt = config.quotas.jwt if config.quotas is not None else None
+    return frozenset(headers), jwt, config.debug_scores
 
 
 def _kv_events(config: Config, signals: Signals, service: ExtProcService) -> None:

@@ -145,6 +145,24 @@ async def test_a_posted_config_applies_and_a_bad_one_is_refused(picker, servers)
         assert refused.status_code == 400
         assert "destinations cannot change while the picker runs (1 -> 2)" in refused.json()["error"]["message"]
 
+        # What Envoy's bootstrap or the running process was made for: applied, it would have done nothing.
+        unapplied = [
+            ({**good, "class_header": "x-tier"}, "needs Envoy to send the picker the headers x-tier"),
+            ({**good, "session_header": "x-user"}, "the headers x-user"),
+            ({**good, "debug_scores": True}, "the scores' header back (debug_scores)"),
+            ({**good, "otel": {"window_s": 600}}, "otel.window_s cannot change while the picker runs"),
+            ({**good, "otel": {"exporter": "otlp-grpc", "export_endpoint": "127.0.0.1:4317"}}, "otel.exporter"),
+            (
+                {
+                    **good,
+                    "pool": {**good["pool"], "discovery": {"etcd": {"urls": ["http://127.0.0.1:1"], "prefix": "/a/"}}},
+                },
+                "pool.discovery (and, with it, pool.allowed_networks) cannot change",
+            ),
+        ]
+        for doc, words in unapplied:
+            refused = await client.post("/config", content=yaml.safe_dump(doc), headers=YAML)
+            assert refused.status_code == 400 and words in refused.json()["error"]["message"], refused.text
         # A value PyYAML cannot build, or a document nested past the parser's depth: 400, not 500.
         for body in ("policy: 2024-13-01\n", "[" * 5000):
             refused = await client.post("/config", content=body, headers=YAML)
