@@ -32,7 +32,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -313,6 +313,21 @@ def _pid(worker: _Worker) -> int:
     return worker.process.pid if worker.process is not None else 0
 
 
+def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The workers' environment: ``environ`` with PYTHONHASHSEED set to a secret number where it is not one already.
+    Prefix hashes agree between processes only under one seed; "random" and 0 are no seed to share (with them each
+    worker would hash its own way, and the prefix index would not be shared)."""
+    from inferlb.scorer.replicas import hash_seed_problem  # here: the supervisor itself routes nothing
+
+    env = dict(environ)
+    problem = hash_seed_problem(env.get("PYTHONHASHSEED", ""))
+    if problem is not None:
+        if env.get("PYTHONHASHSEED"):
+            logger.warning("%s: the workers get a secret seed of their own instead", problem)
+        env["PYTHONHASHSEED"] = str(secrets.randbelow(_HASH_SEED_MAX) + 1)
+    return env
+
+
 def supervise(
     config: Config,
     config_path: Path,
@@ -325,10 +340,7 @@ def supervise(
     ``extra_args`` of ``inferlb serve`` such as ``--listen``) until SIGTERM or SIGINT; the exit status (0, or the
     status of a worker that could not start)."""
     check_workers(config, workers)
-    env = dict(os.environ)
-    if not env.get("PYTHONHASHSEED"):
-        # Prefix hashes agree between processes only under one seed; a secret one, for this group's workers.
-        env["PYTHONHASHSEED"] = str(secrets.randbelow(_HASH_SEED_MAX) + 1)
+    env = worker_environment(os.environ)
     argv = [sys.executable, "-m", "inferlb", "--log-level", log_level, "serve", *extra_args]
     addresses = ", ".join(worker_addresses(config, workers))
     logger.info("inferlb picker: %d workers on %s", workers, addresses)

@@ -652,11 +652,13 @@ def connect_redis(config: ReplicasConfig) -> aioredis.Redis:
     )
 
 
-def hash_seed_problem() -> str | None:
-    """Why this process's prefix hashes cannot agree with other replicas' (None: they can): Python salts
-    ``hash`` per process unless PYTHONHASHSEED fixes it, and 0 turns the salt off altogether (predictable hashes
-    let a client flood the picker's dicts), so it must be the same secret number on every replica."""
-    seed = os.environ.get("PYTHONHASHSEED", "")
+def hash_seed_problem(seed: str | None = None) -> str | None:
+    """Why this process's prefix hashes (or a process's under PYTHONHASHSEED ``seed``) cannot agree with other
+    replicas' (None: they can): Python salts ``hash`` per process unless PYTHONHASHSEED fixes it, and 0 turns the
+    salt off altogether (predictable hashes let a client flood the picker's dicts), so it must be the same secret
+    number on every replica."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED", "")
     if not seed or seed == "random":
         return "PYTHONHASHSEED is not set, so Python salts hashes per process"
     if not seed.isdigit() or not 0 < int(seed) <= 4294967295:

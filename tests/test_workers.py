@@ -21,7 +21,7 @@ from inferlb.picker import _signal_again
 from inferlb.procs import ManagedProcess, find_tool, free_ports
 from inferlb.scorer.config import parse_config
 from inferlb.scorer.errors import ConfigError
-from inferlb.workers import check_workers, worker_addresses, worker_config
+from inferlb.workers import check_workers, worker_addresses, worker_config, worker_environment
 
 from .conftest import envoy_accepts, poll
 
@@ -230,3 +230,12 @@ async def test_a_second_signal_cuts_the_drain_short_unless_it_is_the_first_ones_
     later = asyncio.create_task(_signal_again(signalled, loop, loop.time()))
     signalled.set()  # after the window: an operator's second stop
     await asyncio.wait_for(later, 5)
+
+
+@pytest.mark.parametrize("seed", [None, "", "random", "0"])
+def test_the_workers_share_a_secret_hash_seed_unless_one_is_set(seed: str | None) -> None:
+    # With "random" (or 0) each worker hashed prompts its own way: the prefix index was not shared.
+    environ = {} if seed is None else {"PYTHONHASHSEED": seed}
+    given = worker_environment(environ)["PYTHONHASHSEED"]
+    assert given.isdigit() and 0 < int(given) <= 4294967295
+    assert worker_environment({"PYTHONHASHSEED": "12345"})["PYTHONHASHSEED"] == "12345"
