@@ -29,8 +29,11 @@ trickle in: httpx's own timeout is per read), or a watch with no byte for ``time
 than `Pacing` allows). Every failure (a refusal, an error, a lost connection) starts over from a fresh list after a
 backoff (`Pacing`) that only a watch that delivered a change (a bookmark is not one) or lasted resets, and never
 shorter than a ``Retry-After`` (in seconds or an HTTP date); an expired version (410 Gone, or an ERROR event saying
-so) lists again at once, and after a backoff when it recurs before anything was delivered. Meanwhile the last
-membership stays in force. Health says whether a watch is established; each change of it is logged once.
+so) lists again at once, and after a backoff when it recurs before anything was delivered. A defect (an
+unexpected exception) is reported with its traceback and retried the same way. Meanwhile the last membership stays
+in force. An object without the shape the API gives it (a status that is not an object, say) gives no endpoint:
+it is skipped with its reason (logged, and in ``skipped``), and the others stand. Health says whether a watch is
+established; each change of it is logged once.
 
 In a cluster it authenticates with the Pod's service-account token (re-read at each request: it is rotated) and
 trusts the cluster's CA (the certificate of any API server not reached over plain ``http://`` is verified, however
@@ -58,7 +61,7 @@ import httpx
 import orjson
 
 from inferlb.scorer.config import EndpointConfig, KubernetesConfig
-from inferlb.scorer.discovery import Members, Skipped, SourceHealth
+from inferlb.scorer.discovery import MAX_SKIPPED, Members, Skipped, SourceHealth
 from inferlb.scorer.networks import Networks
 
 __all__ = ["MODELS_ANNOTATION", "SERVICE_LABEL", "KubernetesSource", "Pacing"]
@@ -106,6 +109,10 @@ class _Expired(KubernetesError):
     """The watch's resourceVersion (or the list's continue token) is too old: list again."""
 
 
+class _Malformed(KubernetesError):
+    """An object without the shape the API gives it (the message says where): it is skipped, the others stand."""
+
+
 class _Refused(KubernetesError):
     """The API server refused a request; ``retry_after``: the seconds it asked the client to wait (or None)."""
 
@@ -124,6 +131,16 @@ class _Member:
     ready: bool
     family: str = ""
     anonymous: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What one object gives: its address family (a slice's ``addressType``) and its endpoints, or why it gives
+    none (``problem``: it is malformed)."""
+
+    family: str
+    members: tuple[_Member, ...]
+    problem: str | None = None
 
 
 class KubernetesSource(SourceHealth):
@@ -149,7 +166,7 @@ class KubernetesSource(SourceHealth):
         self.skipped: tuple[Skipped, ...] = ()
         self._members = Members()
         self.updates = 0
-        self._found: dict[str, tuple[str, tuple[_Member, ...]]] = {}  # object -> (address family, its endpoints)
+        self._found: dict[str, _Found] = {}  # object -> what it gives
         self._transport = transport
         self._random = random.Random()
         self._delay = self.pacing.retry_s  # the next wait after a failure
@@ -206,6 +223,7 @@ class KubernetesSource(SourceHealth):
     async def run(self, publish: Callable[[tuple[EndpointConfig, ...]], None]) -> None:
         while True:
             retry_after: float | None = None
+            error: Exception | None = None  # an unexpected one, logged with its traceback
             try:
                 base = self._base_url()
                 async with await self._client(base) as client:
@@ -223,7 +241,11 @@ class KubernetesSource(SourceHealth):
                 problem, retry_after = str(exc), exc.retry_after
             except (httpx.HTTPError, KubernetesError, ValueError, OSError) as exc:
                 problem = str(exc) or type(exc).__name__
-            self._down(problem)
+            except Exception as exc:
+                # A defect rather than an outage, but no reason to stop following the API server: the next list may
+                # not meet it.
+                problem, error = f"unexpected {type(exc).__name__}: {exc}", exc
+            self._down(problem, error)
             await asyncio.sleep(self._wait(retry_after))
 
     def _wait(self, retry_after: float | None) -> float:
@@ -249,7 +271,7 @@ class KubernetesSource(SourceHealth):
         self, client: httpx.AsyncClient, base: str, publish: Callable[[tuple[EndpointConfig, ...]], None]
     ) -> None:
         """Every object, a page at a time, then one publish of the whole membership."""
-        found: dict[str, tuple[str, tuple[_Member, ...]]] = {}
+        found: dict[str, _Found] = {}
         params = {"labelSelector": self._selector, "limit": str(self.pacing.page)}
         tokens: set[str] = set()
         while True:
@@ -291,14 +313,16 @@ class KubernetesSource(SourceHealth):
             )
         return body
 
-    def _read_page(self, body: bytes) -> tuple[str, str, dict[str, tuple[str, tuple[_Member, ...]]]]:
+    def _read_page(self, body: bytes) -> tuple[str, str, dict[str, _Found]]:
         """A list page's version, continue token and the endpoints of its objects (on a worker thread: it only
         reads the config)."""
         document = orjson.loads(body)
         if not isinstance(document, dict):
             raise KubernetesError(f"listing {self._what}: not a JSON object")
-        metadata = document.get("metadata") or {}
-        found = {_name(obj): self._found_in(obj) for obj in document.get("items") or () if isinstance(obj, dict)}
+        metadata, items = document.get("metadata"), document.get("items")
+        if not isinstance(metadata, dict) or not isinstance(items, list | None):
+            raise KubernetesError(f"listing {self._what}: not a list (its metadata or items are not what a list has)")
+        found = {_name(obj): self._found_in(obj) for obj in items or ()}
         return str(metadata.get("resourceVersion", "")), str(metadata.get("continue") or ""), found
 
     async def _watch(
@@ -330,13 +354,15 @@ class KubernetesSource(SourceHealth):
                 self._up(f"{self.config.namespace}, {self._selector}")
                 async for event in _events(response.aiter_bytes()):
                     kind, obj = event.get("type"), event.get("object") or {}
+                    if not isinstance(obj, dict):  # nothing to name it by: the state is not known any more
+                        raise KubernetesError(f"watching {self._what}: an event whose object is not a JSON object")
                     if kind == "ERROR":
                         if obj.get("code") == 410:
                             raise _Expired(f"watching {self._what}: {obj.get('message', 'the version expired')}")
                         raise KubernetesError(f"watching {self._what}: error: {obj.get('message', obj)}")
                     if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
                         continue
-                    version = obj.get("metadata", {}).get("resourceVersion")
+                    version = _metadata(obj).get("resourceVersion")
                     if version:
                         self.revision = str(version)
                     if kind == "BOOKMARK":  # where to watch from; no sign that watching works
@@ -357,20 +383,25 @@ class KubernetesSource(SourceHealth):
                 self._settle()
         return delivered or lasted
 
-    def _found_in(self, obj: dict[str, Any]) -> tuple[str, tuple[_Member, ...]]:
-        """An object's address family (a slice's ``addressType``) and its endpoints."""
-        if self.config.service is None:
-            return "", tuple(self._pod_members(_name(obj), obj))
-        return str(obj.get("addressType", "")), tuple(self._slice_members(obj))
+    def _found_in(self, obj: Any) -> _Found:
+        """What an object gives (nothing, with the reason, when it is malformed)."""
+        try:
+            if not isinstance(obj, dict):
+                raise _Malformed("not a JSON object")
+            if self.config.service is None:
+                return _Found("", tuple(self._pod_members(_name(obj), obj)))
+            return _Found(_text(obj.get("addressType"), "addressType"), tuple(self._slice_members(obj)))
+        except _Malformed as exc:
+            return _Found("", (), f"a malformed {self._what[:-1]}: {exc}")
 
     def _entries(self) -> dict[str, bytes]:
         """The discovery entries of the objects watched, by key: one per Pod and port, ready if any slice of the
         pool's family says so."""
-        dual = {"IPv4", "IPv6"} <= {family for family, _ in self._found.values()}
+        dual = {"IPv4", "IPv6"} <= {found.family for found in self._found.values()}
         found: dict[str, _Member] = {}
-        for family, members in self._found.values():
-            ours = family == self._family
-            for member in members:
+        for obj in self._found.values():
+            ours = obj.family == self._family
+            for member in obj.members:
                 if dual and member.anonymous and not ours:
                     continue  # nothing says which Pod it is, and the other family's slice lists it too
                 held = found.get(member.key)
@@ -385,21 +416,27 @@ class KubernetesSource(SourceHealth):
 
     def _slice_members(self, endpoint_slice: dict[str, Any]) -> Iterator[_Member]:
         """One per endpoint and port, keyed by its Pod (by its address where it names none)."""
-        family = str(endpoint_slice.get("addressType", ""))
+        family = _text(endpoint_slice.get("addressType"), "addressType")
         ports = [
             p["port"]
-            for p in endpoint_slice.get("ports") or ()
+            for p in _array(endpoint_slice.get("ports"), "ports")
             if isinstance(p, dict) and p.get("protocol", "TCP") == "TCP" and isinstance(p.get("port"), int)
         ]
         if self.config.target_ports is not None:
             ports = [p for p in ports if p in self.config.target_ports]
-        labels = dict(endpoint_slice.get("metadata", {}).get("labels") or {})
-        for endpoint in endpoint_slice.get("endpoints") or ():
-            addresses = endpoint.get("addresses") or ()
+        labels = dict(_mapping(_metadata(endpoint_slice).get("labels"), "metadata.labels"))
+        # Every endpoint is checked before any is given: a slice counts whole or not at all.
+        endpoints = [
+            _mapping(endpoint, f"endpoints[{i}]")
+            for i, endpoint in enumerate(_array(endpoint_slice.get("endpoints"), "endpoints"))
+        ]
+        for i, endpoint in enumerate(endpoints):
+            addresses = _array(endpoint.get("addresses"), f"endpoints[{i}].addresses")
             if not addresses:
                 continue
-            ip = str(addresses[0])  # the API: all of an endpoint's addresses are fungible; the first will do
-            conditions = endpoint.get("conditions") or {}
+            # The API: all of an endpoint's addresses are fungible; the first will do.
+            ip = _text(addresses[0], f"endpoints[{i}].addresses[0]")
+            conditions = _mapping(endpoint.get("conditions"), f"endpoints[{i}].conditions")
             # serving is the Pod's readiness; ready is true for every Pod of a Service that publishes not-ready
             # addresses. Where serving is absent (an older API server), ready says it, and an absent ready means
             # ready (the API's own rule). A terminating endpoint drains.
@@ -407,7 +444,7 @@ class KubernetesSource(SourceHealth):
             ready = (conditions.get("ready") if serving is None else serving) is not False
             ready = ready and not conditions.get("terminating")
             zone = endpoint.get("zone")
-            ref = endpoint.get("targetRef") or {}
+            ref = _mapping(endpoint.get("targetRef"), f"endpoints[{i}].targetRef")
             pod = ref.get("uid") or (f"{ref.get('namespace', '')}/{ref['name']}" if ref.get("name") else None)
             for port in ports:
                 address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
@@ -425,6 +462,13 @@ class KubernetesSource(SourceHealth):
         endpoints, skipped = await self._members.endpoints(
             self._entries(), self.allowed, limit=self.config.max_endpoints
         )
+        malformed = [Skipped(name, found.problem) for name, found in self._found.items() if found.problem is not None]
+        if len(malformed) > MAX_SKIPPED:
+            more = len(malformed) - MAX_SKIPPED
+            malformed[MAX_SKIPPED:] = [
+                Skipped("...", f"{more} more objects skipped (the first {MAX_SKIPPED} are listed)")
+            ]
+        skipped = (*malformed, *skipped)
         before = set(self.skipped)
         for entry in skipped:
             if entry not in before:
@@ -434,30 +478,66 @@ class KubernetesSource(SourceHealth):
         publish(endpoints)
 
 
-def _name(obj: dict[str, Any]) -> str:
-    metadata = obj.get("metadata", {})
+def _metadata(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object's metadata ({} where it has none, or none that is an object: what names it is then empty)."""
+    metadata = obj.get("metadata")
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _name(obj: Any) -> str:
+    metadata = _metadata(obj) if isinstance(obj, dict) else {}
     return f"{metadata.get('namespace', '')}/{metadata.get('name', '')}"
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    if pod.get("metadata", {}).get("deletionTimestamp"):
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    """``value``, a JSON object ({} where absent or null); `_Malformed` naming ``where`` if it is something else."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Malformed(f"{where} is not an object")
+    return value
+
+
+def _array(value: Any, where: str) -> list[Any]:
+    """``value``, a JSON array ([] where absent or null); `_Malformed` naming ``where`` if it is something else."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _Malformed(f"{where} is not a list")
+    return value
+
+
+def _text(value: Any, where: str) -> str:
+    """``value``, a string ("" where absent or null); `_Malformed` naming ``where`` if it is something else."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _Malformed(f"{where} is not a string")
+    return value
+
+
+def _ready(metadata: dict[str, Any], status: dict[str, Any]) -> bool:
+    if metadata.get("deletionTimestamp"):
         return False
-    conditions = pod.get("status", {}).get("conditions") or ()
+    conditions = [
+        _mapping(c, f"status.conditions[{i}]")
+        for i, c in enumerate(_array(status.get("conditions"), "status.conditions"))
+    ]
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def _pod_entry(pod: dict[str, Any], port: int, models: frozenset[str] | None) -> dict[str, Any]:
     """The discovery entry (scorer.discovery's JSON, as a dict) for one Pod and port; ``models`` unless the Pod's
     annotation names its own."""
-    metadata, status = pod.get("metadata", {}), pod.get("status", {})
-    ip = status.get("podIP") or ""
+    metadata, status = _metadata(pod), _mapping(pod.get("status"), "status")
+    ip = _text(status.get("podIP"), "status.podIP")
     address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
     entry: dict[str, Any] = {
         "address": address,
-        "labels": metadata.get("labels") or {},
-        "ready": _ready(pod) and bool(ip),
+        "labels": _mapping(metadata.get("labels"), "metadata.labels"),
+        "ready": _ready(metadata, status) and bool(ip),
     }
-    annotated = (metadata.get("annotations") or {}).get(MODELS_ANNOTATION)
+    annotated = _mapping(metadata.get("annotations"), "metadata.annotations").get(MODELS_ANNOTATION)
     if annotated:
         entry["models"] = [m.strip() for m in str(annotated).split(",") if m.strip()]
     elif models is not None:

@@ -2,9 +2,10 @@
 the in-repo API server's faults (bench/kubeapi.py): a connection gone silent and a list never answered or
 trickled are failures with a deadline, and so are pages that never end; a refused, empty or expired watch backs
 off (and Retry-After is waited, in seconds or as a date), a bookmark before it notwithstanding, instead of asking
-again at once; each change of health is logged once. Also: the list comes in pages, a dual-stack Service gives
-one endpoint per Pod, the CA file makes an SSL context, and an https API server (however the scheme is spelt)
-whose certificate it does not sign never sees the token."""
+again at once; each change of health is logged once; a malformed object is skipped, and a defect is reported and
+retried. Also: the list comes in pages, a dual-stack Service gives one endpoint per Pod, the CA file makes an SSL
+context, and an https API server (however the scheme is spelt) whose certificate it does not sign never sees the
+token."""
 
 from __future__ import annotations
 
@@ -316,6 +317,82 @@ async def test_a_dual_stack_service_gives_one_endpoint_per_pod(
         if "fd00::/8" in allowed:
             api.delete("default", "vllm-v4", "EndpointSlice")  # single-stack IPv6 from now on
             await until(lambda: seen.addresses == V6, "the IPv6 endpoints of a single-stack Service")
+    finally:
+        task.cancel()
+
+
+def broken_pod(name: str, status: object) -> dict[str, object]:
+    """A Pod of the selector whose status is ``status`` (what no kubelet writes)."""
+    return {"kind": "Pod", "metadata": {"name": name, "labels": dict(SELECTOR)}, "status": status}
+
+
+def broken_slice(name: str, endpoints: object) -> dict[str, object]:
+    """A slice of the Service vllm whose endpoints are ``endpoints``."""
+    return {**endpoint_slice(name, "vllm", []), "endpoints": endpoints}
+
+
+@pytest.mark.parametrize(
+    ("good", "bad", "reason"),
+    [
+        pytest.param("pod", lambda n: broken_pod(n, "Running"), "status is not an object", id="pod-status"),
+        pytest.param(
+            "pod", lambda n: broken_pod(n, {"conditions": ["Ready"]}), "status.conditions[0]", id="pod-condition"
+        ),
+        pytest.param(
+            "pod", lambda n: broken_pod(n, {"podIP": 5}), "status.podIP is not a string", id="pod-ip-a-number"
+        ),
+        pytest.param("slice", lambda n: broken_slice(n, ["x"]), "endpoints[0] is not an object", id="slice-endpoint"),
+        pytest.param("slice", lambda n: broken_slice(n, {}), "endpoints is not a list", id="slice-endpoints"),
+        pytest.param(
+            "slice",
+            lambda n: broken_slice(n, [{"addresses": ["10.0.0.5"], "conditions": ["ready"]}]),
+            "endpoints[0].conditions is not an object",
+            id="slice-conditions",
+        ),
+    ],
+)
+async def test_a_malformed_object_is_skipped_and_the_others_stand(api, good: str, bad, reason: str) -> None:
+    """A malformed object, listed or watched, is skipped with its reason; the rest of the pool and the watch go on."""
+    slices = good == "slice"
+    api.apply(endpoint_slice("vllm-a", "vllm", [("10.0.0.1", True)]) if slices else pod("a", "10.0.0.1", SELECTOR))
+    api.apply(bad("listed"))
+    seen = Published()
+    kube = source(api.url, pacing=FAST, **({"service": "vllm"} if slices else {}))
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: kube.healthy and seen.lists, "a watch after the list")
+        assert seen.addresses == ["10.0.0.1:8000"]
+        assert [s.key for s in kube.skipped] == ["default/listed"] and reason in kube.skipped[0].reason
+        api.apply(bad("watched"))
+        api.apply(endpoint_slice("vllm-b", "vllm", [("10.0.0.2", True)]) if slices else pod("b", "10.0.0.2", SELECTOR))
+        await until(lambda: len(seen.addresses) == 2, "a change after the malformed object", timeout=5)
+        assert sorted(s.key for s in kube.skipped) == ["default/listed", "default/watched"]
+        assert kube.healthy and not kube.failures and not task.done()
+    finally:
+        task.cancel()
+
+
+async def test_a_defect_is_reported_and_the_source_lists_again(api, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="inferlb")
+    api.apply(pod("a", "10.0.0.1", SELECTOR))
+    seen = Published()
+    calls: list[object] = []
+
+    def publish(endpoints) -> None:  # the picker's, with a defect that strikes once
+        calls.append(endpoints)
+        if len(calls) == 1:
+            raise RuntimeError("a defect")
+        seen(endpoints)
+
+    kube = source(api.url, pacing=FAST)
+    task = asyncio.create_task(kube.run(publish))
+    try:
+        await until(lambda: kube.failures or task.done(), "a failure", timeout=5)
+        assert not task.done(), task.exception()
+        assert kube.problem == "unexpected RuntimeError: a defect" and not kube.healthy
+        await until(lambda: seen.addresses == ["10.0.0.1:8000"] and kube.healthy, "a second list", timeout=5)
+        down = [r for r in caplog.records if "out of touch" in r.getMessage()]
+        assert len(down) == 1 and down[0].exc_info is not None  # logged once, with the traceback
     finally:
         task.cancel()
 
