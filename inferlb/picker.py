@@ -35,7 +35,7 @@ from inferlb.otel.spanwire import SpanRecord
 from inferlb.otel.tracing import create_tracer_provider
 from inferlb.scorer.classes import Classifier
 from inferlb.scorer.collect import CollectorOptions, MetricsCollector
-from inferlb.scorer.config import Config, EndpointConfig, load_config, parse_config
+from inferlb.scorer.config import OTEL_FIXED_AT_START, Config, EndpointConfig, load_config, parse_config
 from inferlb.scorer.credentials import Credential, FileStamp, file_stamp
 from inferlb.scorer.discovery import DiscoverySource
 from inferlb.scorer.engine import Engine
@@ -338,7 +338,7 @@ class PickerProcess:
             )
         if config.replicas != old.replicas:
             raise ConfigError("replicas cannot change while the picker runs; restart it")
-        for name in _OTEL_AT_START:
+        for name in OTEL_FIXED_AT_START:
             if getattr(config.otel, name) != getattr(old.otel, name):
                 raise ConfigError(
                     f"otel.{name} cannot change while the picker runs (it is read at start-up); restart it"
@@ -644,18 +644,6 @@ def _collectors(
         )
         kv = KVEventCollector(pool, signals.kv, options)
     return collector, gpu, kv
-
-
-# The `otel` settings the picker reads once, at start-up (the rest follow a reload).
-_OTEL_AT_START = (
-    "window_s",
-    "half_life_s",
-    "heatmap_bucket_s",
-    "join_max_age_s",
-    "exporter",
-    "export_endpoint",
-    "inject_traceparent",
-)
 
 
 def _bootstrap_needs(config: Config) -> tuple[frozenset[str], object, bool]:

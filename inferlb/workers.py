@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from inferlb.scorer.address import format_address, parse_address
-from inferlb.scorer.config import Config
+from inferlb.scorer.config import OTEL_FIXED_AT_START, Config, load_config
 from inferlb.scorer.errors import ConfigError
 
 __all__ = [
@@ -183,9 +183,38 @@ class _Worker:
     pause_s: float = RESTART_PAUSE_S
 
 
+# What a worker takes from the config file only when it starts, and which the group's workers must agree on: a worker
+# restarted from a file edited in one of these would come back on other ports (Envoy's bootstrap lists the group's),
+# or share state, serve TLS or count requests otherwise than the others (a running worker refuses such an edit).
+FIXED_AT_START = ("listen", "admin", "tls", "replicas", "kv_events", "destinations", "discovery")
+
+
+def fixed_changes(started: Config, now: Config) -> list[str]:
+    """The settings a running worker refuses to change (`FIXED_AT_START`, and the like) in which ``now`` differs
+    from ``started``."""
+    changed = [name for name in FIXED_AT_START if getattr(started, name) != getattr(now, name)]
+    if started.discovery is not None and started.allowed_networks != now.allowed_networks:
+        changed.append("allowed_networks")
+    if started.inflight.end != now.inflight.end:
+        changed.append("inflight.end")
+    changed += [
+        f"otel.{name}"
+        for name in ("receiver", "latency_source", *OTEL_FIXED_AT_START)
+        if getattr(started.otel, name) != getattr(now.otel, name)
+    ]
+    if (started.quotas is None) != (now.quotas is None):
+        changed.append("quotas (on or off)")
+    if now.max_body_bytes > started.max_body_bytes:
+        changed.append("max_body_bytes (raised)")
+    return changed
+
+
 class _Group:
-    def __init__(self, config_path: Path, workers: int, argv_prefix: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, config_path: Path, workers: int, argv_prefix: list[str], env: dict[str, str], config: Config
+    ) -> None:
         self.config_path = config_path
+        self.config = config  # as the group started: a restarted worker must run with the same fixed settings
         self.workers = [_Worker(i) for i in range(workers)]
         self.argv_prefix = argv_prefix
         self.env = env
@@ -218,6 +247,20 @@ class _Group:
         finally:
             os.close(write_fd)  # the worker holds its own copy; EOF (no byte) once it exits
         worker.started_at = time.monotonic()
+
+    def unfit(self) -> str | None:
+        """Why the config file cannot start a worker of this group now (None: it can)."""
+        try:
+            now = load_config(self.config_path)
+        except ConfigError as exc:
+            return f"the config file is refused ({exc})"
+        changed = fixed_changes(self.config, now)
+        if changed:
+            return (
+                f"the config file changes {', '.join(changed)}, which the running workers took at start-up: put "
+                "it back, or restart the whole group (inferlb serve --workers) with the new file"
+            )
+        return None
 
     def signal_all(self, signum: int) -> None:
         for worker in self.workers:
@@ -260,6 +303,17 @@ async def _run_group(group: _Group) -> int:
             for future in [f for f in done if f in restarts]:
                 worker = restarts.pop(future)
                 if not group.stopping:
+                    problem = group.unfit()
+                    if problem is not None:
+                        logger.error(
+                            "worker %d not started again: %s; trying again in %.0f s",
+                            worker.index,
+                            problem,
+                            worker.pause_s,
+                        )
+                        restarts[asyncio.ensure_future(asyncio.sleep(worker.pause_s))] = worker
+                        worker.pause_s = min(worker.pause_s * 2, MAX_RESTART_PAUSE_S)
+                        continue
                     await group.start(worker)
                     exits[asyncio.ensure_future(_exit(worker))] = worker
                     readies[asyncio.ensure_future(_ready(worker))] = worker
@@ -344,4 +398,4 @@ def supervise(
     argv = [sys.executable, "-m", "inferlb", "--log-level", log_level, "serve", *extra_args]
     addresses = ", ".join(worker_addresses(config, workers))
     logger.info("inferlb picker: %d workers on %s", workers, addresses)
-    return asyncio.run(_run_group(_Group(config_path, workers, argv, env)))
+    return asyncio.run(_run_group(_Group(config_path, workers, argv, env, config)))

@@ -805,6 +805,18 @@ KEYING_QUEUE = 8
 KEYING_DEADLINE_S = 0.05
 
 
+# The `otel` settings a picker reads once, at start-up (the rest follow a reload): a reload that changes one is refused.
+OTEL_FIXED_AT_START = (
+    "window_s",
+    "half_life_s",
+    "heatmap_bucket_s",
+    "join_max_age_s",
+    "exporter",
+    "export_endpoint",
+    "inject_traceparent",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig(Section):
     """``kv_events``: the servers publish their KV-cache events (vLLM's ``--kv-events-config``, publisher zmq), and

@@ -239,3 +239,35 @@ def test_the_workers_share_a_secret_hash_seed_unless_one_is_set(seed: str | None
     given = worker_environment(environ)["PYTHONHASHSEED"]
     assert given.isdigit() and 0 < int(given) <= 4294967295
     assert worker_environment({"PYTHONHASHSEED": "12345"})["PYTHONHASHSEED"] == "12345"
+
+
+@needs_redis
+def test_a_worker_is_not_started_again_from_a_file_that_moved_what_the_group_runs_with(tmp_path: Path) -> None:
+    # It came back on the edited file's ports, which Envoy's bootstrap does not list (the others refused the edit).
+    with redis_server(tmp_path / "redis") as redis:
+        listen, admin = free_ports(2), free_ports(2)
+        config = _write_config(tmp_path, redis, listen, admin)
+        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
+        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
+        try:
+            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
+            poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "both serving", 30.0)
+            workers = poll(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers", 30.0)
+            original = config.read_text()
+            moved_listen, moved_admin = free_ports(2), free_ports(2)
+            _write_config(tmp_path, redis, moved_listen, moved_admin)
+            os.kill(workers[1], signal.SIGKILL)
+            log = tmp_path / "supervisor.log"
+            poll(
+                lambda: "worker 1 not started again: the config file changes listen, admin" in log.read_text(),
+                "the refusal",
+                30.0,
+            )
+            assert (
+                1 not in _workers(supervisor.pid)
+                and _gauge(f"http://127.0.0.1:{moved_admin + 1}", "inferlb_replicas_peers") is None
+            )
+            config.write_text(original)  # put back: the worker comes back where the group runs
+            poll(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "worker 1 back on its own ports", 60.0)
+        finally:
+            supervisor.stop()
