@@ -61,6 +61,8 @@ READY_FD_ENV = "INFERLB_WORKER_READY_FD"  # a worker writes one byte to this fil
 # of file the supervisor is gone (killed, even with SIGKILL), and the worker stops as if sent SIGTERM.
 SUPERVISOR_FD_ENV = "INFERLB_SUPERVISOR_FD"
 RESTART_PAUSE_S = 1.0
+# A stopping worker's drain (``drain_s``) and grace for open streams (2 s) have passed this long ago: it is hung.
+STOP_MARGIN_S = 5.0
 MAX_RESTART_PAUSE_S = 30.0
 STABLE_S = 60.0  # a worker that ran this long restarts after the first pause again
 _HASH_SEED_MAX = (1 << 32) - 1
@@ -282,9 +284,25 @@ async def _run_group(group: _Group) -> int:
         signalled: asyncio.Future[int] = asyncio.ensure_future(signals.get())
         restarts: dict[asyncio.Future[None], _Worker] = {}
         status = 0
+        # Once stopping: the workers' drain and grace, and then a margin; a worker still running after that (hung:
+        # stopped, or its loop blocked) is killed, so that the group ends and its ports are let go.
+        deadline: asyncio.Future[None] | None = None
         while exits or restarts:
+            if group.stopping and deadline is None:
+                deadline = asyncio.ensure_future(asyncio.sleep(group.config.drain_s + STOP_MARGIN_S))
             waiting: list[asyncio.Future[Any]] = [*exits, *readies, *restarts, signalled]
+            if deadline is not None and not deadline.done():
+                waiting.append(deadline)
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if deadline is not None and deadline in done:
+                running = [w.index for w in group.workers if w.process is not None and w.process.returncode is None]
+                if running:
+                    logger.error(
+                        "workers %s still running %.0f s after the stop: killed",
+                        ", ".join(map(str, running)),
+                        group.config.drain_s + STOP_MARGIN_S,
+                    )
+                    group.signal_all(signal.SIGKILL)
             if signalled in done:
                 got = signal.Signals(signalled.result()).name
                 if not group.stopping:
@@ -342,6 +360,8 @@ async def _run_group(group: _Group) -> int:
                 restarts[asyncio.ensure_future(asyncio.sleep(worker.pause_s))] = worker
                 worker.pause_s = min(worker.pause_s * 2, MAX_RESTART_PAUSE_S)
         signalled.cancel()
+        if deadline is not None:
+            deadline.cancel()
         for future in readies:
             future.cancel()
         return status

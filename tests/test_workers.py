@@ -271,3 +271,25 @@ def test_a_worker_is_not_started_again_from_a_file_that_moved_what_the_group_run
             poll(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "worker 1 back on its own ports", 60.0)
         finally:
             supervisor.stop()
+
+
+@needs_redis
+def test_a_hung_worker_is_killed_once_its_drain_and_grace_are_long_past(tmp_path: Path) -> None:
+    # A worker stopped (or whose loop blocks) never exited: the supervisor waited for good, its ports held.
+    with redis_server(tmp_path / "redis") as redis:
+        listen, admin = free_ports(2), free_ports(2)
+        config = _write_config(tmp_path, redis, listen, admin, drain_s=0)
+        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
+        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
+        try:
+            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
+            poll(lambda: all(_readyz(u) == 200 for u in admins), "both workers ready", 30.0)
+            workers = _workers(supervisor.pid)
+            os.kill(workers[1], signal.SIGSTOP)
+            assert supervisor.proc is not None
+            supervisor.proc.send_signal(signal.SIGTERM)
+            poll(lambda: supervisor.proc is not None and supervisor.proc.poll() is not None, "the group ended", 60.0)
+            assert not _alive(workers[1])
+            assert "workers 1 still running 5 s after the stop: killed" in (tmp_path / "supervisor.log").read_text()
+        finally:
+            supervisor.stop()
