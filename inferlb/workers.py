@@ -61,7 +61,7 @@ READY_FD_ENV = "INFERLB_WORKER_READY_FD"  # a worker writes one byte to this fil
 # of file the supervisor is gone (killed, even with SIGKILL), and the worker stops as if sent SIGTERM.
 SUPERVISOR_FD_ENV = "INFERLB_SUPERVISOR_FD"
 RESTART_PAUSE_S = 1.0
-# A stopping worker's drain (``drain_s``) and grace for open streams (2 s) have passed this long ago: it is hung.
+# A stopping worker still running this long after its drain (``drain_s``; its grace for open streams is 2 s) is hung.
 STOP_MARGIN_S = 5.0
 MAX_RESTART_PAUSE_S = 30.0
 STABLE_S = 60.0  # a worker that ran this long restarts after the first pause again
