@@ -940,7 +940,11 @@ async def serve(
     picker = create_picker(config, config_path=config_path, discovered=discovered)
     picker.listen_override = listen_override
     picker.worker = worker
-    await picker.start()
+    try:
+        await picker.start()
+    except BaseException:
+        await picker.stop(0)  # what started (the gRPC server) stops here, not at the loop's close with a traceback
+        raise
     if worker is not None:
         say_ready()
         watch_supervisor(asyncio.get_running_loop())

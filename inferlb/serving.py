@@ -101,7 +101,7 @@ async def serve(
     sockets: list[socket.socket] = []
     try:
         for address, host, port in endpoints:
-            sockets.append(_bind(address, host, port))
+            sockets.append(_bind(address, host, port, what))
     except OSError:
         for sock in sockets:
             sock.close()
@@ -311,7 +311,7 @@ def _install_signal_handlers(loop: asyncio.AbstractEventLoop, servers: Sequence[
     return restore
 
 
-def _bind(address: str, host: str, port: int) -> socket.socket:
+def _bind(address: str, host: str, port: int, what: str = "server") -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections whose socket says it is TCP. Without it a
     # streamed token written soon after the response headers waited for the client's delayed ACK (~40 ms).
@@ -322,7 +322,7 @@ def _bind(address: str, host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot bind {address}: {exc.strerror}") from exc
+        raise OSError(exc.errno, f"{what}: cannot bind {address}: {exc.strerror}") from exc
     return sock
 
 

@@ -4,6 +4,7 @@ start-up faults, served by the command as its own process."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,3 +184,24 @@ def test_sim_fault_crash_restarts_the_server_cold(tmp_path: Path) -> None:
         assert "crashed; ready again in 2.0 s" in process.log_tail()
     finally:
         process.stop()
+
+
+def test_serve_names_the_admin_api_whose_port_is_busy_and_stops_cleanly(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        text = (
+            f"listen: 127.0.0.1:{free_port()}\nadmin: 127.0.0.1:{port}\n"
+            "signals: {scrape_metrics: false}\npool: {endpoints: [{address: '10.0.0.1:80'}]}\n"
+        )
+        done = subprocess.run(
+            [find_tool("inferlb"), "serve", "--config", str(write(tmp_path, text))],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    assert f"admin API: cannot bind 127.0.0.1:{port}" in done.stderr
+    # The gRPC server it had started is stopped before the loop closes (it printed a traceback at exit).
+    assert "Event loop is closed" not in done.stderr and "Traceback" not in done.stderr, done.stderr
