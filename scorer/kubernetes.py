@@ -50,7 +50,7 @@ import math
 import os
 import random
 import ssl
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -145,8 +145,9 @@ class _Found:
 
 class KubernetesSource(SourceHealth):
     """Watches the Pods of ``config.selector`` (or the EndpointSlices of ``config.service``) in
-    ``config.namespace`` and publishes their endpoints (all of them, at each change) from `run`, on the event loop
-    that runs it; list bodies are parsed on a worker thread. `run` returns only by cancellation."""
+    ``config.namespace`` and publishes their endpoints (all of them, after each list and each change: a burst of
+    changes as a few states, see `_Publisher`) from `run`, on the event loop that runs it; list bodies are parsed
+    on a worker thread. `run` returns only by cancellation."""
 
     name = "kubernetes"
 
@@ -343,6 +344,9 @@ class KubernetesSource(SourceHealth):
         loop = asyncio.get_running_loop()
         started = loop.time()
         delivered = False
+        # Each publish rebuilds the picker's pool: a burst of events (a rollout) is published as a few states, not
+        # one per event (see _Publisher).
+        publisher = _Publisher(lambda: self._publish(publish))
         try:
             async with client.stream(
                 "GET", base + self._path, params=params, headers=self._headers(), timeout=timeout
@@ -353,35 +357,44 @@ class KubernetesSource(SourceHealth):
                     raise await _refusal(f"watching {self._what}", response)
                 self._up(f"{self.config.namespace}, {self._selector}")
                 async for event in _events(response.aiter_bytes()):
-                    kind, obj = event.get("type"), event.get("object") or {}
-                    if not isinstance(obj, dict):  # nothing to name it by: the state is not known any more
-                        raise KubernetesError(f"watching {self._what}: an event whose object is not a JSON object")
-                    if kind == "ERROR":
-                        if obj.get("code") == 410:
-                            raise _Expired(f"watching {self._what}: {obj.get('message', 'the version expired')}")
-                        raise KubernetesError(f"watching {self._what}: error: {obj.get('message', obj)}")
-                    if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
-                        continue
-                    version = _metadata(obj).get("resourceVersion")
-                    if version:
-                        self.revision = str(version)
-                    if kind == "BOOKMARK":  # where to watch from; no sign that watching works
+                    if not self._apply(event):
                         continue
                     if not delivered:
                         delivered = True
                         self._settle()
-                    if kind == "DELETED":
-                        self._found.pop(_name(obj), None)
-                    else:
-                        self._found[_name(obj)] = self._found_in(obj)
-                    await self._publish(publish)
+                    publisher.changed()
+            await publisher.done()  # the last state in force before the next watch
         except httpx.ReadTimeout:
             raise KubernetesError(f"watching {self._what}: nothing from the API server for {silent_s:g} s") from None
         finally:
+            publisher.cancel()  # a failure lists again, and publishes the whole state then
             lasted = loop.time() - started >= min(self.pacing.settled_s, self.pacing.watch_s / 2)
             if lasted and not delivered:
                 self._settle()
         return delivered or lasted
+
+    def _apply(self, event: dict[str, Any]) -> bool:
+        """One watch event applied to the objects watched: whether it changed them (a bookmark only moves the
+        version to watch from, and is no sign that watching works)."""
+        kind, obj = event.get("type"), event.get("object") or {}
+        if not isinstance(obj, dict):  # nothing to name it by: the state is not known any more
+            raise KubernetesError(f"watching {self._what}: an event whose object is not a JSON object")
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise _Expired(f"watching {self._what}: {obj.get('message', 'the version expired')}")
+            raise KubernetesError(f"watching {self._what}: error: {obj.get('message', obj)}")
+        if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
+            return False
+        version = _metadata(obj).get("resourceVersion")
+        if version:
+            self.revision = str(version)
+        if kind == "BOOKMARK":
+            return False
+        if kind == "DELETED":
+            self._found.pop(_name(obj), None)
+        else:
+            self._found[_name(obj)] = self._found_in(obj)
+        return True
 
     def _found_in(self, obj: Any) -> _Found:
         """What an object gives (nothing, with the reason, when it is malformed)."""
@@ -476,6 +489,52 @@ class KubernetesSource(SourceHealth):
         self.skipped = skipped
         self.updates += 1
         publish(endpoints)
+
+
+class _Publisher:
+    """Publishes the membership after changes, coalesced: at once (on the event loop's next turn) when no publish is
+    under way, else once more when it ends, however many changes came meanwhile; each publish takes the state as it
+    is then. So the first change after a quiet spell is published without delay, a burst as a few states (the
+    events that arrive while one is published are all in the next), and the last state always. At most one publish
+    task is alive; `done` waits for it, `cancel` drops it. A publish that fails (a defect) is raised by the next
+    `changed` or by `done`, where the watch handles failures."""
+
+    def __init__(self, publish: Callable[[], Awaitable[None]]) -> None:
+        self._publish = publish
+        self._task: asyncio.Task[None] | None = None
+        self._again = False
+        self._failed: Exception | None = None
+
+    def changed(self) -> None:
+        self._raise()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        else:
+            self._again = True
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._again = False
+                await self._publish()
+                if not self._again:
+                    return
+        except Exception as exc:
+            self._failed = exc
+
+    async def done(self) -> None:
+        if self._task is not None:
+            await self._task
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 def _metadata(obj: dict[str, Any]) -> dict[str, Any]:

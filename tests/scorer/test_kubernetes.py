@@ -139,6 +139,27 @@ async def test_a_services_slices_give_every_tcp_port_without_target_ports(api) -
         task.cancel()
 
 
+async def test_a_burst_of_changes_is_published_as_a_few_states_and_a_lone_one_at_once(api) -> None:
+    for i in range(200):
+        api.apply(pod(f"p{i:03d}", f"10.0.1.{i + 1}", SELECTOR))
+    seen = Published()
+    kube = source(api.url)
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: kube.healthy and len(seen.addresses) == 200, "the listed pods")
+        listed = len(seen.lists)
+        for i in range(200):  # a rollout: every Pod not ready, one event each
+            api.apply(pod(f"p{i:03d}", f"10.0.1.{i + 1}", SELECTOR, ready=False))
+        await until(lambda: seen.addresses == [], "every pod out of the pool", timeout=5)
+        assert len(seen.lists) - listed < 20  # one per event: 200
+        burst = len(seen.lists)
+        api.apply(pod("p000", "10.0.1.1", SELECTOR))  # after a quiet spell: published on its own
+        await until(lambda: seen.addresses == ["10.0.1.1:8000"], "a lone change", timeout=2)
+        assert len(seen.lists) == burst + 1
+    finally:
+        task.cancel()
+
+
 async def test_a_compacted_history_makes_the_source_list_again(api) -> None:
     api.apply(pod("a", "10.0.0.1", SELECTOR))
     seen = Published()
