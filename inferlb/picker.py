@@ -946,7 +946,7 @@ async def serve(
         await picker.stop(0)  # what started (the gRPC server) stops here, not at the loop's close with a traceback
         raise
     if worker is not None:
-        say_ready()
+        say_ready(asyncio.get_running_loop())
         watch_supervisor(asyncio.get_running_loop())
     # Everything built so far lives as long as the process: move it out of the collector's way, so that
     # the collections that per-request garbage triggers stay cheap.

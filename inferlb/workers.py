@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 MAX_WORKERS = 64
 READY_FD_ENV = "INFERLB_WORKER_READY_FD"  # a worker writes one byte to this file descriptor once it serves
+# ... and then one every HEARTBEAT_S from its event loop; a worker silent for HUNG_S (stopped, its loop blocked) is
+# killed by the supervisor and started again (Envoy's health check has passed it over within a second already).
+HEARTBEAT_S = 1.0
+HUNG_S = 15.0
 # A worker watches this file descriptor (a pipe's read end whose write end only the supervisor holds): at its end
 # of file the supervisor is gone (killed, even with SIGKILL), and the worker stops as if sent SIGTERM.
 SUPERVISOR_FD_ENV = "INFERLB_SUPERVISOR_FD"
@@ -145,14 +149,34 @@ def _spread(config: Config, workers: int) -> str:
     return f"{names} need ports at least the worker count apart (for example {examples})"
 
 
-def say_ready() -> None:
-    """Tell the supervisor (if any) that this worker serves: one byte down the pipe it gave."""
-    fd = os.environ.pop(READY_FD_ENV, None)
-    if fd is None:
+def say_ready(loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Tell the supervisor (if any) that this worker serves: one byte down the pipe it gave; then, with ``loop``,
+    one every `HEARTBEAT_S` from that loop, so that the supervisor sees a worker that hangs."""
+    fd_text = os.environ.pop(READY_FD_ENV, None)
+    if fd_text is None:
         return
-    with contextlib.suppress(OSError, ValueError):
-        os.write(int(fd), b"r")
-        os.close(int(fd))
+    fd = int(fd_text)
+    try:
+        os.write(fd, b"r")
+    except OSError:
+        os.close(fd)
+        return
+    if loop is None:
+        os.close(fd)
+        return
+    os.set_blocking(fd, False)
+
+    def beat() -> None:
+        try:
+            os.write(fd, b"h")
+        except BlockingIOError:
+            pass  # the supervisor has not read the last ones yet: it knows this worker is alive
+        except OSError:
+            os.close(fd)  # the supervisor is gone (watch_supervisor stops this worker)
+            return
+        loop.call_later(HEARTBEAT_S, beat)
+
+    loop.call_later(HEARTBEAT_S, beat)
 
 
 def watch_supervisor(loop: asyncio.AbstractEventLoop) -> None:
@@ -183,6 +207,7 @@ class _Worker:
     started_at: float = 0.0
     ever_ready: bool = False
     pause_s: float = RESTART_PAUSE_S
+    beat_at: float = 0.0  # when its last heartbeat came (monotonic)
 
 
 # What a worker takes from the config file only when it starts, and which the group's workers must agree on: a worker
@@ -232,14 +257,19 @@ class _Group:
         worker.ready = ready
 
         def on_readable() -> None:
-            loop.remove_reader(read_fd)
             try:
-                said = os.read(read_fd, 1)
+                said = os.read(read_fd, 64)
             except OSError:
                 said = b""
-            os.close(read_fd)
+            if not said:  # the worker exited (or closed it)
+                loop.remove_reader(read_fd)
+                os.close(read_fd)
+                if not ready.done():
+                    ready.set_result(False)
+                return
+            worker.beat_at = time.monotonic()
             if not ready.done():
-                ready.set_result(said == b"r")
+                ready.set_result(said[:1] == b"r")
 
         loop.add_reader(read_fd, on_readable)
         env = {**self.env, READY_FD_ENV: str(write_fd), SUPERVISOR_FD_ENV: str(self.alive_read)}
@@ -264,6 +294,21 @@ class _Group:
             )
         return None
 
+    def kill_hung(self) -> None:
+        """Kill each serving worker whose heartbeat has not come for `HUNG_S` (its exit starts it again)."""
+        now = time.monotonic()
+        for worker in self.workers:
+            process = worker.process
+            if process is None or process.returncode is not None or not worker.ever_ready:
+                continue
+            if now - max(worker.beat_at, worker.started_at) > HUNG_S:
+                logger.error(
+                    "worker %d (pid %d) sent no heartbeat for %.0f s: killed", worker.index, process.pid, HUNG_S
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                worker.beat_at = now  # once: its exit comes next
+
     def signal_all(self, signum: int) -> None:
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:
@@ -287,13 +332,18 @@ async def _run_group(group: _Group) -> int:
         # Once stopping: the workers' drain and grace, and then a margin; a worker still running after that (hung:
         # stopped, or its loop blocked) is killed, so that the group ends and its ports are let go.
         deadline: asyncio.Future[None] | None = None
+        tick: asyncio.Future[None] = asyncio.ensure_future(asyncio.sleep(HEARTBEAT_S))
         while exits or restarts:
             if group.stopping and deadline is None:
                 deadline = asyncio.ensure_future(asyncio.sleep(group.config.drain_s + STOP_MARGIN_S))
-            waiting: list[asyncio.Future[Any]] = [*exits, *readies, *restarts, signalled]
+            waiting: list[asyncio.Future[Any]] = [*exits, *readies, *restarts, signalled, tick]
             if deadline is not None and not deadline.done():
                 waiting.append(deadline)
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if tick in done:
+                tick = asyncio.ensure_future(asyncio.sleep(HEARTBEAT_S))
+                if not group.stopping:
+                    group.kill_hung()
             if deadline is not None and deadline in done:
                 running = [w.index for w in group.workers if w.process is not None and w.process.returncode is None]
                 if running:
@@ -360,6 +410,7 @@ async def _run_group(group: _Group) -> int:
                 restarts[asyncio.ensure_future(asyncio.sleep(worker.pause_s))] = worker
                 worker.pause_s = min(worker.pause_s * 2, MAX_RESTART_PAUSE_S)
         signalled.cancel()
+        tick.cancel()
         if deadline is not None:
             deadline.cancel()
         for future in readies:

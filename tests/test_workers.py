@@ -293,3 +293,27 @@ def test_a_hung_worker_is_killed_once_its_drain_and_grace_are_long_past(tmp_path
             assert "workers 1 still running 5 s after the stop: killed" in (tmp_path / "supervisor.log").read_text()
         finally:
             supervisor.stop()
+
+
+@needs_redis
+def test_a_worker_that_hangs_is_killed_and_started_again(tmp_path: Path) -> None:
+    # A worker stopped (or whose loop blocks) stayed so for good: the group served on one worker fewer.
+    with redis_server(tmp_path / "redis") as redis:
+        listen, admin = free_ports(2), free_ports(2)
+        config = _write_config(tmp_path, redis, listen, admin)
+        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
+        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
+        try:
+            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
+            poll(lambda: all(_readyz(u) == 200 for u in admins), "both workers ready", 30.0)
+            workers = _workers(supervisor.pid)
+            os.kill(workers[1], signal.SIGSTOP)
+            back = poll(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart", 60.0)
+            poll(lambda: _readyz(admins[1]) == 200, "the new worker 1 serving", 30.0)
+            assert back[0] == workers[0]
+            assert (
+                f"worker 1 (pid {workers[1]}) sent no heartbeat for 15 s: killed"
+                in (tmp_path / "supervisor.log").read_text()
+            )
+        finally:
+            supervisor.stop()
