@@ -105,6 +105,8 @@ class KubeApi:
         self.hang_lists = False  # a list is taken and never answered
         self.hang_watches = False  # a watch answers 200, then nothing more (a peer gone without FIN or RST)
         self.end_watches = False  # a watch answers 200 and ends at once with nothing (a server shutting down)
+        # Seconds between the blank lines of a watch that says nothing else and never ends (a proxy's keep-alive).
+        self.trickle_watches = 0.0
         # A watch answers 200 and a BOOKMARK at the current version, then ends ("end") or says the version expired
         # ("expire": a 410 ERROR event), every time.
         self.bookmark_watches: Literal["end", "expire"] | None = None
@@ -199,6 +201,8 @@ class KubeApi:
                 return refusal
             if self.hang_watches or self.end_watches:
                 return StreamingResponse(_silent(None if self.end_watches else request), media_type="application/json")
+            if self.trickle_watches:
+                return StreamingResponse(_blank_lines(request, self.trickle_watches), media_type="application/json")
             if self.bookmark_watches is not None:
                 events = [
                     {"type": "BOOKMARK", "object": {"kind": kind, "metadata": {"resourceVersion": str(self.version)}}}
@@ -303,6 +307,15 @@ async def _silent(request: Request | None) -> AsyncIterator[bytes]:
         await _until_gone(request)
     return
     yield b""  # an async generator
+
+
+async def _blank_lines(request: Request, every_s: float) -> AsyncIterator[bytes]:
+    """A blank line every ``every_s`` until the client goes away (at most 36,000 of them)."""
+    for _ in range(36_000):
+        if await request.is_disconnected():
+            return
+        yield b"\n"
+        await asyncio.sleep(every_s)
 
 
 async def _trickle(body: bytes, every_s: float) -> AsyncIterator[bytes]:

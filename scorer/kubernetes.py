@@ -24,16 +24,16 @@ It speaks the API's list-then-watch protocol over HTTP (httpx): ``GET .../pods?l
 per line (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR). A list page's body is parsed off the event loop and may not
 exceed a bound. A watch the server ends (its ``timeoutSeconds``) is followed by the next from the last version
 seen. The source never waits without a deadline: a list page not whole within ``timeout_s`` (however its bytes
-trickle in: httpx's own timeout is per read), or a watch with no byte for ``timeout_s`` past its
-``timeoutSeconds``, is a failure; so is a list whose pages do not end (a continue token given twice, or more pages
-than `Pacing` allows). Every failure (a refusal, an error, a lost connection) starts over from a fresh list after a
-backoff (`Pacing`) that only a watch that delivered a change (a bookmark is not one) or lasted resets, and never
-shorter than a ``Retry-After`` (in seconds or an HTTP date); an expired version (410 Gone, or an ERROR event saying
-so) lists again at once, and after a backoff when it recurs before anything was delivered. A defect (an
-unexpected exception) is reported with its traceback and retried the same way. Meanwhile the last membership stays
-in force. An object without the shape the API gives it (a status that is not an object, say) gives no endpoint:
-it is skipped with its reason (logged, and in ``skipped``), and the others stand. Health says whether a watch is
-established; each change of it is logged once.
+trickle in: httpx's own timeout is per read), or a watch not ended ``timeout_s`` past its ``timeoutSeconds``
+(silent, or kept open with blank lines), is a failure; so is a list whose pages do not end (a continue token given
+twice, or more pages than `Pacing` allows). Every failure (a refusal, an error, a lost connection) starts over from
+a fresh list after a backoff (`Pacing`) that only a watch that delivered a change (a bookmark is not one) or lasted
+resets, and never shorter than a ``Retry-After`` (in seconds or an HTTP date); an expired version (410 Gone, or an
+ERROR event saying so) lists again at once, and after a backoff when it recurs before anything was delivered. A
+defect (an unexpected exception) is reported with its traceback and retried the same way. Meanwhile the last
+membership stays in force. An object without the shape the API gives it (a status that is not an object, say) gives
+no endpoint: it is skipped with its reason (logged, and in ``skipped``), and the others stand. Health says whether
+a watch is established; each change of it is logged once.
 
 In a cluster it authenticates with the Pod's service-account token (re-read at each request: it is rotated) and
 trusts the cluster's CA (the certificate of any API server not reached over plain ``http://`` is verified, however
@@ -337,20 +337,20 @@ class KubernetesSource(SourceHealth):
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(self.pacing.watch_s),
         }
-        # The server ends the watch after watch_s (and meanwhile sends events and bookmarks): a connection silent
-        # for longer is gone (a lost peer, a dropped NAT entry), whether or not the kernel knows it.
-        silent_s = self.pacing.watch_s + self.config.timeout_s
-        timeout = httpx.Timeout(self.config.timeout_s, read=silent_s)
+        # The server ends the watch after watch_s (and meanwhile sends events and bookmarks): a watch open for
+        # longer is gone (a lost peer, a dropped NAT entry, whether or not the kernel knows it) or kept open by
+        # something that is not the API server (a proxy's keep-alive lines): either way no longer a watch.
+        deadline_s = self.pacing.watch_s + self.config.timeout_s
+        timeout = httpx.Timeout(self.config.timeout_s, read=deadline_s)
         loop = asyncio.get_running_loop()
         started = loop.time()
         delivered = False
         # Each publish rebuilds the picker's pool: a burst of events (a rollout) is published as a few states, not
         # one per event (see _Publisher).
         publisher = _Publisher(lambda: self._publish(publish))
+        request = client.stream("GET", base + self._path, params=params, headers=self._headers(), timeout=timeout)
         try:
-            async with client.stream(
-                "GET", base + self._path, params=params, headers=self._headers(), timeout=timeout
-            ) as response:
+            async with asyncio.timeout(deadline_s), request as response:
                 if response.status_code == 410:
                     raise _Expired(f"watching {self._what}: the resourceVersion expired (HTTP 410)")
                 if response.status_code != 200:
@@ -364,8 +364,11 @@ class KubernetesSource(SourceHealth):
                         self._settle()
                     publisher.changed()
             await publisher.done()  # the last state in force before the next watch
-        except httpx.ReadTimeout:
-            raise KubernetesError(f"watching {self._what}: nothing from the API server for {silent_s:g} s") from None
+        except (httpx.ReadTimeout, TimeoutError):
+            raise KubernetesError(
+                f"watching {self._what}: not ended within {deadline_s:g} s (the API server was asked to end it after "
+                f"{self.pacing.watch_s} s)"
+            ) from None
         finally:
             publisher.cancel()  # a failure lists again, and publishes the whole state then
             lasted = loop.time() - started >= min(self.pacing.settled_s, self.pacing.watch_s / 2)

@@ -1,11 +1,11 @@
-"""The Kubernetes discovery source (scorer/kubernetes.py) when the API server or the network misbehaves, against
-the in-repo API server's faults (bench/kubeapi.py): a connection gone silent and a list never answered or
-trickled are failures with a deadline, and so are pages that never end; a refused, empty or expired watch backs
-off (and Retry-After is waited, in seconds or as a date), a bookmark before it notwithstanding, instead of asking
-again at once; each change of health is logged once; a malformed object is skipped, and a defect is reported and
-retried. Also: the list comes in pages, a dual-stack Service gives one endpoint per Pod, the CA file makes an SSL
-context, and an https API server (however the scheme is spelt) whose certificate it does not sign never sees the
-token."""
+"""The Kubernetes discovery source (scorer/kubernetes.py) when the API server or the network misbehaves, against the
+in-repo API server's faults (bench/kubeapi.py): a watch gone silent or kept open past its end and a list never
+answered or trickled are failures with a deadline, and so are pages that never end; a refused, empty or expired
+watch backs off (and Retry-After is waited, in seconds or as a date), a bookmark before it notwithstanding, instead
+of asking again at once; each change of health is logged once; a malformed object is skipped, and a defect is
+reported and retried. Also: the list comes in pages, a dual-stack Service gives one endpoint per Pod, the CA file
+makes an SSL context, and an https API server (however the scheme is spelt) whose certificate it does not sign
+never sees the token."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ async def test_a_watch_gone_silent_is_a_failure_and_the_source_lists_again(api, 
         await until(lambda: kube.healthy, "a watch")
         api.apply(pod("a", "10.0.0.1", SELECTOR, ready=False))  # what the silent watch does not say
         await until(lambda: not kube.healthy, "the silent watch found out", timeout=5)
-        assert kube.problem == "watching pods: nothing from the API server for 1.2 s"
+        assert kube.problem == "watching pods: not ended within 1.2 s (the API server was asked to end it after 1 s)"
         api.hang_watches = False
         await until(lambda: seen.addresses == [] and kube.healthy, "the change, from a new list", timeout=5)
         assert api.lists >= 2
@@ -61,6 +61,23 @@ async def test_a_watch_gone_silent_is_a_failure_and_the_source_lists_again(api, 
         assert query["allowWatchBookmarks"] == "true" and query["timeoutSeconds"] == "1"
         down = [line for line in health_lines(caplog) if "out of touch" in line]
         assert len(down) == 1, health_lines(caplog)
+    finally:
+        task.cancel()
+
+
+async def test_a_watch_kept_open_by_blank_lines_ends_at_its_deadline_and_the_source_lists_again(api) -> None:
+    api.apply(pod("a", "10.0.0.1", SELECTOR))
+    api.trickle_watches = 0.05  # a blank line every 50 ms, and never an end: each read is well within its timeout
+    seen = Published()
+    kube = source(api.url, timeout_s=0.2, pacing=FAST)
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: kube.healthy, "a watch")
+        api.apply(pod("a", "10.0.0.1", SELECTOR, ready=False))  # what the watch does not say
+        await until(lambda: not kube.healthy, "the watch past its deadline", timeout=5)
+        assert kube.problem == "watching pods: not ended within 1.2 s (the API server was asked to end it after 1 s)"
+        api.trickle_watches = 0
+        await until(lambda: seen.addresses == [] and kube.healthy, "the change, from a new list", timeout=5)
     finally:
         task.cancel()
 
