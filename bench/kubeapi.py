@@ -42,14 +42,26 @@ RESOURCES = {
 }
 
 
-def pod(name: str, ip: str, labels: dict[str, str], *, ready: bool = True, models: str | None = None) -> dict[str, Any]:
-    """A Pod object as the API returns it (the fields the source reads)."""
+def pod(
+    name: str,
+    ip: str,
+    labels: dict[str, str],
+    *,
+    ready: bool = True,
+    models: str | None = None,
+    also: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """A Pod object as the API returns it (the fields the source reads); ``also``: its other IPs, on a dual-stack
+    cluster (``podIPs`` lists ``ip``, the primary, then those)."""
     annotations = {"inferlb.io/models": models} if models else {}
+    status: dict[str, Any] = {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip:
+        status["podIPs"] = [{"ip": each} for each in (ip, *also)]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": "default", "labels": labels, "annotations": annotations},
-        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        "status": status,
     }
 
 

@@ -3,9 +3,11 @@ a Service's EndpointSlices, watched.
 
 Pods: the shape of the Gateway API Inference Extension's InferencePool, a ``selector`` (labels every serving Pod
 has) and ``target_ports``; each ready Pod gives one endpoint per target port at its Pod IP (never a name: Envoy's
-ORIGINAL_DST needs an IP, and a Pod IP is the server itself). A Pod is ready when its ``Ready`` condition is true
-and it is not being deleted; one that is not ready leaves the pool (and drains) until it is ready again. The
-Pod's labels become the endpoint's labels, and the annotation ``inferlb.io/models`` (comma-separated) its models.
+ORIGINAL_DST needs an IP, and a Pod IP is the server itself): on a dual-stack cluster, the one of its ``podIPs`` in
+the family that ``pool.allowed_networks`` admits (IPv4 where it admits both), as for EndpointSlices below. A Pod is
+ready when its ``Ready`` condition is true and it is not being deleted; one that is not ready leaves the pool (and
+drains) until it is ready again. The Pod's labels become the endpoint's labels, and the annotation
+``inferlb.io/models`` (comma-separated) its models.
 
 EndpointSlices: ``service`` names a Service; its slices (label ``kubernetes.io/service-name``) list the serving
 addresses with their readiness, which Kubernetes itself keeps from the Pods' probes. Each endpoint of a slice
@@ -427,7 +429,7 @@ class KubernetesSource(SourceHealth):
 
     def _pod_members(self, name: str, pod: dict[str, Any]) -> Iterator[_Member]:
         for port in self.config.target_ports or ():
-            entry = _pod_entry(pod, port, self.config.models)
+            entry = _pod_entry(pod, port, self.config.models, self._family)
             yield _Member(f"{name}:{port}", orjson.dumps(entry), entry["ready"])
 
     def _slice_members(self, endpoint_slice: dict[str, Any]) -> Iterator[_Member]:
@@ -588,11 +590,22 @@ def _ready(metadata: dict[str, Any], status: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def _pod_entry(pod: dict[str, Any], port: int, models: frozenset[str] | None) -> dict[str, Any]:
-    """The discovery entry (scorer.discovery's JSON, as a dict) for one Pod and port; ``models`` unless the Pod's
-    annotation names its own."""
+def _pod_ip(status: dict[str, Any], family: str) -> str:
+    """The Pod's IP in ``family`` (IPv4 or IPv6) among its ``podIPs`` (a dual-stack Pod has one of each), else its
+    ``podIP`` (the primary; "" before it has one)."""
+    primary = _text(status.get("podIP"), "status.podIP")
+    for i, listed in enumerate(_array(status.get("podIPs"), "status.podIPs")):
+        ip = _text(_mapping(listed, f"status.podIPs[{i}]").get("ip"), f"status.podIPs[{i}].ip")
+        if ip and (":" in ip) == (family == "IPv6"):
+            return ip
+    return primary
+
+
+def _pod_entry(pod: dict[str, Any], port: int, models: frozenset[str] | None, family: str) -> dict[str, Any]:
+    """The discovery entry (scorer.discovery's JSON, as a dict) for one Pod and port, at its IP in ``family`` where
+    it has one; ``models`` unless the Pod's annotation names its own."""
     metadata, status = _metadata(pod), _mapping(pod.get("status"), "status")
-    ip = _text(status.get("podIP"), "status.podIP")
+    ip = _pod_ip(status, family)
     address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
     entry: dict[str, Any] = {
         "address": address,

@@ -338,6 +338,31 @@ async def test_a_dual_stack_service_gives_one_endpoint_per_pod(
         task.cancel()
 
 
+@pytest.mark.parametrize(
+    ("primary", "allowed", "expected"),
+    [
+        pytest.param("10.0.0.1", ("10.0.0.0/8", "fd00::/8"), "10.0.0.1:8000", id="both-families-allowed"),
+        pytest.param("fd00::1", ("10.0.0.0/8", "fd00::/8"), "10.0.0.1:8000", id="ipv6-primary-both-allowed"),
+        pytest.param("10.0.0.1", ("fd00::/8",), "[fd00::1]:8000", id="ipv4-primary-ipv6-allowed"),
+        pytest.param("fd00::1", ("10.0.0.0/8",), "10.0.0.1:8000", id="ipv6-primary-ipv4-allowed"),
+    ],
+)
+async def test_a_dual_stack_pod_gives_its_address_in_the_allowed_family(
+    api, primary: str, allowed: tuple[str, ...], expected: str
+) -> None:
+    other = "fd00::1" if primary == "10.0.0.1" else "10.0.0.1"
+    api.apply(pod("a", primary, SELECTOR, also=(other,)))
+    api.apply(pod("b", "10.0.0.2", SELECTOR))  # single-stack: its podIP, whatever the family
+    seen = Published()
+    kube = source(api.url, allowed=allowed)
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: seen.lists, "the first membership")
+        assert seen.addresses[0] == expected
+    finally:
+        task.cancel()
+
+
 def broken_pod(name: str, status: object) -> dict[str, object]:
     """A Pod of the selector whose status is ``status`` (what no kubelet writes)."""
     return {"kind": "Pod", "metadata": {"name": name, "labels": dict(SELECTOR)}, "status": status}
