@@ -1,14 +1,15 @@
 """A small Kubernetes API server for the Kubernetes discovery source's tests and benchmarks: Pods and
 EndpointSlices, in memory.
 
-No Kubernetes API server can run on these machines, so the source is tested against this one. It speaks the part
-of the API the source uses, the way the real one does: ``GET /api/v1/namespaces/NS/pods`` (or
-``/apis/discovery.k8s.io/v1/namespaces/NS/endpointslices``) with an equality ``labelSelector`` lists (a
-``PodList`` or ``EndpointSliceList`` with its ``resourceVersion``, one version counter for both, as etcd keeps);
-``limit`` pages the list (``metadata.continue`` names the next page; a token from before a `compact` answers 410
-Gone); with ``watch=true&resourceVersion=RV`` it streams the changes after RV, one JSON event per line (ADDED,
-MODIFIED, DELETED), until ``timeoutSeconds``, then a BOOKMARK with the current version when the watch asked for
-them (``allowWatchBookmarks``); a version older than what it keeps (`compact` forgets history) answers 410 Gone.
+No Kubernetes API server can run on these machines, so the source is tested against this one. It speaks the part of
+the API the source uses, the way the real one does: ``GET /api/v1/namespaces/NS/pods`` (or
+``/apis/discovery.k8s.io/v1/namespaces/NS/endpointslices``) with an equality ``labelSelector`` lists (a ``PodList``
+or ``EndpointSliceList`` with its ``resourceVersion``, one version counter for both, as etcd keeps); ``limit``
+pages the list (``metadata.continue`` names the next page; a token from before a `compact` answers 410 Gone); with
+``watch=true&resourceVersion=RV`` it streams the changes after RV, one JSON event per line (ADDED, MODIFIED,
+DELETED; an object that starts or stops matching the selector, relabelled, is ADDED or DELETED), until
+``timeoutSeconds``, then a BOOKMARK with the current version when the watch asked for them
+(``allowWatchBookmarks``); a version older than what it keeps (`compact` forgets history) answers 410 Gone.
 ``POST``, ``PUT`` and ``DELETE`` on the same paths change objects (what a kubelet or a controller would), and a
 bearer ``token`` is checked when set. A test can make it misbehave the way API servers and networks do (the
 attributes under "faults").
@@ -108,7 +109,8 @@ class KubeApi:
         self.token = token
         self.version = 1
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, namespace, name)
-        self.events: list[tuple[int, str, dict[str, Any]]] = []  # (version, type, object), oldest first
+        # (version, type, object, the object before the change or None), oldest first
+        self.events: list[tuple[int, str, dict[str, Any], dict[str, Any] | None]] = []
         self.oldest = 1  # the first version a watch may start after
         self.watches = 0
         self.lists = 0
@@ -138,11 +140,10 @@ class KubeApi:
         self.version += 1
         stored = copy.deepcopy(obj)
         stored["metadata"]["resourceVersion"] = str(self.version)
-        if kind == "DELETED":
-            self.objects.pop(key, None)
-        else:
+        before = self.objects.pop(key, None) if kind == "DELETED" else self.objects.get(key)
+        if kind != "DELETED":
             self.objects[key] = stored
-        self.events.append((self.version, kind, stored))
+        self.events.append((self.version, kind, stored, before))
         self._changed.set()
         self._changed = asyncio.Event()
         return stored
@@ -288,12 +289,15 @@ class KubeApi:
             if since < self.oldest:
                 yield (json.dumps({"type": "ERROR", "object": _gone("too old resource version")}) + "\n").encode()
                 return
-            for version, change, obj in list(self.events):
+            for version, change, obj, before in list(self.events):
                 if version <= since:
                     continue
                 since = version
-                if obj["kind"] == kind and obj["metadata"].get("namespace") == namespace and _matches(obj, wanted):
-                    yield (json.dumps({"type": change, "object": obj}) + "\n").encode()
+                if obj["kind"] != kind or obj["metadata"].get("namespace") != namespace:
+                    continue
+                seen = _seen(change, obj, before, wanted)
+                if seen is not None:
+                    yield (json.dumps({"type": seen[0], "object": seen[1]}) + "\n").encode()
             left = deadline - loop.time()
             if left > 0:
                 with contextlib.suppress(TimeoutError):
@@ -346,6 +350,23 @@ def _gone(message: str) -> dict[str, Any]:
 def _selector(text: str) -> dict[str, str]:
     pairs = [part.split("=", 1) for part in text.split(",") if part]
     return {k.strip(): v.strip() for k, v in pairs}
+
+
+def _seen(
+    change: str, obj: dict[str, Any], before: dict[str, Any] | None, wanted: dict[str, str]
+) -> tuple[str, dict[str, Any]] | None:
+    """What a watch of the selector ``wanted`` is told of a change (None: nothing), as the API server tells it: an
+    object that starts matching (a relabel) is ADDED, one that stops matching is DELETED (its last state that
+    matched, at the change's version)."""
+    now = change != "DELETED" and _matches(obj, wanted)
+    then = before is not None and _matches(before, wanted)
+    if now:
+        return ("MODIFIED" if then else "ADDED"), obj
+    if not then or before is None:
+        return None
+    gone = copy.deepcopy(before)
+    gone["metadata"]["resourceVersion"] = obj["metadata"]["resourceVersion"]
+    return "DELETED", gone
 
 
 def _matches(obj: dict[str, Any], wanted: dict[str, str]) -> bool:

@@ -160,6 +160,23 @@ async def test_a_burst_of_changes_is_published_as_a_few_states_and_a_lone_one_at
         task.cancel()
 
 
+async def test_a_pod_relabelled_out_of_the_selector_leaves_the_pool_and_one_relabelled_in_joins(api) -> None:
+    api.apply(pod("a", "10.0.0.1", SELECTOR))
+    api.apply(pod("b", "10.0.0.2", {"app": "staging"}))
+    seen = Published()
+    kube = source(api.url)
+    task = asyncio.create_task(kube.run(seen))
+    try:
+        await until(lambda: kube.healthy and seen.addresses == ["10.0.0.1:8000"], "the pool of the selector")
+        api.apply(pod("a", "10.0.0.1", {"app": "quarantined"}))  # out of the pool by its labels: a DELETED event
+        await until(lambda: seen.addresses == [], "a pod relabelled out", timeout=2)
+        api.apply(pod("b", "10.0.0.2", SELECTOR))  # into it: an ADDED event
+        await until(lambda: seen.addresses == ["10.0.0.2:8000"], "a pod relabelled in", timeout=2)
+        assert api.lists == 1  # from the watch, not from a list again
+    finally:
+        task.cancel()
+
+
 async def test_a_compacted_history_makes_the_source_list_again(api) -> None:
     api.apply(pod("a", "10.0.0.1", SELECTOR))
     seen = Published()
