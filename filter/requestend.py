@@ -9,15 +9,20 @@ the same gRPC port): one entry per finished request, batched, carrying Envoy's r
 which the picker read from the request headers at decision time.
 
 `OpenLeases` holds the leases of routed requests until their entry comes; `AccessLogReceiver` is the gRPC
-service that takes the entries. A lease whose entry never comes (Envoy dropped it while its access-log stream
-was down) is released after ``max_age_s`` and counted, so a lost entry costs a bounded error in the counts, not
-a permanent one. Entries for requests this picker does not hold (routed before a restart, or repeated) are
+service that takes the entries. An entry can be lost: Envoy drops what it holds when its access-log stream to
+the picker breaks, and with replicas an end that reached another picker is lost while Redis is out of reach. A
+lease held when that happened, and older than ``max_age_s``, is released and counted; any other only after
+`UNBROKEN_AGE_FACTOR` times that (an entry Envoy dropped with its stream up, from an overflowing buffer), since a
+long generation (32k tokens at 35 a second is a quarter of an hour) is still running at ``max_age_s``: released
+then, it would count as nothing while its server works. So a lost entry costs a bounded error in the counts, not a
+permanent one. Entries for requests this picker does not hold (routed before a restart, or repeated) are
 counted and change nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -43,6 +48,7 @@ __all__ = [
 
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
 DEFAULT_MAX_AGE_S = 900.0
+UNBROKEN_AGE_FACTOR = 4  # a lease held since no entry could have been lost ages out after this x max_age_s
 DEFAULT_CAPACITY = 1 << 18
 
 
@@ -64,7 +70,9 @@ class OpenLeases:
 
     A request id is Envoy's ``x-request-id``; a client may repeat one, so an id may hold several leases and each
     reported end releases the oldest. At most ``capacity`` leases are held (the oldest is released to make room,
-    counted in ``evicted``); `expire` (the picker runs it every second) releases those older than ``max_age_s``.
+    counted in ``evicted``); `expire` (the picker runs it every second) releases those older than ``max_age_s``
+    that were held when an entry may have been lost (`may_have_lost`), and any older than `UNBROKEN_AGE_FACTOR` times
+    that.
     Memory is one small entry per lease held, whatever order requests end in (a request that streams for an hour
     holds back nothing behind it); `hold` and `finish` are O(1). One event loop; not thread-safe.
     """
@@ -87,6 +95,12 @@ class OpenLeases:
         # request id -> the serial of its lease, or a list of serials, oldest first, when the id repeats.
         self._by_id: dict[str, int | list[int]] = {}
         self._serial = 0
+        self.lost_at = -math.inf  # when an entry may last have been lost (`may_have_lost`), on ``clock``
+
+    def may_have_lost(self) -> None:
+        """An access-log entry may have been lost now (a stream from Envoy ended, a peer replica is out of reach):
+        the leases held until now age out after ``max_age_s``."""
+        self.lost_at = self.clock()
 
     def __len__(self) -> int:
         """Leases held and not yet released."""
@@ -137,8 +151,11 @@ class OpenLeases:
         return True
 
     def expire(self, now: float | None = None) -> int:
-        """Release every lease older than ``max_age_s``; how many were released."""
-        limit = (self.clock() if now is None else now) - self.max_age_s
+        """Release every lease older than ``max_age_s`` that was held when an entry may have been lost, and every
+        lease older than `UNBROKEN_AGE_FACTOR` x ``max_age_s``; how many were released."""
+        now = self.clock() if now is None else now
+        # Leases are in the order held: both kinds are a prefix of them.
+        limit = min(now - self.max_age_s, max(self.lost_at, now - UNBROKEN_AGE_FACTOR * self.max_age_s))
         released = 0
         while self._held and next(iter(self._held.values()))[0] <= limit:
             self._release_oldest()
@@ -227,6 +244,8 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         finally:
             if task is not None:
                 self._streams.discard(task)
+            if not self._closed and (ended := self._leases()) is not None:
+                ended.may_have_lost()  # Envoy drops what it had not sent on a stream that ends
         return als_pb2.StreamAccessLogsResponse()
 
 

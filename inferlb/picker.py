@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -156,7 +157,14 @@ class PickerProcess:
         if self.config_path is not None:
             self._tasks.append(loop.create_task(self._watch(self.config_path), name="config watch"))
         if self.service.leases is not None:
-            self._tasks.append(loop.create_task(_expire_leases(self.service.leases), name="lease expiry"))
+            self._tasks.append(
+                loop.create_task(
+                    _expire_leases(
+                        self.service.leases, lambda: self.replicas is not None and self.replicas.up is False
+                    ),
+                    name="lease expiry",
+                )
+            )
         self._tasks.append(loop.create_task(self._reap(), name="membership"))
         self._tasks.append(loop.create_task(self._push_weights(), name="weights"))
         if self.discovery is not None:
@@ -892,11 +900,14 @@ async def first_membership(source: DiscoverySource, *, report_every_s: float = 5
             await task
 
 
-async def _expire_leases(leases: OpenLeases) -> None:
+async def _expire_leases(leases: OpenLeases, peers_lost: Callable[[], bool]) -> None:
     # Off the request path: a request's lease is held and released in O(1); ageing out runs here. The book lives
-    # as long as the picker (a reload cannot change inflight.end).
+    # as long as the picker (a reload cannot change inflight.end). While ``peers_lost()`` (Redis out of reach), the
+    # ends that reach other replicas cannot be passed on: the leases held meanwhile may never see theirs.
     while True:
         await asyncio.sleep(LEASE_EXPIRY_INTERVAL_S)
+        if peers_lost():
+            leases.may_have_lost()
         leases.expire()
 
 

@@ -285,7 +285,8 @@ class InflightConfig(Section):
     ``end``: ``access-log`` (the routing stream ends at the decision, and Envoy's gRPC access log reports the end;
     a picker restart cuts no routed request) or ``stream`` (the routing stream stays open for the whole request;
     for gateways that cannot send the access log). ``max_age_s``: a request whose end has not been reported after
-    this long counts as ended (an access-log entry lost while the picker was unreachable)."""
+    this long counts as ended if its entry may have been lost (an access-log stream from Envoy ended, or with
+    replicas Redis was out of reach, while it ran); any other after four times this (filter/requestend.py)."""
 
     end: Annotated[str, one_of(*REQUEST_ENDS)] = "access-log"
     max_age_s: Annotated[float, number(ge=1, le=86400)] = 900.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import math
 import os
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb import picker as picker_module
 from inferlb.bench.redisserver import REDIS, redis_server
+from inferlb.filter.requestend import OpenLeases
 from inferlb.picker import PickerProcess, create_picker
 from inferlb.procs import free_port
 from inferlb.scorer.config import EndpointConfig, load_config, parse_config
@@ -27,7 +29,7 @@ from inferlb.sim.fleet import serving
 from inferlb.sim.profiles import get_profile
 from inferlb.sim.server import EmulatedServer, ServerOptions
 
-from .conftest import until
+from .conftest import ManualClock, until
 
 H100 = get_profile("h100-llama3.1-8b")
 TOKEN = "test-admin-token-0123456789"
@@ -897,3 +899,20 @@ async def test_sessions_on_endpoints_that_stay_keep_them_when_another_leaves() -
     picker.discovered_endpoints(found[1:])  # the first leaves
     kept = [s for s in sessions if before[s] != found[0].address]
     assert kept and all(where(s) == before[s] for s in kept)
+
+
+async def test_leases_held_while_redis_is_out_of_reach_may_have_lost_their_end(monkeypatch) -> None:
+    # Their end may reach another replica, which cannot pass it on: they age out after max_age_s, not 4x it.
+    clock = ManualClock()
+    leases = OpenLeases(max_age_s=60, clock=clock)
+    monkeypatch.setattr(picker_module, "LEASE_EXPIRY_INTERVAL_S", 0)
+    out_of_reach = [False]
+    task = asyncio.create_task(picker_module._expire_leases(leases, lambda: out_of_reach[0]))
+    try:
+        await asyncio.sleep(0.01)
+        assert leases.lost_at == -math.inf
+        clock.advance(100)
+        out_of_reach[0] = True
+        await until(lambda: leases.lost_at == clock.now, "the leases held marked")
+    finally:
+        task.cancel()

@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import HttpHeaders, Proces
 from google.protobuf import text_format
 
 from inferlb.filter.request import MAX_CLIENT_KEY_CHARS, client_key
-from inferlb.filter.requestend import OpenLeases, _request_ids_message
+from inferlb.filter.requestend import UNBROKEN_AGE_FACTOR, AccessLogReceiver, OpenLeases, _request_ids_message
 from inferlb.filter.server import ExtProcService, PickerServer
 from inferlb.scorer.inflight import InFlight
 
@@ -83,6 +83,7 @@ def test_an_unreported_lease_ages_out_and_is_counted() -> None:
     leases = OpenLeases(max_age_s=60, clock=clock)
     leases.hold("lost", inflight.acquire(0, 5))
     clock.now += 30
+    leases.may_have_lost()  # Envoy's access-log stream broke: what it held went with it
     leases.hold("kept", inflight.acquire(0, 5))
     clock.now += 31
     assert leases.expire() == 1 and inflight.requests[0] == 1 and leases.stats.expired == 1
@@ -297,3 +298,29 @@ async def test_failed_requests_in_the_access_log_are_their_experiment_arms_outco
         assert service.failure_listener() == service._failed
     finally:
         await server.stop(0)
+
+
+def test_a_long_generation_keeps_its_count_past_max_age_while_no_entry_can_have_been_lost() -> None:
+    # A 32k-token answer streams for a quarter of an hour: expired at max_age_s, its server counted as idle.
+    clock = Clock()
+    inflight = InFlight(1)
+    leases = OpenLeases(max_age_s=60, clock=clock)
+    leases.hold("long", inflight.acquire(0, 5))
+    clock.now += 61
+    assert leases.expire() == 0 and inflight.requests[0] == 1
+    clock.now += 60 * UNBROKEN_AGE_FACTOR - 61  # an entry Envoy dropped with its stream up: gone in the end too
+    assert leases.expire() == 1 and inflight.requests[0] == 0 and leases.stats.expired == 1
+
+
+async def test_an_access_log_stream_that_ends_marks_the_leases_held_as_maybe_lost() -> None:
+    clock = Clock()
+    leases = OpenLeases(max_age_s=60, clock=clock)
+    receiver = AccessLogReceiver(lambda: leases)
+
+    async def nothing() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+        return
+        yield
+
+    clock.now = 500.0
+    await receiver.StreamAccessLogs(nothing(), None)  # type: ignore[arg-type]
+    assert leases.lost_at == 500.0
