@@ -498,7 +498,8 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         """The served endpoint the observing stream of request ``request_id`` reported: its lease (held, or that of
         its open routing stream) moves if a retry served it elsewhere."""
         lease = self._lease_of(request_id)
-        self.stats.served["unknown" if lease is None else self.router.served(lease, address)] += 1
+        outcome = "unknown" if lease is None else self.router.served(lease, address, request_id=request_id)
+        self.stats.served[outcome] += 1
 
     def first_token(self, request_id: str) -> bool:
         """Request ``request_id``'s first token came: its lease, if this picker holds it (True then), takes its

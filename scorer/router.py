@@ -130,12 +130,16 @@ class Router:
                 f"for model {shown(request.model)}"
             )
 
-    def served(self, lease: Lease, address: str, request: RequestFeatures | None = None) -> str:
+    def served(
+        self, lease: Lease, address: str, request: RequestFeatures | None = None, *, request_id: str = ""
+    ) -> str:
         """The data plane reports that ``address`` served the request counted by ``lease`` (the Endpoint Picker
         protocol's served endpoint). If that is another member than the one picked (a retry went to the next
-        endpoint listed), the request counts there from now on and, given its ``request``, every engine's prefix
-        index learns where its prompt went (each arm's, with experiments). The outcome: ``as-picked``,
-        ``elsewhere`` (moved), or ``unknown`` (an address outside the pool, or a request no longer counted here)."""
+        endpoint listed), the request counts there from now on, its timing teaches the servers' speeds nothing (it
+        holds the failed attempt), and, given its ``request``, every engine's prefix index learns where its prompt
+        went (each arm's, with experiments). ``request_id``: the request's, where ``request`` is not given. The
+        outcome: ``as-picked``, ``elsewhere`` (moved), or ``unknown`` (an address outside the pool, or a request no
+        longer counted here)."""
         where = lease.current()
         index = self.pool.find(address) if where is not None and where[0] is self.engine.inflight else None
         if where is None or index is None:
@@ -143,6 +147,9 @@ class Router:
         if index == where[1]:
             return "as-picked"
         lease.move(index)
+        rid = request.request_id if request is not None else request_id
+        if self.speeds is not None and rid:
+            self.speeds.forget(rid)
         if request is not None:
             for engine in self._engines():
                 engine.observe_pick(request, index)

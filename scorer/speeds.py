@@ -134,6 +134,11 @@ class ServerSpeeds:
         while len(pending) > self.max_pending:
             pending.popitem(last=False)
 
+    def forget(self, request_id: str) -> None:
+        """Request ``request_id`` will teach nothing: it was retried on another endpoint than the one it was sent to
+        (its timing holds the failed attempt and the other server's work)."""
+        self._pending.pop(request_id, None)
+
     def observed(
         self, request_id: str, ttft_s: float | None, e2e_s: float | None, output_tokens: int | None = None
     ) -> bool:

@@ -22,6 +22,7 @@ from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Router
 from inferlb.scorer.signals import Signals
+from inferlb.scorer.speeds import ServerSpeeds
 from inferlb.sim.profiles import get_profile
 
 BATCH = RequestClass("batch", on_saturation="shed", retry_after_s=7)
@@ -186,3 +187,19 @@ def test_a_newcomer_of_a_higher_priority_does_not_queue_behind_lower_ones(clock)
     signals = r.engine.signals
     signals.publish(signals.snapshot.with_values(waiting=[14, 20, 20], scraped_at=[clock()] * 3))
     assert r.admit(RequestFeatures(model="m", request_id="u", class_hint="urgent")).verdict == "go"
+
+
+def test_a_request_retried_elsewhere_teaches_the_servers_speeds_nothing(clock) -> None:
+    # Its timing holds the failed attempt on the first server and the work of the second: it was credited whole to
+    # the first, as if that server had prefilled it.
+    r = router(clock)
+    r.speeds = ServerSpeeds(3, clock, prior_requests=0.0, min_requests=1)
+    for rid, served_elsewhere in (("moved", True), ("stayed", False)):
+        routed = r.route(r.admit(dataclasses.replace(PROMPT, request_id=rid)).request)
+        index = routed.decision.endpoint.index
+        address = r.pool.endpoints[(index + 1) % 3 if served_elsewhere else index].address
+        outcome = r.served(routed.lease, address, request_id=rid)
+        assert outcome == ("elsewhere" if served_elsewhere else "as-picked")
+        clock.advance(0.2)
+        assert r.speeds.observed(rid, 0.2, None) is (not served_elsewhere)
+        routed.lease.release()
