@@ -287,7 +287,9 @@ def _serve(args: argparse.Namespace) -> int:
         from inferlb.workers import supervise
 
         extra = ["--listen", args.listen] if args.listen else []
-        return supervise(config, args.config, args.workers, log_level=args.log_level, extra_args=extra)
+        return supervise(
+            config, args.config, args.workers, log_level=args.log_level, extra_args=extra, listen_override=args.listen
+        )
     asyncio.run(serve(config, args.config, listen_override=args.listen, worker=args.worker))
     return 0
 

@@ -127,6 +127,9 @@ class PickerProcess:
     replicas: Replicas | None = None
     # And the experiments' control state (an operator's actions, a guard's roll-back), shared and remembered there.
     shared_control: SharedControl | None = None
+    # What Envoy's bootstrap was rendered for, as far as a reload could need more of it (`_bootstrap_needs` of the
+    # config the picker started with).
+    bootstrap_needs: tuple[frozenset[str], object, bool] | None = None
 
     async def start(self) -> None:
         await self.server.start()
@@ -358,7 +361,10 @@ class PickerProcess:
             raise ConfigError(
                 "pool.discovery (and, with it, pool.allowed_networks) cannot change while the picker runs; restart it"
             )
-        (headers, jwt, scores), (had, jwt_before, scores_before) = _bootstrap_needs(config), _bootstrap_needs(old)
+        # Against what Envoy's bootstrap was made for (the config the picker started with), not the config in force:
+        # a header dropped by one reload and put back by the next is still forwarded.
+        made_for = self.bootstrap_needs if self.bootstrap_needs is not None else _bootstrap_needs(old)
+        (headers, jwt, scores), (had, jwt_before, scores_before) = _bootstrap_needs(config), made_for
         missing = sorted(headers - had)
         if missing or jwt != jwt_before or (scores and not scores_before):
             what = (
@@ -824,6 +830,7 @@ def create_picker(
         static_endpoints=listed,
     )
     picker.spans = spans
+    picker.bootstrap_needs = _bootstrap_needs(config)
     if config.replicas is not None:
         picker.replicas = Replicas(config.replicas, lambda: picker.engine)
         service.on_routed = picker.replicas.routed

@@ -208,6 +208,7 @@ class _Worker:
     ever_ready: bool = False
     pause_s: float = RESTART_PAUSE_S
     beat_at: float = 0.0  # when its last heartbeat came (monotonic)
+    serving: bool = False  # whether its current process said it serves (heartbeats come from then on)
 
 
 # What a worker takes from the config file only when it starts, and which the group's workers must agree on: a worker
@@ -238,10 +239,17 @@ def fixed_changes(started: Config, now: Config) -> list[str]:
 
 class _Group:
     def __init__(
-        self, config_path: Path, workers: int, argv_prefix: list[str], env: dict[str, str], config: Config
+        self,
+        config_path: Path,
+        workers: int,
+        argv_prefix: list[str],
+        env: dict[str, str],
+        config: Config,
+        listen_override: str | None = None,
     ) -> None:
         self.config_path = config_path
         self.config = config  # as the group started: a restarted worker must run with the same fixed settings
+        self.listen_override = listen_override  # `--listen`, which a worker applies over the file's
         self.workers = [_Worker(i) for i in range(workers)]
         self.argv_prefix = argv_prefix
         self.env = env
@@ -272,6 +280,7 @@ class _Group:
                 ready.set_result(said[:1] == b"r")
 
         loop.add_reader(read_fd, on_readable)
+        worker.serving = False
         env = {**self.env, READY_FD_ENV: str(write_fd), SUPERVISOR_FD_ENV: str(self.alive_read)}
         argv = [*self.argv_prefix, "--config", str(self.config_path), "--worker", str(worker.index)]
         try:
@@ -283,7 +292,7 @@ class _Group:
     def unfit(self) -> str | None:
         """Why the config file cannot start a worker of this group now (None: it can)."""
         try:
-            now = load_config(self.config_path)
+            now = self.current()
         except ConfigError as exc:
             return f"the config file is refused ({exc})"
         changed = fixed_changes(self.config, now)
@@ -294,13 +303,26 @@ class _Group:
             )
         return None
 
+    def current(self) -> Config:
+        """The config file as a worker would run it now (with `--listen` over it); ConfigError."""
+        now = load_config(self.config_path)
+        return now if self.listen_override is None else replace(now, listen=self.listen_override)
+
+    def drain_s(self) -> float:
+        """How long the workers drain at a stop: the file's ``drain_s`` now (a reload may have changed it), or the
+        group's start-up one if the file cannot be read."""
+        try:
+            return max(self.current().drain_s, self.config.drain_s)
+        except ConfigError:
+            return self.config.drain_s
+
     def kill_hung(self) -> None:
         """Kill each serving worker whose heartbeat has not come for `HUNG_S` (its exit starts it again)."""
         now = time.monotonic()
         for worker in self.workers:
             process = worker.process
-            if process is None or process.returncode is not None or not worker.ever_ready:
-                continue
+            if process is None or process.returncode is not None or not worker.serving:
+                continue  # one still starting (waiting for discovery, say) has sent no heartbeat yet
             if now - max(worker.beat_at, worker.started_at) > HUNG_S:
                 logger.error(
                     "worker %d (pid %d) sent no heartbeat for %.0f s: killed", worker.index, process.pid, HUNG_S
@@ -335,7 +357,8 @@ async def _run_group(group: _Group) -> int:
         tick: asyncio.Future[None] = asyncio.ensure_future(asyncio.sleep(HEARTBEAT_S))
         while exits or restarts:
             if group.stopping and deadline is None:
-                deadline = asyncio.ensure_future(asyncio.sleep(group.config.drain_s + STOP_MARGIN_S))
+                stop_after_s = group.drain_s() + STOP_MARGIN_S
+                deadline = asyncio.ensure_future(asyncio.sleep(stop_after_s))
             waiting: list[asyncio.Future[Any]] = [*exits, *readies, *restarts, signalled, tick]
             if deadline is not None and not deadline.done():
                 waiting.append(deadline)
@@ -350,7 +373,7 @@ async def _run_group(group: _Group) -> int:
                     logger.error(
                         "workers %s still running %.0f s after the stop: killed",
                         ", ".join(map(str, running)),
-                        group.config.drain_s + STOP_MARGIN_S,
+                        stop_after_s,
                     )
                     group.signal_all(signal.SIGKILL)
             if signalled in done:
@@ -366,7 +389,7 @@ async def _run_group(group: _Group) -> int:
             for future in [f for f in done if f in readies]:
                 worker = readies.pop(future)
                 if future.result():
-                    worker.ever_ready = True
+                    worker.ever_ready = worker.serving = True
                     logger.info("worker %d (pid %d) serving", worker.index, _pid(worker))
             for future in [f for f in done if f in restarts]:
                 worker = restarts.pop(future)
@@ -460,6 +483,7 @@ def supervise(
     *,
     log_level: str = "info",
     extra_args: Sequence[str] = (),
+    listen_override: str | None = None,
 ) -> int:
     """Run ``workers`` workers of the picker configured by ``config_path`` (already loaded as ``config``, with
     ``extra_args`` of ``inferlb serve`` such as ``--listen``) until SIGTERM or SIGINT; the exit status (0, or the
@@ -469,4 +493,4 @@ def supervise(
     argv = [sys.executable, "-m", "inferlb", "--log-level", log_level, "serve", *extra_args]
     addresses = ", ".join(worker_addresses(config, workers))
     logger.info("inferlb picker: %d workers on %s", workers, addresses)
-    return asyncio.run(_run_group(_Group(config_path, workers, argv, env, config)))
+    return asyncio.run(_run_group(_Group(config_path, workers, argv, env, config, listen_override)))

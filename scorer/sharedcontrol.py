@@ -209,8 +209,10 @@ class SharedControl:
                     raw = await pipe.hget(self.key, name)
                     shared = decode_state(raw) if isinstance(raw, bytes) else None
                     changes = kinds - {REPUBLISH}
-                    if shared is None:
-                        merged = mine
+                    if shared is not None and shared.fingerprint != mine.fingerprint and not changes:
+                        return  # put back meanwhile by a replica that runs another configuration: left to it
+                    if shared is None or shared.fingerprint != mine.fingerprint:
+                        merged = mine  # none, or another configuration's: a change made here replaces it
                     elif changes:
                         merged = shared.merged(mine, changes)
                     else:

@@ -5,10 +5,12 @@ that cannot start stopping the group, and workers that stop when their superviso
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import signal
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -19,9 +21,16 @@ from inferlb.bench.redisserver import REDIS, RedisServer, redis_server
 from inferlb.cli import main
 from inferlb.picker import _signal_again
 from inferlb.procs import ManagedProcess, find_tool, free_ports
-from inferlb.scorer.config import parse_config
+from inferlb.scorer.config import load_config, parse_config
 from inferlb.scorer.errors import ConfigError
-from inferlb.workers import check_workers, worker_addresses, worker_config, worker_environment
+from inferlb.workers import (
+    HUNG_S,
+    _Group,
+    check_workers,
+    worker_addresses,
+    worker_config,
+    worker_environment,
+)
 
 from .conftest import envoy_accepts, poll
 
@@ -317,3 +326,65 @@ def test_a_worker_that_hangs_is_killed_and_started_again(tmp_path: Path) -> None
             )
         finally:
             supervisor.stop()
+
+
+class _Process:
+    """Stands in for a worker's process: running until killed."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+        self.pid = 4242
+        self.killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def _group(tmp_path: Path, listen_override: str | None = None, **document: object) -> _Group:
+    path = tmp_path / "picker.yaml"
+    path.write_text(yaml.safe_dump(_document(listen="127.0.0.1:19010", admin="127.0.0.1:19020", **document)))
+    config = load_config(path)
+    if listen_override is not None:
+        config = dataclasses.replace(config, listen=listen_override)
+    return _Group(path, 2, [], {}, config, listen_override)
+
+
+def test_a_restart_compares_the_file_as_the_workers_run_it_with_listen_over_it(tmp_path: Path) -> None:
+    # With --listen, the file's own listen always differed from the group's: no worker was ever started again.
+    group = _group(tmp_path, listen_override="127.0.0.1:19110")
+    try:
+        assert group.unfit() is None
+        group.listen_override = None
+        assert "changes listen" in (group.unfit() or "")
+    finally:
+        os.close(group.alive_read)
+        os.close(group.alive_write)
+
+
+def test_only_a_worker_that_said_it_serves_can_be_killed_as_hung(tmp_path: Path) -> None:
+    # A restarted worker waiting for discovery has sent no heartbeat yet: it was killed as hung, again and again.
+    group = _group(tmp_path)
+    try:
+        starting, serving = group.workers
+        for worker in group.workers:
+            worker.process = _Process()  # type: ignore[assignment]
+            worker.ever_ready = True
+            worker.started_at = worker.beat_at = time.monotonic() - 2 * HUNG_S
+        serving.serving = True
+        group.kill_hung()
+        assert not starting.process.killed and serving.process.killed  # type: ignore[union-attr]
+    finally:
+        os.close(group.alive_read)
+        os.close(group.alive_write)
+
+
+def test_a_stop_waits_for_the_drain_the_file_says_now(tmp_path: Path) -> None:
+    # drain_s reloaded from 0 to 30: the workers drain 30 s, and were killed 5 s into it.
+    group = _group(tmp_path, drain_s=0)
+    try:
+        assert group.drain_s() == 0
+        group.config_path.write_text(group.config_path.read_text().replace("drain_s: 0", "drain_s: 30"))
+        assert group.drain_s() == 30
+    finally:
+        os.close(group.alive_read)
+        os.close(group.alive_write)

@@ -31,7 +31,7 @@ from inferlb.scorer.features import RequestFeatures
 from inferlb.scorer.pool import Pool
 from inferlb.scorer.presets import build_profile
 from inferlb.scorer.router import Router
-from inferlb.scorer.sharedcontrol import SharedControl
+from inferlb.scorer.sharedcontrol import REPUBLISH, SharedControl, decode_state, encode_state
 
 from ..conftest import until
 
@@ -357,3 +357,24 @@ async def test_an_operators_action_made_while_a_change_is_on_its_way_to_redis_is
     assert a.release.state == "stopped"  # not taken back to the paused state the first write carried
     b = await replicas("b")
     assert b.release.state == "stopped"
+
+
+async def test_a_state_put_back_is_not_merged_into_another_configurations_entry(
+    config: ReplicasConfig, server: RedisServer
+) -> None:
+    # A's read found the field gone (Redis restarted empty); before A wrote, a replica running another configuration
+    # of the experiment put its own back: A merged its roll-back into that entry, and the other configuration's
+    # replicas rolled their experiment back.
+    a, b = Replica(config, "a", _canary(0.5)), Replica(config, "b", _canary(0.3))
+    assert a.release.fingerprint != b.release.fingerprint
+    client = aioredis.Redis.from_url(server.url, password=server.password)
+    try:
+        await client.hset(a.control.key, "release", encode_state(b.release.control_state(by="replica b")))
+        a.release.roll_back("canary", "a's guard", "")
+        await a.control._write(client, "release", a.release, {REPUBLISH}, "")
+        stored = decode_state(await client.hget(a.control.key, "release"))
+        assert stored is not None and stored.fingerprint == b.release.fingerprint and stored.rolled is None
+        await b.control._read(client)
+        assert b.release.state == "running"
+    finally:
+        await client.aclose()
