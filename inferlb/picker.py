@@ -130,6 +130,7 @@ class PickerProcess:
     # What Envoy's bootstrap was rendered for, as far as a reload could need more of it (`_bootstrap_needs` of the
     # config the picker started with).
     bootstrap_needs: tuple[frozenset[str], object, bool] | None = None
+    _peers_gone_seen: int = 0  # the replicas' count of peers gone silent, when the lease expiry last looked
 
     async def start(self) -> None:
         await self.server.start()
@@ -160,14 +161,8 @@ class PickerProcess:
         if self.config_path is not None:
             self._tasks.append(loop.create_task(self._watch(self.config_path), name="config watch"))
         if self.service.leases is not None:
-            self._tasks.append(
-                loop.create_task(
-                    _expire_leases(
-                        self.service.leases, lambda: self.replicas is not None and self.replicas.up is False
-                    ),
-                    name="lease expiry",
-                )
-            )
+            expiry = _expire_leases(self.service.leases, self._ends_may_be_lost)
+            self._tasks.append(loop.create_task(expiry, name="lease expiry"))
         self._tasks.append(loop.create_task(self._reap(), name="membership"))
         self._tasks.append(loop.create_task(self._push_weights(), name="weights"))
         if self.discovery is not None:
@@ -214,6 +209,16 @@ class PickerProcess:
                 await self.replicas.close()
             if self.service.leases is not None:
                 self.service.leases.release_all()
+
+    def _ends_may_be_lost(self) -> bool:
+        """Whether ends of requests routed here that reached other replicas may have been lost since the last look:
+        Redis is out of reach, or a peer went silent (it died, and Envoy's access-log stream to it with it)."""
+        replicas = self.replicas
+        if replicas is None:
+            return False
+        went = replicas.peers_gone != self._peers_gone_seen
+        self._peers_gone_seen = replicas.peers_gone
+        return replicas.up is False or went
 
     def not_ready(self) -> list[str]:
         """Why the picker should not get traffic yet (empty: ready)."""
@@ -909,8 +914,8 @@ async def first_membership(source: DiscoverySource, *, report_every_s: float = 5
 
 async def _expire_leases(leases: OpenLeases, peers_lost: Callable[[], bool]) -> None:
     # Off the request path: a request's lease is held and released in O(1); ageing out runs here. The book lives
-    # as long as the picker (a reload cannot change inflight.end). While ``peers_lost()`` (Redis out of reach), the
-    # ends that reach other replicas cannot be passed on: the leases held meanwhile may never see theirs.
+    # as long as the picker (a reload cannot change inflight.end). When ``peers_lost()`` (Redis out of reach, a peer
+    # gone), ends that reached other replicas may not have been passed on: the leases held then may never see theirs.
     while True:
         await asyncio.sleep(LEASE_EXPIRY_INTERVAL_S)
         if peers_lost():

@@ -143,6 +143,9 @@ class Replicas:
         self._clock = clock
         self.stats = ReplicaStats()
         self.up: bool | None = None  # None: not tried yet
+        # Peers that went silent so far: the ends of requests routed here that reached one of them may be lost
+        # (Envoy's access-log stream to it, and what it had not passed on yet).
+        self.peers_gone = 0
         self.caught_up = False
         self.problem: str | None = None
         self._peers: dict[str, _Peer] = {}
@@ -564,6 +567,7 @@ class Replicas:
         gone = [replica for replica, peer in self._peers.items() if peer.seen < limit]
         for replica in gone:
             del self._peers[replica]
+        self.peers_gone += len(gone)
         if gone:
             logger.info(
                 "replicas: %d peer(s) not heard from for %.1f s no longer count", len(gone), self.config.peer_ttl_s

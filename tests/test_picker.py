@@ -923,3 +923,25 @@ async def test_leases_held_while_redis_is_out_of_reach_may_have_lost_their_end(m
         await until(lambda: leases.lost_at == clock.now, "the leases held marked")
     finally:
         task.cancel()
+
+
+async def test_a_peer_gone_silent_may_have_taken_ends_of_requests_routed_here(tmp_path: Path) -> None:
+    # Envoy's access-log stream to a peer that died held ends of this picker's requests: its leases held then age out
+    # after max_age_s, not four times it.
+    secret = tmp_path / "redis-password"
+    secret.write_text("not-used")
+    doc = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin": None,
+        "pool": {"endpoints": [{"address": "10.0.0.1:8000"}]},
+        "replicas": {"url": "redis://127.0.0.1:1", "password": {"token_file": str(secret)}, "key": "inferlb:t"},
+    }
+    picker = create_picker(load_config(_write(tmp_path, doc)))
+    replicas = picker.replicas
+    assert replicas is not None
+    replicas.up = True
+    assert not picker._ends_may_be_lost()
+    replicas.peers_gone += 1
+    assert picker._ends_may_be_lost() and not picker._ends_may_be_lost()  # once per peer gone
+    replicas.up = False
+    assert picker._ends_may_be_lost()

@@ -314,6 +314,7 @@ async def test_without_redis_each_replica_routes_alone_says_so_and_resynchronise
     assert rb.ready() and "out of reach" in (rb.problem or "")
     # A's request stops weighing once A has not been heard from for peer_ttl_s; B's own routing goes on.
     await until(lambda: b.inflight.requests.tolist() == [0, 0, 0], "a's count expired at b", timeout=10)
+    assert rb.peers_gone == 1  # the picker's lease expiry learns from it that ends may have been lost
     b.inflight.acquire(2, 1)
     server.start()  # empty: Redis kept nothing
     await until(lambda: rb.up and ra.up, "both back", timeout=15)
