@@ -104,6 +104,9 @@ class InFlight:
         self._prefill_at = np.zeros(size)
         # The requests in that backlog at the time in _prefill_at: they drain with its tokens.
         self._prefill_n = np.zeros(size)
+        # The rate (tokens/s) the last request counted there was estimated with: what a lease that moves (a retry
+        # served elsewhere) drains the backlog with, where no reader gives one.
+        self._prefill_rate = np.zeros(size)
         # Uncached prompt tokens of the streamed requests counted here whose first token has not been reported, and
         # how many requests those are.
         self._unprefilled = np.zeros(size)
@@ -129,6 +132,16 @@ class InFlight:
         # to: a pool hands the same array on every request.
         self._whole_for: np.ndarray | None = None
         self._not_whole_for: np.ndarray | None = None
+
+    def _backlog_add(self, index: int, tokens: float, now: float) -> None:
+        """Add ``tokens`` (one request's; negative: take them out) to endpoint ``index``'s estimated prefill backlog,
+        drained to ``now`` at the rate its last request was counted with."""
+        held = self._prefill.item(index)
+        left = max(held - self._prefill_rate.item(index) * DRAIN_SHARE * (now - self._prefill_at.item(index)), 0.0)
+        waiting = self._prefill_n.item(index) * left / held if held > 0 else 0.0
+        self._prefill[index] = max(left + tokens, 0.0)
+        self._prefill_n[index] = max(waiting + (1.0 if tokens > 0 else -1.0), 0.0)
+        self._prefill_at[index] = now
 
     def moved(self, mapping: np.ndarray) -> InFlight:
         """The counters of the next pool after a membership change: endpoint j of the new pool has what endpoint
@@ -168,6 +181,7 @@ class InFlight:
         now = self.clock()
         work: float = tokens
         unprefilled = 0.0
+        estimated = None
         if prefill is not None:
             uncached, tokens_per_s = prefill
             work = uncached
@@ -183,10 +197,12 @@ class InFlight:
                 self._prefill_n[index] = waiting + (uncached > 0)
                 self._prefill[index] = left + uncached
                 self._prefill_at[index] = now
+                self._prefill_rate[index] = tokens_per_s
+                estimated = (uncached, tokens_per_s, now)
         kept = 0.5 ** ((now - self._recent_at.item(index)) / RECENT_HALF_LIFE_S)
         self._recent[index] = self._recent.item(index) * kept + work
         self._recent_at[index] = now
-        return Lease(self, index, tokens, unprefilled)
+        return Lease(self, index, tokens, unprefilled, estimated, (work, now))
 
     def overloaded(self, candidates: np.ndarray, guard: float) -> np.ndarray | None:
         """`overloaded` of the candidates' requests in flight, kept until a count changes (``decisions`` and
@@ -372,6 +388,7 @@ _OWN_FIELDS = (
     "_prefill",
     "_prefill_at",
     "_prefill_n",
+    "_prefill_rate",
     "_unprefilled",
     "_unprefilled_n",
     "_recent",
@@ -422,13 +439,25 @@ class Lease:
     """One counted request. ``release()`` is idempotent, so every exit path may call it; so is ``first_token()``.
     ``unprefilled``: its uncached prompt tokens while its first token has not been reported (then 0)."""
 
-    __slots__ = ("_inflight", "index", "released", "tokens", "unprefilled")
+    __slots__ = ("_inflight", "estimated", "index", "released", "tokens", "unprefilled", "work")
 
-    def __init__(self, inflight: InFlight, index: int, tokens: int, unprefilled: float = 0.0) -> None:
+    def __init__(
+        self,
+        inflight: InFlight,
+        index: int,
+        tokens: int,
+        unprefilled: float = 0.0,
+        estimated: tuple[float, float, float] | None = None,
+        work: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
         self._inflight = inflight
         self.index = index
         self.tokens = tokens
         self.unprefilled = unprefilled
+        # Its part of the estimated backlog: (uncached tokens, the rate they drain at, when counted), and the prefill
+        # work it added to the recent work (tokens, when): what moves with it if a retry is served elsewhere.
+        self.estimated = estimated
+        self.work = work
         self.released = False
 
     def current(self) -> tuple[InFlight, int] | None:
@@ -463,6 +492,22 @@ class Lease:
             inflight._unprefilled_n[old] -= 1
             inflight._unprefilled[index] += self.unprefilled
             inflight._unprefilled_n[index] += 1
+        now = inflight.clock()
+        if self.estimated is not None:  # what is left of its estimated prefill waits on the endpoint that serves it
+            uncached, rate, counted_at = self.estimated
+            share = max(uncached - rate * DRAIN_SHARE * (now - counted_at), 0.0)
+            if share > 0:
+                inflight._backlog_add(old, -share, now)
+                inflight._backlog_add(index, share, now)
+            self.estimated = (share, rate, now)
+        tokens, at = self.work
+        if tokens:  # and so does its part of the recent prefill work
+            part = tokens * 0.5 ** ((now - at) / RECENT_HALF_LIFE_S)
+            for endpoint, sign in ((old, -1.0), (index, 1.0)):
+                kept = 0.5 ** ((now - inflight._recent_at.item(endpoint)) / RECENT_HALF_LIFE_S)
+                inflight._recent[endpoint] = max(inflight._recent.item(endpoint) * kept + sign * part, 0.0)
+                inflight._recent_at[endpoint] = now
+            self.work = (part, now)
         self._inflight, self.index = inflight, index
         return True
 

@@ -212,6 +212,29 @@ def test_a_lease_moved_to_the_endpoint_that_served_releases_there() -> None:
     assert inflight.requests.tolist() == [0, 0, 0]
 
 
+def test_a_moved_lease_takes_what_is_left_of_its_prefill_and_its_recent_work_along() -> None:
+    # A retry the first endpoint refused was served by another: the refusing one kept a backlog of work it never
+    # got, and the one doing it showed none.
+    now = [100.0]
+    inflight = InFlight(3, clock=lambda: now[0])
+    rates = np.full(3, 100.0)
+    other = inflight.acquire(0, 10, prefill=(400.0, 100.0))  # another request's work stays on endpoint 0
+    lease = inflight.acquire(0, 10, prefill=(1000.0, 100.0))
+    inflight.acquire(2, 10, prefill=(200.0, 100.0))
+    now[0] += 1.0  # 90 tokens of endpoint 0's backlog drained: 1,310 left, of which this request's 1,000 - 90
+    recent = inflight.recent_prefill(np.arange(3))
+    assert lease.move(2)
+    backlog = inflight.pending_prefill(np.arange(3), rates)
+    assert backlog.tolist() == pytest.approx([1310 - 910, 0, 200 - 90 + 910])
+    # The requests waiting in each backlog drain with its tokens (2 in 1,400 -> 1,310 at 0, 1 in 200 -> 110 at 2); one
+    # moves from the first to the last.
+    waiting = [2 * 1310 / 1400 - 1, 0, 110 / 200 + 1]
+    assert inflight.waiting_prefill(np.arange(3), rates).tolist() == pytest.approx(waiting)
+    moved = 1000 * 0.5 ** (1.0 / RECENT_HALF_LIFE_S)
+    assert inflight.recent_prefill(np.arange(3)) == pytest.approx([recent[0] - moved, 0, recent[2] + moved])
+    other.release()
+
+
 def test_a_lease_moves_within_the_counters_that_replaced_its_own() -> None:
     old = InFlight(3)
     lease = old.acquire(1, 10)
