@@ -62,12 +62,14 @@ async def time_response(
     clock: Callable[[], float] = time.monotonic,
     outcome: RequestOutcome | None = None,
     served: Callable[[str, str], None] | None = None,
+    body_seen: Callable[[bytes, str], None] | None = None,
 ) -> None:
     """Read one observing stream, starting with its ``first`` message, until there is a measurement to give
     ``observe(address, ttft_s, e2e_s)`` (``address`` one of ``endpoints``) or nothing to measure; then return,
     which ends the stream. ``outcome``, if given, is told of the request (by its ``x-request-id``): its
     measurement, or that it failed (a 5xx). ``served``, if given, is told of the served endpoint the data plane
-    reports on the response headers: (request id, address)."""
+    reports on the response headers: (request id, address). ``body_seen``, if given, is given the first body chunk
+    of a 200 response and the address that served it (`filter.storedresponses`)."""
     started = clock()
     if first.WhichOneof("request") != "request_headers":
         stats.unknown_endpoint += 1
@@ -112,6 +114,8 @@ async def time_response(
             else:
                 stats.e2e += 1
             observe(endpoint, ttft, e2e)
+            if body_seen is not None:
+                body_seen(message.response_body.body, endpoint)
             if outcome is not None and request_id:
                 outcome(request_id, ttft, e2e, False)
             return

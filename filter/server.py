@@ -64,6 +64,7 @@ from inferlb.filter.replies import (
     with_scores,
 )
 from inferlb.filter.request import (
+    RESPONSES_PATH,
     apply_body,
     client_key,
     features_from_headers,
@@ -73,6 +74,7 @@ from inferlb.filter.request import (
 )
 from inferlb.filter.requestend import ACCESS_LOG_SERVICE, AccessLogReceiver, OpenLeases
 from inferlb.filter.requestend import add_to_server as add_access_log_service
+from inferlb.filter.storedresponses import StoredResponses, previous_response_id
 from inferlb.filter.tls import CertificateFiles, server_credentials
 from inferlb.filter.xds import ControlPlane
 from inferlb.otel.receiver import TraceJoin
@@ -162,6 +164,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
         self.route_spans = route_spans
         # With a response timer (otel.latency_source: stream), observing streams are timed into it.
         self.response_timer: Callable[[str, float | None, float | None], None] | None = None
+        # Where the stored Responses API responses it observed live (with the response timer): a request that
+        # continues one is routed there (`filter.storedresponses`).
+        self.stored_responses: StoredResponses | None = None
         self.observe_stats = ObserveStats()
         self._endpoints = {e.address: e.index for e in engine.pool}
         self.replies = RouteReplies(engine.pool)
@@ -276,6 +281,7 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                             self.observe_stats,
                             outcome=self._timed,
                             served=self._served_by_id,
+                            body_seen=None if self.stored_responses is None else self.stored_responses.learn,
                         )
                     return
                 kind = message.WhichOneof("request")
@@ -361,6 +367,9 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
                         features = await self._keyed(features)
                     body_reply = True
                 decided = True
+                stored = self.stored_responses
+                if stored is not None and raw_body is not None and features.subset is None:
+                    features = self._continuing(stored, features, raw_body)
                 quotas = self.quotas
                 charged = None
                 if quotas is not None:
@@ -427,6 +436,24 @@ class ExtProcService(external_processor_pb2_grpc.ExternalProcessorServicer):
             aclose = getattr(messages, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    def _continuing(self, stored: StoredResponses, features: RequestFeatures, body: bytes) -> RequestFeatures:
+        """``features`` pinned to the server that stored the response the request continues, where it is a Responses
+        API request naming one this picker observed, on a serving member; else as they are."""
+        if features.path.partition("?")[0] != RESPONSES_PATH:
+            return features
+        previous = previous_response_id(body)
+        if previous is None:
+            return features
+        home = stored.home(previous)
+        if home is None:
+            return features
+        index = self.router.pool.find(home)
+        if index is None or self.router.pool.endpoints[index].draining:
+            stored.stats.gone += 1
+            return features
+        stored.stats.pinned += 1
+        return features.hinted(frozenset({home}))
 
     def _over_quota(
         self, quotas: Quotas, features: RequestFeatures

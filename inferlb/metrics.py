@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from inferlb.filter.server import UNKEYED_REASONS
+from inferlb.filter.storedresponses import StoredStats
 from inferlb.scorer.histogram import Histogram
 from inferlb.scorer.quotas import QuotaStats
 from inferlb.scorer.replicas import ReplicaStats
@@ -140,6 +141,7 @@ class Readings:
     gpu_failures: dict[str, int] | None = None  # per GPU source URL, the collector's rounds in which it failed
     replicas: tuple[bool, int, ReplicaStats] | None = None  # Redis in touch, peers counted, the exchange's counts
     shared_control: ControlStats | None = None  # the experiments' control state shared through Redis: its counts
+    stored_responses: StoredStats | None = None  # where stored Responses API responses live: its counts
     quotas: tuple[bool | None, QuotaStats] | None = None  # in step through Redis (None: alone), the counts
     # With kv_events: per endpoint whether its exact view is used, the blocks it reports; the collector's counts.
     kv: tuple[list[bool], list[int], int, int, dict[str, int], dict[str, int]] | None = None
@@ -177,6 +179,9 @@ class Readings:
             if picker.replicas is None
             else (bool(picker.replicas.up), picker.replicas.peers(), copy.copy(picker.replicas.stats)),
             shared_control=None if picker.shared_control is None else copy.copy(picker.shared_control.stats),
+            stored_responses=None
+            if picker.service.stored_responses is None
+            else copy.copy(picker.service.stored_responses.stats),
             quotas=_quotas(picker),
             kv=_kv(picker),
             unkeyed=_unkeyed(picker),
@@ -385,6 +390,15 @@ def families(readings: Readings) -> Iterator[Metric]:
             [(("published",), stats.published), (("applied",), stats.applied), (("rejected",), stats.rejected)],
         )
         yield _counter("inferlb_replicas_outages_total", "Times Redis went out of reach.", (), [((), stats.outages)])
+    if r.stored_responses is not None:
+        kept = r.stored_responses
+        yield _counter(
+            "inferlb_stored_responses_total",
+            "Responses API responses seen made (learned), and requests continuing one: routed to the server that "
+            "stored it (pinned), naming one not seen here (unknown), or whose server left (gone).",
+            ("kind",),
+            [((kind,), getattr(kept, kind)) for kind in ("learned", "pinned", "unknown", "gone")],
+        )
     if r.shared_control is not None:
         control = r.shared_control
         yield _counter(

@@ -27,6 +27,7 @@ from inferlb.admin import create_admin_app
 from inferlb.filter.request import OBJECTIVE_HEADERS
 from inferlb.filter.requestend import OpenLeases
 from inferlb.filter.server import GRPC_ENVELOPE_BYTES, ExtProcService, PickerServer, WaitingHealth
+from inferlb.filter.storedresponses import StoredResponses
 from inferlb.filter.tls import CertificateFiles
 from inferlb.filter.xds import ControlPlane, Member
 from inferlb.otel.loop import SpanLoop, receiver_settings
@@ -801,6 +802,9 @@ def create_picker(
         service.trace_join = _trace_join(config, spans)
         if config.otel.latency_source == "stream":
             service.response_timer = spans.observe_response
+            # The mirrored responses also say where each stored Responses API response lives: a request that
+            # continues one is routed there (filter/storedresponses.py).
+            service.stored_responses = StoredResponses()
             # Each response's first token is seen, so the prefill backlog is counted exactly (with replicas, the
             # replica whose observing stream saw it passes it on to the one that holds the lease).
             engine.inflight.first_tokens = True

@@ -43,7 +43,7 @@ WITH_RECEIVER = {
     "inferlb_span_requests_refused": "counter",
     "inferlb_span_receiver_restarts": "counter",
 }
-WITH_STREAM = {"inferlb_responses_timed": "counter"}
+WITH_STREAM = {"inferlb_responses_timed": "counter", "inferlb_stored_responses": "counter"}
 WITH_LEASES = {
     "inferlb_request_ends": "counter",
     "inferlb_access_log_unmatched": "counter",

@@ -670,6 +670,8 @@ async def test_the_prefill_backlog_is_exact_where_the_picker_times_the_responses
         doc["replicas"] = {"url": "redis://127.0.0.1:1", "password": {"token_file": str(secret)}, "key": "inferlb:t"}
     picker = create_picker(load_config(_write(tmp_path, doc)))
     assert picker.engine.inflight.first_tokens is exact
+    # The mirrored responses also tell where stored Responses API responses live (filter/storedresponses.py).
+    assert (picker.service.stored_responses is not None) is exact
     if replicas:
         relayed = picker.replicas is not None and picker.replicas.first_token is not None
         assert relayed is exact and (picker.service.on_first_token_elsewhere is not None) is exact
