@@ -78,6 +78,8 @@ logger = logging.getLogger(__name__)
 # left is a request waiting for its body or for capacity (at most a class's max_wait_s).
 SHUTDOWN_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.25  # a stat of the config file this often
+SETTLE_S = 0.05  # a changed file is read once it has stayed the same this long (up to SETTLE_TRIES times)
+SETTLE_TRIES = 10
 LEASE_EXPIRY_INTERVAL_S = 1.0
 # A second SIGTERM/SIGINT cuts the drain short only this long after the first: one stop often arrives twice at once
 # (systemd's default KillMode and Ctrl-C signal the whole process group, and the supervisor of `--workers` passes
@@ -560,17 +562,22 @@ class PickerProcess:
             return None if stamps[0] is None else stamps
 
         seen = stamp()
-        changing = None  # a change seen once: applied when the files have stayed so for another interval
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             now = stamp()
             if now is None or now == seen:
-                changing = None
                 continue
-            if now != changing:  # still being written, perhaps (a slow copy, `cat > file`): look again first
-                changing = now
+            # Still being written, perhaps (a copy, `cat > file`): applied once the files stay the same for SETTLE_S
+            # (a few tries at most; a writer that pauses longer should rename a whole file into place).
+            for _ in range(SETTLE_TRIES):
+                await asyncio.sleep(SETTLE_S)
+                again = stamp()
+                if again == now:
+                    break
+                now = again
+            if now is None:
                 continue
-            seen, changing = now, None
+            seen = now
             try:
                 self.reload_file()
             except ConfigError as exc:

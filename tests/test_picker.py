@@ -226,6 +226,7 @@ async def test_the_watch_applies_a_file_once_it_has_stopped_changing(tmp_path: P
     reloads: list[str] = []
     monkeypatch.setattr(picker_module, "file_stamp", stamp)
     monkeypatch.setattr(picker_module, "WATCH_INTERVAL_S", 0)
+    monkeypatch.setattr(picker_module, "SETTLE_S", 0)
     monkeypatch.setattr(PickerProcess, "reload_file", lambda _: reloads.append(reads[-1]))
     watch = asyncio.create_task(picker._watch(path))
     try:
