@@ -5,12 +5,14 @@ that cannot start stopping the group, and workers that stop when their superviso
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import re
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -120,6 +122,32 @@ def _write_config(tmp_path: Path, redis: RedisServer, listen_port: int, admin_po
     return path
 
 
+@dataclasses.dataclass
+class _Running:
+    """A supervisor running two workers: their config file, Redis, the workers' admin URLs and the supervisor's
+    log."""
+
+    supervisor: ManagedProcess
+    config: Path
+    redis: RedisServer
+    admins: list[str]
+    log: Path
+
+
+@contextlib.contextmanager
+def _two_workers(tmp_path: Path, drain_s: float = 0) -> Iterator[_Running]:
+    with redis_server(tmp_path / "redis") as redis:
+        listen, admin = free_ports(2), free_ports(2)
+        config = _write_config(tmp_path, redis, listen, admin, drain_s=drain_s)
+        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
+        log = tmp_path / "supervisor.log"
+        supervisor = ManagedProcess("supervisor", argv, log).start()
+        try:
+            yield _Running(supervisor, config, redis, [f"http://127.0.0.1:{admin + i}" for i in range(2)], log)
+        finally:
+            supervisor.stop()
+
+
 def _workers(supervisor: int) -> dict[int, int]:
     """The supervisor's live workers: index -> pid (from /proc)."""
     out = {}
@@ -155,27 +183,20 @@ def _alive(pid: int) -> bool:
 
 @needs_redis
 def test_workers_see_each_other_a_killed_one_comes_back_and_all_stop_with_the_supervisor(tmp_path: Path) -> None:
-    with redis_server(tmp_path / "redis") as redis:
-        listen, admin = free_ports(2), free_ports(2)
-        config = _write_config(tmp_path, redis, listen, admin)
-        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
-        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
-        try:
-            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
-            # Each worker is a replica of the other: one peer each, through Redis.
-            poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "each sees one peer", 30.0)
-            workers = poll(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers", 30.0)
-            os.kill(workers[1], signal.SIGKILL)
-            back = poll(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart", 30.0)
-            poll(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "the restarted one sees its peer", 30.0)
-            assert back[0] == workers[0]  # the other went on serving
-            log = (tmp_path / "supervisor.log").read_text()
-            assert "worker 1 exited (status -9)" in log and "starting it again in 1 s" in log
-            # The supervisor killed outright (no chance to stop them): the workers see it and stop.
-            os.kill(supervisor.pid, signal.SIGKILL)
-            poll(lambda: not any(_alive(pid) for pid in back.values()), "workers gone", 30.0)
-        finally:
-            supervisor.stop()
+    with _two_workers(tmp_path) as group:
+        supervisor, admins = group.supervisor, group.admins
+        # Each worker is a replica of the other: one peer each, through Redis.
+        poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "each sees one peer", 30.0)
+        workers = poll(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers", 30.0)
+        os.kill(workers[1], signal.SIGKILL)
+        back = poll(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart", 30.0)
+        poll(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "the restarted one sees its peer", 30.0)
+        assert back[0] == workers[0]  # the other went on serving
+        log = group.log.read_text()
+        assert "worker 1 exited (status -9)" in log and "starting it again in 1 s" in log
+        # The supervisor killed outright (no chance to stop them): the workers see it and stop.
+        os.kill(supervisor.pid, signal.SIGKILL)
+        poll(lambda: not any(_alive(pid) for pid in back.values()), "workers gone", 30.0)
 
 
 @needs_redis
@@ -210,21 +231,14 @@ def _readyz(url: str) -> int | None:
 def test_a_sigterm_to_the_whole_process_group_drains_the_workers(tmp_path: Path) -> None:
     # Ctrl-C, and systemd's default KillMode, signal every process of the group: each worker gets the signal
     # itself and again from the supervisor, at once. The copy must not cut the drain short.
-    with redis_server(tmp_path / "redis") as redis:
-        listen, admin = free_ports(2), free_ports(2)
-        config = _write_config(tmp_path, redis, listen, admin, drain_s=30)
-        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
-        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
-        try:
-            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
-            poll(lambda: all(_readyz(u) == 200 for u in admins), "both workers ready", 30.0)
-            assert supervisor.proc is not None
-            os.killpg(supervisor.proc.pid, signal.SIGTERM)
-            # Draining: not ready, still answering (before, both had stopped within half a second).
-            poll(lambda: all(_readyz(u) == 503 for u in admins), "both workers draining", 30.0)
-            assert supervisor.proc.poll() is None
-        finally:
-            supervisor.stop()
+    with _two_workers(tmp_path, drain_s=30) as group:
+        supervisor, admins = group.supervisor, group.admins
+        poll(lambda: all(_readyz(u) == 200 for u in admins), "both workers ready", 30.0)
+        assert supervisor.proc is not None
+        os.killpg(supervisor.proc.pid, signal.SIGTERM)
+        # Draining: not ready, still answering (before, both had stopped within half a second).
+        poll(lambda: all(_readyz(u) == 503 for u in admins), "both workers draining", 30.0)
+        assert supervisor.proc.poll() is None
 
 
 async def test_a_second_signal_cuts_the_drain_short_unless_it_is_the_first_ones_copy() -> None:
@@ -253,79 +267,54 @@ def test_the_workers_share_a_secret_hash_seed_unless_one_is_set(seed: str | None
 @needs_redis
 def test_a_worker_is_not_started_again_from_a_file_that_moved_what_the_group_runs_with(tmp_path: Path) -> None:
     # It came back on the edited file's ports, which Envoy's bootstrap does not list (the others refused the edit).
-    with redis_server(tmp_path / "redis") as redis:
-        listen, admin = free_ports(2), free_ports(2)
-        config = _write_config(tmp_path, redis, listen, admin)
-        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
-        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
-        try:
-            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
-            poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "both serving", 30.0)
-            workers = poll(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers", 30.0)
-            original = config.read_text()
-            moved_listen, moved_admin = free_ports(2), free_ports(2)
-            _write_config(tmp_path, redis, moved_listen, moved_admin)
-            os.kill(workers[1], signal.SIGKILL)
-            log = tmp_path / "supervisor.log"
-            poll(
-                lambda: "worker 1 not started again: the config file changes listen, admin" in log.read_text(),
-                "the refusal",
-                30.0,
-            )
-            assert (
-                1 not in _workers(supervisor.pid)
-                and _gauge(f"http://127.0.0.1:{moved_admin + 1}", "inferlb_replicas_peers") is None
-            )
-            config.write_text(original)  # put back: the worker comes back where the group runs
-            poll(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "worker 1 back on its own ports", 60.0)
-        finally:
-            supervisor.stop()
+    with _two_workers(tmp_path) as group:
+        supervisor, admins = group.supervisor, group.admins
+        poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "both serving", 30.0)
+        workers = poll(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers", 30.0)
+        original = group.config.read_text()
+        moved_listen, moved_admin = free_ports(2), free_ports(2)
+        _write_config(tmp_path, group.redis, moved_listen, moved_admin)
+        os.kill(workers[1], signal.SIGKILL)
+        poll(
+            lambda: "worker 1 not started again: the config file changes listen, admin" in group.log.read_text(),
+            "the refusal",
+            30.0,
+        )
+        assert (
+            1 not in _workers(supervisor.pid)
+            and _gauge(f"http://127.0.0.1:{moved_admin + 1}", "inferlb_replicas_peers") is None
+        )
+        group.config.write_text(original)  # put back: the worker comes back where the group runs
+        poll(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "worker 1 back on its own ports", 60.0)
 
 
 @needs_redis
 def test_a_hung_worker_is_killed_once_its_drain_and_grace_are_long_past(tmp_path: Path) -> None:
     # A worker stopped (or whose loop blocks) never exited: the supervisor waited for good, its ports held.
-    with redis_server(tmp_path / "redis") as redis:
-        listen, admin = free_ports(2), free_ports(2)
-        config = _write_config(tmp_path, redis, listen, admin, drain_s=0)
-        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
-        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
-        try:
-            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
-            poll(lambda: all(_readyz(u) == 200 for u in admins), "both workers ready", 30.0)
-            workers = _workers(supervisor.pid)
-            os.kill(workers[1], signal.SIGSTOP)
-            assert supervisor.proc is not None
-            supervisor.proc.send_signal(signal.SIGTERM)
-            poll(lambda: supervisor.proc is not None and supervisor.proc.poll() is not None, "the group ended", 60.0)
-            assert not _alive(workers[1])
-            assert "workers 1 still running 5 s after the stop: killed" in (tmp_path / "supervisor.log").read_text()
-        finally:
-            supervisor.stop()
+    with _two_workers(tmp_path, drain_s=0) as group:
+        supervisor = group.supervisor
+        poll(lambda: all(_readyz(u) == 200 for u in group.admins), "both workers ready", 30.0)
+        workers = _workers(supervisor.pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        assert supervisor.proc is not None
+        supervisor.proc.send_signal(signal.SIGTERM)
+        poll(lambda: supervisor.proc is not None and supervisor.proc.poll() is not None, "the group ended", 60.0)
+        assert not _alive(workers[1])
+        assert "workers 1 still running 5 s after the stop: killed" in group.log.read_text()
 
 
 @needs_redis
 def test_a_worker_that_hangs_is_killed_and_started_again(tmp_path: Path) -> None:
     # A worker stopped (or whose loop blocks) stayed so for good: the group served on one worker fewer.
-    with redis_server(tmp_path / "redis") as redis:
-        listen, admin = free_ports(2), free_ports(2)
-        config = _write_config(tmp_path, redis, listen, admin)
-        argv = [find_tool("inferlb"), "serve", "--config", str(config), "--workers", "2"]
-        supervisor = ManagedProcess("supervisor", argv, tmp_path / "supervisor.log").start()
-        try:
-            admins = [f"http://127.0.0.1:{admin}", f"http://127.0.0.1:{admin + 1}"]
-            poll(lambda: all(_readyz(u) == 200 for u in admins), "both workers ready", 30.0)
-            workers = _workers(supervisor.pid)
-            os.kill(workers[1], signal.SIGSTOP)
-            back = poll(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart", 60.0)
-            poll(lambda: _readyz(admins[1]) == 200, "the new worker 1 serving", 30.0)
-            assert back[0] == workers[0]
-            assert (
-                f"worker 1 (pid {workers[1]}) sent no heartbeat for 15 s: killed"
-                in (tmp_path / "supervisor.log").read_text()
-            )
-        finally:
-            supervisor.stop()
+    with _two_workers(tmp_path) as group:
+        supervisor, admins = group.supervisor, group.admins
+        poll(lambda: all(_readyz(u) == 200 for u in admins), "both workers ready", 30.0)
+        workers = _workers(supervisor.pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        back = poll(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart", 60.0)
+        poll(lambda: _readyz(admins[1]) == 200, "the new worker 1 serving", 30.0)
+        assert back[0] == workers[0]
+        assert f"worker 1 (pid {workers[1]}) sent no heartbeat for 15 s: killed" in group.log.read_text()
 
 
 class _Process:
