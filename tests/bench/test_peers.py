@@ -69,7 +69,11 @@ async def _peer_before_two_servers(
     reason = available(peer)
     if reason is not None:
         pytest.fail(reason)  # not a skip: a benchmark without its peers must say so
-    servers = [EmulatedServer(f"127.0.0.1:{free_port()}", OPTIONS) for _ in range(2)]
+    # power_of_two weighs the requests it has in flight per server (vLLM has no /get_load): at 50x real time a
+    # request could end before the next arrived, every choice a tie, and all ten went to one server now and then.
+    # At 5x they overlap.
+    options = dataclasses.replace(OPTIONS, time_scale=5.0) if peer.policy == "power_of_two" else OPTIONS
+    servers = [EmulatedServer(f"127.0.0.1:{free_port()}", options) for _ in range(2)]
     async with serving(servers):
         listen = f"127.0.0.1:{free_port()}"
         # start_peer polls with blocking sleeps; the servers it waits for answer from this event loop.
