@@ -133,6 +133,12 @@ class _Running:
     admins: list[str]
     log: Path
 
+    def serving(self) -> dict[int, int]:
+        """Once both workers serve as replicas of each other (one peer each, through Redis): index -> pid."""
+        poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in self.admins), "each sees one peer", 30.0)
+        found: dict[int, int] = poll(lambda: len(w := _workers(self.supervisor.pid)) == 2 and w, "two workers", 30.0)
+        return found
+
 
 @contextlib.contextmanager
 def _two_workers(tmp_path: Path, drain_s: float = 0) -> Iterator[_Running]:
@@ -185,9 +191,7 @@ def _alive(pid: int) -> bool:
 def test_workers_see_each_other_a_killed_one_comes_back_and_all_stop_with_the_supervisor(tmp_path: Path) -> None:
     with _two_workers(tmp_path) as group:
         supervisor, admins = group.supervisor, group.admins
-        # Each worker is a replica of the other: one peer each, through Redis.
-        poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "each sees one peer", 30.0)
-        workers = poll(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers", 30.0)
+        workers = group.serving()  # each worker a replica of the other
         os.kill(workers[1], signal.SIGKILL)
         back = poll(lambda: (w := _workers(supervisor.pid)).get(1, workers[1]) != workers[1] and w, "restart", 30.0)
         poll(lambda: _gauge(admins[1], "inferlb_replicas_peers") == 1, "the restarted one sees its peer", 30.0)
@@ -269,8 +273,7 @@ def test_a_worker_is_not_started_again_from_a_file_that_moved_what_the_group_run
     # It came back on the edited file's ports, which Envoy's bootstrap does not list (the others refused the edit).
     with _two_workers(tmp_path) as group:
         supervisor, admins = group.supervisor, group.admins
-        poll(lambda: all(_gauge(u, "inferlb_replicas_peers") == 1 for u in admins), "both serving", 30.0)
-        workers = poll(lambda: len(w := _workers(supervisor.pid)) == 2 and w, "two workers", 30.0)
+        workers = group.serving()
         original = group.config.read_text()
         moved_listen, moved_admin = free_ports(2), free_ports(2)
         _write_config(tmp_path, group.redis, moved_listen, moved_admin)

@@ -86,3 +86,15 @@ async def test_a_request_continuing_a_stored_response_goes_to_the_server_that_st
     assert (stored.stats.pinned, stored.stats.unknown) == (1, 1)
     for lease in leases:
         lease.release()
+
+
+async def test_a_continuing_request_is_not_pinned_to_a_server_that_left(server: PickerServer) -> None:
+    # The client names the response; only the operator's pool decides where traffic may go: a server that is no
+    # longer a serving member is never the destination, whatever a request names.
+    service = server.service
+    stored = service.stored_responses
+    assert stored is not None
+    stored.learn(WHOLE, "10.9.9.9:8000")  # an address outside the pool (a server that left)
+    continuing = {"model": MODEL, "input": "and then?", "previous_response_id": "resp_6a1f"}
+    assert await _route(server, continuing) in ENDPOINTS
+    assert (stored.stats.pinned, stored.stats.gone) == (0, 1)
